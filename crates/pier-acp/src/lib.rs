@@ -1,0 +1,19 @@
+//! The ACP v1 protocol core: the only crate in pier that touches JSON-RPC.
+//!
+//! - [`frame`]: newline-delimited framing with a size bound.
+//! - [`message`]: JSON-RPC 2.0 envelopes, parsed and encoded.
+//! - [`connection`]: a bidirectional connection: request correlation, concurrent
+//!   dispatch, `$/cancel_request`, and the close recipe.
+//! - [`error`]: the errors this crate returns and JSON-RPC error builders.
+//!
+//! Wire payloads are the types of `agent-client-protocol-schema` (v1), re-exported
+//! as [`schema`]; this crate never copies them.
+
+pub mod connection;
+pub mod error;
+pub mod frame;
+pub mod message;
+
+pub use agent_client_protocol_schema::v1 as schema;
+pub use connection::{CloseReason, Connection, ConnectionConfig, Handler, RequestCx};
+pub use error::RequestError;

@@ -1,0 +1,342 @@
+//! A scripted OpenAI-compatible Chat Completions endpoint on loopback.
+//!
+//! It speaks the real wire format: `POST …/chat/completions` answered with
+//! `text/event-stream` chunks (`data: {…}`, SSE comments, `data: [DONE]`), or with
+//! an HTTP error and an OpenAI-style error body. Tests script each reply and can
+//! inject the failures real servers produce: split tool-call arguments, a stream
+//! cut midway, a 429 before success, a server that never answers. It records every
+//! request so tests can assert what the client sent, and counts the clients that
+//! went away, so a test can see that a cancelled stream was really dropped.
+//!
+//! It is also the scripted model behind `pier demo`.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// One step of a streamed reply.
+#[derive(Debug, Clone)]
+pub enum Step {
+    /// A `delta.content` chunk.
+    Text(String),
+    /// A DeepSeek-style `delta.reasoning_content` chunk.
+    Reasoning(String),
+    /// A `delta.refusal` chunk.
+    Refusal(String),
+    /// The opening chunk of a tool call: index, id and function name.
+    ToolCallStart { index: u32, id: String, name: String },
+    /// A fragment of a tool call's arguments.
+    ToolCallArgs { index: u32, fragment: String },
+    /// A chunk with `finish_reason` set.
+    Finish(String),
+    /// A usage chunk (empty `choices`), as sent with `stream_options.include_usage`.
+    Usage { prompt: u64, completion: u64 },
+    /// An SSE comment line, as keep-alives are sent.
+    Comment(String),
+    /// Any raw `data:` payload.
+    Data(Value),
+    /// `data: [DONE]`.
+    Done,
+    /// Stop sending and keep the connection open until the client goes away.
+    Hang,
+    /// Close the connection abruptly, without `[DONE]`.
+    Cut,
+    /// Wait before the next step (only for demos; tests synchronise on [`FakeModel`] counters).
+    Pause(Duration),
+}
+
+/// A scripted reply to one request.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// `200 text/event-stream` with these steps.
+    Stream(Vec<Step>),
+    /// An HTTP error with an OpenAI-style error body carrying `message`.
+    Status { code: u16, message: String, retry_after_secs: Option<u64> },
+    /// Accept the request and never answer.
+    Hang,
+}
+
+impl Reply {
+    /// A complete text answer: the text in chunks of about `chunk` chars, `stop`, usage, `[DONE]`.
+    pub fn text(text: &str) -> Reply {
+        let mut steps: Vec<Step> = split(text, 8).into_iter().map(Step::Text).collect();
+        steps.push(Step::Finish("stop".into()));
+        steps.push(Step::Usage { prompt: 10, completion: text.len() as u64 / 4 + 1 });
+        steps.push(Step::Done);
+        Reply::Stream(steps)
+    }
+
+    /// One tool call with its arguments split into two fragments, finishing `tool_calls`.
+    pub fn tool_call(id: &str, name: &str, arguments: &str) -> Reply {
+        let mid = arguments.char_indices().nth(arguments.chars().count() / 2).map_or(0, |(i, _)| i);
+        Reply::Stream(vec![
+            Step::ToolCallStart { index: 0, id: id.into(), name: name.into() },
+            Step::ToolCallArgs { index: 0, fragment: arguments[..mid].into() },
+            Step::ToolCallArgs { index: 0, fragment: arguments[mid..].into() },
+            Step::Finish("tool_calls".into()),
+            Step::Done,
+        ])
+    }
+
+    pub fn status(code: u16, message: &str) -> Reply {
+        Reply::Status { code, message: message.into(), retry_after_secs: None }
+    }
+}
+
+fn split(text: &str, chunk: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    chars.chunks(chunk.max(1)).map(|c| c.iter().collect()).collect()
+}
+
+/// A request as the server received it.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub path: String,
+    pub authorization: Option<String>,
+    pub body: Value,
+}
+
+type Fallback = Arc<dyn Fn(&Value) -> Reply + Send + Sync>;
+
+struct State {
+    script: VecDeque<Reply>,
+    fallback: Option<Fallback>,
+    requests: Vec<Recorded>,
+}
+
+/// A running fake endpoint. It stops when dropped.
+pub struct FakeModel {
+    addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+    requests_seen: watch::Receiver<usize>,
+    disconnects: watch::Receiver<usize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl FakeModel {
+    /// Binds 127.0.0.1 on a free port and starts serving.
+    pub async fn start() -> std::io::Result<FakeModel> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(Mutex::new(State { script: VecDeque::new(), fallback: None, requests: Vec::new() }));
+        let (seen_tx, requests_seen) = watch::channel(0usize);
+        let (gone_tx, disconnects) = watch::channel(0usize);
+        let (seen_tx, gone_tx) = (Arc::new(seen_tx), Arc::new(gone_tx));
+        let task_state = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let state = task_state.clone();
+                let (seen_tx, gone_tx) = (seen_tx.clone(), gone_tx.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = serve(socket, state, &seen_tx, &gone_tx).await {
+                        tracing::debug!(error = %e, "fake model connection ended");
+                    }
+                });
+            }
+        });
+        Ok(FakeModel { addr, state, requests_seen, disconnects, task })
+    }
+
+    /// The base URL to configure a client with, e.g. `http://127.0.0.1:PORT/v1`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Queues the reply to the next unanswered request.
+    pub fn push(&self, reply: Reply) {
+        lock(&self.state).script.push_back(reply);
+    }
+
+    /// Answers requests with `f` once the script is exhausted.
+    pub fn set_fallback(&self, f: impl Fn(&Value) -> Reply + Send + Sync + 'static) {
+        lock(&self.state).fallback = Some(Arc::new(f));
+    }
+
+    /// Every request received so far, in order.
+    pub fn requests(&self) -> Vec<Recorded> {
+        lock(&self.state).requests.clone()
+    }
+
+    /// Waits until at least `n` requests have been received.
+    pub async fn wait_for_requests(&self, n: usize) {
+        let mut rx = self.requests_seen.clone();
+        let _ = rx.wait_for(|&seen| seen >= n).await;
+    }
+
+    /// Waits until at least `n` clients went away while a reply was hanging.
+    pub async fn wait_for_disconnects(&self, n: usize) {
+        let mut rx = self.disconnects.clone();
+        let _ = rx.wait_for(|&gone| gone >= n).await;
+    }
+
+    /// How many clients went away while a reply was hanging.
+    pub fn disconnects(&self) -> usize {
+        *self.disconnects.borrow()
+    }
+}
+
+impl Drop for FakeModel {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(
+    mut socket: TcpStream,
+    state: Arc<Mutex<State>>,
+    seen: &watch::Sender<usize>,
+    gone: &watch::Sender<usize>,
+) -> std::io::Result<()> {
+    let Some((path, authorization, body)) = read_request(&mut socket).await? else {
+        return Ok(());
+    };
+    let reply = {
+        let mut st = lock(&state);
+        st.requests.push(Recorded { path: path.clone(), authorization, body: body.clone() });
+        match st.script.pop_front() {
+            Some(reply) => reply,
+            None => match &st.fallback {
+                Some(f) => f(&body),
+                None => Reply::status(400, "fake model: no scripted reply left for this request"),
+            },
+        }
+    };
+    seen.send_modify(|n| *n += 1);
+    if !path.ends_with("/chat/completions") {
+        return write_status(&mut socket, 404, &format!("fake model: no route for {path}"), None).await;
+    }
+    match reply {
+        Reply::Status { code, message, retry_after_secs } => {
+            write_status(&mut socket, code, &message, retry_after_secs).await
+        }
+        Reply::Hang => hang(socket, gone).await,
+        Reply::Stream(steps) => {
+            socket
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n")
+                .await?;
+            for step in steps {
+                let out = match step {
+                    Step::Hang => return hang(socket, gone).await,
+                    Step::Cut => return Ok(()),
+                    Step::Pause(d) => {
+                        tokio::time::sleep(d).await;
+                        continue;
+                    }
+                    Step::Comment(c) => format!(": {c}\n\n"),
+                    Step::Done => "data: [DONE]\n\n".to_owned(),
+                    other => format!("data: {}\n\n", chunk(&other)),
+                };
+                socket.write_all(out.as_bytes()).await?;
+                socket.flush().await?;
+            }
+            socket.shutdown().await
+        }
+    }
+}
+
+fn chunk(step: &Step) -> Value {
+    let choice = |delta: Value, finish: Value| {
+        json!({
+            "id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+        })
+    };
+    match step {
+        Step::Text(t) => choice(json!({ "role": "assistant", "content": t }), Value::Null),
+        Step::Reasoning(t) => choice(json!({ "reasoning_content": t }), Value::Null),
+        Step::Refusal(t) => choice(json!({ "refusal": t }), Value::Null),
+        Step::ToolCallStart { index, id, name } => choice(
+            json!({ "tool_calls": [{ "index": index, "id": id, "type": "function", "function": { "name": name, "arguments": "" } }] }),
+            Value::Null,
+        ),
+        Step::ToolCallArgs { index, fragment } => {
+            choice(json!({ "tool_calls": [{ "index": index, "function": { "arguments": fragment } }] }), Value::Null)
+        }
+        Step::Finish(reason) => choice(json!({}), json!(reason)),
+        Step::Usage { prompt, completion } => json!({
+            "id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
+            "choices": [],
+            "usage": { "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion },
+        }),
+        Step::Data(v) => v.clone(),
+        Step::Comment(_) | Step::Done | Step::Hang | Step::Cut | Step::Pause(_) => Value::Null,
+    }
+}
+
+async fn hang(mut socket: TcpStream, gone: &watch::Sender<usize>) -> std::io::Result<()> {
+    let mut buf = [0u8; 1024];
+    loop {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => {
+                gone.send_modify(|n| *n += 1);
+                return Ok(());
+            }
+            Ok(_) => {}
+        }
+    }
+}
+
+async fn write_status(socket: &mut TcpStream, code: u16, message: &str, retry_after: Option<u64>) -> std::io::Result<()> {
+    let body = json!({ "error": { "message": message, "type": "fake_error", "code": code } }).to_string();
+    let retry = retry_after.map(|s| format!("retry-after: {s}\r\n")).unwrap_or_default();
+    let head = format!(
+        "HTTP/1.1 {code} Fake\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{retry}connection: close\r\n\r\n",
+        body.len()
+    );
+    socket.write_all(head.as_bytes()).await?;
+    socket.write_all(body.as_bytes()).await?;
+    socket.shutdown().await
+}
+
+/// Reads one HTTP/1.1 request; returns its path, `authorization` header and JSON body.
+async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String, Option<String>, Value)>> {
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 8192];
+    let head_end = loop {
+        if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break pos;
+        }
+        if buf.len() > 1 << 20 {
+            return Ok(None);
+        }
+        let n = socket.read(&mut tmp).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(&tmp[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let path = lines.next().and_then(|l| l.split_whitespace().nth(1)).unwrap_or("/").to_owned();
+    let mut content_length = 0usize;
+    let mut authorization = None;
+    for line in lines {
+        if let Some((k, v)) = line.split_once(':') {
+            match k.trim().to_ascii_lowercase().as_str() {
+                "content-length" => content_length = v.trim().parse().unwrap_or(0),
+                "authorization" => authorization = Some(v.trim().to_owned()),
+                _ => {}
+            }
+        }
+    }
+    let mut body = buf[head_end + 4..].to_vec();
+    while body.len() < content_length {
+        let n = socket.read(&mut tmp).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        body.extend_from_slice(&tmp[..n]);
+    }
+    let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    Ok(Some((path, authorization, body)))
+}
