@@ -1,1 +1,61 @@
-fn main(){}
+//! `pier`: one binary, thin subcommands over the library crates.
+
+mod agent_cmd;
+mod config;
+mod demo;
+mod logging;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "pier", version, about = "An ACP v1 agent, client and task host")]
+struct Cli {
+    /// Write logs to this file instead of stderr (level from RUST_LOG, default `warn`)
+    #[arg(long, global = true)]
+    log_file: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve ACP v1 on stdin/stdout as an agent
+    Agent(agent_cmd::AgentArgs),
+    /// Run `pier agent` against a scripted local model and show the ACP exchange
+    Demo,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = logging::init(cli.log_file.as_deref()) {
+        eprintln!("pier: {e:#}");
+        std::process::exit(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pier: could not start the async runtime: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Agent(args) => agent_cmd::run(args).await,
+            Command::Demo => demo::run().await,
+        }
+    });
+    // A blocked stdin read must not hold the process open once we are done.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)) {
+                std::process::exit(0);
+            }
+            eprintln!("pier: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! The durable session log: one JSON-lines file per session, owned by an actor.
+//!
+//! [`SessionLog`] is a cheap handle over a channel; the actor task owns the file.
+//! Appends are queued without waiting; [`SessionLog::flush`] waits until every
+//! earlier append is written and synced, and reports the first write error since
+//! the last flush, so a failed write is never dropped silently: the turn that
+//! flushes it fails. The log is the source later profiles replay from; read it
+//! with `jq`.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use serde_json::Value;
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::EngineError;
+
+/// One record of the log. Every line is `{"at_ms":…,"turn":…,"type":…,…}`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum LogRecord {
+    SessionStarted { session_id: String, cwd: PathBuf },
+    Prompt { text: String },
+    ModelRequest { n: u32, provider: String },
+    ModelResponse { n: u32, finish: String, usage: Option<pier_model::Usage> },
+    Reasoning { text: String },
+    Message { text: String },
+    Refusal { text: String },
+    ToolCall { id: String, name: String, arguments: String, status: String, output: Value },
+    TurnEnded { stop_reason: String },
+    TurnFailed { error: String },
+    SessionClosed,
+}
+
+#[derive(Serialize)]
+struct Line<'a> {
+    at_ms: u128,
+    turn: u64,
+    #[serde(flatten)]
+    record: &'a LogRecord,
+}
+
+enum LogCmd {
+    Append(Vec<u8>),
+    Flush(oneshot::Sender<Result<(), String>>),
+}
+
+/// A handle to a session's log actor. Cloning shares the same file.
+#[derive(Clone)]
+pub struct SessionLog {
+    tx: mpsc::UnboundedSender<LogCmd>,
+    path: PathBuf,
+}
+
+enum Sink {
+    File(BufWriter<tokio::fs::File>),
+    Other(BufWriter<Box<dyn AsyncWrite + Unpin + Send>>),
+}
+
+impl SessionLog {
+    /// Creates (or appends to) the log at `path`, creating its directory.
+    pub async fn create(path: &Path) -> Result<SessionLog, EngineError> {
+        if let Some(dir) = path.parent() {
+            tokio::fs::create_dir_all(dir).await.map_err(|e| EngineError::Log(format!("{}: {e}", dir.display())))?;
+        }
+        let file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .await
+            .map_err(|e| EngineError::Log(format!("{}: {e}", path.display())))?;
+        Ok(Self::spawn(Sink::File(BufWriter::new(file)), path.to_owned()))
+    }
+
+    /// A log over any writer; for tests that need a failing disk.
+    pub fn from_writer(writer: Box<dyn AsyncWrite + Unpin + Send>, path: PathBuf) -> SessionLog {
+        Self::spawn(Sink::Other(BufWriter::new(writer)), path)
+    }
+
+    fn spawn(sink: Sink, path: PathBuf) -> SessionLog {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(sink, rx));
+        SessionLog { tx, path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Queues a record; errors surface at the next [`SessionLog::flush`].
+    pub fn append(&self, turn: u64, record: &LogRecord) {
+        let at_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        match serde_json::to_vec(&Line { at_ms, turn, record }) {
+            Ok(mut bytes) => {
+                bytes.push(b'\n');
+                let _ = self.tx.send(LogCmd::Append(bytes));
+            }
+            Err(e) => tracing::error!(error = %e, "could not encode a session log record"),
+        }
+    }
+
+    /// Waits until everything appended so far is on disk.
+    pub async fn flush(&self) -> Result<(), EngineError> {
+        let (ack, done) = oneshot::channel();
+        self.tx.send(LogCmd::Flush(ack)).map_err(|_| EngineError::Log("the session log has stopped".into()))?;
+        match done.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(EngineError::Log(format!("{}: {e}", self.path.display()))),
+            Err(_) => Err(EngineError::Log("the session log has stopped".into())),
+        }
+    }
+}
+
+async fn run(mut sink: Sink, mut rx: mpsc::UnboundedReceiver<LogCmd>) {
+    let mut failed: Option<String> = None;
+    while let Some(cmd) = rx.recv().await {
+        match cmd {
+            LogCmd::Append(bytes) => {
+                if failed.is_none() {
+                    let result = match &mut sink {
+                        Sink::File(w) => w.write_all(&bytes).await,
+                        Sink::Other(w) => w.write_all(&bytes).await,
+                    };
+                    if let Err(e) = result {
+                        tracing::error!(error = %e, "writing the session log failed");
+                        failed = Some(e.to_string());
+                    }
+                }
+            }
+            LogCmd::Flush(ack) => {
+                let result = match failed.take() {
+                    Some(e) => Err(e),
+                    None => flush(&mut sink).await.map_err(|e| e.to_string()),
+                };
+                let _ = ack.send(result);
+            }
+        }
+    }
+    // Every handle is gone: write out what is left.
+    if let Err(e) = flush(&mut sink).await {
+        tracing::error!(error = %e, "flushing the session log at close failed");
+    }
+}
+
+async fn flush(sink: &mut Sink) -> std::io::Result<()> {
+    match sink {
+        Sink::File(w) => {
+            w.flush().await?;
+            w.get_ref().sync_data().await
+        }
+        Sink::Other(w) => w.flush().await,
+    }
+}

@@ -1,0 +1,266 @@
+//! Configuration: `./pier.toml` over `~/.config/pier/config.toml`, environment over
+//! files, flags over environment. Produces the model and engine settings.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use pier_model::{ModelConfig, Secret};
+use serde::Deserialize;
+
+/// One configuration file.
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// The provider to use, by name.
+    pub provider: Option<String>,
+    pub max_turn_requests: Option<u32>,
+    pub system_prompt: Option<String>,
+    #[serde(default)]
+    pub providers: BTreeMap<String, ProviderTable>,
+}
+
+/// A named provider: `[providers.NAME]`.
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderTable {
+    pub base_url: Option<String>,
+    pub model: Option<String>,
+    /// The environment variable holding the key; keys never live in the file.
+    pub api_key_env: Option<String>,
+    pub connect_timeout_ms: Option<u64>,
+    pub idle_timeout_ms: Option<u64>,
+    pub max_retries: Option<u32>,
+    pub retry_base_delay_ms: Option<u64>,
+    pub max_tokens: Option<u32>,
+    pub stream_usage: Option<bool>,
+}
+
+impl FileConfig {
+    /// Reads a file; a missing file is an empty configuration.
+    pub fn read(path: &Path) -> anyhow::Result<FileConfig> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => toml::from_str(&text).with_context(|| format!("{} is not a valid pier configuration", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(FileConfig::default()),
+            Err(e) => Err(e).with_context(|| format!("could not read {}", path.display())),
+        }
+    }
+
+    /// `self` overridden by `over`, field by field; provider tables merge by name.
+    pub fn merged(mut self, over: FileConfig) -> FileConfig {
+        self.provider = over.provider.or(self.provider);
+        self.max_turn_requests = over.max_turn_requests.or(self.max_turn_requests);
+        self.system_prompt = over.system_prompt.or(self.system_prompt);
+        for (name, table) in over.providers {
+            let base = self.providers.remove(&name).unwrap_or_default();
+            self.providers.insert(
+                name,
+                ProviderTable {
+                    base_url: table.base_url.or(base.base_url),
+                    model: table.model.or(base.model),
+                    api_key_env: table.api_key_env.or(base.api_key_env),
+                    connect_timeout_ms: table.connect_timeout_ms.or(base.connect_timeout_ms),
+                    idle_timeout_ms: table.idle_timeout_ms.or(base.idle_timeout_ms),
+                    max_retries: table.max_retries.or(base.max_retries),
+                    retry_base_delay_ms: table.retry_base_delay_ms.or(base.retry_base_delay_ms),
+                    max_tokens: table.max_tokens.or(base.max_tokens),
+                    stream_usage: table.stream_usage.or(base.stream_usage),
+                },
+            );
+        }
+        self
+    }
+}
+
+/// Flags that override configuration.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct ModelFlags {
+    /// Named provider from a `[providers.NAME]` table [env: PIER_PROVIDER]
+    #[arg(long)]
+    pub provider: Option<String>,
+    /// OpenAI-compatible base URL, e.g. https://api.deepseek.com/v1 [env: PIER_BASE_URL]
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// Model name [env: PIER_MODEL]
+    #[arg(long)]
+    pub model: Option<String>,
+}
+
+/// A source of environment variables; the process environment, or a map in tests.
+pub trait Env {
+    fn var(&self, key: &str) -> Option<String>;
+}
+
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok().filter(|v| !v.is_empty())
+    }
+}
+
+impl Env for BTreeMap<&str, &str> {
+    fn var(&self, key: &str) -> Option<String> {
+        self.get(key).map(|v| (*v).to_owned())
+    }
+}
+
+/// The configuration files in reading order: user file, then `./pier.toml`.
+pub fn config_files(env: &dyn Env, cwd: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let config_home = env.var("XDG_CONFIG_HOME").map(PathBuf::from).or_else(|| env.var("HOME").map(|h| Path::new(&h).join(".config")));
+    if let Some(dir) = config_home {
+        files.push(dir.join("pier").join("config.toml"));
+    }
+    files.push(cwd.join("pier.toml"));
+    files
+}
+
+/// Reads and merges the configuration files.
+pub fn load_files(env: &dyn Env, cwd: &Path) -> anyhow::Result<FileConfig> {
+    let mut config = FileConfig::default();
+    for path in config_files(env, cwd) {
+        config = config.merged(FileConfig::read(&path)?);
+    }
+    Ok(config)
+}
+
+/// `$PIER_HOME`, else `$XDG_DATA_HOME/pier`, else `~/.local/share/pier`.
+pub fn pier_home(env: &dyn Env) -> anyhow::Result<PathBuf> {
+    if let Some(home) = env.var("PIER_HOME") {
+        return Ok(PathBuf::from(home));
+    }
+    if let Some(data) = env.var("XDG_DATA_HOME") {
+        return Ok(Path::new(&data).join("pier"));
+    }
+    match env.var("HOME") {
+        Some(home) => Ok(Path::new(&home).join(".local").join("share").join("pier")),
+        None => bail!("cannot find a place for pier's data: set PIER_HOME or HOME"),
+    }
+}
+
+/// Resolves the model settings; `None` when no model is configured anywhere.
+pub fn resolve_model(flags: &ModelFlags, env: &dyn Env, files: &FileConfig) -> anyhow::Result<Option<ModelConfig>> {
+    let provider = flags.provider.clone().or_else(|| env.var("PIER_PROVIDER")).or_else(|| files.provider.clone());
+    let table = match &provider {
+        Some(name) => match files.providers.get(name) {
+            Some(t) => t.clone(),
+            None => {
+                let known: Vec<&str> = files.providers.keys().map(String::as_str).collect();
+                bail!(
+                    "provider `{name}` is not defined; add a [providers.{name}] table to ./pier.toml or ~/.config/pier/config.toml (defined: {})",
+                    if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+                );
+            }
+        },
+        None => ProviderTable::default(),
+    };
+    let Some(model) = flags.model.clone().or_else(|| env.var("PIER_MODEL")).or(table.model.clone()) else {
+        return Ok(None);
+    };
+    let base_url = flags
+        .base_url
+        .clone()
+        .or_else(|| env.var("PIER_BASE_URL"))
+        .or(table.base_url.clone())
+        .unwrap_or_else(|| "https://api.openai.com/v1".to_owned());
+    let key = env
+        .var("PIER_API_KEY")
+        .or_else(|| table.api_key_env.as_deref().and_then(|k| env.var(k)))
+        .or_else(|| env.var("OPENAI_API_KEY"));
+    let mut config = ModelConfig::new(base_url, model);
+    config.api_key = key.map(Secret::new);
+    if let Some(ms) = table.connect_timeout_ms {
+        config.connect_timeout = Duration::from_millis(ms);
+    }
+    if let Some(ms) = table.idle_timeout_ms {
+        config.idle_timeout = Duration::from_millis(ms);
+    }
+    if let Some(n) = table.max_retries {
+        config.max_retries = n;
+    }
+    if let Some(ms) = table.retry_base_delay_ms {
+        config.retry_base_delay = Duration::from_millis(ms);
+    }
+    config.max_tokens = table.max_tokens;
+    if let Some(b) = table.stream_usage {
+        config.stream_usage = b;
+    }
+    Ok(Some(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> FileConfig {
+        match toml::from_str(text) {
+            Ok(f) => f,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn nothing_configured_is_none() -> anyhow::Result<()> {
+        let env: BTreeMap<&str, &str> = BTreeMap::new();
+        assert!(resolve_model(&ModelFlags::default(), &env, &FileConfig::default())?.is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn flags_over_env_over_files() -> anyhow::Result<()> {
+        let files = file(
+            r#"
+            provider = "ds"
+            [providers.ds]
+            base_url = "https://api.deepseek.com/v1"
+            model = "deepseek-chat"
+            api_key_env = "DEEPSEEK_API_KEY"
+            idle_timeout_ms = 1500
+            "#,
+        );
+        let env = BTreeMap::from([("DEEPSEEK_API_KEY", "sk-ds"), ("PIER_MODEL", "deepseek-reasoner")]);
+        let c = resolve_model(&ModelFlags::default(), &env, &files)?;
+        let c = c.ok_or_else(|| anyhow::anyhow!("expected a model"))?;
+        assert_eq!(c.base_url, "https://api.deepseek.com/v1");
+        assert_eq!(c.model, "deepseek-reasoner");
+        assert_eq!(c.api_key.as_ref().map(Secret::expose), Some("sk-ds"));
+        assert_eq!(c.idle_timeout, Duration::from_millis(1500));
+        let flags = ModelFlags { model: Some("flag-model".into()), base_url: Some("http://localhost:11434/v1".into()), provider: None };
+        let c = resolve_model(&flags, &env, &files)?.ok_or_else(|| anyhow::anyhow!("expected a model"))?;
+        assert_eq!((c.model.as_str(), c.base_url.as_str()), ("flag-model", "http://localhost:11434/v1"));
+        Ok(())
+    }
+
+    #[test]
+    fn project_file_overrides_user_file_per_field() {
+        let user = file("provider = \"a\"\n[providers.a]\nmodel = \"m1\"\nbase_url = \"http://u\"\n");
+        let project = file("[providers.a]\nmodel = \"m2\"\n");
+        let merged = user.merged(project);
+        let a = &merged.providers["a"];
+        assert_eq!((a.model.as_deref(), a.base_url.as_deref()), (Some("m2"), Some("http://u")));
+        assert_eq!(merged.provider.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn an_unknown_provider_is_a_clear_error() {
+        let env: BTreeMap<&str, &str> = BTreeMap::from([("PIER_PROVIDER", "nope")]);
+        let err = resolve_model(&ModelFlags::default(), &env, &FileConfig::default()).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|e| e.contains("provider `nope` is not defined")));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        assert!(toml::from_str::<FileConfig>("modle = \"x\"").is_err());
+    }
+
+    #[test]
+    fn pier_home_defaults() -> anyhow::Result<()> {
+        let env = BTreeMap::from([("HOME", "/home/u")]);
+        assert_eq!(pier_home(&env)?, PathBuf::from("/home/u/.local/share/pier"));
+        let env = BTreeMap::from([("HOME", "/home/u"), ("PIER_HOME", "/p")]);
+        assert_eq!(pier_home(&env)?, PathBuf::from("/p"));
+        Ok(())
+    }
+}
