@@ -172,7 +172,11 @@ impl Connection {
     ///
     /// Dropping the returned future forgets the request and tells the peer with
     /// `$/cancel_request`.
-    pub async fn request<P: Serialize, R: DeserializeOwned>(&self, method: &str, params: &P) -> Result<R, RequestError> {
+    pub async fn request<P: Serialize, R: DeserializeOwned>(
+        &self,
+        method: &str,
+        params: &P,
+    ) -> Result<R, RequestError> {
         let value = self.request_value(method, params).await?;
         serde_json::from_value(value).map_err(|source| RequestError::Malformed { method: method.to_owned(), source })
     }
@@ -284,7 +288,11 @@ impl Drop for WaiterGuard<'_> {
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(mut sink: W, mut rx: mpsc::Receiver<WriterCmd>, shutdown: CancellationToken) {
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut sink: W,
+    mut rx: mpsc::Receiver<WriterCmd>,
+    shutdown: CancellationToken,
+) {
     let mut broken = false;
     while let Some(cmd) = rx.recv().await {
         match cmd {
@@ -313,7 +321,11 @@ async fn write_loop<W: AsyncWrite + Unpin>(mut sink: W, mut rx: mpsc::Receiver<W
     }
 }
 
-async fn drive<R: tokio::io::AsyncBufRead + Unpin>(conn: Connection, mut reader: FrameReader<R>, handler: Arc<dyn Handler>) {
+async fn drive<R: tokio::io::AsyncBufRead + Unpin>(
+    conn: Connection,
+    mut reader: FrameReader<R>,
+    handler: Arc<dyn Handler>,
+) {
     let inner = conn.inner.clone();
     let reason = loop {
         let frame = tokio::select! {
@@ -370,7 +382,8 @@ async fn start_request(conn: &Connection, handler: &Arc<dyn Handler>, id: Reques
                 inner.config.max_in_flight
             )))
         } else {
-            in_flight.insert(id.clone(), InFlight { cancel: cancel.clone(), cancelled_by_peer: cancelled_by_peer.clone() });
+            in_flight
+                .insert(id.clone(), InFlight { cancel: cancel.clone(), cancelled_by_peer: cancelled_by_peer.clone() });
             None
         }
     };

@@ -50,9 +50,9 @@ fn classify(value: Value) -> Result<Message, Rejection> {
     };
     let id = match obj.remove("id") {
         None => None,
-        Some(raw) => Some(parse_id(raw).ok_or_else(|| {
-            invalid(RequestId::Null, "`id` must be a string, an integer or null")
-        })?),
+        Some(raw) => {
+            Some(parse_id(raw).ok_or_else(|| invalid(RequestId::Null, "`id` must be a string, an integer or null"))?)
+        }
     };
     let answer_id = id.clone().unwrap_or(RequestId::Null);
     if obj.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
@@ -60,10 +60,7 @@ fn classify(value: Value) -> Result<Message, Rejection> {
     }
     let params = obj.remove("params").unwrap_or(Value::Null);
     if !matches!(params, Value::Null | Value::Object(_) | Value::Array(_)) {
-        return Err(Rejection {
-            reply: id.is_some(),
-            ..invalid(answer_id, "`params` must be an object or an array")
-        });
+        return Err(Rejection { reply: id.is_some(), ..invalid(answer_id, "`params` must be an object or an array") });
     }
     match (obj.remove("method"), id) {
         (Some(Value::String(method)), Some(id)) => Ok(Message::Request { id, method, params }),
@@ -222,8 +219,12 @@ mod tests {
                 proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
                 proptest::collection::btree_map(
                     prop_oneof![
-                        Just("jsonrpc".to_owned()), Just("id".to_owned()), Just("method".to_owned()),
-                        Just("params".to_owned()), Just("result".to_owned()), Just("error".to_owned()),
+                        Just("jsonrpc".to_owned()),
+                        Just("id".to_owned()),
+                        Just("method".to_owned()),
+                        Just("params".to_owned()),
+                        Just("result".to_owned()),
+                        Just("error".to_owned()),
                         "[a-z]{1,4}",
                     ],
                     inner,

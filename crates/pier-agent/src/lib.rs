@@ -55,7 +55,12 @@ fn to_value<T: Serialize>(v: &T) -> Result<Value, Error> {
 
 impl AcpAgent {
     pub fn new(engine: Engine, profile: Profile) -> Arc<AcpAgent> {
-        Arc::new(AcpAgent { engine, profile, initialized: AtomicBool::new(false), sessions: Mutex::new(HashMap::new()) })
+        Arc::new(AcpAgent {
+            engine,
+            profile,
+            initialized: AtomicBool::new(false),
+            sessions: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Closes every session and flushes its log. Call after the connection closed.
@@ -86,7 +91,8 @@ impl AcpAgent {
         if self.initialized.load(Ordering::SeqCst) {
             Ok(())
         } else {
-            Err(Error::invalid_request().data(json!({ "reason": "the connection is not initialized; send `initialize` first" })))
+            Err(Error::invalid_request()
+                .data(json!({ "reason": "the connection is not initialized; send `initialize` first" })))
         }
     }
 
@@ -119,7 +125,8 @@ impl AcpAgent {
         }
         let id = session.id.clone();
         tracing::info!(session = %id, cwd = %session.cwd.display(), "session created");
-        lock(&self.sessions).insert(id.clone(), Arc::new(SessionEntry { session, turn: Mutex::new(None), turns: AtomicU64::new(0) }));
+        lock(&self.sessions)
+            .insert(id.clone(), Arc::new(SessionEntry { session, turn: Mutex::new(None), turns: AtomicU64::new(0) }));
         to_value(&NewSessionResponse::new(id))
     }
 
@@ -229,7 +236,9 @@ fn engine_error(e: &EngineError) -> Error {
             }
             Error::new(-32603, m.to_string()).data(data)
         }
-        EngineError::Log(_) => Error::new(-32603, e.to_string()).data(json!({ "kind": "session_log", "reason": e.to_string() })),
+        EngineError::Log(_) => {
+            Error::new(-32603, e.to_string()).data(json!({ "kind": "session_log", "reason": e.to_string() }))
+        }
     }
 }
 

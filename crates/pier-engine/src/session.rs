@@ -86,7 +86,12 @@ impl TurnPermit {
     /// `cancel` fires, the model stream is dropped and the turn ends
     /// [`StopReason::Cancelled`], whatever the aborted request does (R090, R091).
     /// An error leaves the conversation as it was before the turn.
-    pub async fn run(mut self, prompt: String, cancel: CancellationToken, events: mpsc::Sender<EventMsg>) -> Result<StopReason, EngineError> {
+    pub async fn run(
+        mut self,
+        prompt: String,
+        cancel: CancellationToken,
+        events: mpsc::Sender<EventMsg>,
+    ) -> Result<StopReason, EngineError> {
         self.state.turns += 1;
         let turn = self.state.turns;
         let before = self.state.history.len();
@@ -174,7 +179,10 @@ impl TurnPermit {
                     return Err(e.into());
                 }
                 None => {
-                    return Err(pier_model::ModelError::StreamCut("the provider ended the stream without finishing".into()).into());
+                    return Err(pier_model::ModelError::StreamCut(
+                        "the provider ended the stream without finishing".into(),
+                    )
+                    .into());
                 }
             }
         };
@@ -216,13 +224,16 @@ impl TurnPermit {
                         _ = cancel.cancelled() => return Ok(Step::Stop(StopReason::Cancelled)),
                         outcome = services.tools.call(call) => outcome,
                     };
-                    self.log.append(turn, &LogRecord::ToolCall {
-                        id: id.clone(),
-                        name,
-                        arguments,
-                        status: if outcome.success { "completed" } else { "failed" }.to_owned(),
-                        output: outcome.raw,
-                    });
+                    self.log.append(
+                        turn,
+                        &LogRecord::ToolCall {
+                            id: id.clone(),
+                            name,
+                            arguments,
+                            status: if outcome.success { "completed" } else { "failed" }.to_owned(),
+                            output: outcome.raw,
+                        },
+                    );
                     let mut answer = ChatMessage::new(Role::Tool, outcome.output);
                     answer.tool_call_id = Some(id);
                     self.state.history.push(answer);
@@ -233,7 +244,13 @@ impl TurnPermit {
     }
 
     /// Records a finished assistant message and hands it to the profile.
-    async fn commit(&mut self, turn: u64, text: String, tool_calls: Vec<pier_model::ToolCall>, events: &mpsc::Sender<EventMsg>) {
+    async fn commit(
+        &mut self,
+        turn: u64,
+        text: String,
+        tool_calls: Vec<pier_model::ToolCall>,
+        events: &mpsc::Sender<EventMsg>,
+    ) {
         if !text.is_empty() {
             self.log.append(turn, &LogRecord::Message { text: text.clone() });
             let _ = events.send(EventMsg::MessageCommitted(text.clone())).await;

@@ -47,8 +47,25 @@ pub enum Step {
     Hang,
     /// Close the connection abruptly, without `[DONE]`.
     Cut,
-    /// Wait before the next step (only for demos; tests synchronise on [`FakeModel`] counters).
+    /// Wait before the next step (only for demos; tests synchronise on gates and counters).
     Pause(Duration),
+    /// Wait until the test opens the gate ([`Gate::open`]).
+    Gate(Gate),
+}
+
+/// A point a scripted stream waits at until the test opens it.
+#[derive(Debug, Clone, Default)]
+pub struct Gate(Arc<tokio::sync::Notify>);
+
+impl Gate {
+    pub fn new() -> Gate {
+        Gate::default()
+    }
+
+    /// Lets one waiting (or the next) stream through.
+    pub fn open(&self) {
+        self.0.notify_one();
+    }
 }
 
 /// A scripted reply to one request.
@@ -232,6 +249,10 @@ async fn serve(
                         tokio::time::sleep(d).await;
                         continue;
                     }
+                    Step::Gate(gate) => {
+                        gate.0.notified().await;
+                        continue;
+                    }
                     Step::Comment(c) => format!(": {c}\n\n"),
                     Step::Done => "data: [DONE]\n\n".to_owned(),
                     other => format!("data: {}\n\n", chunk(&other)),
@@ -269,7 +290,7 @@ fn chunk(step: &Step) -> Value {
             "usage": { "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion },
         }),
         Step::Data(v) => v.clone(),
-        Step::Comment(_) | Step::Done | Step::Hang | Step::Cut | Step::Pause(_) => Value::Null,
+        Step::Comment(_) | Step::Done | Step::Hang | Step::Cut | Step::Pause(_) | Step::Gate(_) => Value::Null,
     }
 }
 
@@ -286,7 +307,12 @@ async fn hang(mut socket: TcpStream, gone: &watch::Sender<usize>) -> std::io::Re
     }
 }
 
-async fn write_status(socket: &mut TcpStream, code: u16, message: &str, retry_after: Option<u64>) -> std::io::Result<()> {
+async fn write_status(
+    socket: &mut TcpStream,
+    code: u16,
+    message: &str,
+    retry_after: Option<u64>,
+) -> std::io::Result<()> {
     let body = json!({ "error": { "message": message, "type": "fake_error", "code": code } }).to_string();
     let retry = retry_after.map(|s| format!("retry-after: {s}\r\n")).unwrap_or_default();
     let head = format!(

@@ -105,10 +105,18 @@ pub enum ModelEvent {
     ReasoningDelta(String),
     RefusalDelta(String),
     /// A fragment of tool call `index`; `id` and `name` come with the first one.
-    ToolCallDelta { index: u32, id: Option<String>, name: Option<String>, arguments: String },
+    ToolCallDelta {
+        index: u32,
+        id: Option<String>,
+        name: Option<String>,
+        arguments: String,
+    },
     Usage(Usage),
     /// The last event: the finish reason and the tool calls assembled by index.
-    Finish { reason: FinishReason, tool_calls: Vec<ToolCall> },
+    Finish {
+        reason: FinishReason,
+        tool_calls: Vec<ToolCall>,
+    },
 }
 
 /// A stream of model events; dropping it cancels the request.

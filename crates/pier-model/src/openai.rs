@@ -234,7 +234,9 @@ fn message_json(m: &ChatMessage) -> Value {
         v["tool_calls"] = m
             .tool_calls
             .iter()
-            .map(|c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }))
+            .map(
+                |c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }),
+            )
             .collect();
     }
     if let Some(id) = &m.tool_call_id {
@@ -315,8 +317,9 @@ struct StreamState {
 impl StreamState {
     /// Turns one `data:` payload into events.
     fn chunk(&mut self, data: &str) -> Result<Vec<ModelEvent>, ModelError> {
-        let chunk: Chunk = serde_json::from_str(data)
-            .map_err(|e| ModelError::Protocol(format!("{e} in chunk {}", data.chars().take(200).collect::<String>())))?;
+        let chunk: Chunk = serde_json::from_str(data).map_err(|e| {
+            ModelError::Protocol(format!("{e} in chunk {}", data.chars().take(200).collect::<String>()))
+        })?;
         if let Some(error) = chunk.error {
             let msg = error.get("message").and_then(Value::as_str).map_or_else(|| error.to_string(), str::to_owned);
             return Err(ModelError::Provider(msg));
@@ -401,7 +404,8 @@ impl StreamState {
             }
         }
         // A model that sends tool calls but finishes with `stop` still wants them run.
-        let reason = if reason == FinishReason::Stop && !tool_calls.is_empty() { FinishReason::ToolCalls } else { reason };
+        let reason =
+            if reason == FinishReason::Stop && !tool_calls.is_empty() { FinishReason::ToolCalls } else { reason };
         Ok(ModelEvent::Finish { reason, tool_calls })
     }
 }

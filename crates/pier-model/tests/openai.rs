@@ -68,7 +68,10 @@ async fn streams_text_usage_and_sends_the_request_right() -> std::io::Result<()>
     let p = provider(&fake);
     let events = collect(&p, "hi").await;
     assert_eq!(text(&events), "Hello, world");
-    assert!(events.iter().any(|e| matches!(e, Ok(ModelEvent::Usage(Usage { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10 })))));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Ok(ModelEvent::Usage(Usage { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10 }))
+    )));
     assert_eq!(finish(&events).0, FinishReason::Stop);
     let reqs = fake.requests();
     assert_eq!(reqs.len(), 1);
@@ -126,7 +129,11 @@ async fn finish_reasons_map_to_length_and_refusal() -> std::io::Result<()> {
     let fake = FakeModel::start().await?;
     fake.push(Reply::Stream(vec![Step::Text("trunc".into()), Step::Finish("length".into()), Step::Done]));
     fake.push(Reply::Stream(vec![Step::Finish("content_filter".into()), Step::Done]));
-    fake.push(Reply::Stream(vec![Step::Refusal("I can't help with that".into()), Step::Finish("stop".into()), Step::Done]));
+    fake.push(Reply::Stream(vec![
+        Step::Refusal("I can't help with that".into()),
+        Step::Finish("stop".into()),
+        Step::Done,
+    ]));
     let p = provider(&fake);
     assert_eq!(finish(&collect(&p, "a").await).0, FinishReason::Length);
     assert_eq!(finish(&collect(&p, "b").await).0, FinishReason::Refusal);

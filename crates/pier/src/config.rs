@@ -41,7 +41,9 @@ impl FileConfig {
     /// Reads a file; a missing file is an empty configuration.
     pub fn read(path: &Path) -> anyhow::Result<FileConfig> {
         match std::fs::read_to_string(path) {
-            Ok(text) => toml::from_str(&text).with_context(|| format!("{} is not a valid pier configuration", path.display())),
+            Ok(text) => {
+                toml::from_str(&text).with_context(|| format!("{} is not a valid pier configuration", path.display()))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(FileConfig::default()),
             Err(e) => Err(e).with_context(|| format!("could not read {}", path.display())),
         }
@@ -109,7 +111,10 @@ impl Env for BTreeMap<&str, &str> {
 /// The configuration files in reading order: user file, then `./pier.toml`.
 pub fn config_files(env: &dyn Env, cwd: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
-    let config_home = env.var("XDG_CONFIG_HOME").map(PathBuf::from).or_else(|| env.var("HOME").map(|h| Path::new(&h).join(".config")));
+    let config_home = env
+        .var("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env.var("HOME").map(|h| Path::new(&h).join(".config")));
     if let Some(dir) = config_home {
         files.push(dir.join("pier").join("config.toml"));
     }
@@ -227,7 +232,11 @@ mod tests {
         assert_eq!(c.model, "deepseek-reasoner");
         assert_eq!(c.api_key.as_ref().map(Secret::expose), Some("sk-ds"));
         assert_eq!(c.idle_timeout, Duration::from_millis(1500));
-        let flags = ModelFlags { model: Some("flag-model".into()), base_url: Some("http://localhost:11434/v1".into()), provider: None };
+        let flags = ModelFlags {
+            model: Some("flag-model".into()),
+            base_url: Some("http://localhost:11434/v1".into()),
+            provider: None,
+        };
         let c = resolve_model(&flags, &env, &files)?.ok_or_else(|| anyhow::anyhow!("expected a model"))?;
         assert_eq!((c.model.as_str(), c.base_url.as_str()), ("flag-model", "http://localhost:11434/v1"));
         Ok(())

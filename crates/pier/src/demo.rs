@@ -10,11 +10,11 @@
 use std::process::Stdio;
 use std::sync::Arc;
 
+use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
     ContentBlock, Error, InitializeRequest, InitializeResponse, NewSessionRequest, NewSessionResponse, PromptRequest,
     PromptResponse, ResourceLink, SessionNotification, SessionUpdate, TextContent,
 };
-use agent_client_protocol_schema::ProtocolVersion;
 use anyhow::Context;
 use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx};
 use pier_fake_model::{FakeModel, Reply};
@@ -24,7 +24,12 @@ use tokio::process::Command;
 struct PrintUpdates;
 
 impl Handler for PrintUpdates {
-    fn request(&self, _cx: RequestCx, method: String, _params: Value) -> futures::future::BoxFuture<'static, Result<Value, Error>> {
+    fn request(
+        &self,
+        _cx: RequestCx,
+        method: String,
+        _params: Value,
+    ) -> futures::future::BoxFuture<'static, Result<Value, Error>> {
         Box::pin(async move { Err(Error::method_not_found().data(Value::String(method))) })
     }
 
@@ -32,12 +37,11 @@ impl Handler for PrintUpdates {
         if method != "session/update" {
             return;
         }
-        if let Ok(n) = serde_json::from_value::<SessionNotification>(params) {
-            if let SessionUpdate::AgentMessageChunk(chunk) = n.update {
-                if let ContentBlock::Text(t) = chunk.content {
-                    println!("  <- session/update agent_message_chunk: {}", t.text);
-                }
-            }
+        if let Ok(n) = serde_json::from_value::<SessionNotification>(params)
+            && let SessionUpdate::AgentMessageChunk(chunk) = n.update
+            && let ContentBlock::Text(t) = chunk.content
+        {
+            println!("  <- session/update agent_message_chunk: {}", t.text);
         }
     }
 }

@@ -51,7 +51,9 @@ fn main() {
     match result {
         Ok(()) => std::process::exit(0),
         Err(e) => {
-            if e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)) {
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) {
                 std::process::exit(0);
             }
             eprintln!("pier: {e:#}");

@@ -1,0 +1,290 @@
+//! Drives the real `pier` binary over pipes.
+//!
+//! Every byte `pier agent` writes to stdout is checked: each line must be one
+//! JSON-RPC 2.0 frame (a request, a notification or a response). Anything else
+//! fails the test at the next read, whatever the test was about.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+/// Bound on every wait in these tests.
+pub const LIMIT: Duration = Duration::from_secs(20);
+
+pub struct PierProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    frames: mpsc::UnboundedReceiver<Result<Value, String>>,
+    next_id: i64,
+    pub pid: i32,
+    pub home: tempfile::TempDir,
+    pub workdir: tempfile::TempDir,
+}
+
+/// How to start `pier agent`.
+#[derive(Default)]
+pub struct Options {
+    pub base_url: Option<String>,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    /// Contents of `./pier.toml` in the agent's working directory.
+    pub pier_toml: Option<String>,
+}
+
+impl Options {
+    pub fn model(base_url: String) -> Options {
+        Options { base_url: Some(base_url), ..Options::default() }
+    }
+    pub fn arg(mut self, a: &str) -> Options {
+        self.args.push(a.to_owned());
+        self
+    }
+    pub fn env(mut self, k: &str, v: &str) -> Options {
+        self.env.push((k.to_owned(), v.to_owned()));
+        self
+    }
+}
+
+/// A `pier.toml` with fast retries and timeouts, for the provider `fake`.
+pub fn fast_toml(base_url: &str, idle_ms: u64, retries: u32) -> String {
+    format!(
+        "provider = \"fake\"\n[providers.fake]\nbase_url = \"{base_url}\"\nmodel = \"fake-model\"\nidle_timeout_ms = {idle_ms}\nmax_retries = {retries}\nretry_base_delay_ms = 5\n"
+    )
+}
+
+/// Checks that a stdout line is exactly one JSON-RPC 2.0 frame.
+pub fn check_frame(line: &str) -> Result<Value, String> {
+    let v: Value = serde_json::from_str(line).map_err(|e| format!("stdout carried a non-JSON line ({e}): {line:?}"))?;
+    let obj = v.as_object().ok_or_else(|| format!("stdout carried a non-object: {line}"))?;
+    if obj.get("jsonrpc") != Some(&json!("2.0")) {
+        return Err(format!("stdout frame without jsonrpc 2.0: {line}"));
+    }
+    let is_request = obj.get("method").is_some_and(Value::is_string);
+    let is_response = obj.contains_key("id") && (obj.contains_key("result") ^ obj.contains_key("error"));
+    if !(is_request || is_response) {
+        return Err(format!("stdout frame is neither a message nor a response: {line}"));
+    }
+    for key in obj.keys() {
+        if !["jsonrpc", "id", "method", "params", "result", "error"].contains(&key.as_str()) {
+            return Err(format!("stdout frame has a stray field {key}: {line}"));
+        }
+    }
+    Ok(v)
+}
+
+impl PierProcess {
+    pub async fn spawn(opts: Options) -> PierProcess {
+        let home = must(tempfile::tempdir(), "temp home");
+        let workdir = must(tempfile::tempdir(), "temp workdir");
+        if let Some(toml) = &opts.pier_toml {
+            must(std::fs::write(workdir.path().join("pier.toml"), toml), "write pier.toml");
+        }
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pier"));
+        cmd.arg("agent")
+            .args(&opts.args)
+            .current_dir(workdir.path())
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("HOME", home.path())
+            .env("PIER_HOME", home.path().join("data"))
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .kill_on_drop(true);
+        if let Some(url) = &opts.base_url {
+            cmd.env("PIER_BASE_URL", url).env("PIER_MODEL", "fake-model").env("PIER_API_KEY", "sk-test");
+        }
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
+        let mut child = must(cmd.spawn(), "spawn pier");
+        let pid = child.id().map_or(0, |p| p as i32);
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take();
+        let (tx, frames) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let Some(stdout) = stdout else { return };
+            let mut reader = BufReader::new(stdout);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match reader.read_until(b'\n', &mut line).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+                let result = if line.last() != Some(&b'\n') {
+                    Err(format!("stdout ended with an unterminated line: {:?}", String::from_utf8_lossy(&line)))
+                } else {
+                    match std::str::from_utf8(&line[..line.len() - 1]) {
+                        Ok(text) => check_frame(text),
+                        Err(_) => Err("stdout carried invalid UTF-8".to_owned()),
+                    }
+                };
+                if tx.send(result).is_err() {
+                    return;
+                }
+            }
+        });
+        PierProcess { child, stdin, frames, next_id: 0, pid, home, workdir }
+    }
+
+    pub fn cwd(&self) -> PathBuf {
+        self.workdir.path().to_owned()
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.home.path().join("data")
+    }
+
+    pub async fn send_raw(&mut self, bytes: &[u8]) {
+        let stdin = self.stdin.as_mut().unwrap_or_else(|| panic!("stdin already closed"));
+        must(stdin.write_all(bytes).await, "write to pier");
+        must(stdin.flush().await, "flush to pier");
+    }
+
+    pub async fn send(&mut self, v: &Value) {
+        let mut bytes = must(serde_json::to_vec(v), "encode");
+        bytes.push(b'\n');
+        self.send_raw(&bytes).await;
+    }
+
+    pub async fn request(&mut self, method: &str, params: Value) -> i64 {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.send(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params})).await;
+        id
+    }
+
+    pub async fn notify(&mut self, method: &str, params: Value) {
+        self.send(&json!({"jsonrpc": "2.0", "method": method, "params": params})).await;
+    }
+
+    /// The next frame from stdout.
+    pub async fn next_frame(&mut self) -> Value {
+        match tokio::time::timeout(LIMIT, self.frames.recv()).await {
+            Err(_) => panic!("no frame from pier within {LIMIT:?}"),
+            Ok(None) => panic!("pier closed stdout"),
+            Ok(Some(Err(violation))) => panic!("{violation}"),
+            Ok(Some(Ok(v))) => v,
+        }
+    }
+
+    /// Frames up to the response with `id`: the notifications before it, and it.
+    pub async fn read_until_response(&mut self, id: impl Into<Value>) -> (Vec<Value>, Value) {
+        let id = id.into();
+        let mut notes = Vec::new();
+        loop {
+            let frame = self.next_frame().await;
+            if frame.get("method").is_none() && frame.get("id") == Some(&id) {
+                return (notes, frame);
+            }
+            notes.push(frame);
+        }
+    }
+
+    /// Sends a request and returns its response.
+    pub async fn call(&mut self, method: &str, params: Value) -> Value {
+        let id = self.request(method, params).await;
+        self.read_until_response(id).await.1
+    }
+
+    pub async fn initialize(&mut self) -> Value {
+        let r = self.call("initialize", json!({"protocolVersion": 1, "clientCapabilities": {}})).await;
+        assert!(r.get("result").is_some(), "initialize failed: {r}");
+        r
+    }
+
+    pub async fn new_session(&mut self) -> String {
+        let cwd = self.cwd();
+        let r = self.call("session/new", json!({"cwd": cwd, "mcpServers": []})).await;
+        match r.pointer("/result/sessionId").and_then(Value::as_str) {
+            Some(id) => id.to_owned(),
+            None => panic!("session/new failed: {r}"),
+        }
+    }
+
+    pub async fn start(opts: Options) -> (PierProcess, String) {
+        let mut p = PierProcess::spawn(opts).await;
+        p.initialize().await;
+        let sid = p.new_session().await;
+        (p, sid)
+    }
+
+    pub async fn prompt(&mut self, sid: &str, text: &str) -> i64 {
+        self.request("session/prompt", json!({"sessionId": sid, "prompt": [{"type": "text", "text": text}]})).await
+    }
+
+    pub fn close_stdin(&mut self) {
+        self.stdin = None;
+    }
+
+    /// Waits for the process to exit, after which stdout must have ended cleanly.
+    pub async fn wait_exit(&mut self) -> ExitStatus {
+        let status = match tokio::time::timeout(LIMIT, self.child.wait()).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => panic!("wait: {e}"),
+            Err(_) => panic!("pier did not exit within {LIMIT:?}"),
+        };
+        // Drain what is left: every remaining line must still be a frame.
+        while let Ok(Some(frame)) = tokio::time::timeout(LIMIT, self.frames.recv()).await {
+            if let Err(violation) = frame {
+                panic!("{violation}");
+            }
+        }
+        status
+    }
+
+    /// True if any process of pier's process group is still alive.
+    pub fn group_alive(&self) -> bool {
+        process_exists(-self.pid)
+    }
+}
+
+#[allow(unsafe_code)]
+fn process_exists(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only reports whether the target exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+pub fn must<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("{what}: {e}"),
+    }
+}
+
+/// The texts of the `agent_message_chunk` updates among `notes`, for session `sid`.
+pub fn agent_texts(notes: &[Value], sid: &str) -> Vec<String> {
+    notes
+        .iter()
+        .filter(|n| n["method"] == "session/update" && n["params"]["sessionId"] == sid)
+        .filter(|n| n["params"]["update"]["sessionUpdate"] == "agent_message_chunk")
+        .filter_map(|n| n["params"]["update"]["content"]["text"].as_str().map(str::to_owned))
+        .collect()
+}
+
+pub fn stop_reason(response: &Value) -> &str {
+    response
+        .pointer("/result/stopReason")
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("no stopReason in {response}"))
+}
+
+pub fn error_code(response: &Value) -> i64 {
+    response.pointer("/error/code").and_then(Value::as_i64).unwrap_or_else(|| panic!("not an error: {response}"))
+}
+
+pub fn read_log(dir: &Path, sid: &str) -> Vec<Value> {
+    let path = dir.join("sessions").join(format!("{sid}.jsonl"));
+    let text = must(std::fs::read_to_string(&path), "read the session log");
+    text.lines().map(|l| must(serde_json::from_str(l), "a log line is JSON")).collect()
+}
