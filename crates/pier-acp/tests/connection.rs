@@ -38,7 +38,11 @@ impl Handler for TestHandler {
                     }
                 }
                 "ask_back" => {
-                    let answer: Value = cx.conn.request("peer/method", &json!({"q": 1})).await.map_err(|e| Error::new(-32603, e.to_string()))?;
+                    let answer: Value = cx
+                        .conn
+                        .request("peer/method", &json!({"q": 1}))
+                        .await
+                        .map_err(|e| Error::new(-32603, e.to_string()))?;
                     Ok(answer)
                 }
                 _ => Err(Error::method_not_found()),

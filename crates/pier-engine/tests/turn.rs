@@ -49,7 +49,8 @@ impl AsyncWrite for FillsUp {
 }
 
 fn engine(fake: &FakeModel, home: &std::path::Path) -> std::io::Result<Engine> {
-    let provider = OpenAiProvider::new(ModelConfig::new(fake.base_url(), "fake-model")).map_err(std::io::Error::other)?;
+    let provider =
+        OpenAiProvider::new(ModelConfig::new(fake.base_url(), "fake-model")).map_err(std::io::Error::other)?;
     Ok(Engine::new(EngineConfig::new(home.to_owned()), Arc::new(provider), Arc::new(NoTools)))
 }
 
