@@ -495,6 +495,27 @@ async fn stdout_stays_pure_under_verbose_logging() {
     assert!(p.wait_exit().await.success());
 }
 
+#[tokio::test]
+async fn the_api_key_never_reaches_the_logs() {
+    let f = fake().await;
+    f.push(Reply::status(401, "bad key"));
+    f.push(Reply::text("ok"));
+    let opts = Options { capture_stderr: true, ..Options::model(f.base_url()) }
+        .env("RUST_LOG", "trace")
+        .env("PIER_API_KEY", "sk-very-secret-value");
+    let (mut p, sid) = PierProcess::start(opts).await;
+    for text in ["a", "b"] {
+        let id = p.prompt(&sid, text).await;
+        p.read_until_response(id).await;
+    }
+    p.close_stdin();
+    assert!(p.wait_exit().await.success());
+    assert_eq!(f.requests()[0].authorization.as_deref(), Some("Bearer sk-very-secret-value"));
+    let stderr = p.stderr();
+    assert!(stderr.contains("pier agent starting"), "logging was on: {stderr}");
+    assert!(!stderr.contains("sk-very-secret-value"), "the key leaked into the logs");
+}
+
 #[test]
 fn the_frame_checker_rejects_stray_output() {
     for bad in [

@@ -24,6 +24,7 @@ pub struct PierProcess {
     frames: mpsc::UnboundedReceiver<Result<Value, String>>,
     next_id: i64,
     pub pid: i32,
+    stderr: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
     pub home: tempfile::TempDir,
     pub workdir: tempfile::TempDir,
 }
@@ -36,6 +37,8 @@ pub struct Options {
     pub env: Vec<(String, String)>,
     /// Contents of `./pier.toml` in the agent's working directory.
     pub pier_toml: Option<String>,
+    /// Collect stderr into [`PierProcess::stderr`] instead of passing it through.
+    pub capture_stderr: bool,
 }
 
 impl Options {
@@ -97,7 +100,7 @@ impl PierProcess {
             .env("RUST_LOG", "warn")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if opts.capture_stderr { Stdio::piped() } else { Stdio::inherit() })
             .process_group(0)
             .kill_on_drop(true);
         if let Some(url) = &opts.base_url {
@@ -110,6 +113,20 @@ impl PierProcess {
         let pid = child.id().map_or(0, |p| p as i32);
         let stdin = child.stdin.take();
         let stdout = child.stdout.take();
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        if let Some(mut pipe) = child.stderr.take() {
+            let sink = stderr.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = pipe.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    sink.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(&buf[..n]);
+                }
+            });
+        }
         let (tx, frames) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let Some(stdout) = stdout else { return };
@@ -134,7 +151,12 @@ impl PierProcess {
                 }
             }
         });
-        PierProcess { child, stdin, frames, next_id: 0, pid, home, workdir }
+        PierProcess { child, stdin, frames, next_id: 0, pid, stderr, home, workdir }
+    }
+
+    /// What the process wrote to stderr so far (with `capture_stderr`).
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
     }
 
     pub fn cwd(&self) -> PathBuf {
