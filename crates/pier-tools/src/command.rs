@@ -1,0 +1,194 @@
+//! `run_command`: `sh -c <command>` in the session directory, in its own process
+//! group, with a timeout and bounded output.
+//!
+//! The process group is the unit of cleanup: on timeout, on cancellation, when
+//! the tool's future is dropped, and also after the shell exits normally (so a
+//! command cannot leave background processes behind), the whole group is killed
+//! with SIGKILL and the shell is reaped.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use crate::output::HeadTail;
+use crate::{Location, Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace};
+
+pub struct RunCommand;
+
+#[derive(Deserialize)]
+struct Args {
+    command: String,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+}
+
+/// How long output readers may drain after the group is gone.
+const DRAIN: Duration = Duration::from_secs(2);
+
+impl Tool for RunCommand {
+    fn name(&self) -> &'static str {
+        "run_command"
+    }
+    fn kind(&self) -> ToolKind {
+        ToolKind::Execute
+    }
+    fn description(&self) -> &'static str {
+        "Run a shell command (`sh -c`) in the session directory. Returns the exit code and the output; long output \
+         keeps its beginning and end. Background processes do not outlive the command. Default timeout 120 s."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The shell command"},
+                "timeout_ms": {"type": "integer", "minimum": 1, "description": "Timeout in milliseconds (default 120000)"}
+            },
+            "required": ["command"]
+        })
+    }
+    fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
+        let command = args.get("command").and_then(Value::as_str).unwrap_or("?");
+        let short: String = command.chars().take(120).collect();
+        Preview { title: format!("Run `{short}`"), locations: vec![Location { path: ws.root().to_owned(), line: None }] }
+    }
+    fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
+        Box::pin(async move {
+            let args: Args = crate::parse_args("run_command", args)?;
+            let timeout = args
+                .timeout_ms
+                .map_or(cx.limits.command_timeout, Duration::from_millis)
+                .min(cx.limits.max_command_timeout);
+            run(&args.command, timeout, &cx).await
+        })
+    }
+}
+
+/// Kills the process group when dropped, unless disarmed: the backstop for a
+/// tool future dropped mid-command.
+struct GroupGuard {
+    pgid: Option<Pid>,
+}
+
+impl GroupGuard {
+    fn kill(&mut self) {
+        if let Some(pgid) = self.pgid {
+            // ESRCH only means the group is already gone.
+            let _ = killpg(pgid, Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+enum Ending {
+    Exited(std::process::ExitStatus),
+    TimedOut,
+    Cancelled,
+}
+
+async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolOutput, ToolError> {
+    let mut child = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .current_dir(cx.workspace.root())
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| ToolError::new(format!("could not start sh: {e}")))?;
+    let mut guard = GroupGuard { pgid: child.id().map(|id| Pid::from_raw(id as i32)) };
+    let keep = cx.limits.command_capture_bytes;
+    let stdout = Arc::new(Mutex::new(HeadTail::new(keep)));
+    let stderr = Arc::new(Mutex::new(HeadTail::new(keep)));
+    let readers = [
+        child.stdout.take().map(|r| tokio::spawn(capture(r, stdout.clone()))),
+        child.stderr.take().map(|r| tokio::spawn(capture(r, stderr.clone()))),
+    ];
+
+    let ending = tokio::select! {
+        status = child.wait() => match status {
+            Ok(s) => Ending::Exited(s),
+            Err(e) => return Err(ToolError::new(format!("waiting for the command failed: {e}"))),
+        },
+        _ = tokio::time::sleep(timeout) => Ending::TimedOut,
+        _ = cx.cancel.cancelled() => Ending::Cancelled,
+    };
+    // Whatever happened, nothing of the group may outlive the call.
+    guard.kill();
+    let status = match ending {
+        Ending::Exited(s) => Some(s),
+        Ending::TimedOut | Ending::Cancelled => child.wait().await.ok(),
+    };
+    for reader in readers.into_iter().flatten() {
+        if tokio::time::timeout(DRAIN, reader).await.is_err() {
+            tracing::warn!("command output did not close after the process group was killed");
+        }
+    }
+    guard.pgid = None;
+
+    let out = lock(&stdout);
+    let err = lock(&stderr);
+    let (code, signal) = match status {
+        Some(s) => (s.code(), s.signal()),
+        None => (None, None),
+    };
+    let mut text = match ending {
+        Ending::TimedOut => format!("timed out after {} ms; the command's process group was killed", timeout.as_millis()),
+        Ending::Cancelled => "cancelled; the command's process group was killed".to_owned(),
+        Ending::Exited(_) => match (code, signal) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("killed by signal {s} ({})", signal_name(s)),
+            (None, None) => "ended without an exit code".to_owned(),
+        },
+    };
+    for (name, stream) in [("stdout", &*out), ("stderr", &*err)] {
+        if stream.total() > 0 {
+            text.push_str(&format!("\n{name}:\n{}", stream.render()));
+        }
+    }
+    let success = matches!(ending, Ending::Exited(_)) && code == Some(0);
+    let raw = json!({
+        "command": command,
+        "exit_code": code,
+        "signal": signal.map(signal_name),
+        "timed_out": matches!(ending, Ending::TimedOut),
+        "cancelled": matches!(ending, Ending::Cancelled),
+        "stdout_bytes": out.total(),
+        "stderr_bytes": err.total(),
+    });
+    let mut output = ToolOutput::ok(text, raw);
+    output.success = success;
+    Ok(output)
+}
+
+fn lock(m: &Mutex<HeadTail>) -> std::sync::MutexGuard<'_, HeadTail> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn capture(mut r: impl AsyncRead + Unpin, sink: Arc<Mutex<HeadTail>>) {
+    let mut buf = vec![0u8; 8192];
+    while let Ok(n) = r.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        lock(&sink).push(&buf[..n]);
+    }
+}
+
+fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig).map(|s| s.as_str().to_owned()).unwrap_or_else(|_| format!("signal {sig}"))
+}

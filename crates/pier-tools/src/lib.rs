@@ -1,0 +1,213 @@
+//! pier's built-in tools. They run inside pier, never through the client, and
+//! every path they touch is confined to the session's directory.
+//!
+//! - [`workspace`]: path resolution and confinement (`..`, absolute paths, symlinks).
+//! - [`toolbox`]: the registry the engine calls: argument parsing, panics caught,
+//!   output capped.
+//! - one module per tool: [`read_file`], [`list_dir`], [`search`] (`grep`),
+//!   [`write`] (`write_file`, `edit_file`), [`command`] (`run_command`), [`plan`].
+//! - [`output`]: bounded capture (head and tail) and output capping.
+
+pub mod command;
+pub mod list_dir;
+pub mod output;
+pub mod plan;
+pub mod read_file;
+pub mod search;
+pub mod toolbox;
+pub mod workspace;
+pub mod write;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+pub use plan::{PlanEntry, PlanPriority, PlanStatus};
+pub use toolbox::Toolbox;
+pub use workspace::Workspace;
+
+/// What a tool does, for permission policy and for clients' icons. Mirrors ACP's
+/// tool kinds without depending on ACP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolKind {
+    Read,
+    Edit,
+    Delete,
+    Move,
+    Search,
+    Execute,
+    Think,
+    Fetch,
+    Other,
+}
+
+impl ToolKind {
+    pub const ALL: [ToolKind; 9] = [
+        ToolKind::Read,
+        ToolKind::Edit,
+        ToolKind::Delete,
+        ToolKind::Move,
+        ToolKind::Search,
+        ToolKind::Execute,
+        ToolKind::Think,
+        ToolKind::Fetch,
+        ToolKind::Other,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolKind::Read => "read",
+            ToolKind::Edit => "edit",
+            ToolKind::Delete => "delete",
+            ToolKind::Move => "move",
+            ToolKind::Search => "search",
+            ToolKind::Execute => "execute",
+            ToolKind::Think => "think",
+            ToolKind::Fetch => "fetch",
+            ToolKind::Other => "other",
+        }
+    }
+}
+
+impl std::str::FromStr for ToolKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ToolKind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| {
+            let known: Vec<&str> = ToolKind::ALL.iter().map(|k| k.as_str()).collect();
+            format!("unknown tool kind `{s}`; expected one of {}", known.join(", "))
+        })
+    }
+}
+
+/// Limits every tool call runs under.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Longest tool output sent back to the model.
+    pub output_bytes: usize,
+    /// Default `run_command` timeout.
+    pub command_timeout: Duration,
+    /// Longest `run_command` timeout a model may ask for.
+    pub max_command_timeout: Duration,
+    /// Bytes of each command stream kept from its start and from its end.
+    pub command_capture_bytes: usize,
+    /// Most matches `grep` reports.
+    pub grep_max_matches: usize,
+    /// Lines `read_file` returns when no limit is given.
+    pub read_default_lines: usize,
+    /// Entries `list_dir` reports.
+    pub list_max_entries: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            output_bytes: 64 * 1024,
+            command_timeout: Duration::from_secs(120),
+            max_command_timeout: Duration::from_secs(3600),
+            command_capture_bytes: 16 * 1024,
+            grep_max_matches: 200,
+            read_default_lines: 2000,
+            list_max_entries: 1000,
+        }
+    }
+}
+
+/// What a tool call runs with.
+#[derive(Clone)]
+pub struct ToolContext {
+    pub workspace: Workspace,
+    /// Fires when the turn is cancelled; long tools stop and clean up.
+    pub cancel: CancellationToken,
+    pub limits: Limits,
+}
+
+/// A place a tool call touches, so a client can follow along.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Location {
+    pub path: PathBuf,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<u32>,
+}
+
+/// Structured content a tool produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToolContent {
+    Text { text: String },
+    /// A file change: the whole old text (none for a new file) and new text.
+    Diff { path: PathBuf, old_text: Option<String>, new_text: String },
+}
+
+/// The result of a tool that ran.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOutput {
+    /// Whether the tool achieved what it was asked (a command's exit code 0, say).
+    pub success: bool,
+    /// What the model reads.
+    pub text: String,
+    pub content: Vec<ToolContent>,
+    pub locations: Vec<Location>,
+    /// Structured output for the session log.
+    pub raw: Value,
+    /// A new plan, from `update_plan`.
+    pub plan: Option<Vec<PlanEntry>>,
+}
+
+impl ToolOutput {
+    pub fn ok(text: impl Into<String>, raw: Value) -> ToolOutput {
+        ToolOutput { success: true, text: text.into(), content: Vec::new(), locations: Vec::new(), raw, plan: None }
+    }
+}
+
+/// Why a tool did not run or did not finish. The message goes back to the model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ToolError(pub String);
+
+impl ToolError {
+    pub fn new(msg: impl Into<String>) -> ToolError {
+        ToolError(msg.into())
+    }
+}
+
+/// How a pending call looks before it runs: for the permission request and the log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preview {
+    pub title: String,
+    pub locations: Vec<Location>,
+}
+
+/// A built-in tool.
+pub trait Tool: Send + Sync + 'static {
+    fn name(&self) -> &'static str;
+    fn kind(&self) -> ToolKind;
+    fn description(&self) -> &'static str;
+    /// JSON schema of the arguments.
+    fn parameters(&self) -> Value;
+    /// Title and locations of a call with `args`, without running it.
+    fn preview(&self, args: &Value, workspace: &Workspace) -> Preview;
+    /// Runs the call.
+    fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>>;
+}
+
+/// Parses a tool's arguments, with a message the model can act on.
+pub(crate) fn parse_args<T: serde::de::DeserializeOwned>(tool: &str, args: Value) -> Result<T, ToolError> {
+    serde_json::from_value(args).map_err(|e| ToolError::new(format!("invalid arguments for {tool}: {e}")))
+}
+
+/// The `path` argument of a call, for previews.
+pub(crate) fn arg_path(args: &Value) -> Option<&str> {
+    args.get("path").and_then(Value::as_str)
+}
+
+/// Runs blocking filesystem work off the async threads.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ToolError> + Send + 'static,
+) -> Result<T, ToolError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ToolError::new(format!("the tool's worker failed: {e}")))?
+}

@@ -1,0 +1,96 @@
+//! `list_dir`: one directory's entries with type and size, `.gitignore` respected.
+
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::{Location, Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace, arg_path, blocking};
+
+pub struct ListDir;
+
+#[derive(Deserialize)]
+struct Args {
+    #[serde(default)]
+    path: Option<String>,
+}
+
+impl Tool for ListDir {
+    fn name(&self) -> &'static str {
+        "list_dir"
+    }
+    fn kind(&self) -> ToolKind {
+        ToolKind::Read
+    }
+    fn description(&self) -> &'static str {
+        "List a directory of the session: each entry with its type and size. Files ignored by .gitignore are left out."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {"path": {"type": "string", "description": "Directory, relative to the session directory (default: .)"}},
+            "required": ["path"]
+        })
+    }
+    fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
+        let path = arg_path(args).unwrap_or(".");
+        Preview {
+            title: format!("List {path}"),
+            locations: ws.resolve(path).map(|p| vec![Location { path: p, line: None }]).unwrap_or_default(),
+        }
+    }
+    fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
+        Box::pin(async move {
+            let args: Args = crate::parse_args("list_dir", args)?;
+            let dir = cx.workspace.resolve(args.path.as_deref().unwrap_or("."))?;
+            let shown = cx.workspace.display(&dir);
+            let max = cx.limits.list_max_entries;
+            let dir2 = dir.clone();
+            let entries = blocking(move || list(&dir2, &shown, max)).await?;
+            let mut out = ToolOutput::ok(entries.0, json!({"path": dir, "entries": entries.1}));
+            out.locations = vec![Location { path: dir, line: None }];
+            Ok(out)
+        })
+    }
+}
+
+fn list(dir: &std::path::Path, shown: &str, max: usize) -> Result<(String, usize), ToolError> {
+    let meta = std::fs::metadata(dir).map_err(|e| ToolError::new(format!("cannot list {shown}: {e}")))?;
+    if !meta.is_dir() {
+        return Err(ToolError::new(format!("{shown} is not a directory; use read_file")));
+    }
+    let walker = ignore::WalkBuilder::new(dir)
+        .max_depth(Some(1))
+        .hidden(false)
+        .require_git(false)
+        .filter_entry(|e| e.file_name() != ".git")
+        .build();
+    let mut rows = Vec::new();
+    for entry in walker.flatten() {
+        if entry.depth() == 0 {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let row = match entry.file_type() {
+            Some(t) if t.is_symlink() => {
+                let target = std::fs::read_link(entry.path()).map(|t| t.display().to_string()).unwrap_or_default();
+                format!("{name} -> {target}  (symlink)")
+            }
+            Some(t) if t.is_dir() => format!("{name}/  (dir)"),
+            _ => {
+                let size = entry.metadata().map(|m| m.len()).unwrap_or(0);
+                format!("{name}  ({size} bytes)")
+            }
+        };
+        rows.push(row);
+    }
+    rows.sort();
+    let count = rows.len();
+    if count == 0 {
+        return Ok((format!("[{shown} is empty]"), 0));
+    }
+    let mut text = rows.iter().take(max).cloned().collect::<Vec<_>>().join("\n");
+    if count > max {
+        text.push_str(&format!("\n[{} more entries not shown]", count - max));
+    }
+    Ok((text, count))
+}

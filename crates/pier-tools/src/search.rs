@@ -1,0 +1,132 @@
+//! `grep`: a regex over the tree with ripgrep's own crates, `.gitignore` respected.
+
+use futures::future::BoxFuture;
+use grep::regex::RegexMatcher;
+use grep::searcher::sinks::UTF8;
+use grep::searcher::{BinaryDetection, SearcherBuilder};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::{Location, Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace, blocking};
+
+pub struct Grep;
+
+#[derive(Deserialize)]
+struct Args {
+    pattern: String,
+    #[serde(default)]
+    path: Option<String>,
+    #[serde(default)]
+    glob: Option<String>,
+}
+
+/// Longest matched line shown, in chars.
+const MAX_LINE_CHARS: usize = 400;
+
+impl Tool for Grep {
+    fn name(&self) -> &'static str {
+        "grep"
+    }
+    fn kind(&self) -> ToolKind {
+        ToolKind::Search
+    }
+    fn description(&self) -> &'static str {
+        "Search files of the session for a regular expression (Rust regex syntax). Returns `path:line: text` \
+         for each matching line. Respects .gitignore and skips binary files. Narrow with `path` and `glob` (e.g. `*.rs`)."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "pattern": {"type": "string", "description": "Regular expression"},
+                "path": {"type": "string", "description": "File or directory to search (default: .)"},
+                "glob": {"type": "string", "description": "Only search files whose path matches this glob, e.g. *.rs"}
+            },
+            "required": ["pattern"]
+        })
+    }
+    fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
+        let pattern = args.get("pattern").and_then(Value::as_str).unwrap_or("?");
+        let path = args.get("path").and_then(Value::as_str).unwrap_or(".");
+        Preview {
+            title: format!("grep {pattern:?} in {path}"),
+            locations: ws.resolve(path).map(|p| vec![Location { path: p, line: None }]).unwrap_or_default(),
+        }
+    }
+    fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
+        Box::pin(async move {
+            let args: Args = crate::parse_args("grep", args)?;
+            let root = cx.workspace.resolve(args.path.as_deref().unwrap_or("."))?;
+            let ws = cx.workspace.clone();
+            let max = cx.limits.grep_max_matches;
+            let cancel = cx.cancel.clone();
+            let pattern = args.pattern.clone();
+            let (lines, capped, files) =
+                blocking(move || search(&ws, &root, &pattern, args.glob.as_deref(), max, &cancel)).await?;
+            let count = lines.len();
+            let mut text =
+                if lines.is_empty() { format!("no matches for {:?}", args.pattern) } else { lines.join("\n") };
+            if capped {
+                text.push_str(&format!("\n[stopped at {max} matches; narrow the pattern, path or glob]"));
+            }
+            Ok(ToolOutput::ok(text, json!({"matches": count, "files_searched": files, "capped": capped})))
+        })
+    }
+}
+
+fn search(
+    ws: &Workspace,
+    root: &std::path::Path,
+    pattern: &str,
+    glob: Option<&str>,
+    max: usize,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<(Vec<String>, bool, usize), ToolError> {
+    let matcher =
+        RegexMatcher::new_line_matcher(pattern).map_err(|e| ToolError::new(format!("invalid pattern: {e}")))?;
+    let mut builder = ignore::WalkBuilder::new(root);
+    builder.hidden(false).require_git(false).filter_entry(|e| e.file_name() != ".git");
+    if let Some(glob) = glob {
+        let mut overrides = ignore::overrides::OverrideBuilder::new(root);
+        overrides.add(glob).map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?;
+        builder.overrides(overrides.build().map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?);
+    }
+    let mut searcher =
+        SearcherBuilder::new().binary_detection(BinaryDetection::quit(b'\x00')).line_number(true).build();
+    let (mut lines, mut files, mut capped) = (Vec::new(), 0usize, false);
+    for entry in builder.build().flatten() {
+        if cancel.is_cancelled() {
+            return Err(ToolError::new("cancelled"));
+        }
+        if !entry.file_type().is_some_and(|t| t.is_file()) {
+            continue;
+        }
+        files += 1;
+        let shown = ws.display(entry.path());
+        let result = searcher.search_path(
+            &matcher,
+            entry.path(),
+            UTF8(|number, line| {
+                let line = line.trim_end_matches(['\n', '\r']);
+                let line: String = if line.chars().count() > MAX_LINE_CHARS {
+                    line.chars().take(MAX_LINE_CHARS).chain("…".chars()).collect()
+                } else {
+                    line.to_owned()
+                };
+                lines.push(format!("{shown}:{number}: {line}"));
+                if lines.len() >= max {
+                    capped = true;
+                    return Ok(false);
+                }
+                Ok(true)
+            }),
+        );
+        if let Err(e) = result {
+            tracing::debug!(file = %shown, error = %e, "grep skipped a file");
+        }
+        if capped {
+            break;
+        }
+    }
+    Ok((lines, capped, files))
+}

@@ -1,0 +1,200 @@
+//! `write_file` and `edit_file`: file changes, recorded as old and new text, and
+//! written atomically (a temporary file renamed over the target) so a crash
+//! never leaves a half-written file.
+
+use std::path::Path;
+
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::{
+    Location, Preview, Tool, ToolContent, ToolContext, ToolError, ToolKind, ToolOutput, Workspace, arg_path, blocking,
+};
+
+pub struct WriteFile;
+pub struct EditFile;
+
+#[derive(Deserialize)]
+struct WriteArgs {
+    path: String,
+    content: String,
+}
+
+#[derive(Deserialize)]
+struct EditArgs {
+    path: String,
+    old_text: String,
+    new_text: String,
+    #[serde(default)]
+    replace_all: bool,
+}
+
+fn preview(verb: &str, args: &Value, ws: &Workspace) -> Preview {
+    let path = arg_path(args).unwrap_or("?");
+    Preview {
+        title: format!("{verb} {path}"),
+        locations: ws.resolve(path).map(|p| vec![Location { path: p, line: None }]).unwrap_or_default(),
+    }
+}
+
+impl Tool for WriteFile {
+    fn name(&self) -> &'static str {
+        "write_file"
+    }
+    fn kind(&self) -> ToolKind {
+        ToolKind::Edit
+    }
+    fn description(&self) -> &'static str {
+        "Create a file, or replace a file's whole content. Parent directories are created. Prefer edit_file for \
+         changing part of an existing file."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "File path, relative to the session directory"},
+                "content": {"type": "string", "description": "The complete new content of the file"}
+            },
+            "required": ["path", "content"]
+        })
+    }
+    fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
+        preview("Write", args, ws)
+    }
+    fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
+        Box::pin(async move {
+            let args: WriteArgs = crate::parse_args("write_file", args)?;
+            let path = cx.workspace.resolve(&args.path)?;
+            let shown = cx.workspace.display(&path);
+            let target = path.clone();
+            let content = args.content.clone();
+            let old = blocking(move || {
+                let old = read_existing(&target, &shown)?;
+                if let Some(parent) = target.parent() {
+                    std::fs::create_dir_all(parent)
+                        .map_err(|e| ToolError::new(format!("cannot create the directory of {shown}: {e}")))?;
+                }
+                write_atomic(&target, content.as_bytes(), &shown)?;
+                Ok(old)
+            })
+            .await?;
+            let shown = cx.workspace.display(&path);
+            let verb = if old.is_some() { "Replaced" } else { "Created" };
+            let mut out = ToolOutput::ok(
+                format!("{verb} {shown} ({} bytes)", args.content.len()),
+                json!({"path": path, "created": old.is_none(), "bytes": args.content.len()}),
+            );
+            out.content = vec![ToolContent::Diff { path: path.clone(), old_text: old, new_text: args.content }];
+            out.locations = vec![Location { path, line: None }];
+            Ok(out)
+        })
+    }
+}
+
+impl Tool for EditFile {
+    fn name(&self) -> &'static str {
+        "edit_file"
+    }
+    fn kind(&self) -> ToolKind {
+        ToolKind::Edit
+    }
+    fn description(&self) -> &'static str {
+        "Replace exact text in a file. `old_text` must match exactly once (whitespace included) unless \
+         `replace_all` is true; include enough surrounding lines to make it unique."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "File path, relative to the session directory"},
+                "old_text": {"type": "string", "description": "Exact text to replace"},
+                "new_text": {"type": "string", "description": "Replacement text"},
+                "replace_all": {"type": "boolean", "description": "Replace every occurrence (default false)"}
+            },
+            "required": ["path", "old_text", "new_text"]
+        })
+    }
+    fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
+        preview("Edit", args, ws)
+    }
+    fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
+        Box::pin(async move {
+            let args: EditArgs = crate::parse_args("edit_file", args)?;
+            if args.old_text.is_empty() {
+                return Err(ToolError::new("old_text is empty; give the exact text to replace"));
+            }
+            let path = cx.workspace.resolve(&args.path)?;
+            let shown = cx.workspace.display(&path);
+            let target = path.clone();
+            let (old, new, count, line) = blocking(move || {
+                let Some(old) = read_existing(&target, &shown)? else {
+                    return Err(ToolError::new(format!("{shown} does not exist; use write_file to create it")));
+                };
+                let count = old.matches(args.old_text.as_str()).count();
+                if count == 0 {
+                    return Err(ToolError::new(format!(
+                        "old_text was not found in {shown}; read the file and copy the exact text, whitespace included"
+                    )));
+                }
+                if count > 1 && !args.replace_all {
+                    return Err(ToolError::new(format!(
+                        "old_text matches {count} times in {shown}; include more surrounding text to make it unique, \
+                         or set replace_all"
+                    )));
+                }
+                let first = old.find(args.old_text.as_str()).unwrap_or(0);
+                let line = old[..first].matches('\n').count() + 1;
+                let new = if args.replace_all {
+                    old.replace(args.old_text.as_str(), &args.new_text)
+                } else {
+                    old.replacen(args.old_text.as_str(), &args.new_text, 1)
+                };
+                write_atomic(&target, new.as_bytes(), &shown)?;
+                Ok((old, new, count, line))
+            })
+            .await?;
+            let shown = cx.workspace.display(&path);
+            let mut out = ToolOutput::ok(
+                format!("Edited {shown}: replaced {count} occurrence{}", if count == 1 { "" } else { "s" }),
+                json!({"path": path, "replacements": count, "first_line": line}),
+            );
+            out.content = vec![ToolContent::Diff { path: path.clone(), old_text: Some(old), new_text: new }];
+            out.locations = vec![Location { path, line: Some(line as u32) }];
+            Ok(out)
+        })
+    }
+}
+
+/// The current text of `path`, `None` if it does not exist; refuses directories and binary files.
+fn read_existing(path: &Path, shown: &str) -> Result<Option<String>, ToolError> {
+    match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| ToolError::new(format!("{shown} is not a UTF-8 text file; refusing to change it"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) if path.is_dir() => Err(ToolError::new(format!("{shown} is a directory ({e})"))),
+        Err(e) => Err(ToolError::new(format!("cannot read {shown}: {e}"))),
+    }
+}
+
+fn write_atomic(path: &Path, bytes: &[u8], shown: &str) -> Result<(), ToolError> {
+    use std::io::Write;
+    let fail = |e: std::io::Error| ToolError::new(format!("cannot write {shown}: {e}"));
+    let dir = path.parent().ok_or_else(|| ToolError::new(format!("{shown} has no parent directory")))?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.pier-{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        if let Ok(meta) = std::fs::metadata(path) {
+            file.set_permissions(meta.permissions())?;
+        }
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(fail)
+}
