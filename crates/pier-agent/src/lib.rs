@@ -6,8 +6,10 @@
 //! the token is set by the prompt's handler before the handler yields, so a
 //! `session/cancel` that follows a prompt on the wire always finds it.
 
+pub mod permission;
 pub mod profile;
 pub mod prompt;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,7 +23,7 @@ use agent_client_protocol_schema::{MethodDispatchError, ProtocolVersion};
 use futures::future::BoxFuture;
 use pier_acp::error::{decode_params, internal, invalid_params};
 use pier_acp::{Connection, Handler, RequestCx};
-use pier_engine::{Engine, EngineError, EventMsg, Session};
+use pier_engine::{Engine, EngineError, EventMsg, Session, TurnContext};
 use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -183,7 +185,9 @@ impl AcpAgent {
         };
         // The turn ends, drops its sender, and `forward` drains: every update is
         // written before the response (R092).
-        let (result, ()) = tokio::join!(permit.run(text, token, tx), forward);
+        let approver = Arc::new(permission::ClientApprover { conn: conn.clone(), session_id: session_id.clone() });
+        let cx = TurnContext { cancel: token, events: tx, approver };
+        let (result, ()) = tokio::join!(permit.run(text, cx), forward);
         match result {
             Ok(stop) => to_value(&PromptResponse::new(stop_reason(stop))),
             Err(e) => Err(engine_error(&e)),
@@ -236,6 +240,7 @@ fn engine_error(e: &EngineError) -> Error {
             }
             Error::new(-32603, m.to_string()).data(data)
         }
+        EngineError::Workspace(_) => invalid_params(e.to_string()),
         EngineError::Log(_) => {
             Error::new(-32603, e.to_string()).data(json!({ "kind": "session_log", "reason": e.to_string() }))
         }

@@ -10,6 +10,9 @@ pub enum EngineError {
     /// (the provider retried what it could).
     #[error("{0}")]
     Model(#[from] pier_model::ModelError),
+    /// The session's directory cannot be used.
+    #[error("the session directory cannot be used: {0}")]
+    Workspace(String),
     /// The session log could not be written; the turn's record would be lost.
     #[error("the session log could not be written ({0}); check that PIER_HOME is writable and has space")]
     Log(String),

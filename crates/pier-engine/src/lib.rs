@@ -5,24 +5,27 @@
 //! JSON-RPC: the agent's profiles project its events onto the wire.
 //!
 //! - [`session`]: sessions and the turn loop.
+//! - [`tool_call`]: the tool call entity and its state machine.
+//! - [`permission`]: the permission policy and the approver seam.
 //! - [`log`]: the per-session JSON-lines log actor.
-//! - [`tools`]: the seam where tools plug in.
 
 pub mod error;
 pub mod log;
+pub mod permission;
 pub mod session;
-pub mod tools;
+pub mod tool_call;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use error::EngineError;
-use pier_model::{ModelProvider, Usage};
-pub use session::{Session, TurnPermit};
-pub use tools::{NoTools, ToolHost, ToolOutcome};
+pub use permission::{Approver, Decision, NoApprover, PermissionAnswer, PermissionPolicy};
+use pier_model::{ModelProvider, ToolSpec, Usage};
+use pier_tools::{PlanEntry, Toolbox, Workspace};
+pub use session::{Session, TurnContext, TurnPermit};
+pub use tool_call::{ToolCallRecord, ToolCallStatus};
 
 use crate::log::{LogRecord, SessionLog};
-use crate::session::SessionServices;
 
 /// Why a turn ended; the five stop reasons of seed 000.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +65,12 @@ pub enum EventMsg {
     MessageCommitted(String),
     /// Token usage of one model request.
     Usage(Usage),
+    /// A new tool call, in `pending`.
+    ToolCall(ToolCallRecord),
+    /// A tool call's new state.
+    ToolCallUpdate(ToolCallRecord),
+    /// The whole plan, replacing the previous one.
+    Plan(Vec<PlanEntry>),
 }
 
 /// Settings of the engine.
@@ -93,14 +102,41 @@ impl EngineConfig {
     }
 }
 
-/// Creates sessions over one model provider and one tool host.
+/// Everything sessions share: set up once per engine.
+pub(crate) struct Services {
+    pub config: EngineConfig,
+    pub model: Arc<dyn ModelProvider>,
+    pub toolbox: Arc<Toolbox>,
+    pub policy: PermissionPolicy,
+}
+
+impl Services {
+    fn tool_specs(&self) -> Vec<ToolSpec> {
+        self.toolbox
+            .tools()
+            .iter()
+            .map(|t| ToolSpec {
+                name: t.name().to_owned(),
+                description: t.description().to_owned(),
+                parameters: t.parameters(),
+            })
+            .collect()
+    }
+}
+
+/// Creates sessions over one model provider, one toolbox and one permission policy.
 pub struct Engine {
-    services: Arc<SessionServices>,
+    services: Arc<Services>,
 }
 
 impl Engine {
-    pub fn new(config: EngineConfig, model: Arc<dyn ModelProvider>, tools: Arc<dyn ToolHost>) -> Engine {
-        Engine { services: Arc::new(SessionServices { config, model, tools }) }
+    pub fn new(
+        config: EngineConfig,
+        model: Arc<dyn ModelProvider>,
+        toolbox: Arc<Toolbox>,
+        policy: PermissionPolicy,
+    ) -> Engine {
+        Engine { services: Arc::new(Services { config, model, toolbox, policy }) }
     }
 
     /// Creates a fresh session rooted at `cwd`, with its log under `$PIER_HOME/sessions/`.
@@ -117,8 +153,9 @@ impl Engine {
     }
 
     async fn start(&self, id: String, cwd: PathBuf, log: SessionLog) -> Result<Arc<Session>, EngineError> {
+        let workspace = Workspace::new(&cwd).map_err(|e| EngineError::Workspace(format!("{}: {e}", cwd.display())))?;
         log.append(0, &LogRecord::SessionStarted { session_id: id.clone(), cwd: cwd.clone() });
         log.flush().await?;
-        Ok(Arc::new(Session::new(id, cwd, log, self.services.clone())))
+        Ok(Arc::new(Session::new(id, cwd, workspace, log, self.services.clone())))
     }
 }

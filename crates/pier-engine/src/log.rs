@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use serde_json::Value;
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot};
 
@@ -21,16 +20,48 @@ use crate::error::EngineError;
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum LogRecord {
-    SessionStarted { session_id: String, cwd: PathBuf },
-    Prompt { text: String },
-    ModelRequest { n: u32, provider: String },
-    ModelResponse { n: u32, finish: String, usage: Option<pier_model::Usage> },
-    Reasoning { text: String },
-    Message { text: String },
-    Refusal { text: String },
-    ToolCall { id: String, name: String, arguments: String, status: String, output: Value },
-    TurnEnded { stop_reason: String },
-    TurnFailed { error: String },
+    SessionStarted {
+        session_id: String,
+        cwd: PathBuf,
+    },
+    Prompt {
+        text: String,
+    },
+    ModelRequest {
+        n: u32,
+        provider: String,
+    },
+    ModelResponse {
+        n: u32,
+        finish: String,
+        usage: Option<pier_model::Usage>,
+    },
+    Reasoning {
+        text: String,
+    },
+    Message {
+        text: String,
+    },
+    Refusal {
+        text: String,
+    },
+    /// A tool call's full state, written at every transition.
+    ToolCall {
+        call: crate::tool_call::ToolCallRecord,
+    },
+    Permission {
+        call_id: String,
+        answer: String,
+    },
+    Plan {
+        entries: Vec<pier_tools::PlanEntry>,
+    },
+    TurnEnded {
+        stop_reason: String,
+    },
+    TurnFailed {
+        error: String,
+    },
     SessionClosed,
 }
 

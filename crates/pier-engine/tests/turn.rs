@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use pier_engine::log::SessionLog;
-use pier_engine::{Engine, EngineConfig, EngineError, EventMsg, NoTools, StopReason};
+use pier_engine::{Engine, EngineConfig, EngineError, EventMsg, NoApprover, PermissionPolicy, StopReason, TurnContext};
 use pier_fake_model::{FakeModel, Reply, Step};
 use pier_model::{ModelConfig, OpenAiProvider};
 use tokio::io::AsyncWrite;
@@ -51,7 +51,8 @@ impl AsyncWrite for FillsUp {
 fn engine(fake: &FakeModel, home: &std::path::Path) -> std::io::Result<Engine> {
     let provider =
         OpenAiProvider::new(ModelConfig::new(fake.base_url(), "fake-model")).map_err(std::io::Error::other)?;
-    Ok(Engine::new(EngineConfig::new(home.to_owned()), Arc::new(provider), Arc::new(NoTools)))
+    let toolbox = Arc::new(pier_tools::Toolbox::builtin(pier_tools::Limits::default()));
+    Ok(Engine::new(EngineConfig::new(home.to_owned()), Arc::new(provider), toolbox, PermissionPolicy::default()))
 }
 
 async fn run(session: &pier_engine::Session, prompt: &str) -> (Result<StopReason, EngineError>, Vec<EventMsg>) {
@@ -60,7 +61,8 @@ async fn run(session: &pier_engine::Session, prompt: &str) -> (Result<StopReason
         Ok(p) => p,
         Err(e) => return (Err(e), Vec::new()),
     };
-    let result = permit.run(prompt.to_owned(), CancellationToken::new(), tx).await;
+    let cx = TurnContext { cancel: CancellationToken::new(), events: tx, approver: Arc::new(NoApprover) };
+    let result = permit.run(prompt.to_owned(), cx).await;
     let mut events = Vec::new();
     while let Ok(e) = rx.try_recv() {
         events.push(e);

@@ -57,7 +57,10 @@ impl Tool for RunCommand {
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let command = args.get("command").and_then(Value::as_str).unwrap_or("?");
         let short: String = command.chars().take(120).collect();
-        Preview { title: format!("Run `{short}`"), locations: vec![Location { path: ws.root().to_owned(), line: None }] }
+        Preview {
+            title: format!("Run `{short}`"),
+            locations: vec![Location { path: ws.root().to_owned(), line: None }],
+        }
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
         Box::pin(async move {
@@ -147,7 +150,9 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
         None => (None, None),
     };
     let mut text = match ending {
-        Ending::TimedOut => format!("timed out after {} ms; the command's process group was killed", timeout.as_millis()),
+        Ending::TimedOut => {
+            format!("timed out after {} ms; the command's process group was killed", timeout.as_millis())
+        }
         Ending::Cancelled => "cancelled; the command's process group was killed".to_owned(),
         Ending::Exited(_) => match (code, signal) {
             (Some(c), _) => format!("exit code {c}"),

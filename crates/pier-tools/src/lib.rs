@@ -138,9 +138,15 @@ pub struct Location {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToolContent {
-    Text { text: String },
+    Text {
+        text: String,
+    },
     /// A file change: the whole old text (none for a new file) and new text.
-    Diff { path: PathBuf, old_text: Option<String>, new_text: String },
+    Diff {
+        path: PathBuf,
+        old_text: Option<String>,
+        new_text: String,
+    },
 }
 
 /// The result of a tool that ran.

@@ -40,11 +40,7 @@ impl HeadTail {
         let tail: Vec<u8> = self.tail.iter().copied().collect();
         let tail = String::from_utf8_lossy(&tail);
         let elided = self.total - self.head.len() - self.tail.len();
-        if elided == 0 {
-            format!("{head}{tail}")
-        } else {
-            format!("{head}\n[... {elided} bytes elided ...]\n{tail}")
-        }
+        if elided == 0 { format!("{head}{tail}") } else { format!("{head}\n[... {elided} bytes elided ...]\n{tail}") }
     }
 }
 

@@ -61,9 +61,9 @@ impl Workspace {
                 _ => return Err(self.outside(path)),
             }
         }
-        let mut resolved = existing.canonicalize().map_err(|e| {
-            ToolError::new(format!("`{path}` cannot be resolved ({e}); it may be a dangling symlink"))
-        })?;
+        let mut resolved = existing
+            .canonicalize()
+            .map_err(|e| ToolError::new(format!("`{path}` cannot be resolved ({e}); it may be a dangling symlink")))?;
         for name in rest.into_iter().rev() {
             resolved.push(name);
         }

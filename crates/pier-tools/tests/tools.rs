@@ -81,7 +81,8 @@ fn the_builtin_tools_have_the_specified_names_kinds_and_parameters() {
     let params = |name: &str| -> Vec<String> {
         let t = f.toolbox.get(name).unwrap_or_else(|| panic!("{name}"));
         let p = t.parameters();
-        let mut keys: Vec<String> = p["properties"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+        let mut keys: Vec<String> =
+            p["properties"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
         keys.sort();
         keys
     };
@@ -144,7 +145,10 @@ async fn list_dir_shows_types_and_sizes_and_respects_gitignore() {
     std::os::unix::fs::symlink("README.md", f.root().join("link")).unwrap_or_else(|e| panic!("{e}"));
     let out = f.ok("list_dir", json!({"path": "."})).await;
     let lines: Vec<&str> = out.text.lines().collect();
-    assert_eq!(lines, [".gitignore  (14 bytes)", "README.md  (5 bytes)", "link -> README.md  (symlink)", "src/  (dir)"]);
+    assert_eq!(
+        lines,
+        [".gitignore  (14 bytes)", "README.md  (5 bytes)", "link -> README.md  (symlink)", "src/  (dir)"]
+    );
     let out = f.ok("list_dir", json!({"path": "src"})).await;
     assert_eq!(out.text, "main.rs  (13 bytes)");
     assert!(f.err("list_dir", json!({"path": "README.md"})).await.contains("not a directory"));
@@ -223,18 +227,24 @@ async fn edit_file_replaces_exactly_once_or_fails_clearly() {
     let msg = f.err("edit_file", json!({"path": "f.rs", "old_text": "nope", "new_text": "x"})).await;
     assert!(msg.contains("not found"), "{msg}");
     assert!(f.err("edit_file", json!({"path": "f.rs", "old_text": "", "new_text": "x"})).await.contains("empty"));
-    assert!(f.err("edit_file", json!({"path": "g.rs", "old_text": "a", "new_text": "x"})).await.contains("does not exist"));
+    assert!(
+        f.err("edit_file", json!({"path": "g.rs", "old_text": "a", "new_text": "x"})).await.contains("does not exist")
+    );
     assert_eq!(f.read("f.rs"), "let a = 1;\nlet b = 2;\nlet a = 1;\n", "failed edits change nothing");
     let out = f.ok("edit_file", json!({"path": "f.rs", "old_text": "let b = 2;", "new_text": "let b = 3;"})).await;
     assert_eq!(f.read("f.rs"), "let a = 1;\nlet b = 3;\nlet a = 1;\n");
     assert_eq!(out.locations[0].line, Some(2));
     match &out.content[..] {
         [ToolContent::Diff { old_text: Some(old), new_text, .. }] => {
-            assert_eq!((old.as_str(), new_text.as_str()), ("let a = 1;\nlet b = 2;\nlet a = 1;\n", "let a = 1;\nlet b = 3;\nlet a = 1;\n"));
+            assert_eq!(
+                (old.as_str(), new_text.as_str()),
+                ("let a = 1;\nlet b = 2;\nlet a = 1;\n", "let a = 1;\nlet b = 3;\nlet a = 1;\n")
+            );
         }
         other => panic!("{other:?}"),
     }
-    let out = f.ok("edit_file", json!({"path": "f.rs", "old_text": "let a", "new_text": "let z", "replace_all": true})).await;
+    let out =
+        f.ok("edit_file", json!({"path": "f.rs", "old_text": "let a", "new_text": "let z", "replace_all": true})).await;
     assert_eq!(f.read("f.rs"), "let z = 1;\nlet b = 3;\nlet z = 1;\n");
     assert_eq!(out.raw["replacements"], 2);
 }
@@ -348,7 +358,8 @@ async fn update_plan_takes_the_whole_plan() {
     assert_eq!(plan.len(), 2);
     assert_eq!(plan[1].status, PlanStatus::InProgress);
     assert_eq!(out.text, "Plan updated: 2 steps (1 completed, 1 in progress, 0 pending)");
-    let msg = f.err("update_plan", json!({"entries": [{"content": "x", "priority": "urgent", "status": "pending"}]})).await;
+    let msg =
+        f.err("update_plan", json!({"entries": [{"content": "x", "priority": "urgent", "status": "pending"}]})).await;
     assert!(msg.contains("invalid arguments for update_plan"), "{msg}");
 }
 

@@ -6,10 +6,11 @@ use std::time::Duration;
 use anyhow::Context;
 use pier_acp::{Connection, ConnectionConfig};
 use pier_agent::{AcpAgent, AgentHandler, Profile};
-use pier_engine::{Engine, EngineConfig, NoTools};
+use pier_engine::{Engine, EngineConfig};
 use pier_model::{ModelProvider, OpenAiProvider, Unconfigured};
+use pier_tools::Toolbox;
 
-use crate::config::{self, ModelFlags, ProcessEnv};
+use crate::config::{self, ModelFlags, PermissionFlags, ProcessEnv};
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum, Default)]
 pub enum ProfileArg {
@@ -25,6 +26,8 @@ pub struct AgentArgs {
     profile: ProfileArg,
     #[command(flatten)]
     model: ModelFlags,
+    #[command(flatten)]
+    permissions: PermissionFlags,
     /// Model requests allowed in one turn before it ends with max_turn_requests [default: 64]
     #[arg(long)]
     max_turn_requests: Option<u32>,
@@ -51,7 +54,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         engine_config.max_turn_requests = n;
     }
     engine_config.system_prompt = files.system_prompt.clone();
-    let engine = Engine::new(engine_config, model, Arc::new(NoTools));
+    let policy = config::resolve_policy(&files, &args.permissions)?;
+    let toolbox = Arc::new(Toolbox::builtin(config::resolve_limits(&files)));
+    let engine = Engine::new(engine_config, model, toolbox, policy);
     let profile = match args.profile {
         ProfileArg::Automation => Profile::Automation,
     };

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use pier_engine::{Decision, PermissionPolicy};
 use pier_model::{ModelConfig, Secret};
+use pier_tools::{Limits, ToolKind};
 use serde::Deserialize;
 
 /// One configuration file.
@@ -19,6 +21,22 @@ pub struct FileConfig {
     pub system_prompt: Option<String>,
     #[serde(default)]
     pub providers: BTreeMap<String, ProviderTable>,
+    /// `[permissions]`: tool kind → `allow`, `ask` or `deny`.
+    #[serde(default)]
+    pub permissions: BTreeMap<String, String>,
+    /// `[tools]`: limits of the built-in tools.
+    #[serde(default)]
+    pub tools: ToolsTable,
+}
+
+/// `[tools]`.
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ToolsTable {
+    /// Longest tool output sent back to the model, in bytes (default 65536).
+    pub output_bytes: Option<usize>,
+    /// Default `run_command` timeout (default 120000).
+    pub command_timeout_ms: Option<u64>,
 }
 
 /// A named provider: `[providers.NAME]`.
@@ -54,6 +72,9 @@ impl FileConfig {
         self.provider = over.provider.or(self.provider);
         self.max_turn_requests = over.max_turn_requests.or(self.max_turn_requests);
         self.system_prompt = over.system_prompt.or(self.system_prompt);
+        self.permissions.extend(over.permissions);
+        self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
+        self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {
             let base = self.providers.remove(&name).unwrap_or_default();
             self.providers.insert(
@@ -73,6 +94,57 @@ impl FileConfig {
         }
         self
     }
+}
+
+/// Permission flags; they apply after the files, in the order approve-all, allow, ask, deny.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct PermissionFlags {
+    /// Allow every tool kind without asking
+    #[arg(long)]
+    pub approve_all: bool,
+    /// Allow tools of this kind without asking (read, edit, delete, move, search, execute, think, fetch, other)
+    #[arg(long, value_name = "KIND")]
+    pub allow: Vec<ToolKind>,
+    /// Ask the client before running tools of this kind
+    #[arg(long, value_name = "KIND")]
+    pub ask: Vec<ToolKind>,
+    /// Never run tools of this kind
+    #[arg(long, value_name = "KIND")]
+    pub deny: Vec<ToolKind>,
+}
+
+/// The permission policy from defaults, files and flags.
+pub fn resolve_policy(files: &FileConfig, flags: &PermissionFlags) -> anyhow::Result<PermissionPolicy> {
+    let mut policy = PermissionPolicy::default();
+    for (kind, decision) in &files.permissions {
+        let kind: ToolKind = kind.parse().map_err(|e: String| anyhow::anyhow!("[permissions]: {e}"))?;
+        let decision: Decision =
+            decision.parse().map_err(|e: String| anyhow::anyhow!("[permissions] {}: {e}", kind.as_str()))?;
+        policy.set(kind, decision);
+    }
+    if flags.approve_all {
+        policy.approve_all();
+    }
+    for (kinds, decision) in
+        [(&flags.allow, Decision::Allow), (&flags.ask, Decision::Ask), (&flags.deny, Decision::Deny)]
+    {
+        for kind in kinds {
+            policy.set(*kind, decision);
+        }
+    }
+    Ok(policy)
+}
+
+/// Tool limits from the files.
+pub fn resolve_limits(files: &FileConfig) -> Limits {
+    let mut limits = Limits::default();
+    if let Some(b) = files.tools.output_bytes {
+        limits.output_bytes = b.max(1024);
+    }
+    if let Some(ms) = files.tools.command_timeout_ms {
+        limits.command_timeout = Duration::from_millis(ms.max(1));
+    }
+    limits
 }
 
 /// Flags that override configuration.
@@ -257,6 +329,25 @@ mod tests {
         let env: BTreeMap<&str, &str> = BTreeMap::from([("PIER_PROVIDER", "nope")]);
         let err = resolve_model(&ModelFlags::default(), &env, &FileConfig::default()).err().map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("provider `nope` is not defined")));
+    }
+
+    #[test]
+    fn permissions_come_from_defaults_then_files_then_flags() -> anyhow::Result<()> {
+        let files = file("[permissions]\nexecute = \"deny\"\nedit = \"allow\"\n");
+        let p = resolve_policy(&files, &PermissionFlags::default())?;
+        assert_eq!((p.decide(ToolKind::Execute), p.decide(ToolKind::Edit)), (Decision::Deny, Decision::Allow));
+        assert_eq!(p.decide(ToolKind::Move), Decision::Ask);
+        let flags = PermissionFlags { approve_all: true, deny: vec![ToolKind::Delete], ..PermissionFlags::default() };
+        let p = resolve_policy(&files, &flags)?;
+        assert_eq!((p.decide(ToolKind::Execute), p.decide(ToolKind::Delete)), (Decision::Allow, Decision::Deny));
+        let bad = file("[permissions]\nexecute = \"maybe\"\n");
+        assert!(resolve_policy(&bad, &PermissionFlags::default()).is_err());
+        let bad = file("[permissions]\nlaunch = \"allow\"\n");
+        assert!(
+            resolve_policy(&bad, &PermissionFlags::default())
+                .is_err_and(|e| e.to_string().contains("unknown tool kind"))
+        );
+        Ok(())
     }
 
     #[test]

@@ -1,0 +1,65 @@
+//! Engine values in ACP's wire types, shared by the profiles.
+
+use agent_client_protocol_schema::v1::{
+    Content, ContentBlock, Diff, TextContent, ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdateFields,
+    ToolKind,
+};
+use pier_engine::{ToolCallRecord, ToolCallStatus as Status};
+use pier_tools::{ToolContent, ToolKind as Kind};
+
+pub fn tool_kind(kind: Kind) -> ToolKind {
+    match kind {
+        Kind::Read => ToolKind::Read,
+        Kind::Edit => ToolKind::Edit,
+        Kind::Delete => ToolKind::Delete,
+        Kind::Move => ToolKind::Move,
+        Kind::Search => ToolKind::Search,
+        Kind::Execute => ToolKind::Execute,
+        Kind::Think => ToolKind::Think,
+        Kind::Fetch => ToolKind::Fetch,
+        Kind::Other => ToolKind::Other,
+    }
+}
+
+pub fn tool_status(status: Status) -> ToolCallStatus {
+    match status {
+        Status::Pending => ToolCallStatus::Pending,
+        Status::InProgress => ToolCallStatus::InProgress,
+        Status::Completed => ToolCallStatus::Completed,
+        Status::Failed => ToolCallStatus::Failed,
+    }
+}
+
+/// Every field of a tool call, as a full update.
+pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
+    let mut content: Vec<ToolCallContent> = call
+        .content
+        .iter()
+        .map(|c| match c {
+            ToolContent::Text { text } => {
+                ToolCallContent::Content(Content::new(ContentBlock::Text(TextContent::new(text.clone()))))
+            }
+            ToolContent::Diff { path, old_text, new_text } => {
+                ToolCallContent::Diff(Diff::new(path.clone(), new_text.clone()).old_text(old_text.clone()))
+            }
+        })
+        .collect();
+    if let Some(error) = &call.error {
+        content.push(ToolCallContent::Content(Content::new(ContentBlock::Text(TextContent::new(error.clone())))));
+    }
+    let locations: Vec<ToolCallLocation> =
+        call.locations.iter().map(|l| ToolCallLocation::new(l.path.clone()).line(l.line)).collect();
+    let mut fields = ToolCallUpdateFields::new()
+        .title(call.title.clone())
+        .kind(tool_kind(call.kind))
+        .status(tool_status(call.status))
+        .raw_input(call.raw_input.clone())
+        .locations(locations);
+    if !content.is_empty() {
+        fields = fields.content(content);
+    }
+    if let Some(raw) = &call.raw_output {
+        fields = fields.raw_output(raw.clone());
+    }
+    fields
+}
