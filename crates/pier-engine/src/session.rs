@@ -272,7 +272,7 @@ impl Turn<'_> {
 
     /// Publishes a tool call's current state: to the profile and to the log.
     async fn publish(&self, record: &ToolCallRecord, first: bool) {
-        self.log(LogRecord::ToolCall { call: record.clone() });
+        self.log(LogRecord::ToolCall { call: Box::new(record.clone()) });
         let event = if first { EventMsg::ToolCall(record.clone()) } else { EventMsg::ToolCallUpdate(record.clone()) };
         self.emit(event).await;
     }
