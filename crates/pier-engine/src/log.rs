@@ -47,7 +47,7 @@ pub enum LogRecord {
     },
     /// A tool call's full state, written at every transition.
     ToolCall {
-        call: crate::tool_call::ToolCallRecord,
+        call: Box<crate::tool_call::ToolCallRecord>,
     },
     Permission {
         call_id: String,
