@@ -94,8 +94,9 @@ impl EngineConfig {
             Some(s) if s.is_empty() => None,
             Some(s) => Some(s.clone()),
             None => Some(format!(
-                "You are pier, a careful software engineering agent. Answer the user's request directly and \
-                 concisely. The session's working directory is {}.",
+                "You are pier, a careful software engineering agent. The session's working directory is {}; \
+                 your tools read, search and change files and run commands there. Look before you change \
+                 anything, keep changes small, and answer the user directly and concisely.",
                 cwd.display()
             )),
         }
