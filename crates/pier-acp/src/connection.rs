@@ -88,6 +88,10 @@ pub trait Handler: Send + Sync + 'static {
     /// Handles one notification, synchronously and in wire order. Unknown
     /// notifications should be ignored.
     fn notification(&self, conn: &Connection, method: &str, params: Value);
+
+    /// Told when the peer sent something that is not a valid message (it has
+    /// already been answered as the spec says). The default ignores it.
+    fn protocol_error(&self, _conn: &Connection, _description: &str) {}
 }
 
 /// Context of one incoming request.
@@ -339,6 +343,7 @@ async fn drive<R: tokio::io::AsyncBufRead + Unpin>(
             Ok(Some(Frame::Oversized { len })) => {
                 let limit = inner.config.max_frame_bytes;
                 tracing::warn!(len, limit, "skipped a frame longer than the limit");
+                handler.protocol_error(&conn, &format!("a frame of {len} bytes exceeds the limit of {limit} bytes"));
                 let error = Error::parse_error().data(json!({
                     "reason": format!("frame of {len} bytes exceeds the limit of {limit} bytes; it was skipped"),
                 }));
@@ -347,6 +352,8 @@ async fn drive<R: tokio::io::AsyncBufRead + Unpin>(
             Ok(Some(Frame::Line(line))) => match message::parse(&line) {
                 Err(rejection) => {
                     tracing::debug!(code = i32::from(rejection.error.code), "rejected an incoming message");
+                    let excerpt: String = String::from_utf8_lossy(&line).chars().take(120).collect();
+                    handler.protocol_error(&conn, &format!("{} in {excerpt:?}", rejection.error.message));
                     if rejection.reply {
                         conn.respond(&rejection.id, Err(rejection.error)).await;
                     }

@@ -1,0 +1,287 @@
+//! The client side of the connection: session updates, permission requests and
+//! the `fs/*` and `terminal/*` methods the agent calls.
+
+use std::collections::HashMap;
+use std::io::{BufRead, IsTerminal};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use agent_client_protocol_schema::v1::{
+    AgentRequest, Error, RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
+    SelectedPermissionOutcome, SessionNotification, SessionUpdate,
+};
+use futures::future::BoxFuture;
+use pier_acp::error::internal;
+use pier_acp::{Connection, Handler, RequestCx};
+use pier_tools::ToolKind;
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::policy::{Choice, ClientPolicy, NonInteractive, Rule, choose, kind_of};
+use crate::sandbox::Sandbox;
+use crate::terminal::Terminals;
+use crate::{fs, ClientEvent};
+
+/// What the client serves, shared by the handler and the driver.
+pub struct ClientState {
+    pub sandbox: Sandbox,
+    pub cwd: PathBuf,
+    pub fs: bool,
+    pub terminal: bool,
+    pub policy: ClientPolicy,
+    /// Whether a person can be asked on the terminal.
+    pub interactive: bool,
+    pub events: mpsc::UnboundedSender<ClientEvent>,
+    /// Fires once the turn is being cancelled: every permission request is then
+    /// answered `cancelled` (R088).
+    pub cancelling: CancellationToken,
+    /// Fires when `--non-interactive fail` met an *ask*.
+    pub permission_failed: CancellationToken,
+    pub terminals: Terminals,
+    /// While a `session/load` replays history, updates are not shown.
+    pub replaying: AtomicBool,
+    /// Tool kinds by tool call id, from updates, for permission requests that omit the kind.
+    kinds: Mutex<HashMap<String, ToolKind>>,
+}
+
+impl ClientState {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        sandbox: Sandbox,
+        cwd: PathBuf,
+        fs: bool,
+        terminal: bool,
+        policy: ClientPolicy,
+        interactive: bool,
+        events: mpsc::UnboundedSender<ClientEvent>,
+    ) -> ClientState {
+        ClientState {
+            sandbox,
+            cwd,
+            fs,
+            terminal,
+            policy,
+            interactive,
+            events,
+            cancelling: CancellationToken::new(),
+            permission_failed: CancellationToken::new(),
+            terminals: Terminals::default(),
+            replaying: AtomicBool::new(false),
+            kinds: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn emit(&self, event: ClientEvent) {
+        let _ = self.events.send(event);
+    }
+
+    fn remember_kind(&self, params: &Value) {
+        let update = &params["update"];
+        let is_call = matches!(update["sessionUpdate"].as_str(), Some("tool_call" | "tool_call_update"));
+        if let (true, Some(id), Some(kind)) = (is_call, update["toolCallId"].as_str(), update.get("kind"))
+            && let Ok(kind) = serde_json::from_value::<agent_client_protocol_schema::v1::ToolKind>(kind.clone())
+        {
+            self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id.to_owned(), kind_of(Some(&kind)));
+        }
+    }
+
+    async fn permission(self: Arc<Self>, req: RequestPermissionRequest) -> Result<Value, Error> {
+        let id = req.tool_call.tool_call_id.0.to_string();
+        let kind = match &req.tool_call.fields.kind {
+            Some(k) => kind_of(Some(k)),
+            None => self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&id).copied().unwrap_or(ToolKind::Other),
+        };
+        let title = req.tool_call.fields.title.clone().unwrap_or_else(|| id.clone());
+        let (choice, rule, reason) = if self.cancelling.is_cancelled() {
+            (Choice::Cancelled, None, "the turn is being cancelled (R088)".to_owned())
+        } else {
+            let mut rule = self.policy.rule(kind);
+            let mut reason = format!("policy for {} tools: {rule:?}", kind.as_str());
+            if rule == Rule::Ask {
+                if self.interactive {
+                    let asked = tokio::select! {
+                        answer = ask_on_terminal(title.clone(), kind) => answer,
+                        _ = self.cancelling.cancelled() => None,
+                    };
+                    match asked {
+                        Some(true) => (rule, reason) = (Rule::Allow, "allowed at the terminal".to_owned()),
+                        Some(false) => (rule, reason) = (Rule::Deny, "rejected at the terminal".to_owned()),
+                        None => {}
+                    }
+                } else {
+                    rule = Rule::Deny;
+                    reason = match self.policy.non_interactive {
+                        NonInteractive::Deny => format!("{} tools ask and nobody can be asked: --non-interactive deny", kind.as_str()),
+                        NonInteractive::Fail => {
+                            self.permission_failed.cancel();
+                            format!("{} tools ask and nobody can be asked: --non-interactive fail", kind.as_str())
+                        }
+                    };
+                }
+            }
+            if self.cancelling.is_cancelled() {
+                (Choice::Cancelled, Some(rule), "the turn is being cancelled (R088)".to_owned())
+            } else {
+                let (choice, why) = choose(rule, &req.options);
+                let reason = if why.is_empty() { reason } else { format!("{reason}; {why}") };
+                (choice, Some(rule), reason)
+            }
+        };
+        let outcome = match &choice {
+            Choice::Select { option_id, .. } => {
+                RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option_id.clone()))
+            }
+            Choice::Cancelled => RequestPermissionOutcome::Cancelled,
+        };
+        let response = RequestPermissionResponse::new(outcome);
+        let value = serde_json::to_value(&response).map_err(|e| internal(e.to_string()))?;
+        tracing::info!(tool_call = %id, ?choice, %reason, "permission decided");
+        self.emit(ClientEvent::Permission {
+            request: serde_json::to_value(&req).unwrap_or(Value::Null),
+            outcome: value["outcome"].clone(),
+            rule: rule.map(|r| serde_json::to_value(r).unwrap_or(Value::Null)).unwrap_or(Value::Null),
+            reason,
+        });
+        Ok(value)
+    }
+
+    fn denied(&self, kind: ToolKind, method: &str) -> Result<(), Error> {
+        match self.policy.rule(kind) {
+            Rule::Deny | Rule::DenyAlways => Err(internal(format!(
+                "{method} is refused: pier's policy denies {} tools",
+                kind.as_str()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    async fn client_method(self: Arc<Self>, method: String, request: AgentRequest) -> Result<Value, Error> {
+        let target: String;
+        let result: Result<Value, Error> = match request {
+            AgentRequest::ReadTextFileRequest(r) if self.fs => {
+                target = r.path.display().to_string();
+                match self.denied(ToolKind::Read, &method) {
+                    Err(e) => Err(e),
+                    Ok(()) => fs::read_text_file(&self.sandbox, r).await.and_then(|v| to_value(&v)),
+                }
+            }
+            AgentRequest::WriteTextFileRequest(r) if self.fs => {
+                target = r.path.display().to_string();
+                match self.denied(ToolKind::Edit, &method) {
+                    Err(e) => Err(e),
+                    Ok(()) => fs::write_text_file(&self.sandbox, r).await.and_then(|v| to_value(&v)),
+                }
+            }
+            AgentRequest::CreateTerminalRequest(r) if self.terminal => {
+                target = std::iter::once(r.command.clone()).chain(r.args.iter().cloned()).collect::<Vec<_>>().join(" ");
+                match self.denied(ToolKind::Execute, &method) {
+                    Err(e) => Err(e),
+                    Ok(()) => self.terminals.create(&self.sandbox, &self.cwd, r).await.and_then(|v| to_value(&v)),
+                }
+            }
+            AgentRequest::TerminalOutputRequest(r) if self.terminal => {
+                target = r.terminal_id.0.to_string();
+                self.terminals.output(&target).and_then(|v| to_value(&v))
+            }
+            AgentRequest::WaitForTerminalExitRequest(r) if self.terminal => {
+                target = r.terminal_id.0.to_string();
+                match self.terminals.wait_for_exit(&target).await {
+                    Ok(status) => to_value(&agent_client_protocol_schema::v1::WaitForTerminalExitResponse::new(status)),
+                    Err(e) => Err(e),
+                }
+            }
+            AgentRequest::KillTerminalRequest(r) if self.terminal => {
+                target = r.terminal_id.0.to_string();
+                self.terminals.kill(&target).map(|()| json!({}))
+            }
+            AgentRequest::ReleaseTerminalRequest(r) if self.terminal => {
+                target = r.terminal_id.0.to_string();
+                self.terminals.release(&target).map(|()| json!({}))
+            }
+            _ => {
+                target = String::new();
+                Err(Error::method_not_found().data(json!({ "method": method, "reason": "this client does not serve it" })))
+            }
+        };
+        self.emit(ClientEvent::ClientCall {
+            method: method.clone(),
+            target,
+            error: result.as_ref().err().map(|e| serde_json::to_value(e).unwrap_or(Value::Null)),
+        });
+        result
+    }
+}
+
+fn to_value<T: Serialize>(v: &T) -> Result<Value, Error> {
+    serde_json::to_value(v).map_err(|e| internal(e.to_string()))
+}
+
+/// Asks the person at the terminal; `None` when nobody answers.
+async fn ask_on_terminal(title: String, kind: ToolKind) -> Option<bool> {
+    tokio::task::spawn_blocking(move || {
+        if !std::io::stdin().is_terminal() {
+            return None;
+        }
+        eprint!("\npier: the agent asks to run {title} ({}). Allow once? [y/N] ", kind.as_str());
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).ok()?;
+        Some(matches!(line.trim(), "y" | "Y" | "yes"))
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// The connection handler over shared [`ClientState`].
+pub struct ClientHandler(pub Arc<ClientState>);
+
+impl Handler for ClientHandler {
+    fn request(&self, _cx: RequestCx, method: String, params: Value) -> BoxFuture<'static, Result<Value, Error>> {
+        let state = self.0.clone();
+        match AgentRequest::from_method_and_params(&method, &params) {
+            Ok(AgentRequest::RequestPermissionRequest(req)) => Box::pin(state.permission(req)),
+            Ok(request) => Box::pin(state.client_method(method, request)),
+            Err(agent_client_protocol_schema::MethodDispatchError::UnknownMethod { .. }) => {
+                Box::pin(async move { Err(Error::method_not_found().data(json!({ "method": method }))) })
+            }
+            Err(_) => {
+                let error = pier_acp::error::invalid_params(format!("the params of `{method}` do not match its schema"));
+                Box::pin(async move { Err(error) })
+            }
+        }
+    }
+
+    fn notification(&self, _conn: &Connection, method: &str, params: Value) {
+        if method != "session/update" {
+            tracing::debug!(method, "ignored a notification");
+            return;
+        }
+        if serde_json::from_value::<SessionNotification>(params.clone()).is_err() {
+            tracing::warn!("ignored a malformed session/update");
+            return;
+        }
+        self.0.remember_kind(&params);
+        if self.0.replaying.load(Ordering::SeqCst) {
+            return;
+        }
+        self.0.emit(ClientEvent::Update(params));
+    }
+
+    fn protocol_error(&self, _conn: &Connection, description: &str) {
+        self.0.emit(ClientEvent::ProtocolError(description.to_owned()));
+    }
+}
+
+/// The text of an `agent_message_chunk` update, if it is one.
+pub fn message_text(update: &SessionUpdate) -> Option<&str> {
+    match update {
+        SessionUpdate::AgentMessageChunk(chunk) => match &chunk.content {
+            agent_client_protocol_schema::v1::ContentBlock::Text(t) => Some(&t.text),
+            _ => None,
+        },
+        _ => None,
+    }
+}

@@ -1,0 +1,60 @@
+//! A headless ACP client: start any agent, hold one session, send a prompt,
+//! serve the agent's client methods in a sandbox, decide its permission requests
+//! unattended, and end every run with every process gone.
+//!
+//! - [`registry`]: which program an agent name means.
+//! - [`process`]: the agent process and its group.
+//! - [`handler`]: the client side of the connection.
+//! - [`policy`]: permission rules and the choice among offered options.
+//! - [`sandbox`], [`fs`], [`terminal`]: the client methods.
+//! - [`run`]: one run: handshake, session, prompt, cancel handshake, teardown.
+//! - [`store`]: named sessions that survive a restart.
+
+pub mod fs;
+pub mod handler;
+pub mod policy;
+pub mod process;
+pub mod registry;
+pub mod run;
+pub mod sandbox;
+pub mod store;
+pub mod terminal;
+
+use serde_json::Value;
+
+pub use policy::{ClientPolicy, NonInteractive, Rule};
+pub use registry::{AgentCommand, AgentDef};
+pub use run::{Ending, RunOptions, RunOutcome, SessionTarget};
+
+/// Something that happened in a run, for the renderers.
+#[derive(Debug, Clone)]
+pub enum ClientEvent {
+    /// A `session/update`'s params, unchanged.
+    Update(Value),
+    /// A permission request and the decision taken.
+    Permission { request: Value, outcome: Value, rule: Value, reason: String },
+    /// A client method the agent called, and how it ended.
+    ClientCall { method: String, target: String, error: Option<Value> },
+    /// The agent wrote something to stdout that is not a JSON-RPC message.
+    ProtocolError(String),
+}
+
+/// Why a run could not do its job.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClientError {
+    /// The command line or configuration is wrong; exit code 2.
+    #[error("{0}")]
+    Usage(String),
+    /// The agent could not be started.
+    #[error("could not start agent `{agent}`: {message}")]
+    Spawn { agent: String, message: String },
+    /// The agent failed, broke the protocol, or went away.
+    #[error("agent `{agent}`: {message}")]
+    Agent { agent: String, message: String },
+}
+
+impl ClientError {
+    pub fn usage(msg: impl Into<String>) -> ClientError {
+        ClientError::Usage(msg.into())
+    }
+}

@@ -1,0 +1,120 @@
+//! The agent as a child process: its own process group, piped stdio, stderr kept.
+//!
+//! The group is the unit of teardown. [`AgentProcess::shutdown`] closes the
+//! agent's stdin, gives it a moment to exit, then kills the whole group and reaps
+//! the agent; dropping an `AgentProcess` kills the group too, so no path out of
+//! pier — success, error, panic unwinding — leaves the agent or its children behind.
+
+use std::collections::VecDeque;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+use crate::ClientError;
+use crate::registry::AgentCommand;
+
+/// How many stderr lines are kept for error messages.
+const STDERR_LINES: usize = 40;
+
+/// A running agent.
+pub struct AgentProcess {
+    pub name: String,
+    child: Child,
+    pgid: Option<Pid>,
+    stderr: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// The pipes the connection runs over.
+pub struct AgentPipes {
+    pub stdin: ChildStdin,
+    pub stdout: ChildStdout,
+}
+
+impl AgentProcess {
+    /// Spawns `command` in `cwd`. With `echo_stderr`, the agent's stderr is also copied to ours.
+    pub fn spawn(command: &AgentCommand, cwd: &std::path::Path, echo_stderr: bool) -> Result<(AgentProcess, AgentPipes), ClientError> {
+        let mut cmd = tokio::process::Command::new(&command.program);
+        cmd.args(&command.args)
+            .envs(command.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(cwd)
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| ClientError::Spawn {
+            agent: command.name.clone(),
+            message: format!("{}: {e}", command.program.display()),
+        })?;
+        let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+        let (Some(stdin), Some(stdout), Some(err)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
+            return Err(ClientError::Spawn { agent: command.name.clone(), message: "its pipes are missing".into() });
+        };
+        let stderr = Arc::new(Mutex::new(VecDeque::new()));
+        let sink = stderr.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(err).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if echo_stderr {
+                    eprintln!("{line}");
+                }
+                let mut kept = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if kept.len() == STDERR_LINES {
+                    kept.pop_front();
+                }
+                kept.push_back(line);
+            }
+        });
+        Ok((AgentProcess { name: command.name.clone(), child, pgid, stderr }, AgentPipes { stdin, stdout }))
+    }
+
+    /// The agent's process id, which is also its process group id.
+    pub fn pid(&self) -> Option<i32> {
+        self.pgid.map(Pid::as_raw)
+    }
+
+    /// The last lines the agent wrote to stderr.
+    pub fn stderr_tail(&self) -> Vec<String> {
+        self.stderr.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned().collect()
+    }
+
+    /// Whether the agent has exited, and how.
+    pub fn try_exit(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Kills the whole group at once and reaps the agent.
+    pub async fn kill(&mut self) {
+        self.kill_group();
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
+    }
+
+    /// Waits up to `grace` for the agent to exit by itself (its stdin is already
+    /// closed), then kills the group; in every case the group is gone after.
+    pub async fn shutdown(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        let status = tokio::time::timeout(grace, self.child.wait()).await.ok().and_then(Result::ok);
+        self.kill_group();
+        match status {
+            Some(s) => Some(s),
+            None => tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await.ok().and_then(Result::ok),
+        }
+    }
+
+    fn kill_group(&self) {
+        if let Some(pgid) = self.pgid {
+            // ESRCH just means everything is gone already.
+            let _ = killpg(pgid, Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.kill_group();
+    }
+}

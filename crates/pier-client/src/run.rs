@@ -1,0 +1,425 @@
+//! One run of the client: start the agent, handshake, open or continue a
+//! session, send one prompt, follow the turn to its stop reason, tear down.
+//!
+//! Cancellation (Ctrl-C, SIGTERM, `--timeout`, `--max-time`) is the handshake of
+//! seed 000: send `session/cancel`, answer every permission request `cancelled`
+//! from then on (R088), keep taking updates, and wait for the `cancelled` stop
+//! reason up to the grace period; an agent that does not confirm is killed. A
+//! second interrupt kills at once. Whatever the ending, teardown kills every
+//! terminal and the agent's whole process group.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use agent_client_protocol_schema::v1::{
+    ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
+    LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
+    SessionNotification, SessionUpdate, StopReason,
+};
+use agent_client_protocol_schema::ProtocolVersion;
+use pier_acp::{Connection, ConnectionConfig, RequestError};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::handler::{ClientHandler, ClientState, message_text};
+use crate::policy::ClientPolicy;
+use crate::process::AgentProcess;
+use crate::registry::AgentCommand;
+use crate::sandbox::Sandbox;
+use crate::{ClientError, ClientEvent};
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub agent: AgentCommand,
+    pub cwd: PathBuf,
+    pub allow_dirs: Vec<PathBuf>,
+    pub fs: bool,
+    pub terminal: bool,
+    pub policy: ClientPolicy,
+    pub interactive: bool,
+    pub echo_stderr: bool,
+    /// Longest silence from the agent during the turn.
+    pub idle_timeout: Option<Duration>,
+    /// Longest turn.
+    pub max_time: Option<Duration>,
+    /// How long a cancel may take to be confirmed.
+    pub cancel_grace: Duration,
+    /// Longest wait for `initialize` and session setup.
+    pub setup_timeout: Duration,
+}
+
+/// Which session the prompt goes to.
+#[derive(Debug, Clone)]
+pub enum SessionTarget {
+    New,
+    /// An existing session, continued with `session/resume` or `session/load`.
+    Continue { session_id: String },
+}
+
+/// How the turn ended, beyond its stop reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The agent answered the prompt.
+    Answered,
+    /// `--timeout` or `--max-time` fired; `confirmed` says whether the agent confirmed the cancel.
+    TimedOut { confirmed: bool },
+    /// Ctrl-C or SIGTERM.
+    Interrupted { confirmed: bool },
+    /// `--non-interactive fail` met a permission request that asks.
+    PermissionRequired,
+    /// Something failed; see `error`.
+    Failed,
+}
+
+/// Everything a renderer needs at the end.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    pub ending: Ending,
+    pub stop_reason: Option<StopReason>,
+    /// The last assistant message.
+    pub text: String,
+    pub usage: Option<Value>,
+    pub agent_info: Option<Implementation>,
+    pub session_id: Option<String>,
+    pub load_session: bool,
+    pub resume_session: bool,
+    pub error: Option<ClientError>,
+    pub duration: Duration,
+}
+
+/// Builds the final assistant message from updates: a tool call starts a new message.
+#[derive(Default)]
+struct Transcript {
+    current: String,
+    last: String,
+    usage: Option<Value>,
+}
+
+impl Transcript {
+    fn see(&mut self, params: &Value) {
+        let Ok(note) = serde_json::from_value::<SessionNotification>(params.clone()) else { return };
+        match &note.update {
+            SessionUpdate::ToolCall(_) => {
+                if !self.current.is_empty() {
+                    self.last = std::mem::take(&mut self.current);
+                }
+            }
+            SessionUpdate::UsageUpdate(_) => self.usage = Some(params["update"].clone()),
+            update => {
+                if let Some(text) = message_text(update) {
+                    self.current.push_str(text);
+                }
+            }
+        }
+    }
+
+    fn text(&self) -> String {
+        if self.current.is_empty() { self.last.clone() } else { self.current.clone() }
+    }
+}
+
+/// Runs one prompt. `events` receives everything that happens; `interrupts`
+/// yields once per Ctrl-C or SIGTERM.
+pub async fn run(
+    opts: RunOptions,
+    target: SessionTarget,
+    prompt: Vec<ContentBlock>,
+    events: mpsc::UnboundedSender<ClientEvent>,
+    mut interrupts: mpsc::UnboundedReceiver<()>,
+) -> RunOutcome {
+    let started = Instant::now();
+    let mut outcome = RunOutcome {
+        ending: Ending::Failed,
+        stop_reason: None,
+        text: String::new(),
+        usage: None,
+        agent_info: None,
+        session_id: None,
+        load_session: false,
+        resume_session: false,
+        error: None,
+        duration: Duration::ZERO,
+    };
+    let sandbox = match Sandbox::new(&opts.cwd, &opts.allow_dirs) {
+        Ok(s) => s,
+        Err(e) => {
+            outcome.error = Some(ClientError::usage(format!("cannot use the directories to serve: {e}")));
+            return outcome;
+        }
+    };
+    let (mut agent, pipes) = match AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr) {
+        Ok(p) => p,
+        Err(e) => {
+            outcome.error = Some(e);
+            return outcome;
+        }
+    };
+    // The handler reports to `inner`; the loop below forwards to `events` and learns from it.
+    let (inner_tx, mut inner_rx) = mpsc::unbounded_channel();
+    let state = Arc::new(ClientState::new(
+        sandbox,
+        opts.cwd.clone(),
+        opts.fs,
+        opts.terminal,
+        opts.policy.clone(),
+        opts.interactive,
+        inner_tx,
+    ));
+    let conn = Connection::spawn(pipes.stdout, pipes.stdin, Arc::new(ClientHandler(state.clone())), ConnectionConfig::default());
+
+    let result = drive(&opts, target, prompt, &conn, &state, &mut agent, &mut inner_rx, &events, &mut interrupts, &mut outcome).await;
+    if let Err(e) = result {
+        outcome.ending = Ending::Failed;
+        outcome.error = Some(e);
+    }
+    // Teardown: terminals, then the agent and its group.
+    state.terminals.kill_all();
+    conn.close().await;
+    agent.shutdown(Duration::from_secs(2)).await;
+    while let Ok(event) = inner_rx.try_recv() {
+        let _ = events.send(event);
+    }
+    outcome.duration = started.elapsed();
+    outcome
+}
+
+/// An agent failure with the last lines of its stderr.
+fn agent_error(agent: &mut AgentProcess, message: String) -> ClientError {
+    let mut message = message;
+    if let Some(status) = agent.try_exit() {
+        message.push_str(&format!(" (the agent exited: {status})"));
+    }
+    let tail = agent.stderr_tail();
+    if !tail.is_empty() {
+        let last: Vec<String> = tail.iter().rev().take(10).rev().cloned().collect();
+        message.push_str(&format!("\nlast lines of its stderr:\n  {}", last.join("\n  ")));
+    }
+    ClientError::Agent { agent: agent.name.clone(), message }
+}
+
+fn request_error(agent: &mut AgentProcess, what: &str, e: RequestError) -> ClientError {
+    let message = match e {
+        RequestError::Closed => format!("it closed the connection during {what}"),
+        RequestError::Remote(err) => {
+            let data = err.data.map(|d| format!(" ({d})")).unwrap_or_default();
+            format!("{what} failed: {} {}{data}", i32::from(err.code), err.message)
+        }
+        other => format!("{what} failed: {other}"),
+    };
+    agent_error(agent, message)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    opts: &RunOptions,
+    target: SessionTarget,
+    prompt: Vec<ContentBlock>,
+    conn: &Connection,
+    state: &Arc<ClientState>,
+    agent: &mut AgentProcess,
+    inner_rx: &mut mpsc::UnboundedReceiver<ClientEvent>,
+    events: &mpsc::UnboundedSender<ClientEvent>,
+    interrupts: &mut mpsc::UnboundedReceiver<()>,
+    outcome: &mut RunOutcome,
+) -> Result<(), ClientError> {
+    // Handshake.
+    let caps = ClientCapabilities::new()
+        .fs(FileSystemCapabilities::new().read_text_file(opts.fs).write_text_file(opts.fs))
+        .terminal(opts.terminal);
+    let init = InitializeRequest::new(ProtocolVersion::V1)
+        .client_capabilities(caps)
+        .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));
+    let init: Value = setup(agent, opts, "initialize", conn.request("initialize", &init)).await?;
+    let init_response: InitializeResponse = serde_json::from_value(init.clone())
+        .map_err(|e| agent_error(agent, format!("its initialize response is malformed: {e}")))?;
+    if init_response.protocol_version != ProtocolVersion::V1 {
+        return Err(agent_error(
+            agent,
+            format!("it speaks ACP protocol version {}, and pier speaks only version 1 (R028)", init_response.protocol_version),
+        ));
+    }
+    outcome.agent_info = init_response.agent_info.clone();
+    outcome.load_session = init_response.agent_capabilities.load_session;
+    outcome.resume_session = init_response.agent_capabilities.session_capabilities.resume.is_some();
+
+    // Session.
+    let session_id = match target {
+        SessionTarget::New => {
+            let request = NewSessionRequest::new(opts.cwd.clone());
+            let first = conn.request::<_, NewSessionResponse>("session/new", &request).await;
+            let response = match first {
+                Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {
+                    authenticate(agent, opts, conn, &init).await?;
+                    setup(agent, opts, "session/new", conn.request::<_, NewSessionResponse>("session/new", &request)).await?
+                }
+                other => settle(agent, "session/new", other)?,
+            };
+            response.session_id.0.to_string()
+        }
+        SessionTarget::Continue { session_id } => {
+            if outcome.resume_session {
+                let request = ResumeSessionRequest::new(session_id.clone(), opts.cwd.clone());
+                setup(agent, opts, "session/resume", conn.request::<_, Value>("session/resume", &request)).await?;
+            } else if outcome.load_session {
+                state.replaying.store(true, Ordering::SeqCst);
+                let request = LoadSessionRequest::new(session_id.clone(), opts.cwd.clone());
+                let loaded = setup(agent, opts, "session/load", conn.request::<_, Value>("session/load", &request)).await;
+                state.replaying.store(false, Ordering::SeqCst);
+                loaded?;
+            } else {
+                return Err(ClientError::Agent {
+                    agent: agent.name.clone(),
+                    message: "it cannot continue sessions (it offers neither session/resume nor session/load); \
+                              start a new session instead"
+                        .into(),
+                });
+            }
+            session_id
+        }
+    };
+    outcome.session_id = Some(session_id.clone());
+
+    // The turn.
+    let request = PromptRequest::new(session_id.clone(), prompt);
+    let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
+    tokio::pin!(prompt_fut);
+    let started = Instant::now();
+    let mut last_activity = Instant::now();
+    let mut cancel: Option<(Instant, Ending)> = None;
+    let mut transcript = Transcript::default();
+    let far = Duration::from_secs(365 * 24 * 3600);
+    let response = loop {
+        let idle_deadline = opts.idle_timeout.map_or(started + far, |t| last_activity + t);
+        let max_deadline = opts.max_time.map_or(started + far, |t| started + t);
+        let grace_deadline = cancel.map_or(started + far, |(at, _)| at + opts.cancel_grace);
+        tokio::select! {
+            response = &mut prompt_fut => break response,
+            Some(event) = inner_rx.recv() => {
+                last_activity = Instant::now();
+                match &event {
+                    ClientEvent::Update(params) => transcript.see(params),
+                    ClientEvent::ProtocolError(what) => {
+                        let _ = events.send(event.clone());
+                        return Err(agent_error(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}")));
+                    }
+                    _ => {}
+                }
+                let _ = events.send(event);
+            }
+            _ = tokio::time::sleep_until(idle_deadline.into()), if cancel.is_none() => {
+                start_cancel(conn, state, &session_id).await;
+                cancel = Some((Instant::now(), Ending::TimedOut { confirmed: true }));
+            }
+            _ = tokio::time::sleep_until(max_deadline.into()), if cancel.is_none() => {
+                start_cancel(conn, state, &session_id).await;
+                cancel = Some((Instant::now(), Ending::TimedOut { confirmed: true }));
+            }
+            _ = state.permission_failed.cancelled(), if cancel.is_none() => {
+                start_cancel(conn, state, &session_id).await;
+                cancel = Some((Instant::now(), Ending::PermissionRequired));
+            }
+            Some(()) = interrupts.recv() => {
+                if cancel.is_some() {
+                    agent.kill().await;
+                    outcome.ending = Ending::Interrupted { confirmed: false };
+                    outcome.text = transcript.text();
+                    return Err(agent_error(agent, "interrupted twice; the agent was killed".into()));
+                }
+                start_cancel(conn, state, &session_id).await;
+                cancel = Some((Instant::now(), Ending::Interrupted { confirmed: true }));
+            }
+            _ = tokio::time::sleep_until(grace_deadline.into()), if cancel.is_some() => {
+                agent.kill().await;
+                let ending = match cancel.map(|c| c.1) {
+                    Some(Ending::TimedOut { .. }) => Ending::TimedOut { confirmed: false },
+                    Some(Ending::PermissionRequired) => Ending::PermissionRequired,
+                    _ => Ending::Interrupted { confirmed: false },
+                };
+                outcome.ending = ending;
+                outcome.text = transcript.text();
+                return Err(agent_error(
+                    agent,
+                    format!("it did not confirm the cancel within {:?}; it was killed", opts.cancel_grace),
+                ));
+            }
+        }
+    };
+    // Updates that raced the response are still part of the turn.
+    while let Ok(event) = inner_rx.try_recv() {
+        if let ClientEvent::Update(params) = &event {
+            transcript.see(params);
+        }
+        let _ = events.send(event);
+    }
+    outcome.text = transcript.text();
+    outcome.usage = transcript.usage.clone();
+    let response = settle(agent, "session/prompt", response)?;
+    if let Some(usage) = response.get("usage") {
+        outcome.usage = Some(usage.clone());
+    }
+    let prompt_response: PromptResponse = serde_json::from_value(response)
+        .map_err(|e| agent_error(agent, format!("its session/prompt response is malformed: {e}")))?;
+    outcome.stop_reason = Some(prompt_response.stop_reason);
+    outcome.ending = match cancel {
+        None => Ending::Answered,
+        Some((_, Ending::TimedOut { .. })) => Ending::TimedOut { confirmed: prompt_response.stop_reason == StopReason::Cancelled },
+        Some((_, Ending::PermissionRequired)) => Ending::PermissionRequired,
+        Some(_) => Ending::Interrupted { confirmed: prompt_response.stop_reason == StopReason::Cancelled },
+    };
+    Ok(())
+}
+
+async fn start_cancel(conn: &Connection, state: &ClientState, session_id: &str) {
+    state.cancelling.cancel();
+    if let Err(e) = conn.notify("session/cancel", &json!({ "sessionId": session_id })).await {
+        tracing::warn!(error = %e, "could not send session/cancel");
+    }
+}
+
+fn settle<T>(agent: &mut AgentProcess, what: &str, r: Result<T, RequestError>) -> Result<T, ClientError> {
+    r.map_err(|e| request_error(agent, what, e))
+}
+
+async fn setup<T>(
+    agent: &mut AgentProcess,
+    opts: &RunOptions,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, RequestError>>,
+) -> Result<T, ClientError> {
+    match tokio::time::timeout(opts.setup_timeout, fut).await {
+        Ok(r) => settle(agent, what, r),
+        Err(_) => Err(agent_error(agent, format!("it did not answer {what} within {:?}", opts.setup_timeout))),
+    }
+}
+
+/// Authenticates with the first env-var method whose variables are all set.
+async fn authenticate(agent: &mut AgentProcess, opts: &RunOptions, conn: &Connection, init: &Value) -> Result<(), ClientError> {
+    let methods = init["authMethods"].as_array().cloned().unwrap_or_default();
+    let usable = methods.iter().find(|m| {
+        let vars: Vec<&str> = match (m.get("vars").and_then(Value::as_array), m.get("varName").and_then(Value::as_str)) {
+            (Some(vars), _) => vars.iter().filter_map(|v| v.get("name").and_then(Value::as_str).or(v.as_str())).collect(),
+            (None, Some(name)) => vec![name],
+            _ => Vec::new(),
+        };
+        m["type"] == "env_var" && !vars.is_empty() && vars.iter().all(|v| std::env::var_os(v).is_some())
+    });
+    let Some(method) = usable else {
+        let names: Vec<String> = methods
+            .iter()
+            .map(|m| format!("{} ({})", m["id"].as_str().unwrap_or("?"), m["name"].as_str().unwrap_or("")))
+            .collect();
+        return Err(ClientError::Agent {
+            agent: agent.name.clone(),
+            message: format!(
+                "it requires authentication and none of its methods can be used unattended; its methods: {}",
+                if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+            ),
+        });
+    };
+    let id = method["id"].clone();
+    setup(agent, opts, "authenticate", conn.request::<_, Value>("authenticate", &json!({ "methodId": id }))).await?;
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! `terminal/*`: commands the agent runs through the client, each in its own
+//! process group, with output kept up to `outputByteLimit` (cut from the start at
+//! a character boundary, R107). Every terminal is killed at release and when the
+//! client shuts down.
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use agent_client_protocol_schema::v1::{
+    CreateTerminalRequest, CreateTerminalResponse, Error, TerminalExitStatus, TerminalOutputResponse,
+};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use pier_acp::error::{internal, invalid_params};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::watch;
+
+use crate::sandbox::Sandbox;
+
+/// Output kept when the agent sets no limit.
+const DEFAULT_LIMIT: usize = 1024 * 1024;
+
+struct Output {
+    bytes: Vec<u8>,
+    truncated: bool,
+    limit: usize,
+}
+
+impl Output {
+    fn push(&mut self, chunk: &[u8]) {
+        self.bytes.extend_from_slice(chunk);
+        if self.bytes.len() > self.limit {
+            let mut cut = self.bytes.len() - self.limit;
+            // Never split a UTF-8 character: skip continuation bytes.
+            while cut < self.bytes.len() && (self.bytes[cut] & 0b1100_0000) == 0b1000_0000 {
+                cut += 1;
+            }
+            self.bytes.drain(..cut);
+            self.truncated = true;
+        }
+    }
+}
+
+struct Terminal {
+    pgid: Option<Pid>,
+    output: Arc<Mutex<Output>>,
+    exit: watch::Receiver<Option<TerminalExitStatus>>,
+}
+
+impl Terminal {
+    fn kill(&self) {
+        if let Some(pgid) = self.pgid {
+            let _ = killpg(pgid, Signal::SIGKILL);
+        }
+    }
+}
+
+/// The terminals of one client.
+#[derive(Default)]
+pub struct Terminals {
+    next: AtomicU64,
+    live: Mutex<HashMap<String, Arc<Terminal>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn exit_status(status: std::process::ExitStatus) -> TerminalExitStatus {
+    let mut s = TerminalExitStatus::new();
+    s.exit_code = status.code().map(|c| c as u32);
+    s.signal = status.signal().map(|sig| Signal::try_from(sig).map(|s| s.as_str().to_owned()).unwrap_or(sig.to_string()));
+    s
+}
+
+async fn pump(mut r: impl AsyncRead + Unpin, out: Arc<Mutex<Output>>) {
+    let mut buf = vec![0u8; 8192];
+    while let Ok(n) = r.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        lock(&out).push(&buf[..n]);
+    }
+}
+
+impl Terminals {
+    pub async fn create(&self, sandbox: &Sandbox, default_cwd: &std::path::Path, req: CreateTerminalRequest) -> Result<CreateTerminalResponse, Error> {
+        let cwd = match &req.cwd {
+            Some(dir) => sandbox.resolve(dir)?,
+            None => default_cwd.to_owned(),
+        };
+        if req.command.is_empty() {
+            return Err(invalid_params("the command is empty"));
+        }
+        let mut child = tokio::process::Command::new(&req.command)
+            .args(&req.args)
+            .envs(req.env.iter().map(|v| (v.name.clone(), v.value.clone())))
+            .current_dir(&cwd)
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| internal(format!("cannot start `{}`: {e}", req.command)))?;
+        let limit = req.output_byte_limit.map_or(DEFAULT_LIMIT, |l| l as usize);
+        let output = Arc::new(Mutex::new(Output { bytes: Vec::new(), truncated: false, limit }));
+        let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+        let (tx, exit) = watch::channel(None);
+        let readers = [
+            child.stdout.take().map(|r| tokio::spawn(pump(r, output.clone()))),
+            child.stderr.take().map(|r| tokio::spawn(pump(r, output.clone()))),
+        ];
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            for r in readers.into_iter().flatten() {
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), r).await;
+            }
+            let _ = tx.send(Some(match status {
+                Ok(s) => exit_status(s),
+                Err(_) => TerminalExitStatus::new(),
+            }));
+        });
+        let id = format!("term-{}", self.next.fetch_add(1, Ordering::SeqCst) + 1);
+        lock(&self.live).insert(id.clone(), Arc::new(Terminal { pgid, output, exit }));
+        Ok(CreateTerminalResponse::new(id))
+    }
+
+    fn get(&self, id: &str) -> Result<Arc<Terminal>, Error> {
+        lock(&self.live)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| invalid_params(format!("no terminal `{id}`; it was never created or was released")))
+    }
+
+    pub fn output(&self, id: &str) -> Result<TerminalOutputResponse, Error> {
+        let t = self.get(id)?;
+        let out = lock(&t.output);
+        let status = t.exit.borrow().clone();
+        Ok(TerminalOutputResponse::new(String::from_utf8_lossy(&out.bytes).into_owned(), out.truncated).exit_status(status))
+    }
+
+    pub async fn wait_for_exit(&self, id: &str) -> Result<TerminalExitStatus, Error> {
+        let mut rx = self.get(id)?.exit.clone();
+        let status = rx.wait_for(Option::is_some).await.map_err(|_| internal("the terminal's watcher stopped"))?;
+        Ok(status.clone().unwrap_or_else(TerminalExitStatus::new))
+    }
+
+    pub fn kill(&self, id: &str) -> Result<(), Error> {
+        self.get(id)?.kill();
+        Ok(())
+    }
+
+    pub fn release(&self, id: &str) -> Result<(), Error> {
+        let t = lock(&self.live).remove(id).ok_or_else(|| invalid_params(format!("no terminal `{id}`")))?;
+        t.kill();
+        Ok(())
+    }
+
+    /// Kills every terminal; called at shutdown.
+    pub fn kill_all(&self) {
+        for (_, t) in lock(&self.live).drain() {
+            t.kill();
+        }
+    }
+}
+
+impl Drop for Terminals {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_is_cut_from_the_start_on_a_char_boundary() {
+        let mut o = Output { bytes: Vec::new(), truncated: false, limit: 5 };
+        o.push("ab".as_bytes());
+        assert!(!o.truncated);
+        o.push("cdéf".as_bytes()); // 7 bytes in all: é is two
+        assert!(o.truncated);
+        assert_eq!(String::from_utf8(o.bytes.clone()).ok().as_deref(), Some("cdéf"));
+        o.push("é".as_bytes());
+        assert_eq!(String::from_utf8(o.bytes.clone()).ok().as_deref(), Some("éfé"));
+        o.push(b"x");
+        assert_eq!(String::from_utf8(o.bytes).ok().as_deref(), Some("féx"));
+    }
+}
