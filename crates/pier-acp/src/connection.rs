@@ -306,7 +306,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                     result = sink.flush().await;
                 }
                 if let Err(e) = result {
-                    tracing::warn!(error = %e, "writing to the peer failed; closing the connection");
+                    tracing::debug!(error = %e, "writing to the peer failed; closing the connection");
                     broken = true;
                     shutdown.cancel();
                 }

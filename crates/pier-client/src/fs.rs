@@ -13,8 +13,9 @@ pub async fn read_text_file(sandbox: &Sandbox, req: ReadTextFileRequest) -> Resu
     let path = sandbox.resolve(&req.path)?;
     let uri = format!("file://{}", path.display());
     let text = match tokio::fs::read(&path).await {
-        Ok(bytes) => String::from_utf8(bytes)
-            .map_err(|_| internal(format!("{} is not a UTF-8 text file", path.display())))?,
+        Ok(bytes) => {
+            String::from_utf8(bytes).map_err(|_| internal(format!("{} is not a UTF-8 text file", path.display())))?
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::resource_not_found(Some(uri))),
         Err(e) => return Err(internal(format!("cannot read {}: {e}", path.display()))),
     };

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::policy::{Choice, ClientPolicy, NonInteractive, Rule, choose, kind_of};
 use crate::sandbox::Sandbox;
 use crate::terminal::Terminals;
-use crate::{fs, ClientEvent};
+use crate::{ClientEvent, fs};
 
 /// What the client serves, shared by the handler and the driver.
 pub struct ClientState {
@@ -40,6 +40,9 @@ pub struct ClientState {
     pub cancelling: CancellationToken,
     /// Fires when `--non-interactive fail` met an *ask*.
     pub permission_failed: CancellationToken,
+    /// Fires when the agent wrote something that is not JSON-RPC; the description is kept.
+    pub protocol_broken: CancellationToken,
+    pub protocol_error: Mutex<Option<String>>,
     pub terminals: Terminals,
     /// While a `session/load` replays history, updates are not shown.
     pub replaying: AtomicBool,
@@ -68,6 +71,8 @@ impl ClientState {
             events,
             cancelling: CancellationToken::new(),
             permission_failed: CancellationToken::new(),
+            protocol_broken: CancellationToken::new(),
+            protocol_error: Mutex::new(None),
             terminals: Terminals::default(),
             replaying: AtomicBool::new(false),
             kinds: Mutex::new(HashMap::new()),
@@ -84,7 +89,10 @@ impl ClientState {
         if let (true, Some(id), Some(kind)) = (is_call, update["toolCallId"].as_str(), update.get("kind"))
             && let Ok(kind) = serde_json::from_value::<agent_client_protocol_schema::v1::ToolKind>(kind.clone())
         {
-            self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id.to_owned(), kind_of(Some(&kind)));
+            self.kinds
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(id.to_owned(), kind_of(Some(&kind)));
         }
     }
 
@@ -92,7 +100,13 @@ impl ClientState {
         let id = req.tool_call.tool_call_id.0.to_string();
         let kind = match &req.tool_call.fields.kind {
             Some(k) => kind_of(Some(k)),
-            None => self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&id).copied().unwrap_or(ToolKind::Other),
+            None => self
+                .kinds
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .get(&id)
+                .copied()
+                .unwrap_or(ToolKind::Other),
         };
         let title = req.tool_call.fields.title.clone().unwrap_or_else(|| id.clone());
         let (choice, rule, reason) = if self.cancelling.is_cancelled() {
@@ -114,7 +128,9 @@ impl ClientState {
                 } else {
                     rule = Rule::Deny;
                     reason = match self.policy.non_interactive {
-                        NonInteractive::Deny => format!("{} tools ask and nobody can be asked: --non-interactive deny", kind.as_str()),
+                        NonInteractive::Deny => {
+                            format!("{} tools ask and nobody can be asked: --non-interactive deny", kind.as_str())
+                        }
                         NonInteractive::Fail => {
                             self.permission_failed.cancel();
                             format!("{} tools ask and nobody can be asked: --non-interactive fail", kind.as_str())
@@ -150,10 +166,9 @@ impl ClientState {
 
     fn denied(&self, kind: ToolKind, method: &str) -> Result<(), Error> {
         match self.policy.rule(kind) {
-            Rule::Deny | Rule::DenyAlways => Err(internal(format!(
-                "{method} is refused: pier's policy denies {} tools",
-                kind.as_str()
-            ))),
+            Rule::Deny | Rule::DenyAlways => {
+                Err(internal(format!("{method} is refused: pier's policy denies {} tools", kind.as_str())))
+            }
             _ => Ok(()),
         }
     }
@@ -203,7 +218,8 @@ impl ClientState {
             }
             _ => {
                 target = String::new();
-                Err(Error::method_not_found().data(json!({ "method": method, "reason": "this client does not serve it" })))
+                Err(Error::method_not_found()
+                    .data(json!({ "method": method, "reason": "this client does not serve it" })))
             }
         };
         self.emit(ClientEvent::ClientCall {
@@ -248,7 +264,8 @@ impl Handler for ClientHandler {
                 Box::pin(async move { Err(Error::method_not_found().data(json!({ "method": method }))) })
             }
             Err(_) => {
-                let error = pier_acp::error::invalid_params(format!("the params of `{method}` do not match its schema"));
+                let error =
+                    pier_acp::error::invalid_params(format!("the params of `{method}` do not match its schema"));
                 Box::pin(async move { Err(error) })
             }
         }
@@ -271,6 +288,12 @@ impl Handler for ClientHandler {
     }
 
     fn protocol_error(&self, _conn: &Connection, description: &str) {
+        self.0
+            .protocol_error
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_or_insert_with(|| description.to_owned());
+        self.0.protocol_broken.cancel();
         self.0.emit(ClientEvent::ProtocolError(description.to_owned()));
     }
 }

@@ -37,7 +37,11 @@ pub struct AgentPipes {
 
 impl AgentProcess {
     /// Spawns `command` in `cwd`. With `echo_stderr`, the agent's stderr is also copied to ours.
-    pub fn spawn(command: &AgentCommand, cwd: &std::path::Path, echo_stderr: bool) -> Result<(AgentProcess, AgentPipes), ClientError> {
+    pub fn spawn(
+        command: &AgentCommand,
+        cwd: &std::path::Path,
+        echo_stderr: bool,
+    ) -> Result<(AgentProcess, AgentPipes), ClientError> {
         let mut cmd = tokio::process::Command::new(&command.program);
         cmd.args(&command.args)
             .envs(command.env.iter().map(|(k, v)| (k, v)))
@@ -52,7 +56,8 @@ impl AgentProcess {
             message: format!("{}: {e}", command.program.display()),
         })?;
         let pgid = child.id().map(|id| Pid::from_raw(id as i32));
-        let (Some(stdin), Some(stdout), Some(err)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
+        let (Some(stdin), Some(stdout), Some(err)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
             return Err(ClientError::Spawn { agent: command.name.clone(), message: "its pipes are missing".into() });
         };
         let stderr = Arc::new(Mutex::new(VecDeque::new()));

@@ -54,7 +54,12 @@ pub fn resolve(
         });
     }
     if spec == "pier" {
-        return Ok(AgentCommand { name: "pier".into(), program: pier_exe.to_owned(), args: vec!["agent".into()], env: vec![] });
+        return Ok(AgentCommand {
+            name: "pier".into(),
+            program: pier_exe.to_owned(),
+            args: vec!["agent".into()],
+            env: vec![],
+        });
     }
     if let Some((name, program, args, install)) = BUILTIN.iter().find(|(n, ..)| *n == spec) {
         let found = find_program(program, path).ok_or_else(|| {
@@ -67,16 +72,18 @@ pub fn resolve(
             env: vec![],
         });
     }
-    let words = shell_words::split(spec).map_err(|e| ClientError::usage(format!("cannot parse the agent command `{spec}`: {e}")))?;
+    let words = shell_words::split(spec)
+        .map_err(|e| ClientError::usage(format!("cannot parse the agent command `{spec}`: {e}")))?;
     let Some((program, args)) = words.split_first() else {
         return Err(ClientError::usage("the agent command is empty"));
     };
     let found = find_program(program, path).ok_or_else(|| {
-        let known: Vec<&str> = ["pier"].into_iter().chain(BUILTIN.iter().map(|b| b.0)).chain(configured.keys().map(String::as_str)).collect();
-        ClientError::usage(format!(
-            "`{program}` is neither a known agent ({}) nor a program on PATH",
-            known.join(", ")
-        ))
+        let known: Vec<&str> = ["pier"]
+            .into_iter()
+            .chain(BUILTIN.iter().map(|b| b.0))
+            .chain(configured.keys().map(String::as_str))
+            .collect();
+        ClientError::usage(format!("`{program}` is neither a known agent ({}) nor a program on PATH", known.join(", ")))
     })?;
     Ok(AgentCommand { name: program.clone(), program: found, args: args.to_vec(), env: vec![] })
 }
@@ -112,8 +119,14 @@ mod tests {
         let unknown = resolve("no-such-agent-xyz", &BTreeMap::new(), exe, path);
         assert!(unknown.is_err_and(|e| e.to_string().contains("neither a known agent")));
         let mut configured = BTreeMap::new();
-        configured.insert("mine".to_owned(), AgentDef { command: "sh".into(), args: vec!["x".into()], env: BTreeMap::from([("K".into(), "V".into())]) });
+        configured.insert(
+            "mine".to_owned(),
+            AgentDef { command: "sh".into(), args: vec!["x".into()], env: BTreeMap::from([("K".into(), "V".into())]) },
+        );
         let mine = resolve("mine", &configured, exe, path);
-        assert_eq!(mine.ok().map(|c| (c.name, c.args, c.env)), Some(("mine".into(), vec!["x".into()], vec![("K".into(), "V".into())])));
+        assert_eq!(
+            mine.ok().map(|c| (c.name, c.args, c.env)),
+            Some(("mine".into(), vec!["x".into()], vec![("K".into(), "V".into())]))
+        );
     }
 }

@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
     ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
     LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
     SessionNotification, SessionUpdate, StopReason,
 };
-use agent_client_protocol_schema::ProtocolVersion;
 use pier_acp::{Connection, ConnectionConfig, RequestError};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -56,7 +56,9 @@ pub struct RunOptions {
 pub enum SessionTarget {
     New,
     /// An existing session, continued with `session/resume` or `session/load`.
-    Continue { session_id: String },
+    Continue {
+        session_id: String,
+    },
 }
 
 /// How the turn ended, beyond its stop reason.
@@ -168,11 +170,18 @@ pub async fn run(
         opts.interactive,
         inner_tx,
     ));
-    let conn = Connection::spawn(pipes.stdout, pipes.stdin, Arc::new(ClientHandler(state.clone())), ConnectionConfig::default());
+    let conn = Connection::spawn(
+        pipes.stdout,
+        pipes.stdin,
+        Arc::new(ClientHandler(state.clone())),
+        ConnectionConfig::default(),
+    );
 
-    let result = drive(&opts, target, prompt, &conn, &state, &mut agent, &mut inner_rx, &events, &mut interrupts, &mut outcome).await;
+    let result =
+        drive(&opts, target, prompt, &conn, &state, &mut agent, &mut inner_rx, &events, &mut interrupts, &mut outcome)
+            .await;
     if let Err(e) = result {
-        outcome.ending = Ending::Failed;
+        // A cancel that ended in a kill has set its own ending already.
         outcome.error = Some(e);
     }
     // Teardown: terminals, then the agent and its group.
@@ -232,13 +241,16 @@ async fn drive(
     let init = InitializeRequest::new(ProtocolVersion::V1)
         .client_capabilities(caps)
         .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));
-    let init: Value = setup(agent, opts, "initialize", conn.request("initialize", &init)).await?;
+    let init: Value = setup(agent, opts, state, "initialize", conn.request("initialize", &init)).await?;
     let init_response: InitializeResponse = serde_json::from_value(init.clone())
         .map_err(|e| agent_error(agent, format!("its initialize response is malformed: {e}")))?;
     if init_response.protocol_version != ProtocolVersion::V1 {
         return Err(agent_error(
             agent,
-            format!("it speaks ACP protocol version {}, and pier speaks only version 1 (R028)", init_response.protocol_version),
+            format!(
+                "it speaks ACP protocol version {}, and pier speaks only version 1 (R028)",
+                init_response.protocol_version
+            ),
         ));
     }
     outcome.agent_info = init_response.agent_info.clone();
@@ -249,11 +261,25 @@ async fn drive(
     let session_id = match target {
         SessionTarget::New => {
             let request = NewSessionRequest::new(opts.cwd.clone());
-            let first = conn.request::<_, NewSessionResponse>("session/new", &request).await;
+            let first = guard(
+                agent,
+                opts,
+                state,
+                "session/new",
+                conn.request::<_, NewSessionResponse>("session/new", &request),
+            )
+            .await?;
             let response = match first {
                 Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {
-                    authenticate(agent, opts, conn, &init).await?;
-                    setup(agent, opts, "session/new", conn.request::<_, NewSessionResponse>("session/new", &request)).await?
+                    authenticate(agent, opts, state, conn, &init).await?;
+                    setup(
+                        agent,
+                        opts,
+                        state,
+                        "session/new",
+                        conn.request::<_, NewSessionResponse>("session/new", &request),
+                    )
+                    .await?
                 }
                 other => settle(agent, "session/new", other)?,
             };
@@ -262,11 +288,13 @@ async fn drive(
         SessionTarget::Continue { session_id } => {
             if outcome.resume_session {
                 let request = ResumeSessionRequest::new(session_id.clone(), opts.cwd.clone());
-                setup(agent, opts, "session/resume", conn.request::<_, Value>("session/resume", &request)).await?;
+                setup(agent, opts, state, "session/resume", conn.request::<_, Value>("session/resume", &request))
+                    .await?;
             } else if outcome.load_session {
                 state.replaying.store(true, Ordering::SeqCst);
                 let request = LoadSessionRequest::new(session_id.clone(), opts.cwd.clone());
-                let loaded = setup(agent, opts, "session/load", conn.request::<_, Value>("session/load", &request)).await;
+                let loaded =
+                    setup(agent, opts, state, "session/load", conn.request::<_, Value>("session/load", &request)).await;
                 state.replaying.store(false, Ordering::SeqCst);
                 loaded?;
             } else {
@@ -301,9 +329,10 @@ async fn drive(
                 last_activity = Instant::now();
                 match &event {
                     ClientEvent::Update(params) => transcript.see(params),
-                    ClientEvent::ProtocolError(what) => {
+                    ClientEvent::ProtocolError(_) => {
                         let _ = events.send(event.clone());
-                        return Err(agent_error(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}")));
+                        outcome.text = transcript.text();
+                        return Err(protocol_error(agent, state));
                     }
                     _ => {}
                 }
@@ -365,7 +394,9 @@ async fn drive(
     outcome.stop_reason = Some(prompt_response.stop_reason);
     outcome.ending = match cancel {
         None => Ending::Answered,
-        Some((_, Ending::TimedOut { .. })) => Ending::TimedOut { confirmed: prompt_response.stop_reason == StopReason::Cancelled },
+        Some((_, Ending::TimedOut { .. })) => {
+            Ending::TimedOut { confirmed: prompt_response.stop_reason == StopReason::Cancelled }
+        }
         Some((_, Ending::PermissionRequired)) => Ending::PermissionRequired,
         Some(_) => Ending::Interrupted { confirmed: prompt_response.stop_reason == StopReason::Cancelled },
     };
@@ -386,21 +417,52 @@ fn settle<T>(agent: &mut AgentProcess, what: &str, r: Result<T, RequestError>) -
 async fn setup<T>(
     agent: &mut AgentProcess,
     opts: &RunOptions,
+    state: &ClientState,
     what: &str,
     fut: impl std::future::Future<Output = Result<T, RequestError>>,
 ) -> Result<T, ClientError> {
-    match tokio::time::timeout(opts.setup_timeout, fut).await {
-        Ok(r) => settle(agent, what, r),
-        Err(_) => Err(agent_error(agent, format!("it did not answer {what} within {:?}", opts.setup_timeout))),
+    let r = guard(agent, opts, state, what, fut).await?;
+    settle(agent, what, r)
+}
+
+/// Bounds a setup request by the setup timeout and a protocol breach.
+async fn guard<T>(
+    agent: &mut AgentProcess,
+    opts: &RunOptions,
+    state: &ClientState,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, RequestError>>,
+) -> Result<Result<T, RequestError>, ClientError> {
+    tokio::select! {
+        r = tokio::time::timeout(opts.setup_timeout, fut) => match r {
+            Ok(r) => Ok(r),
+            Err(_) => Err(agent_error(agent, format!("it did not answer {what} within {:?}", opts.setup_timeout))),
+        },
+        _ = state.protocol_broken.cancelled() => Err(protocol_error(agent, state)),
     }
 }
 
+fn protocol_error(agent: &mut AgentProcess, state: &ClientState) -> ClientError {
+    let what =
+        state.protocol_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone().unwrap_or_default();
+    agent_error(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}"))
+}
+
 /// Authenticates with the first env-var method whose variables are all set.
-async fn authenticate(agent: &mut AgentProcess, opts: &RunOptions, conn: &Connection, init: &Value) -> Result<(), ClientError> {
+async fn authenticate(
+    agent: &mut AgentProcess,
+    opts: &RunOptions,
+    state: &ClientState,
+    conn: &Connection,
+    init: &Value,
+) -> Result<(), ClientError> {
     let methods = init["authMethods"].as_array().cloned().unwrap_or_default();
     let usable = methods.iter().find(|m| {
-        let vars: Vec<&str> = match (m.get("vars").and_then(Value::as_array), m.get("varName").and_then(Value::as_str)) {
-            (Some(vars), _) => vars.iter().filter_map(|v| v.get("name").and_then(Value::as_str).or(v.as_str())).collect(),
+        let vars: Vec<&str> = match (m.get("vars").and_then(Value::as_array), m.get("varName").and_then(Value::as_str))
+        {
+            (Some(vars), _) => {
+                vars.iter().filter_map(|v| v.get("name").and_then(Value::as_str).or(v.as_str())).collect()
+            }
             (None, Some(name)) => vec![name],
             _ => Vec::new(),
         };
@@ -420,6 +482,7 @@ async fn authenticate(agent: &mut AgentProcess, opts: &RunOptions, conn: &Connec
         });
     };
     let id = method["id"].clone();
-    setup(agent, opts, "authenticate", conn.request::<_, Value>("authenticate", &json!({ "methodId": id }))).await?;
+    setup(agent, opts, state, "authenticate", conn.request::<_, Value>("authenticate", &json!({ "methodId": id })))
+        .await?;
     Ok(())
 }

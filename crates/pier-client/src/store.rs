@@ -37,7 +37,8 @@ impl SessionStore {
     fn path(&self, agent: &str, cwd: &Path, name: &str) -> PathBuf {
         let scope = format!("{agent}\u{0}{}", cwd.display());
         let hash = fnv1a(scope.as_bytes());
-        let safe: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        let safe: String =
+            name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
         self.dir.join(format!("{safe}-{hash:016x}.json"))
     }
 

@@ -72,7 +72,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn exit_status(status: std::process::ExitStatus) -> TerminalExitStatus {
     let mut s = TerminalExitStatus::new();
     s.exit_code = status.code().map(|c| c as u32);
-    s.signal = status.signal().map(|sig| Signal::try_from(sig).map(|s| s.as_str().to_owned()).unwrap_or(sig.to_string()));
+    s.signal =
+        status.signal().map(|sig| Signal::try_from(sig).map(|s| s.as_str().to_owned()).unwrap_or(sig.to_string()));
     s
 }
 
@@ -87,7 +88,12 @@ async fn pump(mut r: impl AsyncRead + Unpin, out: Arc<Mutex<Output>>) {
 }
 
 impl Terminals {
-    pub async fn create(&self, sandbox: &Sandbox, default_cwd: &std::path::Path, req: CreateTerminalRequest) -> Result<CreateTerminalResponse, Error> {
+    pub async fn create(
+        &self,
+        sandbox: &Sandbox,
+        default_cwd: &std::path::Path,
+        req: CreateTerminalRequest,
+    ) -> Result<CreateTerminalResponse, Error> {
         let cwd = match &req.cwd {
             Some(dir) => sandbox.resolve(dir)?,
             None => default_cwd.to_owned(),
@@ -140,7 +146,8 @@ impl Terminals {
         let t = self.get(id)?;
         let out = lock(&t.output);
         let status = t.exit.borrow().clone();
-        Ok(TerminalOutputResponse::new(String::from_utf8_lossy(&out.bytes).into_owned(), out.truncated).exit_status(status))
+        Ok(TerminalOutputResponse::new(String::from_utf8_lossy(&out.bytes).into_owned(), out.truncated)
+            .exit_status(status))
     }
 
     pub async fn wait_for_exit(&self, id: &str) -> Result<TerminalExitStatus, Error> {

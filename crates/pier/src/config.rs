@@ -27,6 +27,21 @@ pub struct FileConfig {
     /// `[tools]`: limits of the built-in tools.
     #[serde(default)]
     pub tools: ToolsTable,
+    /// `[agents.NAME]`: agents for `pier exec --agent NAME`.
+    #[serde(default)]
+    pub agents: BTreeMap<String, pier_client::AgentDef>,
+    /// `[client]`: `pier exec` and `pier prompt` settings.
+    #[serde(default)]
+    pub client: ClientTable,
+}
+
+/// `[client]`.
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ClientTable {
+    /// `[client.permissions]`: tool kind → allow, allow_always, ask, deny or deny_always.
+    #[serde(default)]
+    pub permissions: BTreeMap<String, String>,
 }
 
 /// `[tools]`.
@@ -73,6 +88,8 @@ impl FileConfig {
         self.max_turn_requests = over.max_turn_requests.or(self.max_turn_requests);
         self.system_prompt = over.system_prompt.or(self.system_prompt);
         self.permissions.extend(over.permissions);
+        self.agents.extend(over.agents);
+        self.client.permissions.extend(over.client.permissions);
         self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
         self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {

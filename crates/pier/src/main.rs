@@ -1,9 +1,11 @@
 //! `pier`: one binary, thin subcommands over the library crates.
 
 mod agent_cmd;
+mod client_cmd;
 mod config;
 mod demo;
 mod logging;
+mod render;
 
 use std::path::PathBuf;
 
@@ -23,6 +25,13 @@ struct Cli {
 enum Command {
     /// Serve ACP v1 on stdin/stdout as an agent
     Agent(agent_cmd::AgentArgs),
+    /// Send one prompt to a fresh session of any ACP agent
+    Exec(client_cmd::ClientArgs),
+    /// Send a prompt to a named session that survives restarts
+    Prompt(client_cmd::PromptArgs),
+    /// List, show or forget named sessions
+    #[command(subcommand)]
+    Sessions(client_cmd::SessionsCmd),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
 }
@@ -42,14 +51,17 @@ fn main() {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Agent(args) => agent_cmd::run(args).await,
-            Command::Demo => demo::run().await,
+            Command::Agent(args) => agent_cmd::run(args).await.map(|()| 0),
+            Command::Exec(args) => Ok(client_cmd::exec(args).await),
+            Command::Prompt(args) => Ok(client_cmd::prompt(args).await),
+            Command::Sessions(cmd) => client_cmd::sessions(cmd).map(|()| 0),
+            Command::Demo => demo::run().await.map(|()| 0),
         }
     });
     // A blocked stdin read must not hold the process open once we are done.
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
     match result {
-        Ok(()) => std::process::exit(0),
+        Ok(code) => std::process::exit(code),
         Err(e) => {
             if e.chain().any(|c| {
                 c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)

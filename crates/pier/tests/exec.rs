@@ -1,0 +1,393 @@
+//! End-to-end tests of `pier exec` and `pier prompt` driving real agents over pipes:
+//! pier's own agent (with a local fake model) and hand-made misbehaving agents.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+
+use pier_fake_model::{FakeModel, Reply, Step};
+use serde_json::Value;
+use support::{LIMIT, must};
+use tokio::process::Command;
+
+const PIER: &str = env!("CARGO_BIN_EXE_pier");
+
+struct Env {
+    home: tempfile::TempDir,
+    work: tempfile::TempDir,
+    vars: Vec<(String, String)>,
+}
+
+impl Env {
+    fn new(base_url: Option<String>) -> Env {
+        let home = must(tempfile::tempdir(), "home");
+        let work = must(tempfile::tempdir(), "work");
+        let mut vars = vec![
+            ("HOME".to_owned(), home.path().display().to_string()),
+            ("PIER_HOME".to_owned(), home.path().join("data").display().to_string()),
+            ("PATH".to_owned(), std::env::var("PATH").unwrap_or_default()),
+            ("RUST_LOG".to_owned(), "warn".to_owned()),
+        ];
+        if let Some(url) = base_url {
+            vars.push(("PIER_BASE_URL".into(), url));
+            vars.push(("PIER_MODEL".into(), "fake-model".into()));
+            vars.push(("PIER_API_KEY".into(), "sk-test".into()));
+        }
+        Env { home, work, vars }
+    }
+
+    fn cwd(&self) -> PathBuf {
+        must(self.work.path().canonicalize(), "canonical work dir")
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(PIER);
+        cmd.args(args)
+            .current_dir(self.work.path())
+            .env_clear()
+            .envs(self.vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
+    }
+
+    async fn run(&self, args: &[&str]) -> Output {
+        let child = must(self.command(args).spawn(), "spawn pier");
+        must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "pier exec finished in time"), "wait")
+    }
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The NDJSON lines of a `--format json` run; every line must be a JSON object with a type.
+fn lines(o: &Output) -> Vec<Value> {
+    stdout(o)
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+            assert!(v["type"].is_string(), "no type: {l}");
+            v
+        })
+        .collect()
+}
+
+fn result(o: &Output) -> Value {
+    let all = lines(o);
+    let last = all.last().cloned().unwrap_or_default();
+    assert_eq!(last["type"], "result", "the last line is the result: {}", stdout(o));
+    last
+}
+
+async fn fake() -> FakeModel {
+    must(FakeModel::start().await, "fake model")
+}
+
+/// A marker that finds every process started for one test in /proc.
+fn processes_with(marker: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+                    let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+                    let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+                    let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+                    let cmdline = String::from_utf8_lossy(&cmdline).into_owned();
+                    // The agent itself, not the `pier exec` that names it in its arguments.
+                    let is_exec = cmdline.split('\0').nth(1) == Some("exec");
+                    (!zombie && !is_exec && cmdline.contains(marker)).then_some(pid)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a live (non-zombie) process is in process group `pgid`.
+fn group_alive(pgid: &str) -> bool {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten().any(|e| {
+                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+                let fields: Vec<String> = stat
+                    .rsplit_once(')')
+                    .map(|(_, rest)| rest.split_whitespace().map(str::to_owned).collect())
+                    .unwrap_or_default();
+                fields.len() > 2 && fields[2] == pgid && fields[0] != "Z"
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// An agent command line of pier's own agent carrying a unique marker.
+fn marked_agent(env: &Env, marker: &str, extra: &str) -> String {
+    format!("{PIER} agent --log-file {} {extra}", env.home.path().join(marker).display())
+}
+
+#[tokio::test]
+async fn exec_text_prints_the_answer_and_exits_zero() {
+    let f = fake().await;
+    f.push(Reply::text("Paris is the capital of France."));
+    let env = Env::new(Some(f.base_url()));
+    let o = env.run(&["exec", "What is the capital of France?"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "Paris is the capital of France.\n");
+    assert!(stderr(&o).contains("stop reason end_turn"), "{}", stderr(&o));
+    let body = &f.requests()[0].body;
+    assert!(body.to_string().contains("What is the capital of France?"));
+}
+
+#[tokio::test]
+async fn exec_json_is_ndjson_ending_with_a_result() {
+    let f = fake().await;
+    f.push(Reply::text("42"));
+    let env = Env::new(Some(f.base_url()));
+    let o = env.run(&["exec", "--format", "json", "answer"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let all = lines(&o);
+    let updates: Vec<&Value> = all.iter().filter(|l| l["type"] == "session_update").collect();
+    assert_eq!(updates.len(), 1);
+    assert_eq!(updates[0]["update"]["sessionUpdate"], "agent_message_chunk");
+    assert!(updates[0]["sessionId"].is_string());
+    let r = result(&o);
+    assert_eq!(r["stopReason"], "end_turn");
+    assert_eq!(r["text"], "42");
+    assert_eq!(r["agent"]["name"], "pier");
+    assert_eq!(r["exitCode"], 0);
+    assert!(r["durationMs"].is_u64());
+    assert_eq!(r["sessionId"], updates[0]["sessionId"]);
+    assert!(r.get("error").is_none());
+}
+
+#[tokio::test]
+async fn exec_quiet_prints_only_the_final_text_and_reads_stdin() {
+    let f = fake().await;
+    f.push(Reply::text("from stdin"));
+    let env = Env::new(Some(f.base_url()));
+    let mut cmd = env.command(&["exec", "--format", "quiet"]);
+    cmd.stdin(Stdio::piped());
+    let mut child = must(cmd.spawn(), "spawn");
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt;
+        must(stdin.write_all(b"prompt on stdin").await, "write");
+    }
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "in time"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "from stdin\n");
+    assert!(f.requests()[0].body.to_string().contains("prompt on stdin"));
+}
+
+#[tokio::test]
+async fn exit_codes_follow_the_stop_reason() {
+    let f = fake().await;
+    f.push(Reply::Stream(vec![Step::Finish("content_filter".into()), Step::Done]));
+    f.push(Reply::Stream(vec![Step::Text("cut".into()), Step::Finish("length".into()), Step::Done]));
+    let env = Env::new(Some(f.base_url()));
+    assert_eq!(env.run(&["exec", "--format", "quiet", "x"]).await.status.code(), Some(3), "refusal");
+    assert_eq!(env.run(&["exec", "--format", "quiet", "x"]).await.status.code(), Some(4), "max_tokens");
+    f.set_fallback(|_| Reply::tool_call("c", "list_dir", "{\"path\": \".\"}"));
+    let agent = format!("{PIER} agent --max-turn-requests 2");
+    let o = env.run(&["exec", "--agent", &agent, "--format", "json", "x"]).await;
+    assert_eq!(o.status.code(), Some(5), "max_turn_requests: {}", stderr(&o));
+    assert_eq!(result(&o)["stopReason"], "max_turn_requests");
+    let o = env.run(&["exec"]).await;
+    assert_eq!(o.status.code(), Some(2), "no prompt is a usage error");
+    assert!(stderr(&o).contains("no prompt"), "{}", stderr(&o));
+    let o = env.run(&["exec", "--agent", "definitely-not-an-agent-xyz", "hi"]).await;
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("neither a known agent"), "{}", stderr(&o));
+}
+
+#[tokio::test]
+async fn permissions_are_decided_unattended_by_policy() {
+    let f = fake().await;
+    let script = |f: &FakeModel| {
+        f.push(Reply::tool_call("w1", "write_file", r#"{"path": "out.txt", "content": "written"}"#));
+        f.push(Reply::text("done"));
+    };
+    let env = Env::new(Some(f.base_url()));
+    // Default: edits ask, nobody can be asked: rejected, the turn goes on.
+    script(&f);
+    let o = env.run(&["exec", "--format", "json", "write it"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let perm = lines(&o).into_iter().find(|l| l["type"] == "permission").unwrap_or_default();
+    assert_eq!(perm["outcome"]["optionId"], "reject-once", "{perm}");
+    assert_eq!(perm["toolCall"]["kind"], "edit");
+    assert!(perm["reason"].as_str().is_some_and(|r| r.contains("--non-interactive deny")), "{perm}");
+    assert!(!env.cwd().join("out.txt").exists());
+    // --approve-all: allowed once, the file is written.
+    script(&f);
+    let o = env.run(&["exec", "--format", "json", "--approve-all", "write it"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let perm = lines(&o).into_iter().find(|l| l["type"] == "permission").unwrap_or_default();
+    assert_eq!(perm["outcome"]["optionId"], "allow-once");
+    assert_eq!(std::fs::read_to_string(env.cwd().join("out.txt")).unwrap_or_default(), "written");
+    // --non-interactive fail: the run fails with the permission code.
+    std::fs::remove_file(env.cwd().join("out.txt")).unwrap_or_else(|e| panic!("{e}"));
+    script(&f);
+    let o = env.run(&["exec", "--format", "json", "--non-interactive", "fail", "write it"]).await;
+    assert_eq!(o.status.code(), Some(6), "{}", stderr(&o));
+    assert_eq!(result(&o)["error"]["kind"], "permission_required");
+    assert!(!env.cwd().join("out.txt").exists());
+}
+
+#[tokio::test]
+async fn ctrl_c_runs_the_cancel_handshake_and_leaves_no_process() {
+    let f = fake().await;
+    f.push(Reply::Stream(vec![Step::Text("thinking".into()), Step::Hang]));
+    let env = Env::new(Some(f.base_url()));
+    let marker = format!("marker-ctrl-c-{}", std::process::id());
+    let agent = marked_agent(&env, &marker, "");
+    let child = must(env.command(&["exec", "--format", "json", "--agent", &agent, "long job"]).spawn(), "spawn");
+    let pid = child.id().map_or(0, |p| p as i32);
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await, "the turn started");
+    assert!(!processes_with(&marker).is_empty(), "the agent runs");
+    must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGINT), "SIGINT");
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    let r = result(&o);
+    assert_eq!(r["stopReason"], "cancelled", "{r}");
+    assert_eq!(r["error"]["kind"], "cancelled");
+    assert_eq!(r["error"]["cancelConfirmed"], true);
+    must(tokio::time::timeout(LIMIT, f.wait_for_disconnects(1)).await, "the model stream was dropped");
+    assert!(processes_with(&marker).is_empty(), "an agent process survived");
+}
+
+#[tokio::test]
+async fn an_idle_timeout_cancels_and_exits_124() {
+    let f = fake().await;
+    f.push(Reply::Hang);
+    let env = Env::new(Some(f.base_url()));
+    let o = env.run(&["exec", "--format", "json", "--timeout", "0.5", "slow"]).await;
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    let r = result(&o);
+    assert_eq!(r["stopReason"], "cancelled");
+    assert_eq!(r["error"]["kind"], "timeout");
+}
+
+#[tokio::test]
+async fn an_agent_that_does_not_confirm_a_cancel_is_killed_after_the_grace() {
+    let env = Env::new(None);
+    // Answers the handshake, then ignores everything: the prompt never ends.
+    let script = env.home.path().join("deaf-agent.sh");
+    let body = r#"#!/bin/sh
+read line; echo '{"jsonrpc":"2.0","id":0,"result":{"protocolVersion":1}}'
+read line; echo '{"jsonrpc":"2.0","id":1,"result":{"sessionId":"s"}}'
+echo $$ > "$(dirname "$0")/deaf.pid"
+exec sleep 300
+"#;
+    must(std::fs::write(&script, body), "write script");
+    must(std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)), "chmod");
+    let agent = script.display().to_string();
+    let o = env
+        .run(&["exec", "--format", "json", "--agent", &agent, "--max-time", "0.3", "--cancel-grace", "0.3", "x"])
+        .await;
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    let r = result(&o);
+    assert_eq!(r["error"]["cancelConfirmed"], false, "{r}");
+    assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("did not confirm the cancel")), "{r}");
+    let pgid = std::fs::read_to_string(env.home.path().join("deaf.pid")).unwrap_or_default();
+    assert!(!pgid.trim().is_empty());
+    assert!(!group_alive(pgid.trim()), "the agent's group survived");
+}
+
+#[tokio::test]
+async fn an_agent_killed_mid_turn_is_a_clear_failure() {
+    let f = fake().await;
+    f.push(Reply::Stream(vec![Step::Hang]));
+    let env = Env::new(Some(f.base_url()));
+    let marker = format!("marker-killed-{}", std::process::id());
+    let agent = marked_agent(&env, &marker, "");
+    let child = must(env.command(&["exec", "--format", "json", "--agent", &agent, "x"]).spawn(), "spawn");
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await, "the turn started");
+    for pid in processes_with(&marker) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let r = result(&o);
+    assert_eq!(r["error"]["kind"], "agent");
+    let msg = r["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("closed the connection during session/prompt") && msg.contains("exited"), "{msg}");
+}
+
+#[tokio::test]
+async fn an_agent_that_writes_garbage_or_exits_gets_a_clear_error() {
+    let env = Env::new(None);
+    let o = env.run(&["exec", "--format", "json", "--agent", "sh -c 'echo hello world; sleep 30'", "x"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let r = result(&o);
+    let msg = r["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("not a JSON-RPC message") && msg.contains("hello world"), "{msg}");
+    assert!(lines(&o).iter().any(|l| l["type"] == "protocol_error"));
+
+    let o = env.run(&["exec", "--format", "json", "--agent", "sh -c 'echo going away >&2; exit 3'", "x"]).await;
+    assert_eq!(o.status.code(), Some(1));
+    let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(msg.contains("during initialize") && msg.contains("going away"), "{msg}");
+}
+
+#[tokio::test]
+async fn an_unsupported_protocol_version_is_refused() {
+    let env = Env::new(None);
+    let agent = r#"sh -c 'read l; echo "{\"jsonrpc\":\"2.0\",\"id\":0,\"result\":{\"protocolVersion\":2}}"; sleep 30'"#;
+    let o = env.run(&["exec", "--format", "json", "--agent", agent, "x"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(msg.contains("protocol version 2") && msg.contains("R028"), "{msg}");
+}
+
+#[tokio::test]
+async fn pier_prompt_says_plainly_when_the_agent_cannot_continue() {
+    let f = fake().await;
+    f.push(Reply::text("first answer"));
+    let env = Env::new(Some(f.base_url()));
+    let o = env.run(&["prompt", "-s", "work", "--format", "json", "hello"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let sid = result(&o)["sessionId"].as_str().unwrap_or_default().to_owned();
+    let listed = env.run(&["sessions", "list", "--json"]).await;
+    let rec: Value = must(serde_json::from_str(stdout(&listed).trim()), "a record");
+    assert_eq!(
+        (rec["name"].as_str(), rec["session_id"].as_str(), rec["turns"].as_u64()),
+        (Some("work"), Some(sid.as_str()), Some(1))
+    );
+    // pier's automation profile cannot load sessions: say so, never start afresh.
+    let o = env.run(&["prompt", "-s", "work", "--format", "json", "again"]).await;
+    assert_eq!(o.status.code(), Some(1));
+    let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(msg.contains("cannot continue sessions"), "{msg}");
+    assert_eq!(f.requests().len(), 1, "no new conversation was started");
+    let o = env.run(&["sessions", "rm", "work"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&env.run(&["sessions", "list"]).await), "");
+}
+
+#[tokio::test]
+async fn pier_prompt_continues_a_session_with_an_agent_that_can() {
+    let env = Env::new(None);
+    let agent = format!("python3 {}", fixture("resumable_agent.py").display());
+    let o = env.run(&["prompt", "-s", "s1", "--format", "json", "--agent", &agent, "one"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(result(&o)["text"], "turn 1: one");
+    let o = env.run(&["prompt", "-s", "s1", "--format", "json", "--agent", &agent, "two"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let r = result(&o);
+    assert_eq!(r["text"], "turn 2: two", "the session went on where it was");
+    // Replayed history is not shown as new output.
+    assert_eq!(lines(&o).iter().filter(|l| l["type"] == "session_update").count(), 1);
+    let shown = env.run(&["sessions", "show", "s1", "--agent", &agent]).await;
+    assert!(stdout(&shown).contains("\"turns\": 2"), "{}", stdout(&shown));
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures").join(name)
+}
