@@ -1,0 +1,244 @@
+//! The client methods an agent calls, served over a real connection (an in-memory
+//! pipe) with the agent side played by a second connection.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use pier_acp::schema::Error;
+use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx, RequestError};
+use pier_client::handler::{ClientHandler, ClientState};
+use pier_client::sandbox::Sandbox;
+use pier_client::{ClientEvent, ClientPolicy};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+struct Quiet;
+impl Handler for Quiet {
+    fn request(&self, _: RequestCx, _: String, _: Value) -> BoxFuture<'static, Result<Value, Error>> {
+        Box::pin(async { Err(Error::method_not_found()) })
+    }
+    fn notification(&self, _: &Connection, _: &str, _: Value) {}
+}
+
+struct Setup {
+    dir: tempfile::TempDir,
+    extra: tempfile::TempDir,
+    agent: Connection,
+    state: Arc<ClientState>,
+    events: mpsc::UnboundedReceiver<ClientEvent>,
+}
+
+fn setup_with(policy: ClientPolicy, fs: bool, terminal: bool) -> Setup {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let extra = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let cwd = dir.path().canonicalize().unwrap_or_else(|e| panic!("{e}"));
+    let sandbox = Sandbox::new(&cwd, &[extra.path().to_owned()]).unwrap_or_else(|e| panic!("{e}"));
+    let (tx, events) = mpsc::unbounded_channel();
+    let state = Arc::new(ClientState::new(sandbox, cwd, fs, terminal, policy, false, tx));
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let (ar, aw) = tokio::io::split(a);
+    let (br, bw) = tokio::io::split(b);
+    let _client = Connection::spawn(ar, aw, Arc::new(ClientHandler(state.clone())), ConnectionConfig::default());
+    let agent = Connection::spawn(br, bw, Arc::new(Quiet), ConnectionConfig::default());
+    Setup { dir, extra, agent, state, events }
+}
+
+fn setup() -> Setup {
+    setup_with(ClientPolicy::default(), true, true)
+}
+
+impl Setup {
+    fn root(&self) -> PathBuf {
+        self.dir.path().canonicalize().unwrap_or_else(|e| panic!("{e}"))
+    }
+    async fn call(&self, method: &str, params: Value) -> Result<Value, Error> {
+        match tokio::time::timeout(Duration::from_secs(20), self.agent.request::<_, Value>(method, &params)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(RequestError::Remote(e))) => Err(e),
+            Ok(Err(e)) => panic!("{method}: {e}"),
+            Err(_) => panic!("{method} did not answer"),
+        }
+    }
+    async fn code(&self, method: &str, params: Value) -> i32 {
+        match self.call(method, params.clone()).await {
+            Ok(v) => panic!("{method} {params} succeeded: {v}"),
+            Err(e) => i32::from(e.code),
+        }
+    }
+}
+
+#[tokio::test]
+async fn read_text_file_serves_lines_inside_the_sandbox_only() {
+    let s = setup();
+    let file = s.root().join("a.txt");
+    std::fs::write(&file, "one\ntwo\nthree\n").unwrap_or_else(|e| panic!("{e}"));
+    let r = s.call("fs/read_text_file", json!({"sessionId": "s", "path": file})).await;
+    assert_eq!(r.ok().map(|v| v["content"].clone()), Some(json!("one\ntwo\nthree\n")));
+    let r = s.call("fs/read_text_file", json!({"sessionId": "s", "path": file, "line": 2, "limit": 1})).await;
+    assert_eq!(r.ok().map(|v| v["content"].clone()), Some(json!("two\n")));
+    let missing = s.call("fs/read_text_file", json!({"sessionId": "s", "path": s.root().join("nope")})).await;
+    let missing = missing.err().unwrap_or_else(|| panic!("missing file was read"));
+    assert_eq!(i32::from(missing.code), -32002);
+    assert!(missing.data.is_some_and(|d| d["uri"].as_str().is_some_and(|u| u.ends_with("/nope"))));
+    assert_eq!(s.code("fs/read_text_file", json!({"sessionId": "s", "path": "a.txt"})).await, -32602, "relative");
+    assert_eq!(s.code("fs/read_text_file", json!({"sessionId": "s", "path": "/etc/passwd"})).await, -32602, "outside");
+    let outside = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(outside.path().join("secret"), "s").unwrap_or_else(|e| panic!("{e}"));
+    std::os::unix::fs::symlink(outside.path(), s.root().join("link")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        s.code("fs/read_text_file", json!({"sessionId": "s", "path": s.root().join("link/secret")})).await,
+        -32602
+    );
+    // An --allow-dir is served too.
+    let allowed = s.extra.path().join("b.txt");
+    std::fs::write(&allowed, "extra").unwrap_or_else(|e| panic!("{e}"));
+    let r = s.call("fs/read_text_file", json!({"sessionId": "s", "path": allowed})).await;
+    assert_eq!(r.ok().map(|v| v["content"].clone()), Some(json!("extra")));
+}
+
+#[tokio::test]
+async fn write_text_file_creates_files_inside_and_nothing_outside() {
+    let mut s = setup_with(
+        {
+            let mut p = ClientPolicy::default();
+            p.approve_all();
+            p
+        },
+        true,
+        true,
+    );
+    let target = s.root().join("new/dir/f.txt");
+    let r = s.call("fs/write_text_file", json!({"sessionId": "s", "path": target, "content": "hello"})).await;
+    assert_eq!(r.ok(), Some(json!({})));
+    assert_eq!(std::fs::read_to_string(&target).unwrap_or_default(), "hello");
+    let outside = std::env::temp_dir().join(format!("pier-outside-{}", std::process::id()));
+    assert_eq!(s.code("fs/write_text_file", json!({"sessionId": "s", "path": outside, "content": "x"})).await, -32602);
+    assert!(!outside.exists());
+    let mut calls = Vec::new();
+    while let Ok(e) = s.events.try_recv() {
+        if let ClientEvent::ClientCall { method, error, .. } = e {
+            calls.push((method, error.is_none()));
+        }
+    }
+    assert_eq!(calls, [("fs/write_text_file".to_owned(), true), ("fs/write_text_file".to_owned(), false)]);
+}
+
+#[tokio::test]
+async fn a_denied_kind_refuses_the_method_and_disabled_methods_are_not_found() {
+    let mut deny = ClientPolicy::default();
+    deny.deny_all();
+    let s = setup_with(deny, true, true);
+    let file = s.root().join("a.txt");
+    std::fs::write(&file, "x").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.code("fs/read_text_file", json!({"sessionId": "s", "path": file})).await, -32603);
+    assert_eq!(s.code("terminal/create", json!({"sessionId": "s", "command": "true"})).await, -32603);
+    let off = setup_with(ClientPolicy::default(), false, false);
+    assert_eq!(off.code("fs/read_text_file", json!({"sessionId": "s", "path": file})).await, -32601);
+    assert_eq!(off.code("terminal/create", json!({"sessionId": "s", "command": "true"})).await, -32601);
+}
+
+fn group_alive(pgid: i64) -> bool {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten().any(|e| {
+                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+                let f: Vec<String> = stat
+                    .rsplit_once(')')
+                    .map(|(_, r)| r.split_whitespace().map(str::to_owned).collect())
+                    .unwrap_or_default();
+                f.len() > 2 && f[2] == pgid.to_string() && f[0] != "Z"
+            })
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn terminals_run_report_truncate_kill_and_release() {
+    let s = setup();
+    let create = |cmd: &str, limit: Option<u64>| json!({"sessionId": "s", "command": "sh", "args": ["-c", cmd], "outputByteLimit": limit});
+    let id = s
+        .call("terminal/create", create("echo out; echo err >&2; exit 7", None))
+        .await
+        .ok()
+        .map(|v| v["terminalId"].clone());
+    let id = id.unwrap_or_else(|| panic!("create failed"));
+    let exit = s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await;
+    assert_eq!(exit.ok().map(|v| v["exitCode"].clone()), Some(json!(7)));
+    let out = s.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
+    let text = out["output"].as_str().unwrap_or_default();
+    assert!(text.contains("out\n") && text.contains("err\n"), "{out}");
+    assert_eq!(out["truncated"], false);
+    assert_eq!(out["exitStatus"]["exitCode"], 7);
+
+    // Output past the limit is cut from the start at a character boundary.
+    let id = s.call("terminal/create", create("printf 'aaaaaéééé'", Some(5))).await.unwrap_or_default()["terminalId"]
+        .clone();
+    s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await.ok();
+    let out = s.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
+    assert_eq!((out["output"].clone(), out["truncated"].clone()), (json!("éé"), json!(true)), "{out}");
+
+    // Kill keeps the terminal valid; release invalidates it.
+    let id = s.call("terminal/create", create("echo $$; exec sleep 300", None)).await.unwrap_or_default()["terminalId"]
+        .clone();
+    let pgid = loop {
+        let out = s.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
+        if let Some(pid) = out["output"].as_str().and_then(|o| o.trim().parse::<i64>().ok()) {
+            break pid;
+        }
+        tokio::task::yield_now().await;
+    };
+    assert!(group_alive(pgid));
+    assert!(s.call("terminal/kill", json!({"sessionId": "s", "terminalId": id})).await.is_ok());
+    let exit = s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
+    assert_eq!(exit["signal"], "SIGKILL", "{exit}");
+    assert!(!group_alive(pgid));
+    assert!(s.call("terminal/release", json!({"sessionId": "s", "terminalId": id})).await.is_ok());
+    assert_eq!(s.code("terminal/output", json!({"sessionId": "s", "terminalId": id})).await, -32602);
+
+    // Shutdown kills what is still running.
+    let id = s.call("terminal/create", create("echo $$; exec sleep 300", None)).await.unwrap_or_default()["terminalId"]
+        .clone();
+    let pgid = loop {
+        let out = s.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
+        if let Some(pid) = out["output"].as_str().and_then(|o| o.trim().parse::<i64>().ok()) {
+            break pid;
+        }
+        tokio::task::yield_now().await;
+    };
+    s.state.terminals.kill_all();
+    let exit = s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await;
+    assert!(exit.is_err() || !group_alive(pgid));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while group_alive(pgid) && std::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    assert!(!group_alive(pgid));
+    // A cwd outside the sandbox is refused.
+    let bad = json!({"sessionId": "s", "command": "true", "cwd": "/"});
+    assert_eq!(s.code("terminal/create", bad).await, -32602);
+}
+
+#[tokio::test]
+async fn permission_requests_follow_the_policy_and_cancellation() {
+    let s = setup();
+    let request = |kind: &str| {
+        json!({
+            "sessionId": "s",
+            "toolCall": {"toolCallId": "t1", "title": "do it", "kind": kind},
+            "options": [
+                {"optionId": "yes-always", "name": "Always", "kind": "allow_always"},
+                {"optionId": "yes", "name": "Yes", "kind": "allow_once"},
+                {"optionId": "no", "name": "No", "kind": "reject_once"},
+            ],
+        })
+    };
+    let r = s.call("session/request_permission", request("read")).await.unwrap_or_default();
+    assert_eq!(r["outcome"], json!({"outcome": "selected", "optionId": "yes"}));
+    let r = s.call("session/request_permission", request("execute")).await.unwrap_or_default();
+    assert_eq!(r["outcome"], json!({"outcome": "selected", "optionId": "no"}), "ask without a terminal: deny");
+    s.state.cancelling.cancel();
+    let r = s.call("session/request_permission", request("read")).await.unwrap_or_default();
+    assert_eq!(r["outcome"], json!({"outcome": "cancelled"}), "R088");
+}
