@@ -138,7 +138,10 @@ impl ClientState {
                     };
                 }
             }
-            if self.cancelling.is_cancelled() {
+            if self.permission_failed.is_cancelled() {
+                // The run is about to cancel the turn: grant nothing, deterministically.
+                (Choice::Cancelled, Some(rule), reason)
+            } else if self.cancelling.is_cancelled() {
                 (Choice::Cancelled, Some(rule), "the turn is being cancelled (R088)".to_owned())
             } else {
                 let (choice, why) = choose(rule, &req.options);

@@ -8,7 +8,14 @@
 //! request so tests can assert what the client sent, and counts the clients that
 //! went away, so a test can see that a cancelled stream was really dropped.
 //!
+//! The same scripts render in other providers' formats too (see [`encode`]), so
+//! third-party agents (codex, Claude Code, gemini-cli) can run against it.
+//! Requests that are not part of the scripted conversation (title generation,
+//! gemini's model router) get an automatic answer and do not use up the script.
+//!
 //! It is also the scripted model behind `pier demo`.
+
+pub mod encode;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -115,6 +122,8 @@ fn split(text: &str, chunk: usize) -> Vec<String> {
 #[derive(Debug, Clone)]
 pub struct Recorded {
     pub path: String,
+    /// Whether the request was answered automatically, outside the script.
+    pub auxiliary: bool,
     pub authorization: Option<String>,
     pub body: Value,
 }
@@ -217,21 +226,44 @@ async fn serve(
     let Some((path, authorization, body)) = read_request(&mut socket).await? else {
         return Ok(());
     };
+    let Some(api) = encode::Api::from_path(&path) else {
+        lock(&state).requests.push(Recorded { path: path.clone(), auxiliary: true, authorization, body });
+        seen.send_modify(|n| *n += 1);
+        return write_status(&mut socket, 404, &format!("fake model: no route for {path}"), None).await;
+    };
+    let streaming = body.get("stream").and_then(Value::as_bool).unwrap_or(api == encode::Api::GeminiStream);
+    let auxiliary = match api {
+        encode::Api::GeminiGenerate => true,
+        // Claude Code's side requests (titles, quota checks) carry no tools.
+        encode::Api::AnthropicMessages => body.get("tools").and_then(Value::as_array).is_none_or(Vec::is_empty),
+        _ => false,
+    };
     let reply = {
         let mut st = lock(&state);
-        st.requests.push(Recorded { path: path.clone(), authorization, body: body.clone() });
-        match st.script.pop_front() {
-            Some(reply) => reply,
-            None => match &st.fallback {
-                Some(f) => f(&body),
-                None => Reply::status(400, "fake model: no scripted reply left for this request"),
-            },
+        st.requests.push(Recorded { path: path.clone(), auxiliary, authorization, body: body.clone() });
+        if auxiliary {
+            None
+        } else {
+            Some(match st.script.pop_front() {
+                Some(reply) => reply,
+                None => match &st.fallback {
+                    Some(f) => f(&body),
+                    None => Reply::status(400, "fake model: no scripted reply left for this request"),
+                },
+            })
         }
     };
     seen.send_modify(|n| *n += 1);
-    if !path.ends_with("/chat/completions") {
-        return write_status(&mut socket, 404, &format!("fake model: no route for {path}"), None).await;
-    }
+    let Some(reply) = reply else {
+        let (content_type, text) = encode::auxiliary(api, streaming);
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            text.len()
+        );
+        socket.write_all(head.as_bytes()).await?;
+        socket.write_all(text.as_bytes()).await?;
+        return socket.shutdown().await;
+    };
     match reply {
         Reply::Status { code, message, retry_after_secs } => {
             write_status(&mut socket, code, &message, retry_after_secs).await
@@ -241,56 +273,33 @@ async fn serve(
             socket
                 .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n")
                 .await?;
+            let mut encoder = encode::Encoder::new(api);
+            let opening = encoder.begin();
+            if !opening.is_empty() {
+                socket.write_all(opening.as_bytes()).await?;
+            }
             for step in steps {
-                let out = match step {
+                match &step {
                     Step::Hang => return hang(socket, gone).await,
                     Step::Cut => return Ok(()),
                     Step::Pause(d) => {
-                        tokio::time::sleep(d).await;
+                        tokio::time::sleep(*d).await;
                         continue;
                     }
                     Step::Gate(gate) => {
                         gate.0.notified().await;
                         continue;
                     }
-                    Step::Comment(c) => format!(": {c}\n\n"),
-                    Step::Done => "data: [DONE]\n\n".to_owned(),
-                    other => format!("data: {}\n\n", chunk(&other)),
-                };
-                socket.write_all(out.as_bytes()).await?;
-                socket.flush().await?;
+                    _ => {}
+                }
+                let out = encoder.step(&step);
+                if !out.is_empty() {
+                    socket.write_all(out.as_bytes()).await?;
+                    socket.flush().await?;
+                }
             }
             socket.shutdown().await
         }
-    }
-}
-
-fn chunk(step: &Step) -> Value {
-    let choice = |delta: Value, finish: Value| {
-        json!({
-            "id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
-            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
-        })
-    };
-    match step {
-        Step::Text(t) => choice(json!({ "role": "assistant", "content": t }), Value::Null),
-        Step::Reasoning(t) => choice(json!({ "reasoning_content": t }), Value::Null),
-        Step::Refusal(t) => choice(json!({ "refusal": t }), Value::Null),
-        Step::ToolCallStart { index, id, name } => choice(
-            json!({ "tool_calls": [{ "index": index, "id": id, "type": "function", "function": { "name": name, "arguments": "" } }] }),
-            Value::Null,
-        ),
-        Step::ToolCallArgs { index, fragment } => {
-            choice(json!({ "tool_calls": [{ "index": index, "function": { "arguments": fragment } }] }), Value::Null)
-        }
-        Step::Finish(reason) => choice(json!({}), json!(reason)),
-        Step::Usage { prompt, completion } => json!({
-            "id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-model",
-            "choices": [],
-            "usage": { "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion },
-        }),
-        Step::Data(v) => v.clone(),
-        Step::Comment(_) | Step::Done | Step::Hang | Step::Cut | Step::Pause(_) | Step::Gate(_) => Value::Null,
     }
 }
 
