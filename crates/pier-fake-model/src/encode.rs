@@ -335,3 +335,95 @@ pub fn auxiliary(api: Api, streaming: bool) -> (String, String) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events(api: Api, steps: &[Step]) -> Vec<Value> {
+        let mut e = Encoder::new(api);
+        let mut out = e.begin();
+        for s in steps {
+            out.push_str(&e.step(s));
+        }
+        out.split("\n\n")
+            .filter_map(|frame| frame.lines().find_map(|l| l.strip_prefix("data: ")))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+            .collect()
+    }
+
+    fn tool_script() -> Vec<Step> {
+        vec![
+            Step::Text("Let me run it.".into()),
+            Step::ToolCallStart { index: 0, id: "call_1".into(), name: "Bash".into() },
+            Step::ToolCallArgs { index: 0, fragment: "{\"command\":".into() },
+            Step::ToolCallArgs { index: 0, fragment: "\"ls\"}".into() },
+            Step::Finish("tool_calls".into()),
+            Step::Done,
+        ]
+    }
+
+    #[test]
+    fn routes_by_path() {
+        assert_eq!(Api::from_path("/v1/chat/completions"), Some(Api::ChatCompletions));
+        assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
+        assert_eq!(Api::from_path("/v1/messages?beta=true"), Some(Api::AnthropicMessages));
+        assert_eq!(Api::from_path("/v1beta/models/m:streamGenerateContent?alt=sse"), Some(Api::GeminiStream));
+        assert_eq!(Api::from_path("/v1beta/models/m:generateContent"), Some(Api::GeminiGenerate));
+        assert_eq!(Api::from_path("/v1/models"), None);
+    }
+
+    #[test]
+    fn anthropic_streams_blocks_and_a_tool_use_stop() {
+        let types: Vec<String> = events(Api::AnthropicMessages, &tool_script())
+            .iter()
+            .map(|e| {
+                let t = e["type"].as_str().unwrap_or("").to_owned();
+                match e["delta"]["type"].as_str().or(e["content_block"]["type"].as_str()) {
+                    Some(sub) => format!("{t}:{sub}"),
+                    None => t,
+                }
+            })
+            .collect();
+        assert_eq!(
+            types,
+            [
+                "message_start",
+                "content_block_start:text",
+                "content_block_delta:text_delta",
+                "content_block_stop",
+                "content_block_start:tool_use",
+                "content_block_delta:input_json_delta",
+                "content_block_delta:input_json_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+            ]
+        );
+        let all = events(Api::AnthropicMessages, &tool_script());
+        assert_eq!(all[8]["delta"]["stop_reason"], "tool_use");
+    }
+
+    #[test]
+    fn responses_end_with_items_and_completed() {
+        let all = events(Api::Responses, &tool_script());
+        assert_eq!(all[0]["type"], "response.created");
+        assert_eq!(all[1]["type"], "response.output_text.delta");
+        let done: Vec<&Value> = all.iter().filter(|e| e["type"] == "response.output_item.done").collect();
+        assert_eq!(done[0]["item"]["content"][0]["text"], "Let me run it.");
+        assert_eq!(done[1]["item"]["type"], "function_call");
+        assert_eq!(done[1]["item"]["arguments"], "{\"command\":\"ls\"}");
+        assert_eq!(done[1]["item"]["call_id"], "call_1");
+        assert_eq!(all.last().map(|e| e["type"].clone()), Some(json!("response.completed")));
+    }
+
+    #[test]
+    fn gemini_sends_text_then_a_parsed_function_call() {
+        let all = events(Api::GeminiStream, &tool_script());
+        assert_eq!(all[0]["candidates"][0]["content"]["parts"][0]["text"], "Let me run it.");
+        let last = &all[all.len() - 1]["candidates"][0];
+        assert_eq!(last["content"]["parts"][0]["functionCall"], json!({"name": "Bash", "args": {"command": "ls"}}));
+        assert_eq!(last["finishReason"], "STOP");
+    }
+}

@@ -183,6 +183,11 @@ impl FakeModel {
         lock(&self.state).script.push_back(reply);
     }
 
+    /// Drops every queued reply that was not used.
+    pub fn clear_script(&self) {
+        lock(&self.state).script.clear();
+    }
+
     /// Answers requests with `f` once the script is exhausted.
     pub fn set_fallback(&self, f: impl Fn(&Value) -> Reply + Send + Sync + 'static) {
         lock(&self.state).fallback = Some(Arc::new(f));

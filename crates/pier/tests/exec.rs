@@ -391,3 +391,20 @@ async fn pier_prompt_continues_a_session_with_an_agent_that_can() {
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures").join(name)
 }
+
+#[tokio::test]
+async fn authentication_uses_an_env_var_method_when_its_variables_are_set() {
+    let mut env = Env::new(None);
+    let agent = format!("python3 {}", fixture("auth_agent.py").display());
+    let o = env.run(&["exec", "--format", "json", "--agent", &agent, "hi"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        msg.contains("requires authentication") && msg.contains("api-key (API key)") && msg.contains("browser"),
+        "{msg}"
+    );
+    env.vars.push(("MY_AGENT_KEY".into(), "secret".into()));
+    let o = env.run(&["exec", "--format", "json", "--agent", &agent, "hi"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(result(&o)["text"], "authenticated");
+}
