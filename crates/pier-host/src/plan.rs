@@ -99,6 +99,16 @@ impl std::fmt::Display for Problem {
 #[error("the plan was refused:\n{}", .0.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
 pub struct PlanError(pub Vec<Problem>);
 
+/// The line of the `[[tasks]]` header that opens the table starting near `offset`.
+fn header_line(text: &str, offset: usize) -> usize {
+    let end = (offset + 9).min(text.len());
+    let end = (0..=end).rev().find(|i| text.is_char_boundary(*i)).unwrap_or(0);
+    match text[..end].rfind("[[tasks]]") {
+        Some(at) => line_of(text, at),
+        None => line_of(text, offset),
+    }
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
@@ -115,7 +125,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
     let mut lines = HashMap::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for spanned in file.tasks {
-        let line = line_of(text, spanned.span().start);
+        let line = header_line(text, spanned.span().start);
         let t = spanned.into_inner();
         if t.id.trim().is_empty() {
             problems.push(Problem { line, message: "a task has an empty id".into() });
@@ -123,7 +133,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
         if let Some(first) = seen.insert(t.id.clone(), line) {
             problems.push(Problem { line, message: format!("duplicate task id `{}` (first at line {first})", t.id) });
         }
-        lines.insert(t.id.clone(), line);
+        lines.entry(t.id.clone()).or_insert(line);
         let agent = t.agent.or_else(|| d.agent.clone()).unwrap_or_else(|| "pier".to_owned());
         if let Err(why) = agent_known(&agent) {
             problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
@@ -166,7 +176,10 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
             if !t.depends_on.contains(&reference) {
                 problems.push(Problem {
                     line,
-                    message: format!("task `{}` uses {{{{tasks.{reference}.result}}}} but does not depend on `{reference}`", t.id),
+                    message: format!(
+                        "task `{}` uses {{{{tasks.{reference}.result}}}} but does not depend on `{reference}`",
+                        t.id
+                    ),
                 });
             }
         }
@@ -221,8 +234,11 @@ pub fn render(prompt: &str, results: &HashMap<String, String>) -> String {
 
 /// Each dependency cycle once, as the ids along it.
 fn cycles(tasks: &[TaskSpec]) -> Vec<Vec<String>> {
-    let deps: HashMap<&str, Vec<&str>> =
-        tasks.iter().map(|t| (t.id.as_str(), t.depends_on.iter().map(String::as_str).collect())).collect();
+    let mut deps: HashMap<&str, Vec<&str>> = HashMap::new();
+    for t in tasks {
+        // With duplicate ids (reported separately) the first definition counts.
+        deps.entry(t.id.as_str()).or_insert_with(|| t.depends_on.iter().map(String::as_str).collect());
+    }
     #[derive(Clone, Copy, PartialEq)]
     enum Mark {
         Active,
@@ -324,7 +340,8 @@ prompt = "dup"
         let err = parse(text, &known).err().unwrap_or_else(|| panic!("accepted"));
         let got: Vec<String> = err.0.iter().map(ToString::to_string).collect();
         assert!(got.contains(&"line 11: task `c`: unknown agent `nope`".to_owned()), "{got:#?}");
-        assert!(got.contains(&"line 16: duplicate task id `a` (first at line 1)".to_owned()), "{got:#?}");
+        assert!(got.contains(&"line 17: duplicate task id `a` (first at line 1)".to_owned()), "{got:#?}");
+        assert!(got.contains(&"line 1: dependency cycle: a -> c -> a".to_owned()), "{got:#?}");
         assert!(got.contains(&"line 6: task `b` depends on unknown task `ghost`".to_owned()), "{got:#?}");
         assert!(got.iter().any(|p| p.starts_with("line 6: task `b` uses {{tasks.a.result}}")), "{got:#?}");
         assert!(got.iter().any(|p| p.contains("dependency cycle")), "{got:#?}");

@@ -1,1 +1,571 @@
-pub fn _placeholder() {}
+//! The scheduler: hands runnable tasks to ACP agents (through `pier-client`), keeps
+//! their leases alive, records everything they report, and decides what each
+//! ending means for the task.
+//!
+//! Outcomes: `end_turn` completes the task with the final assistant message;
+//! `refusal` fails it for good; `max_tokens`/`max_turn_requests` fail it unless the
+//! plan retries them; a `cancelled` stop reason cancels it. A crash, garbage, an
+//! idle timeout or a lost lease fails the *attempt*: it is retried with jittered
+//! exponential backoff until `max_attempts`, but only when the attempt reported no
+//! side effects (an edit, delete, move or execute tool call, a granted permission,
+//! a file written or a command run through the client) or the task is
+//! `idempotent`; otherwise the task waits in `awaiting_input` with the evidence.
+//! An attempt lost to the host itself (Ctrl-C, a crash found on restart) does not
+//! count as a failure.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_client_protocol_schema::v1::StopReason;
+use pier_client::policy::ClientPolicy;
+use pier_client::{AgentDef, ClientEvent, Ending, RunOptions, SessionTarget, registry};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::plan::render;
+use crate::state::TaskState;
+use crate::store::{SqliteStore, StoreError, TaskRow, TaskStore, Transition, now_ms};
+
+/// How the host runs tasks.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    pub pier_exe: PathBuf,
+    pub agents: BTreeMap<String, AgentDef>,
+    /// Relative task `cwd`s are resolved against it (the plan's directory).
+    pub base_dir: PathBuf,
+    pub concurrency: usize,
+    /// This host's identity in leases: `HOST:PID:RANDOM`.
+    pub owner: String,
+    pub lease_ttl: Duration,
+    pub retry_base: Duration,
+    pub cancel_grace: Duration,
+    pub default_idle_timeout: Duration,
+}
+
+impl HostConfig {
+    pub fn owner_id() -> String {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}:{}:{}", host.trim(), std::process::id(), uuid::Uuid::new_v4().simple())
+    }
+}
+
+/// Whether a lease owner is a process of this machine that no longer exists.
+fn owner_dead(owner: &str) -> bool {
+    let mut parts = owner.split(':');
+    let (Some(host), Some(pid)) = (parts.next(), parts.next()) else { return false };
+    let here = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    host == here.trim() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+}
+
+/// Counts by state at the end of a run.
+pub type Summary = BTreeMap<&'static str, usize>;
+
+pub struct Scheduler {
+    store: Arc<SqliteStore>,
+    config: HostConfig,
+}
+
+async fn blocking<T: Send + 'static>(
+    store: &Arc<SqliteStore>,
+    f: impl FnOnce(&SqliteStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || f(&store)).await.map_err(|e| StoreError::Db(format!("store worker: {e}")))?
+}
+
+/// Tool kinds whose activity counts as a side effect.
+fn effectful(kind: &str) -> bool {
+    matches!(kind, "edit" | "delete" | "move" | "execute")
+}
+
+impl Scheduler {
+    pub fn new(store: Arc<SqliteStore>, config: HostConfig) -> Scheduler {
+        Scheduler { store, config }
+    }
+
+    /// Runs `run` until no task can make progress, or `stop` fires (then running
+    /// tasks are cancelled through the ACP handshake and returned to the queue).
+    pub async fn run(&self, run: &str, stop: CancellationToken) -> Result<Summary, StoreError> {
+        let mut workers: JoinSet<String> = JoinSet::new();
+        let mut active: HashMap<String, CancellationToken> = HashMap::new();
+        loop {
+            let tasks = {
+                let r = run.to_owned();
+                blocking(&self.store, move |s| s.tasks(&r)).await?
+            };
+            let now = now_ms();
+            let by_id: HashMap<&str, &TaskRow> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+
+            // Attempts lost by another (dead or silent) host go back through the safe re-run check.
+            for t in tasks.iter().filter(|t| t.state == TaskState::Running && !active.contains_key(&t.id)) {
+                let expired = t.lease_expires_at_ms.is_some_and(|e| e < now);
+                let dead = t.lease_owner.as_deref().is_some_and(owner_dead);
+                if expired || dead {
+                    let why = if dead { "its host died" } else { "its lease expired" };
+                    self.lost(t, &format!("the attempt was lost: {why}")).await?;
+                }
+            }
+            // A failed or cancelled dependency cancels its pending dependents.
+            for t in tasks.iter().filter(|t| t.state == TaskState::Pending) {
+                if let Some(dep) = t.spec.depends_on.iter().find_map(|d| {
+                    by_id.get(d.as_str()).filter(|d| matches!(d.state, TaskState::Failed | TaskState::Cancelled))
+                }) {
+                    let reason = format!("dependency `{}` ended {}", dep.id, dep.state.as_str());
+                    self.transition(t, TaskState::Cancelled, "cancel:dependency", &reason, |_| {}).await?;
+                }
+            }
+            if stop.is_cancelled() {
+                for token in active.values() {
+                    token.cancel();
+                }
+                while let Some(done) = workers.join_next().await {
+                    if let Ok(id) = done {
+                        active.remove(&id);
+                    }
+                }
+                break;
+            }
+            // Anything changed above shows in the next pass; start what is runnable now.
+            let tasks = {
+                let r = run.to_owned();
+                blocking(&self.store, move |s| s.tasks(&r)).await?
+            };
+            let by_id: HashMap<&str, &TaskRow> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+            let results: HashMap<String, String> = tasks
+                .iter()
+                .filter(|t| t.state == TaskState::Completed)
+                .map(|t| (t.id.clone(), t.result.clone().unwrap_or_default()))
+                .collect();
+            let mut next_wake: Option<i64> = None;
+            for t in &tasks {
+                if t.state != TaskState::Pending || active.contains_key(&t.id) {
+                    continue;
+                }
+                let ready = t
+                    .spec
+                    .depends_on
+                    .iter()
+                    .all(|d| by_id.get(d.as_str()).is_some_and(|d| d.state == TaskState::Completed));
+                if !ready {
+                    continue;
+                }
+                if t.not_before_ms > now {
+                    next_wake = Some(next_wake.map_or(t.not_before_ms, |w| w.min(t.not_before_ms)));
+                    continue;
+                }
+                if active.len() >= self.config.concurrency.max(1) {
+                    break;
+                }
+                let token = stop.child_token();
+                active.insert(t.id.clone(), token.clone());
+                let worker = Worker {
+                    store: self.store.clone(),
+                    config: self.config.clone(),
+                    row: t.clone(),
+                    results: results.clone(),
+                };
+                workers.spawn(async move {
+                    let id = worker.row.id.clone();
+                    if let Err(e) = worker.run(token).await {
+                        tracing::error!(task = %id, error = %e, "a task worker failed");
+                    }
+                    id
+                });
+            }
+            for t in tasks.iter().filter(|t| t.state == TaskState::Running && !active.contains_key(&t.id)) {
+                if let Some(e) = t.lease_expires_at_ms {
+                    next_wake = Some(next_wake.map_or(e, |w| w.min(e)));
+                }
+            }
+            if active.is_empty() && next_wake.is_none() {
+                let waiting_on_others = tasks.iter().any(|t| t.state == TaskState::Running);
+                if !waiting_on_others {
+                    break;
+                }
+            }
+            let sleep_ms = next_wake.map_or(3_600_000, |w| (w - now_ms()).clamp(1, 3_600_000)) as u64;
+            tokio::select! {
+                done = workers.join_next(), if !workers.is_empty() => {
+                    if let Some(Ok(id)) = done {
+                        active.remove(&id);
+                    }
+                }
+                _ = tokio::time::sleep(Duration::from_millis(sleep_ms)) => {}
+                _ = stop.cancelled() => {}
+            }
+        }
+        let tasks = {
+            let r = run.to_owned();
+            blocking(&self.store, move |s| s.tasks(&r)).await?
+        };
+        let mut summary = Summary::new();
+        for t in &tasks {
+            *summary.entry(t.state.as_str()).or_default() += 1;
+        }
+        Ok(summary)
+    }
+
+    async fn transition(
+        &self,
+        t: &TaskRow,
+        to: TaskState,
+        key: &str,
+        reason: &str,
+        edit: impl FnOnce(&mut Transition),
+    ) -> Result<Option<TaskRow>, StoreError> {
+        let mut tr = Transition {
+            run: t.run_id.clone(),
+            task: t.id.clone(),
+            expected_version: t.version,
+            to: Some(to),
+            key: format!("{key}:{}:{}", t.attempt, t.version),
+            reason: reason.to_owned(),
+            ..Transition::default()
+        };
+        edit(&mut tr);
+        match blocking(&self.store, move |s| s.transition(&tr)).await {
+            Ok(row) => Ok(Some(row)),
+            // Someone else moved the task first; the next pass sees the new state.
+            Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The safe re-run decision for an attempt that was lost mid-turn.
+    async fn lost(&self, t: &TaskRow, reason: &str) -> Result<(), StoreError> {
+        let (run, id, attempt) = (t.run_id.clone(), t.id.clone(), t.attempt);
+        let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, attempt)).await?;
+        let (to, why) = rerun_decision(t, &evidence, reason);
+        self.transition(t, to, "lost", &why, |tr| tr.data = Some(json!({"evidence": evidence}))).await?;
+        Ok(())
+    }
+}
+
+/// Pending (run again) or awaiting_input (a person decides), with the reason.
+fn rerun_decision(t: &TaskRow, evidence: &[Value], reason: &str) -> (TaskState, String) {
+    if evidence.is_empty() {
+        (TaskState::Pending, format!("{reason}; no side effects were reported, so it runs again"))
+    } else if t.spec.idempotent {
+        (TaskState::Pending, format!("{reason}; it reported side effects but the task is idempotent, so it runs again"))
+    } else {
+        (
+            TaskState::AwaitingInput,
+            format!("{reason}; it reported side effects, so a person must decide whether to run it again"),
+        )
+    }
+}
+
+struct Worker {
+    store: Arc<SqliteStore>,
+    config: HostConfig,
+    row: TaskRow,
+    results: HashMap<String, String>,
+}
+
+impl Worker {
+    async fn run(self, stop: CancellationToken) -> Result<(), StoreError> {
+        let spec = self.row.spec.clone();
+        let owner = self.config.owner.clone();
+        let ttl = self.config.lease_ttl.as_millis() as i64;
+        let attempt = self.row.attempt + 1;
+        let claim = Transition {
+            run: self.row.run_id.clone(),
+            task: self.row.id.clone(),
+            expected_version: self.row.version,
+            to: Some(TaskState::Running),
+            key: format!("claim:{attempt}"),
+            reason: format!("attempt {attempt} started"),
+            start_attempt: true,
+            lease: Some((owner.clone(), now_ms() + ttl)),
+            ..Transition::default()
+        };
+        let claimed = match blocking(&self.store, move |s| s.transition(&claim)).await {
+            Ok(row) if row.attempt == attempt && row.state == TaskState::Running => row,
+            Ok(_) | Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+
+        // The lease lives while the agent does; losing it stops the attempt.
+        let lease_lost = CancellationToken::new();
+        let heartbeat = {
+            let (store, run, task, owner, lost) =
+                (self.store.clone(), claimed.run_id.clone(), claimed.id.clone(), owner.clone(), lease_lost.clone());
+            let every = self.config.lease_ttl / 3;
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let (r, t, o) = (run.clone(), task.clone(), owner.clone());
+                    match blocking(&store, move |s| s.heartbeat(&r, &t, attempt, &o, now_ms() + ttl)).await {
+                        Ok(true) => {}
+                        Ok(false) | Err(_) => {
+                            lost.cancel();
+                            return;
+                        }
+                    }
+                }
+            })
+        };
+
+        let prepared = self.options();
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (int_tx, int_rx) = mpsc::unbounded_channel();
+        let recorder = tokio::spawn(record(self.store.clone(), claimed.clone(), events_rx));
+        let outcome = match prepared {
+            Ok(opts) => {
+                let prompt = render(&spec.prompt, &self.results);
+                let blocks = vec![agent_client_protocol_schema::v1::ContentBlock::Text(
+                    agent_client_protocol_schema::v1::TextContent::new(prompt),
+                )];
+                let run = pier_client::run::run(opts, SessionTarget::New, blocks, events_tx, int_rx);
+                tokio::pin!(run);
+                let mut interrupted = false;
+                loop {
+                    tokio::select! {
+                        outcome = &mut run => break Ok(outcome),
+                        _ = stop.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
+                        _ = lease_lost.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
+                    }
+                }
+            }
+            Err(e) => {
+                drop(events_tx);
+                Err(e)
+            }
+        };
+        heartbeat.abort();
+        let _ = recorder.await;
+        if lease_lost.is_cancelled() {
+            // Another host owns the task now; whatever we decide would be refused anyway.
+            return Ok(());
+        }
+        let (run, id) = (claimed.run_id.clone(), claimed.id.clone());
+        let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, attempt)).await?;
+        let mut tr = Transition {
+            run: claimed.run_id.clone(),
+            task: claimed.id.clone(),
+            expected_version: claimed.version,
+            key: format!("end:{attempt}"),
+            ..Transition::default()
+        };
+        let failed_attempt = |tr: &mut Transition, why: String| {
+            if !evidence.is_empty() && !spec.idempotent {
+                let (to, reason) = rerun_decision(&claimed, &evidence, &why);
+                tr.to = Some(to);
+                tr.reason = reason;
+                tr.count_failure = true;
+                tr.error = Some(why);
+                tr.data = Some(json!({"evidence": evidence}));
+            } else if claimed.failures + 1 < i64::from(spec.max_attempts) {
+                let delay = backoff(self.config.retry_base, claimed.failures as u32);
+                tr.to = Some(TaskState::Pending);
+                tr.count_failure = true;
+                tr.not_before_ms = Some(now_ms() + delay.as_millis() as i64);
+                tr.reason = format!("attempt {attempt} failed; retrying in {} ms", delay.as_millis());
+                tr.error = Some(why);
+            } else {
+                tr.to = Some(TaskState::Failed);
+                tr.count_failure = true;
+                tr.reason = format!("attempt {attempt} failed and no attempts are left");
+                tr.error = Some(why);
+            }
+        };
+        match outcome {
+            Err(e) => failed_attempt(&mut tr, e),
+            Ok(o) => {
+                let error = o.error.as_ref().map(ToString::to_string);
+                match (o.ending, o.stop_reason) {
+                    (Ending::Answered, Some(StopReason::EndTurn)) => {
+                        tr.to = Some(TaskState::Completed);
+                        tr.result = Some(o.text.clone());
+                        tr.usage = o.usage.clone();
+                        tr.reason = "end_turn".into();
+                    }
+                    (Ending::Answered, Some(StopReason::Refusal)) => {
+                        tr.to = Some(TaskState::Failed);
+                        tr.reason = "the agent refused; refusals are not retried".into();
+                        tr.error = Some("refusal".into());
+                    }
+                    (Ending::Answered, Some(reason @ (StopReason::MaxTokens | StopReason::MaxTurnRequests))) => {
+                        let name = serde_json::to_value(reason)
+                            .ok()
+                            .and_then(|v| v.as_str().map(str::to_owned))
+                            .unwrap_or_default();
+                        if spec.retry_on.contains(&name) {
+                            failed_attempt(&mut tr, name);
+                        } else {
+                            tr.to = Some(TaskState::Failed);
+                            tr.reason = format!("stop reason {name}; the plan does not retry it");
+                            tr.error = Some(name);
+                        }
+                    }
+                    (Ending::Answered, Some(StopReason::Cancelled)) => {
+                        tr.to = Some(TaskState::Cancelled);
+                        tr.reason = "the agent ended the turn cancelled".into();
+                    }
+                    (Ending::Interrupted { .. }, _) => {
+                        let (to, reason) = rerun_decision(&claimed, &evidence, "the host stopped the attempt");
+                        tr.to = Some(to);
+                        tr.reason = reason;
+                        tr.data = Some(json!({"evidence": evidence}));
+                    }
+                    (Ending::PermissionRequired, _) => {
+                        tr.to = Some(TaskState::AwaitingInput);
+                        tr.reason = "a permission request needs a person's answer".into();
+                    }
+                    (Ending::TimedOut { .. }, _) => {
+                        failed_attempt(&mut tr, error.unwrap_or_else(|| "the attempt timed out".into()))
+                    }
+                    _ => failed_attempt(&mut tr, error.unwrap_or_else(|| "the agent failed".into())),
+                }
+            }
+        }
+        match blocking(&self.store, move |s| s.transition(&tr)).await {
+            Ok(_) | Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn options(&self) -> Result<RunOptions, String> {
+        let spec = &self.row.spec;
+        let path = std::env::var("PATH").ok();
+        let agent = registry::resolve(&spec.agent, &self.config.agents, &self.config.pier_exe, path.as_deref())
+            .map_err(|e| e.to_string())?;
+        let cwd = match &spec.cwd {
+            Some(c) if c.is_absolute() => c.clone(),
+            Some(c) => self.config.base_dir.join(c),
+            None => self.config.base_dir.clone(),
+        };
+        let roots =
+            spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { self.config.base_dir.join(r) }).collect();
+        let mut policy = ClientPolicy::default();
+        for (kind, rule) in &spec.permissions {
+            if let (Ok(k), Ok(r)) = (kind.parse(), rule.parse()) {
+                policy.set(k, r);
+            }
+        }
+        policy.non_interactive = pier_client::NonInteractive::Fail;
+        Ok(RunOptions {
+            agent,
+            cwd,
+            allow_dirs: roots,
+            fs: true,
+            terminal: true,
+            policy,
+            interactive: false,
+            echo_stderr: false,
+            idle_timeout: Some(spec.timeout.map_or(self.config.default_idle_timeout, Duration::from_secs_f64)),
+            max_time: spec.max_time.map(Duration::from_secs_f64),
+            cancel_grace: self.config.cancel_grace,
+            setup_timeout: Duration::from_secs(60),
+        })
+    }
+}
+
+/// Jittered exponential backoff: base × 2^failures, ±50 %, at most a minute.
+pub fn backoff(base: Duration, failures: u32) -> Duration {
+    let exp = base.saturating_mul(1u32 << failures.min(16)).min(Duration::from_secs(60));
+    exp.mul_f64(0.5 + fastrand::f64())
+}
+
+/// Writes a task's events to the log in batches and its side effects as evidence.
+async fn record(store: Arc<SqliteStore>, row: TaskRow, mut rx: mpsc::UnboundedReceiver<ClientEvent>) {
+    let mut kinds: HashMap<String, String> = HashMap::new();
+    let mut effects_seen: HashSet<String> = HashSet::new();
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while let Ok(more) = rx.try_recv() {
+            batch.push(more);
+            if batch.len() >= 256 {
+                break;
+            }
+        }
+        let mut rows = Vec::new();
+        let mut evidence = Vec::new();
+        for event in batch {
+            let (kind, data) = match event {
+                ClientEvent::Update(params) => {
+                    let u = &params["update"];
+                    if let (Some(id), Some(k)) = (u["toolCallId"].as_str(), u["kind"].as_str()) {
+                        kinds.insert(id.to_owned(), k.to_owned());
+                    }
+                    if let Some(id) = u["toolCallId"].as_str() {
+                        let kind = kinds.get(id).cloned().unwrap_or_default();
+                        let status = u["status"].as_str().unwrap_or("");
+                        if effectful(&kind)
+                            && matches!(status, "in_progress" | "completed")
+                            && effects_seen.insert(id.to_owned())
+                        {
+                            evidence
+                                .push(json!({"toolCallId": id, "kind": kind, "status": status, "title": u["title"]}));
+                        }
+                    }
+                    ("session_update", params)
+                }
+                ClientEvent::Permission { request, outcome, rule, reason } => {
+                    if outcome["outcome"] == "selected" {
+                        let chosen = outcome["optionId"].clone();
+                        let granted = request["options"]
+                            .as_array()
+                            .and_then(|o| o.iter().find(|o| o["optionId"] == chosen))
+                            .is_some_and(|o| o["kind"].as_str().is_some_and(|k| k.starts_with("allow")));
+                        if granted {
+                            evidence.push(
+                                json!({"permission": "granted", "toolCall": request["toolCall"], "option": chosen}),
+                            );
+                        }
+                    }
+                    ("permission", json!({"request": request, "outcome": outcome, "rule": rule, "reason": reason}))
+                }
+                ClientEvent::ClientCall { method, target, error } => {
+                    if error.is_none() && matches!(method.as_str(), "fs/write_text_file" | "terminal/create") {
+                        evidence.push(json!({"clientCall": method, "target": target}));
+                    }
+                    ("client_call", json!({"method": method, "target": target, "ok": error.is_none(), "error": error}))
+                }
+                ClientEvent::ProtocolError(message) => ("protocol_error", json!({"message": message})),
+            };
+            let mut data = data;
+            data["attempt"] = json!(row.attempt);
+            rows.push((row.run_id.clone(), Some(row.id.clone()), kind.to_owned(), data));
+        }
+        let (run, id, attempt) = (row.run_id.clone(), row.id.clone(), row.attempt);
+        let result = blocking(&store, move |s| {
+            for e in &evidence {
+                s.add_evidence(&run, &id, attempt, e)?;
+            }
+            s.append_events(&rows)
+        })
+        .await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "recording task events failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_with_jitter_and_a_cap() {
+        let base = Duration::from_millis(100);
+        for f in 0..5 {
+            let d = backoff(base, f);
+            let nominal = base * (1 << f);
+            assert!(d >= nominal / 2 && d <= nominal * 3 / 2, "{f}: {d:?}");
+        }
+        assert!(backoff(base, 30) <= Duration::from_secs(90));
+    }
+
+    #[test]
+    fn dead_owners_are_recognised() {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        assert!(!owner_dead(&format!("{}:{}:x", host.trim(), std::process::id())));
+        assert!(owner_dead(&format!("{}:{}:x", host.trim(), u32::MAX - 7)));
+        assert!(!owner_dead("other-host:1:x"));
+    }
+}

@@ -130,7 +130,14 @@ pub trait TaskStore: Send + Sync + 'static {
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
     fn transition(&self, t: &Transition) -> Result<TaskRow, StoreError>;
     /// Renews a lease if the task is still running this attempt for this owner (fencing).
-    fn heartbeat(&self, run: &str, task: &str, attempt: i64, owner: &str, expires_at_ms: i64) -> Result<bool, StoreError>;
+    fn heartbeat(
+        &self,
+        run: &str,
+        task: &str,
+        attempt: i64,
+        owner: &str,
+        expires_at_ms: i64,
+    ) -> Result<bool, StoreError>;
     fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError>;
     fn add_evidence(&self, run: &str, task: &str, attempt: i64, evidence: &Value) -> Result<(), StoreError>;
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError>;
@@ -236,9 +243,8 @@ fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
 }
 
 fn load_task(c: &Connection, run: &str, task: &str) -> Result<TaskRow, StoreError> {
-    let found = c
-        .query_row("SELECT * FROM tasks WHERE run_id = ?1 AND id = ?2", params![run, task], row_to_task)
-        .optional()?;
+    let found =
+        c.query_row("SELECT * FROM tasks WHERE run_id = ?1 AND id = ?2", params![run, task], row_to_task).optional()?;
     let (mut row, spec) = found.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
     row.spec = serde_json::from_str(&spec)?;
     Ok(row)
@@ -296,7 +302,8 @@ impl TaskStore for SqliteStore {
     fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
         let mut c = lock(&self.conn);
         let tx = c.transaction()?;
-        let exists: bool = tx.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0;
+        let exists: bool =
+            tx.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0;
         if exists {
             return Err(StoreError::RunExists(run.to_owned()));
         }
@@ -304,7 +311,8 @@ impl TaskStore for SqliteStore {
             "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
             params![run, source, serde_json::to_string(plan)?, now_ms()],
         )?;
-        let mut last = insert_event(&tx, run, None, "run_created", &json!({"tasks": plan.tasks.len(), "source": source}))?;
+        let mut last =
+            insert_event(&tx, run, None, "run_created", &json!({"tasks": plan.tasks.len(), "source": source}))?;
         for (i, t) in plan.tasks.iter().enumerate() {
             tx.execute(
                 "INSERT INTO tasks (run_id, id, ord, state, version, spec) VALUES (?1, ?2, ?3, 'pending', 1, ?4)",
@@ -357,11 +365,19 @@ impl TaskStore for SqliteStore {
         }
         let row = load_task(&tx, &t.run, &t.task)?;
         if row.version != t.expected_version {
-            return Err(StoreError::Conflict { task: t.task.clone(), expected: t.expected_version, actual: row.version });
+            return Err(StoreError::Conflict {
+                task: t.task.clone(),
+                expected: t.expected_version,
+                actual: row.version,
+            });
         }
         let to = t.to.unwrap_or(row.state);
         if t.to.is_some() && !row.state.can_move_to(to) {
-            return Err(StoreError::IllegalTransition { task: t.task.clone(), from: row.state.as_str(), to: to.as_str() });
+            return Err(StoreError::IllegalTransition {
+                task: t.task.clone(),
+                from: row.state.as_str(),
+                to: to.as_str(),
+            });
         }
         let attempt = row.attempt + i64::from(t.start_attempt);
         let failures = row.failures + i64::from(t.count_failure);
@@ -416,7 +432,14 @@ impl TaskStore for SqliteStore {
         Ok(new_row)
     }
 
-    fn heartbeat(&self, run: &str, task: &str, attempt: i64, owner: &str, expires_at_ms: i64) -> Result<bool, StoreError> {
+    fn heartbeat(
+        &self,
+        run: &str,
+        task: &str,
+        attempt: i64,
+        owner: &str,
+        expires_at_ms: i64,
+    ) -> Result<bool, StoreError> {
         let c = lock(&self.conn);
         let n = c.execute(
             "UPDATE tasks SET lease_expires_at_ms = ?5

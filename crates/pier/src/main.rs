@@ -6,6 +6,7 @@ mod config;
 mod demo;
 mod logging;
 mod render;
+mod run_cmd;
 
 use std::path::PathBuf;
 
@@ -32,6 +33,10 @@ enum Command {
     /// List, show or forget named sessions
     #[command(subcommand)]
     Sessions(client_cmd::SessionsCmd),
+    /// Run a plan of tasks on a pool of ACP agents, durably
+    Run(run_cmd::RunArgs),
+    /// Print the event log
+    Events(run_cmd::EventsArgs),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
 }
@@ -55,6 +60,8 @@ fn main() {
             Command::Exec(args) => Ok(client_cmd::exec(args).await),
             Command::Prompt(args) => Ok(client_cmd::prompt(args).await),
             Command::Sessions(cmd) => client_cmd::sessions(cmd).map(|()| 0),
+            Command::Run(args) => run_cmd::run(args).await,
+            Command::Events(args) => run_cmd::events(args).await.map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
         }
     });

@@ -1,0 +1,296 @@
+//! `pier run` and `pier events`: the task host in-process, on the embedded store.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use pier_host::scheduler::{HostConfig, Scheduler};
+use pier_host::{Event, SqliteStore, TaskStore};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{self, ProcessEnv};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EventFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// The plan file (TOML)
+    #[arg(required_unless_present = "resume")]
+    plan: Option<PathBuf>,
+    /// Continue a run after a crash or Ctrl-C
+    #[arg(long, value_name = "RUN", conflicts_with = "plan")]
+    resume: Option<String>,
+    /// The run's id; an id that exists in the store resumes that run
+    #[arg(long)]
+    run_id: Option<String>,
+    /// Tasks run at once
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Output: text progress lines, or NDJSON events and a summary line
+    #[arg(long, value_enum, default_value = "text")]
+    format: EventFormat,
+    /// The store [default: $PIER_HOME/pier.db]
+    #[arg(long)]
+    store: Option<PathBuf>,
+    /// Base delay of retry backoff, in milliseconds
+    #[arg(long, default_value_t = 1000, hide = true)]
+    retry_base_ms: u64,
+    /// Lease time-to-live in milliseconds; renewed every third of it
+    #[arg(long, default_value_t = 15_000, hide = true)]
+    lease_ttl_ms: u64,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EventsArgs {
+    /// Only this run's events
+    #[arg(long)]
+    run: Option<String>,
+    /// Start after this sequence number
+    #[arg(long, default_value_t = 0)]
+    after: i64,
+    /// Keep printing new events as they are committed
+    #[arg(long)]
+    follow: bool,
+    #[arg(long, value_enum, default_value = "text")]
+    format: EventFormat,
+    #[arg(long)]
+    store: Option<PathBuf>,
+}
+
+fn open_store(path: &Option<PathBuf>) -> anyhow::Result<Arc<SqliteStore>> {
+    let path = match path {
+        Some(p) => p.clone(),
+        None => config::pier_home(&ProcessEnv)?.join("pier.db"),
+    };
+    Ok(Arc::new(SqliteStore::open(&path).with_context(|| format!("cannot open the store {}", path.display()))?))
+}
+
+/// One event as a JSON line: at least `seq`, `run`, `task`, `type`, and the event's fields.
+pub fn event_json(e: &Event) -> serde_json::Value {
+    let mut v = json!({"seq": e.seq, "run": e.run, "type": e.kind, "at_ms": e.at_ms});
+    if let Some(t) = &e.task {
+        v["task"] = json!(t);
+    }
+    if let (Some(obj), Some(data)) = (v.as_object_mut(), e.data.as_object()) {
+        for (k, val) in data {
+            obj.entry(k.clone()).or_insert(val.clone());
+        }
+    }
+    v
+}
+
+fn event_text(e: &Event) -> Option<String> {
+    let task = e.task.as_deref().unwrap_or("-");
+    match e.kind.as_str() {
+        "transition" => {
+            let mut line = format!(
+                "[{}] {task}: {} -> {} ({})",
+                e.seq,
+                e.data["from"].as_str().unwrap_or("?"),
+                e.data["to"].as_str().unwrap_or("?"),
+                e.data["reason"].as_str().unwrap_or("")
+            );
+            if let Some(err) = e.data["error"].as_str() {
+                line.push_str(&format!(" error: {}", err.lines().next().unwrap_or("")));
+            }
+            Some(line)
+        }
+        "run_created" => Some(format!("[{}] run {} created with {} tasks", e.seq, e.run, e.data["tasks"])),
+        "permission" => Some(format!(
+            "[{}] {task}: permission {} ({})",
+            e.seq,
+            e.data["outcome"]["optionId"].as_str().or(e.data["outcome"]["outcome"].as_str()).unwrap_or("?"),
+            e.data["reason"].as_str().unwrap_or("")
+        )),
+        _ => None,
+    }
+}
+
+fn print_event(e: &Event, format: EventFormat) {
+    let mut out = std::io::stdout().lock();
+    match format {
+        EventFormat::Json => {
+            let _ = writeln!(out, "{}", event_json(e));
+        }
+        EventFormat::Text => {
+            if let Some(line) = event_text(e) {
+                let _ = writeln!(out, "{line}");
+            }
+        }
+    }
+}
+
+/// `pier run`: returns the exit code (0 only if every task completed).
+#[allow(clippy::print_stdout)]
+pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
+    let env = ProcessEnv;
+    let here = std::env::current_dir()?;
+    let files = config::load_files(&env, &here)?;
+    let pier_exe = std::env::current_exe()?;
+    // A plan is checked before the store is touched: a refused plan leaves nothing behind.
+    let checked = match (&args.resume, &args.plan) {
+        (None, Some(plan_path)) => {
+            let text =
+                std::fs::read_to_string(plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?;
+            let path = std::env::var("PATH").ok();
+            let agents = files.agents.clone();
+            let exe = pier_exe.clone();
+            let known = move |a: &str| {
+                pier_client::registry::resolve(a, &agents, &exe, path.as_deref()).map(|_| ()).map_err(|e| e.to_string())
+            };
+            Some(pier_host::plan::parse(&text, &known)?)
+        }
+        _ => None,
+    };
+    let store = open_store(&args.store)?;
+    // Print what this invocation commits: a new run from its creation, a resumed one from now.
+    let start_seq = store.last_seq()?;
+    let (run_id, base_dir) = match (&args.resume, &args.plan) {
+        (Some(run), _) => {
+            anyhow::ensure!(store.run_exists(run)?, "there is no run `{run}` in the store");
+            (run.clone(), here.clone())
+        }
+        (None, Some(plan_path)) => {
+            let plan = checked.ok_or_else(|| anyhow::anyhow!("the plan was not checked"))?;
+            let base = plan_path.canonicalize()?.parent().map(PathBuf::from).unwrap_or(here.clone());
+            let run_id = args.run_id.clone().unwrap_or_else(|| format!("run-{}", &uuid_short()));
+            if !store.run_exists(&run_id)? {
+                store.create_run(&run_id, &plan, &plan_path.display().to_string())?;
+            }
+            (run_id, base)
+        }
+        (None, None) => anyhow::bail!("give a plan file or --resume RUN"),
+    };
+    let config = HostConfig {
+        pier_exe,
+        agents: files.agents.clone(),
+        base_dir,
+        concurrency: args.concurrency.max(1),
+        owner: HostConfig::owner_id(),
+        lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
+        retry_base: Duration::from_millis(args.retry_base_ms),
+        cancel_grace: Duration::from_secs(5),
+        default_idle_timeout: Duration::from_secs(600),
+    };
+    let stop = CancellationToken::new();
+    let signals = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            eprintln!("pier: stopping; running tasks are being cancelled (resume with `pier run --resume`)");
+            stop.cancel();
+        })
+    };
+    // Print this run's events as they are committed, from where the store is now... or from the start of the run.
+    let printer = {
+        let store = store.clone();
+        let run = run_id.clone();
+        let format = args.format;
+        let done = CancellationToken::new();
+        let done2 = done.clone();
+        let handle = tokio::spawn(async move {
+            let mut rx = store.subscribe();
+            let mut after = start_seq;
+            loop {
+                let batch = {
+                    let (s, r) = (store.clone(), run.clone());
+                    tokio::task::spawn_blocking(move || s.events_after(Some(&r), after, 1000)).await
+                };
+                match batch {
+                    Ok(Ok(events)) if !events.is_empty() => {
+                        for e in &events {
+                            print_event(e, format);
+                        }
+                        after = events.last().map_or(after, |e| e.seq);
+                        continue;
+                    }
+                    Ok(Ok(_)) => {}
+                    _ => return,
+                }
+                if done2.is_cancelled() {
+                    return;
+                }
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return; },
+                    _ = done2.cancelled() => {}
+                }
+            }
+        });
+        (handle, done)
+    };
+    if args.format == EventFormat::Text {
+        eprintln!("pier: run {run_id}");
+    }
+    let summary = Scheduler::new(store.clone(), config).run(&run_id, stop.clone()).await?;
+    printer.1.cancel();
+    let _ = printer.0.await;
+    signals.abort();
+    let total: usize = summary.values().sum();
+    let completed = summary.get("completed").copied().unwrap_or(0);
+    match args.format {
+        EventFormat::Json => {
+            let counts: BTreeMap<&str, usize> = summary.clone();
+            println!("{}", json!({"type": "summary", "run": run_id, "counts": counts}));
+        }
+        EventFormat::Text => {
+            let tasks = store.tasks(&run_id)?;
+            println!("\n{:<24} {:<15} {:>8}  result", "task", "state", "attempts");
+            for t in &tasks {
+                let result = t.result.as_deref().or(t.error.as_deref()).unwrap_or("").replace('\n', " ");
+                let short: String = result.chars().take(60).collect();
+                println!("{:<24} {:<15} {:>8}  {short}", t.id, t.state.as_str(), t.attempt);
+            }
+            let counts: Vec<String> = summary.iter().map(|(k, v)| format!("{v} {k}")).collect();
+            println!("run {run_id}: {}", counts.join(", "));
+            if stop.is_cancelled() {
+                println!("resume with: pier run --resume {run_id}");
+            }
+        }
+    }
+    Ok(if completed == total && !stop.is_cancelled() { 0 } else { 1 })
+}
+
+fn uuid_short() -> String {
+    let id = format!("{:x}", fastrand::u64(..));
+    id.chars().take(12).collect()
+}
+
+/// `pier events`.
+pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
+    let store = open_store(&args.store)?;
+    let mut rx = store.subscribe();
+    let mut after = args.after;
+    loop {
+        let events = store.events_after(args.run.as_deref(), after, 1000)?;
+        for e in &events {
+            print_event(e, args.format);
+        }
+        if let Some(last) = events.last() {
+            after = last.seq;
+            continue;
+        }
+        if !args.follow {
+            return Ok(());
+        }
+        // Another process commits to the same file: wake up on our own commits, or poll the file.
+        tokio::select! {
+            _ = rx.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! End-to-end tests of `pier run` and `pier events`: real `pier agent` processes
+//! (and misbehaving ones) with a local fake model, on the embedded SQLite store.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+
+use pier_fake_model::{FakeModel, Reply, Step};
+use serde_json::Value;
+use support::{LIMIT, must};
+use tokio::process::Command;
+
+const PIER: &str = env!("CARGO_BIN_EXE_pier");
+
+struct Host {
+    dir: tempfile::TempDir,
+    vars: Vec<(String, String)>,
+}
+
+impl Host {
+    fn new(base_url: Option<String>) -> Host {
+        let dir = must(tempfile::tempdir(), "dir");
+        let mut vars = vec![
+            ("HOME".to_owned(), dir.path().display().to_string()),
+            ("PIER_HOME".to_owned(), dir.path().join("data").display().to_string()),
+            ("PATH".to_owned(), std::env::var("PATH").unwrap_or_default()),
+            ("RUST_LOG".to_owned(), "error".to_owned()),
+        ];
+        if let Some(url) = base_url {
+            vars.push(("PIER_BASE_URL".into(), url));
+            vars.push(("PIER_MODEL".into(), "fake-model".into()));
+        }
+        Host { dir, vars }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.path(name);
+        must(std::fs::write(&p, text), "write");
+        p
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(PIER);
+        cmd.args(args)
+            .current_dir(self.dir.path())
+            .env_clear()
+            .envs(self.vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
+    }
+
+    async fn run(&self, args: &[&str]) -> Output {
+        let child = must(self.command(args).spawn(), "spawn");
+        must(must(tokio::time::timeout(LIMIT * 6, child.wait_with_output()).await, "finished in time"), "wait")
+    }
+
+    fn store(&self) -> pier_host::SqliteStore {
+        must(pier_host::SqliteStore::open(&self.path("data/pier.db")), "open store")
+    }
+}
+
+fn lines(o: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The seq of the first event matching (task, to-state).
+fn seq_of(events: &[Value], task: &str, to: &str) -> i64 {
+    events
+        .iter()
+        .find(|e| e["type"] == "transition" && e["task"] == task && e["to"] == to)
+        .and_then(|e| e["seq"].as_i64())
+        .unwrap_or_else(|| panic!("no {task} -> {to} in {events:#?}"))
+}
+
+fn echo(body: &Value) -> Reply {
+    let text = body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("")
+        .to_owned();
+    Reply::text(&format!("done: {text}"))
+}
+
+#[tokio::test]
+async fn a_diamond_runs_in_dependency_order_and_results_flow_through_the_host() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write(
+        "plan.toml",
+        r#"
+[defaults]
+agent = "pier"
+
+[[tasks]]
+id = "a"
+prompt = "root"
+
+[[tasks]]
+id = "b"
+depends_on = ["a"]
+prompt = "left of {{tasks.a.result}}"
+
+[[tasks]]
+id = "c"
+depends_on = ["a"]
+prompt = "right"
+metadata = { team = "docs" }
+
+[[tasks]]
+id = "d"
+depends_on = ["b", "c"]
+prompt = "join [{{tasks.b.result}}] [{{tasks.c.result}}]"
+"#,
+    );
+    let o = h
+        .run(&[
+            "run",
+            plan.to_str().unwrap_or_default(),
+            "--format",
+            "json",
+            "--concurrency",
+            "4",
+            "--run-id",
+            "diamond",
+        ])
+        .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let events = lines(&o);
+    let last = events.last().cloned().unwrap_or_default();
+    assert_eq!(last["type"], "summary");
+    assert_eq!(last["run"], "diamond");
+    assert_eq!(last["counts"]["completed"], 4);
+    assert!(seq_of(&events, "a", "completed") < seq_of(&events, "b", "running"));
+    assert!(seq_of(&events, "a", "completed") < seq_of(&events, "c", "running"));
+    assert!(seq_of(&events, "b", "completed") < seq_of(&events, "d", "running"));
+    assert!(seq_of(&events, "c", "completed") < seq_of(&events, "d", "running"));
+    let created = events.iter().find(|e| e["type"] == "task_created" && e["task"] == "c").cloned().unwrap_or_default();
+    assert_eq!(created["metadata"]["team"], "docs");
+    // The gap-free sequence and the session updates of each task are in the log.
+    let seqs: Vec<i64> = events.iter().filter_map(|e| e["seq"].as_i64()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    assert!(events.iter().any(|e| e["type"] == "session_update" && e["task"] == "d"));
+    let prompts: Vec<String> = f.requests().iter().map(|r| r.body.to_string()).collect();
+    assert!(prompts.iter().any(|p| p.contains("join [done: left of done: root] [done: right]")), "{prompts:#?}");
+    // pier events prints the same log.
+    let ev = h.run(&["events", "--run", "diamond", "--format", "json"]).await;
+    assert_eq!(lines(&ev).len(), events.len() - 1);
+}
+
+#[tokio::test]
+async fn bad_plans_are_refused_with_every_problem() {
+    let h = Host::new(None);
+    let plan = h.write(
+        "bad.toml",
+        "[[tasks]]\nid = \"a\"\nprompt = \"x\"\ndepends_on = [\"b\"]\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\ndepends_on = [\"a\", \"zzz\"]\nagent = \"no-such-agent-here\"\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default()]).await;
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("line 6: task `b` depends on unknown task `zzz`"), "{err}");
+    assert!(err.contains("dependency cycle"), "{err}");
+    assert!(err.contains("no-such-agent-here"), "{err}");
+    assert!(!h.path("data/pier.db").exists(), "nothing was stored for a refused plan");
+}
+
+#[tokio::test]
+async fn failed_attempts_are_retried_with_backoff_then_complete() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::status(401, "bad key once"));
+    f.push(Reply::status(401, "bad key twice"));
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\nmax_attempts = 3\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "20"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let moves: Vec<(String, String)> = lines(&o)
+        .iter()
+        .filter(|e| e["type"] == "transition")
+        .map(|e| (e["to"].as_str().unwrap_or("").to_owned(), e["reason"].as_str().unwrap_or("").to_owned()))
+        .collect();
+    let states: Vec<&str> = moves.iter().map(|m| m.0.as_str()).collect();
+    assert_eq!(states, ["running", "pending", "running", "pending", "running", "completed"]);
+    assert!(moves[1].1.contains("retrying in"), "{moves:?}");
+    let task = &h.store().tasks(&run_of(&o))[0];
+    assert_eq!((task.attempt, task.failures), (3, 2));
+    assert_eq!(task.result.as_deref(), Some("done: hi"));
+}
+
+fn run_of(o: &Output) -> String {
+    lines(o).last().and_then(|l| l["run"].as_str().map(str::to_owned)).unwrap_or_default()
+}
+
+trait Tasks {
+    fn tasks(&self, run: &str) -> Vec<pier_host::TaskRow>;
+}
+
+impl Tasks for pier_host::SqliteStore {
+    fn tasks(&self, run: &str) -> Vec<pier_host::TaskRow> {
+        must(pier_host::TaskStore::tasks(self, run), "tasks")
+    }
+}
+
+#[tokio::test]
+async fn retries_stop_at_max_attempts_and_dependents_are_cancelled() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| Reply::status(401, "always bad"));
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write(
+        "p.toml",
+        "[[tasks]]\nid = \"a\"\nprompt = \"x\"\nmax_attempts = 2\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\ndepends_on = [\"a\"]\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "10"]).await;
+    assert_eq!(o.status.code(), Some(1));
+    let last = lines(&o).last().cloned().unwrap_or_default();
+    assert_eq!((last["counts"]["failed"].as_u64(), last["counts"]["cancelled"].as_u64()), (Some(1), Some(1)));
+    let b = lines(&o).into_iter().find(|e| e["task"] == "b" && e["to"] == "cancelled").unwrap_or_default();
+    assert!(b["reason"].as_str().is_some_and(|r| r.contains("dependency `a` ended failed")), "{b}");
+    assert_eq!(f.requests().len(), 2);
+}
+
+#[tokio::test]
+async fn a_hanging_agent_times_out_is_cancelled_and_retried() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::Stream(vec![Step::Text("thinking".into()), Step::Hang]));
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\ntimeout = 0.5\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "10"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let retry = lines(&o).into_iter().find(|e| e["to"] == "pending" && e["type"] == "transition").unwrap_or_default();
+    assert!(retry["error"].as_str().is_some_and(|e| e.contains("timed out")), "{retry}");
+    must(tokio::time::timeout(LIMIT, f.wait_for_disconnects(1)).await, "the hung stream was dropped");
+}
+
+fn agents_toml(h: &Host, name: &str, marker: &Path, report_effect: bool) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/crash_once_agent.py");
+    let text = format!(
+        "[agents.{name}]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ CRASH_MARKER = \"{}\", REPORT_EFFECT = \"{}\" }}\n",
+        script.display(),
+        marker.display(),
+        if report_effect { 1 } else { 0 }
+    );
+    h.write("pier.toml", &text);
+}
+
+#[tokio::test]
+async fn an_agent_killed_mid_turn_is_retried_when_it_did_nothing() {
+    let h = Host::new(None);
+    agents_toml(&h, "flaky", &h.path("crashed"), false);
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nagent = \"flaky\"\nprompt = \"go\"\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "10"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = &h.store().tasks(&run_of(&o))[0];
+    assert_eq!((t.attempt, t.result.as_deref()), (2, Some("survived")));
+}
+
+#[tokio::test]
+async fn a_lost_attempt_with_side_effects_waits_for_a_person_unless_idempotent() {
+    let h = Host::new(None);
+    agents_toml(&h, "risky", &h.path("crashed"), true);
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nagent = \"risky\"\nprompt = \"go\"\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "10"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
+    let waiting = lines(&o).into_iter().find(|e| e["to"] == "awaiting_input").unwrap_or_default();
+    assert!(waiting["reason"].as_str().is_some_and(|r| r.contains("side effects")), "{waiting}");
+    assert_eq!(waiting["evidence"][0]["kind"], "execute", "{waiting}");
+    assert_eq!(lines(&o).last().map(|l| l["counts"]["awaiting_input"].clone()), Some(1.into()));
+
+    // The same with `idempotent = true` runs again and completes.
+    let h = Host::new(None);
+    agents_toml(&h, "risky", &h.path("crashed"), true);
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nagent = \"risky\"\nprompt = \"go\"\nidempotent = true\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "10"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[tokio::test]
+async fn an_expired_lease_of_a_dead_host_is_reclaimed_on_resume() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan_text = "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n";
+    let plan = must(pier_host::plan::parse(plan_text, &|_| Ok(())), "plan");
+    {
+        let store = h.store();
+        must(pier_host::TaskStore::create_run(&store, "r1", &plan, "test"), "create");
+        let row = store.tasks("r1")[0].clone();
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let tr = pier_host::Transition {
+            run: "r1".into(),
+            task: "t".into(),
+            expected_version: row.version,
+            to: Some(pier_host::TaskState::Running),
+            key: "claim:1".into(),
+            start_attempt: true,
+            lease: Some((format!("{}:{}:dead", host.trim(), u32::MAX - 3), i64::MAX)),
+            ..Default::default()
+        };
+        must(pier_host::TaskStore::transition(&store, &tr), "claim by a dead host");
+    }
+    let o = h.run(&["run", "--resume", "r1", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lost = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["to"] == "pending").unwrap_or_default();
+    assert!(
+        lost["reason"].as_str().is_some_and(|r| r.contains("its host died") && r.contains("no side effects")),
+        "{lost}"
+    );
+    let t = &h.store().tasks("r1")[0];
+    assert_eq!((t.state, t.attempt), (pier_host::TaskState::Completed, 2));
+}
+
+#[tokio::test]
+async fn sigkill_at_random_points_then_resume_completes_every_task_exactly_once() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let mut plan = String::from("[defaults]\nagent = \"pier\"\n");
+    for i in 0..200 {
+        plan.push_str(&format!("\n[[tasks]]\nid = \"t{i:03}\"\nprompt = \"task {i}\"\n"));
+        if i % 10 != 0 {
+            plan.push_str(&format!("depends_on = [\"t{:03}\"]\n", i - i % 10));
+        }
+    }
+    let plan_path = h.write("big.toml", &plan);
+    let mut rng_state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        rng_state ^= rng_state << 13;
+        rng_state ^= rng_state >> 7;
+        rng_state ^= rng_state << 17;
+        rng_state % n
+    };
+    let base = ["--format", "json", "--concurrency", "8", "--lease-ttl-ms", "3000"];
+    let mut kills = 0;
+    let mut first = true;
+    loop {
+        let mut args: Vec<&str> = if first {
+            vec!["run", plan_path.to_str().unwrap_or_default(), "--run-id", "big"]
+        } else {
+            vec!["run", "--resume", "big"]
+        };
+        args.extend(base);
+        first = false;
+        let mut child = must(h.command(&args).spawn(), "spawn");
+        if kills >= 20 {
+            let o = must(
+                must(tokio::time::timeout(LIMIT * 12, child.wait_with_output()).await, "final run in time"),
+                "wait",
+            );
+            assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+            break;
+        }
+        // Kill after a random number of committed events has been printed.
+        let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+        let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+        let target = 1 + next(60);
+        let mut seen = 0;
+        let mut finished = false;
+        while seen < target {
+            match tokio::time::timeout(LIMIT, reader.next_line()).await {
+                Ok(Ok(Some(line))) => {
+                    seen += 1;
+                    if line.contains("\"summary\"") {
+                        finished = true;
+                        break;
+                    }
+                }
+                _ => {
+                    finished = true;
+                    break;
+                }
+            }
+        }
+        assert!(!finished, "the run ended before the kill; the plan is too small for the test");
+        let alive = matches!(child.try_wait(), Ok(None));
+        assert!(alive, "pier run exited on its own");
+        if let Some(pid) = child.id() {
+            must(
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL),
+                "SIGKILL",
+            );
+        }
+        let _ = child.wait().await;
+        kills += 1;
+    }
+    eprintln!("killed pier run {kills} times");
+    let store = h.store();
+    let tasks = store.tasks("big");
+    assert_eq!(tasks.len(), 200);
+    let attempts: i64 = tasks.iter().map(|t| t.attempt).sum();
+    assert!(attempts > 200, "some attempts were cut short by the kills ({attempts} attempts)");
+    assert!(
+        tasks.iter().all(|t| t.state == pier_host::TaskState::Completed),
+        "{:?}",
+        tasks
+            .iter()
+            .filter(|t| t.state != pier_host::TaskState::Completed)
+            .map(|t| (&t.id, t.state))
+            .collect::<Vec<_>>()
+    );
+    let events = must(pier_host::TaskStore::events_after(&store, None, 0, 10_000_000), "events");
+    let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "the sequence has a gap");
+    let mut completions: HashMap<String, usize> = HashMap::new();
+    for e in events.iter().filter(|e| e.kind == "transition" && e.data["to"] == "completed") {
+        *completions.entry(e.task.clone().unwrap_or_default()).or_default() += 1;
+    }
+    assert_eq!(completions.len(), 200);
+    assert!(completions.values().all(|&n| n == 1), "a task completed twice");
+}
