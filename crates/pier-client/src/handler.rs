@@ -25,6 +25,21 @@ use crate::sandbox::Sandbox;
 use crate::terminal::Terminals;
 use crate::{ClientEvent, fs};
 
+/// A person's answer to a permission request, through the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AskAnswer {
+    /// This offered option.
+    Option(String),
+    /// Nobody answered (the turn is ending): reject.
+    Nobody,
+}
+
+/// Who answers the permission requests that a policy leaves to a person, when
+/// that person is not at this terminal (the task host, for example).
+pub trait Asker: Send + Sync + 'static {
+    fn ask(&self, request: &RequestPermissionRequest) -> BoxFuture<'static, AskAnswer>;
+}
+
 /// What the client serves, shared by the handler and the driver.
 pub struct ClientState {
     pub sandbox: Sandbox,
@@ -48,6 +63,8 @@ pub struct ClientState {
     pub replaying: AtomicBool,
     /// Tool kinds by tool call id, from updates, for permission requests that omit the kind.
     kinds: Mutex<HashMap<String, ToolKind>>,
+    /// Answers *ask* when set, instead of the terminal or the non-interactive rule.
+    pub asker: Option<Arc<dyn Asker>>,
 }
 
 impl ClientState {
@@ -76,6 +93,7 @@ impl ClientState {
             terminals: Terminals::default(),
             replaying: AtomicBool::new(false),
             kinds: Mutex::new(HashMap::new()),
+            asker: None,
         }
     }
 
@@ -114,6 +132,43 @@ impl ClientState {
         } else {
             let mut rule = self.policy.rule(kind);
             let mut reason = format!("policy for {} tools: {rule:?}", kind.as_str());
+            if rule == Rule::Ask
+                && let Some(asker) = self.asker.clone()
+            {
+                let answer = tokio::select! {
+                    answer = asker.ask(&req) => answer,
+                    _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+                };
+                let choice = match answer {
+                    AskAnswer::Option(id) if req.options.iter().any(|o| o.option_id.0.as_ref() == id) => {
+                        let kind = req.options.iter().find(|o| o.option_id.0.as_ref() == id).map(|o| o.kind);
+                        kind.map(|kind| Choice::Select { option_id: id.clone(), kind })
+                    }
+                    _ => None,
+                };
+                let (choice, reason) = match choice {
+                    Some(c) => (c, "answered by a person through the host".to_owned()),
+                    None => {
+                        let (c, why) = choose(Rule::Deny, &req.options);
+                        (c, format!("nobody answered the question; rejected {why}"))
+                    }
+                };
+                let outcome = match &choice {
+                    Choice::Select { option_id, .. } => {
+                        RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option_id.clone()))
+                    }
+                    Choice::Cancelled => RequestPermissionOutcome::Cancelled,
+                };
+                let value = serde_json::to_value(RequestPermissionResponse::new(outcome))
+                    .map_err(|e| internal(e.to_string()))?;
+                self.emit(ClientEvent::Permission {
+                    request: serde_json::to_value(&req).unwrap_or(Value::Null),
+                    outcome: value["outcome"].clone(),
+                    rule: json!("ask"),
+                    reason,
+                });
+                return Ok(value);
+            }
             if rule == Rule::Ask {
                 if self.interactive {
                     let asked = tokio::select! {

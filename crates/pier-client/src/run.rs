@@ -49,6 +49,14 @@ pub struct RunOptions {
     pub cancel_grace: Duration,
     /// Longest wait for `initialize` and session setup.
     pub setup_timeout: Duration,
+    /// Answers *ask* permission decisions instead of the terminal.
+    pub asker: Option<Arc<dyn crate::handler::Asker>>,
+}
+
+impl std::fmt::Debug for dyn crate::handler::Asker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Asker")
+    }
 }
 
 /// Which session the prompt goes to.
@@ -161,7 +169,7 @@ pub async fn run(
     };
     // The handler reports to `inner`; the loop below forwards to `events` and learns from it.
     let (inner_tx, mut inner_rx) = mpsc::unbounded_channel();
-    let state = Arc::new(ClientState::new(
+    let mut state = ClientState::new(
         sandbox,
         opts.cwd.clone(),
         opts.fs,
@@ -169,7 +177,9 @@ pub async fn run(
         opts.policy.clone(),
         opts.interactive,
         inner_tx,
-    ));
+    );
+    state.asker = opts.asker.clone();
+    let state = Arc::new(state);
     let conn = Connection::spawn(
         pipes.stdout,
         pipes.stdin,

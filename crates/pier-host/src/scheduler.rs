@@ -101,7 +101,11 @@ impl Scheduler {
             let by_id: HashMap<&str, &TaskRow> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
 
             // Attempts lost by another (dead or silent) host go back through the safe re-run check.
-            for t in tasks.iter().filter(|t| t.state == TaskState::Running && !active.contains_key(&t.id)) {
+            let held = |t: &&TaskRow| {
+                (t.state == TaskState::Running || (t.state == TaskState::AwaitingInput && t.lease_owner.is_some()))
+                    && !active.contains_key(&t.id)
+            };
+            for t in tasks.iter().filter(held) {
                 let expired = t.lease_expires_at_ms.is_some_and(|e| e < now);
                 let dead = t.lease_owner.as_deref().is_some_and(owner_dead);
                 if expired || dead {
@@ -344,10 +348,18 @@ impl Worker {
         }
         let (run, id) = (claimed.run_id.clone(), claimed.id.clone());
         let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, attempt)).await?;
+        // Questions asked during the attempt moved the task (and its version) since the claim.
+        let (run, id) = (claimed.run_id.clone(), claimed.id.clone());
+        let current = blocking(&self.store, move |s| s.tasks(&run)).await?.into_iter().find(|t| t.id == id);
+        let Some(current) = current
+            .filter(|c| c.attempt == attempt && matches!(c.state, TaskState::Running | TaskState::AwaitingInput))
+        else {
+            return Ok(());
+        };
         let mut tr = Transition {
             run: claimed.run_id.clone(),
             task: claimed.id.clone(),
-            expected_version: claimed.version,
+            expected_version: current.version,
             key: format!("end:{attempt}"),
             ..Transition::default()
         };
@@ -461,8 +473,82 @@ impl Worker {
             max_time: spec.max_time.map(Duration::from_secs_f64),
             cancel_grace: self.config.cancel_grace,
             setup_timeout: Duration::from_secs(60),
+            asker: Some(Arc::new(HostAsker {
+                store: self.store.clone(),
+                run: self.row.run_id.clone(),
+                task: self.row.id.clone(),
+                attempt: self.row.attempt + 1,
+            })),
         })
     }
+}
+
+/// Puts a permission request the policy leaves to a person on the task
+/// (`running → awaiting_input`), waits for `pier approve`/`pier deny` (or the
+/// HTTP API) to answer it, and resumes (`awaiting_input → running`).
+struct HostAsker {
+    store: Arc<SqliteStore>,
+    run: String,
+    task: String,
+    attempt: i64,
+}
+
+/// How often a waiting question looks for its answer, which another process may write.
+const ANSWER_POLL: Duration = Duration::from_millis(200);
+
+impl pier_client::handler::Asker for HostAsker {
+    fn ask(
+        &self,
+        request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
+    ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
+        use pier_client::handler::AskAnswer;
+        let (store, run, task, attempt) = (self.store.clone(), self.run.clone(), self.task.clone(), self.attempt);
+        let request = serde_json::to_value(request).unwrap_or(Value::Null);
+        Box::pin(async move {
+            let moved =
+                move_task(&store, &run, &task, TaskState::AwaitingInput, "a permission request waits for a person")
+                    .await;
+            if moved.is_err() {
+                return AskAnswer::Nobody;
+            }
+            let (r, t, q) = (run.clone(), task.clone(), request.clone());
+            let Ok(n) = blocking(&store, move |s| s.ask(&r, &t, attempt, &q)).await else { return AskAnswer::Nobody };
+            let answer = loop {
+                let (r, t) = (run.clone(), task.clone());
+                match blocking(&store, move |s| s.answer_of(&r, &t, attempt, n)).await {
+                    Ok(Some(option)) => break option,
+                    Ok(None) => tokio::time::sleep(ANSWER_POLL).await,
+                    Err(_) => return AskAnswer::Nobody,
+                }
+            };
+            let _ =
+                move_task(&store, &run, &task, TaskState::Running, "a person answered the permission request").await;
+            AskAnswer::Option(answer)
+        })
+    }
+}
+
+async fn move_task(
+    store: &Arc<SqliteStore>,
+    run: &str,
+    task: &str,
+    to: TaskState,
+    reason: &str,
+) -> Result<TaskRow, StoreError> {
+    let (r, t, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
+    blocking(store, move |s| {
+        let row = s.tasks(&r)?.into_iter().find(|x| x.id == t).ok_or_else(|| StoreError::UnknownTask(t.clone()))?;
+        s.transition(&Transition {
+            run: r.clone(),
+            task: t.clone(),
+            expected_version: row.version,
+            to: Some(to),
+            key: format!("{}:{}:{}", to.as_str(), row.attempt, row.version),
+            reason,
+            ..Transition::default()
+        })
+    })
+    .await
 }
 
 /// Jittered exponential backoff: base × 2^failures, ±50 %, at most a minute.

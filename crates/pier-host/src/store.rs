@@ -143,6 +143,16 @@ pub trait TaskStore: Send + Sync + 'static {
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError>;
     fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError>;
     fn last_seq(&self) -> Result<i64, StoreError>;
+    /// Records a question for a person; returns its number within the attempt.
+    fn ask(&self, run: &str, task: &str, attempt: i64, request: &Value) -> Result<i64, StoreError>;
+    /// The answer to a question, once there is one.
+    fn answer_of(&self, run: &str, task: &str, attempt: i64, n: i64) -> Result<Option<String>, StoreError>;
+    /// The open question of a task: (attempt, number, request).
+    fn open_question(&self, run: &str, task: &str) -> Result<Option<(i64, i64, Value)>, StoreError>;
+    /// Answers an open question; false if it was already answered.
+    fn answer(&self, run: &str, task: &str, attempt: i64, n: i64, option: &str, by: &str) -> Result<bool, StoreError>;
+    /// The runs that have a task with this id, newest first.
+    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
 }
 
 /// The SQLite store.
@@ -151,7 +161,8 @@ pub struct SqliteStore {
     seq_tx: watch::Sender<i64>,
 }
 
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE runs (
     id TEXT PRIMARY KEY,
     source TEXT NOT NULL,
@@ -198,7 +209,20 @@ CREATE TABLE events (
     data TEXT NOT NULL
 );
 CREATE INDEX events_by_run ON events(run_id, seq);
-"#];
+"#,
+    r#"
+CREATE TABLE questions (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    request TEXT NOT NULL,
+    answer TEXT,
+    answered_by TEXT,
+    PRIMARY KEY (run_id, task_id, attempt, n)
+);
+"#,
+];
 
 fn lock(m: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -383,7 +407,8 @@ impl TaskStore for SqliteStore {
         let failures = row.failures + i64::from(t.count_failure);
         let (owner, expires) = match (&t.lease, to) {
             (Some((o, e)), TaskState::Running) => (Some(o.clone()), Some(*e)),
-            (_, TaskState::Running) => (row.lease_owner.clone(), row.lease_expires_at_ms),
+            // A task waiting for a person keeps its lease: its agent is still alive.
+            (_, TaskState::Running | TaskState::AwaitingInput) => (row.lease_owner.clone(), row.lease_expires_at_ms),
             _ => (None, None),
         };
         tx.execute(
@@ -443,7 +468,7 @@ impl TaskStore for SqliteStore {
         let c = lock(&self.conn);
         let n = c.execute(
             "UPDATE tasks SET lease_expires_at_ms = ?5
-             WHERE run_id = ?1 AND id = ?2 AND state = 'running' AND attempt = ?3 AND lease_owner = ?4",
+             WHERE run_id = ?1 AND id = ?2 AND state IN ('running', 'awaiting_input') AND attempt = ?3 AND lease_owner = ?4",
             params![run, task, attempt, owner, expires_at_ms],
         )?;
         Ok(n == 1)
@@ -509,5 +534,89 @@ impl TaskStore for SqliteStore {
     fn last_seq(&self) -> Result<i64, StoreError> {
         let c = lock(&self.conn);
         Ok(c.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?)
+    }
+
+    fn ask(&self, run: &str, task: &str, attempt: i64, request: &Value) -> Result<i64, StoreError> {
+        let mut c = lock(&self.conn);
+        let tx = c.transaction()?;
+        let n: i64 = tx.query_row(
+            "SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+            params![run, task, attempt],
+            |r| r.get(0),
+        )?;
+        tx.execute(
+            "INSERT INTO questions (run_id, task_id, attempt, n, request) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![run, task, attempt, n, request.to_string()],
+        )?;
+        let seq = insert_event(
+            &tx,
+            run,
+            Some(task),
+            "question",
+            &json!({"attempt": attempt, "question": n, "request": request}),
+        )?;
+        tx.commit()?;
+        drop(c);
+        self.published(seq);
+        Ok(n)
+    }
+
+    fn answer_of(&self, run: &str, task: &str, attempt: i64, n: i64) -> Result<Option<String>, StoreError> {
+        let c = lock(&self.conn);
+        Ok(c.query_row(
+            "SELECT answer FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4",
+            params![run, task, attempt, n],
+            |r| r.get::<_, Option<String>>(0),
+        )
+        .optional()?
+        .flatten())
+    }
+
+    fn open_question(&self, run: &str, task: &str) -> Result<Option<(i64, i64, Value)>, StoreError> {
+        let c = lock(&self.conn);
+        let row: Option<(i64, i64, String)> = c
+            .query_row(
+                "SELECT attempt, n, request FROM questions WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL
+                 ORDER BY attempt DESC, n DESC LIMIT 1",
+                params![run, task],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()?;
+        Ok(row.map(|(a, n, req)| (a, n, serde_json::from_str(&req).unwrap_or(Value::Null))))
+    }
+
+    fn answer(&self, run: &str, task: &str, attempt: i64, n: i64, option: &str, by: &str) -> Result<bool, StoreError> {
+        let mut c = lock(&self.conn);
+        let tx = c.transaction()?;
+        let changed = tx.execute(
+            "UPDATE questions SET answer = ?5, answered_by = ?6
+             WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4 AND answer IS NULL",
+            params![run, task, attempt, n, option, by],
+        )?;
+        let mut seq = 0;
+        if changed == 1 {
+            seq = insert_event(
+                &tx,
+                run,
+                Some(task),
+                "answer",
+                &json!({"attempt": attempt, "question": n, "option": option, "by": by}),
+            )?;
+        }
+        tx.commit()?;
+        drop(c);
+        if seq > 0 {
+            self.published(seq);
+        }
+        Ok(changed == 1)
+    }
+
+    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
+        let c = lock(&self.conn);
+        let mut stmt = c.prepare(
+            "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = ?1 ORDER BY r.created_at_ms DESC",
+        )?;
+        let rows = stmt.query_map(params![task], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 }

@@ -158,6 +158,7 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, String), ClientError> {
         max_time: args.max_time.map(secs).transpose()?,
         cancel_grace: secs(args.cancel_grace)?,
         setup_timeout: Duration::from_secs(60),
+        asker: None,
     };
     Ok((opts, prompt))
 }

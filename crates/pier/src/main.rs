@@ -37,6 +37,10 @@ enum Command {
     Run(run_cmd::RunArgs),
     /// Print the event log
     Events(run_cmd::EventsArgs),
+    /// Answer a task waiting for input: allow its permission request, or run it again
+    Approve(run_cmd::AnswerArgs),
+    /// Answer a task waiting for input: reject its permission request, or cancel it
+    Deny(run_cmd::AnswerArgs),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
 }
@@ -62,6 +66,8 @@ fn main() {
             Command::Sessions(cmd) => client_cmd::sessions(cmd).map(|()| 0),
             Command::Run(args) => run_cmd::run(args).await,
             Command::Events(args) => run_cmd::events(args).await.map(|()| 0),
+            Command::Approve(args) => run_cmd::answer(args, true).map(|()| 0),
+            Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
         }
     });

@@ -294,3 +294,84 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
         }
     }
 }
+
+#[derive(Debug, clap::Args)]
+pub struct AnswerArgs {
+    /// The task waiting for input
+    task: String,
+    /// approve: the option to choose, by id or kind (allow_once, allow_always) [default: allow_once]
+    option: Option<String>,
+    /// The run [default: the newest run with that task]
+    #[arg(long)]
+    run: Option<String>,
+    #[arg(long)]
+    store: Option<PathBuf>,
+}
+
+/// `pier approve` (`allow` true) and `pier deny`: answer a task in `awaiting_input`.
+#[allow(clippy::print_stdout)]
+pub fn answer(args: AnswerArgs, allow: bool) -> anyhow::Result<()> {
+    let store = open_store(&args.store)?;
+    let run = match &args.run {
+        Some(r) => r.clone(),
+        None => store
+            .runs_with_task(&args.task)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", args.task))?,
+    };
+    let task = store
+        .tasks(&run)?
+        .into_iter()
+        .find(|t| t.id == args.task)
+        .ok_or_else(|| anyhow::anyhow!("run `{run}` has no task `{}`", args.task))?;
+    anyhow::ensure!(
+        task.state == pier_host::TaskState::AwaitingInput,
+        "task `{}` of run `{run}` is {}, not awaiting_input",
+        task.id,
+        task.state.as_str()
+    );
+    let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
+    if let Some((attempt, n, request)) = store.open_question(&run, &task.id)? {
+        let options = request["options"].as_array().cloned().unwrap_or_default();
+        let wanted = match (&args.option, allow) {
+            (Some(o), true) => o.clone(),
+            (None, true) => "allow_once".to_owned(),
+            (_, false) => "reject_once".to_owned(),
+        };
+        let chosen = options
+            .iter()
+            .find(|o| o["optionId"] == wanted.as_str())
+            .or_else(|| options.iter().find(|o| o["kind"] == wanted.as_str()))
+            .and_then(|o| o["optionId"].as_str().map(str::to_owned))
+            .ok_or_else(|| {
+                let offered: Vec<String> = options
+                    .iter()
+                    .map(|o| {
+                        format!("{} ({})", o["optionId"].as_str().unwrap_or("?"), o["kind"].as_str().unwrap_or("?"))
+                    })
+                    .collect();
+                anyhow::anyhow!("the agent offered no option `{wanted}`; it offered: {}", offered.join(", "))
+            })?;
+        anyhow::ensure!(store.answer(&run, &task.id, attempt, n, &chosen, &who)?, "the question was answered already");
+        println!("answered `{chosen}` for task `{}` of run `{run}`", task.id);
+    } else {
+        let to = if allow { pier_host::TaskState::Pending } else { pier_host::TaskState::Cancelled };
+        let reason = if allow { "a person approved running it again" } else { "a person denied running it again" };
+        store.transition(&pier_host::Transition {
+            run: run.clone(),
+            task: task.id.clone(),
+            expected_version: task.version,
+            to: Some(to),
+            key: format!("answer:{}:{}", task.attempt, task.version),
+            reason: format!("{reason} ({who})"),
+            ..pier_host::Transition::default()
+        })?;
+        println!(
+            "task `{}` of run `{run}` is now {}; resume the run with `pier run --resume {run}`",
+            task.id,
+            to.as_str()
+        );
+    }
+    Ok(())
+}

@@ -284,6 +284,13 @@ async fn a_lost_attempt_with_side_effects_waits_for_a_person_unless_idempotent()
     assert!(waiting["reason"].as_str().is_some_and(|r| r.contains("side effects")), "{waiting}");
     assert_eq!(waiting["evidence"][0]["kind"], "execute", "{waiting}");
     assert_eq!(lines(&o).last().map(|l| l["counts"]["awaiting_input"].clone()), Some(1.into()));
+    // A person approves running it again; the resumed run completes it.
+    let approved = h.run(&["approve", "t"]).await;
+    assert_eq!(approved.status.code(), Some(0), "{}", stderr(&approved));
+    let resumed = h.run(&["run", "--resume", &run_of(&o), "--format", "json"]).await;
+    assert_eq!(resumed.status.code(), Some(0), "{}", stderr(&resumed));
+    let t = &h.store().tasks(&run_of(&o))[0];
+    assert_eq!((t.state, t.result.as_deref()), (pier_host::TaskState::Completed, Some("survived")));
 
     // The same with `idempotent = true` runs again and completes.
     let h = Host::new(None);
@@ -425,4 +432,88 @@ async fn sigkill_at_random_points_then_resume_completes_every_task_exactly_once(
     }
     assert_eq!(completions.len(), 200);
     assert!(completions.values().all(|&n| n == 1), "a task completed twice");
+}
+
+fn sdk_agent() -> String {
+    let path = std::env::var("PIER_TEST_SDK_AGENT").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js")
+    });
+    assert!(path.is_file(), "the TypeScript SDK example agent is missing at {}; run scripts/test", path.display());
+    format!("node {}", path.display())
+}
+
+#[tokio::test]
+async fn tasks_run_on_the_typescript_sdk_example_agent_under_host_side_policy() {
+    let h = Host::new(None);
+    let agent = sdk_agent();
+    let plan = h.write(
+        "p.toml",
+        &format!(
+            "[defaults]\nagent = \"{agent}\"\n\n[[tasks]]\nid = \"allowed\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"allow\" }}\n\n[[tasks]]\nid = \"denied\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"deny\" }}\n"
+        ),
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--concurrency", "2"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", stderr(&o), String::from_utf8_lossy(&o.stdout));
+    let tasks = h.store().tasks(&run_of(&o));
+    assert!(
+        tasks[0].result.as_deref().is_some_and(|r| r.contains("successfully updated the configuration")),
+        "{tasks:?}"
+    );
+    assert!(tasks[1].result.as_deref().is_some_and(|r| r.contains("skip the configuration update")), "{tasks:?}");
+    let decisions: Vec<(String, String)> = lines(&o)
+        .iter()
+        .filter(|e| e["type"] == "permission")
+        .map(|e| {
+            (e["task"].as_str().unwrap_or("").to_owned(), e["outcome"]["optionId"].as_str().unwrap_or("").to_owned())
+        })
+        .collect();
+    assert!(decisions.contains(&("allowed".into(), "allow".into())), "{decisions:?}");
+    assert!(decisions.contains(&("denied".into(), "reject".into())), "{decisions:?}");
+}
+
+async fn answer_while_waiting(verb: &str, expect: &str) {
+    let h = Host::new(None);
+    let agent = sdk_agent();
+    let plan =
+        h.write("p.toml", &format!("[[tasks]]\nid = \"cfg\"\nagent = \"{agent}\"\nprompt = \"fix the config\"\n"));
+    let mut child = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json"]).spawn(), "spawn");
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let mut saw_waiting = false;
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, reader.next_line()).await, "events in time");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier run ended before asking"));
+        let v: Value = must(serde_json::from_str(&line), "json");
+        if v["type"] == "transition" && v["to"] == "awaiting_input" {
+            saw_waiting = true;
+        }
+        if v["type"] == "question" {
+            assert_eq!(v["request"]["toolCall"]["kind"], "edit");
+            break;
+        }
+    }
+    assert!(saw_waiting, "the task showed awaiting_input before the question");
+    let answered = h.run(&[verb, "cfg"]).await;
+    assert_eq!(answered.status.code(), Some(0), "{}", stderr(&answered));
+    let mut rest = Vec::new();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
+        rest.push(line);
+    }
+    let status = must(must(tokio::time::timeout(LIMIT, child.wait()).await, "exit in time"), "wait");
+    assert_eq!(status.code(), Some(0), "{rest:#?}");
+    assert!(rest.iter().any(|l| l.contains("\"to\":\"running\"") && l.contains("a person answered")), "{rest:#?}");
+    let runs = must(pier_host::TaskStore::runs_with_task(&h.store(), "cfg"), "runs");
+    let t = &h.store().tasks(&runs[0])[0];
+    assert!(t.result.as_deref().is_some_and(|r| r.contains(expect)), "{t:?}");
+}
+
+#[tokio::test]
+async fn an_ask_waits_in_awaiting_input_until_pier_approve() {
+    answer_while_waiting("approve", "successfully updated the configuration").await;
+}
+
+#[tokio::test]
+async fn an_ask_waits_in_awaiting_input_until_pier_deny() {
+    answer_while_waiting("deny", "skip the configuration update").await;
 }
