@@ -77,6 +77,11 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(&store)).await.map_err(|e| StoreError::Db(format!("store worker: {e}")))?
 }
 
+/// Tasks with agent `worker` or `worker:CAPABILITY` are claimed by pull workers over HTTP.
+pub fn is_worker_task(t: &TaskRow) -> bool {
+    t.spec.agent == "worker" || t.spec.agent.starts_with("worker:")
+}
+
 /// Tool kinds whose activity counts as a side effect.
 fn effectful(kind: &str) -> bool {
     matches!(kind, "edit" | "delete" | "move" | "execute")
@@ -146,7 +151,7 @@ impl Scheduler {
                 .collect();
             let mut next_wake: Option<i64> = None;
             for t in &tasks {
-                if t.state != TaskState::Pending || active.contains_key(&t.id) {
+                if t.state != TaskState::Pending || active.contains_key(&t.id) || is_worker_task(t) {
                     continue;
                 }
                 let ready = t

@@ -153,6 +153,8 @@ pub trait TaskStore: Send + Sync + 'static {
     fn answer(&self, run: &str, task: &str, attempt: i64, n: i64, option: &str, by: &str) -> Result<bool, StoreError>;
     /// The runs that have a task with this id, newest first.
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
+    /// Every run id, oldest first.
+    fn run_ids(&self) -> Result<Vec<String>, StoreError>;
 }
 
 /// The SQLite store.
@@ -609,6 +611,13 @@ impl TaskStore for SqliteStore {
             self.published(seq);
         }
         Ok(changed == 1)
+    }
+
+    fn run_ids(&self) -> Result<Vec<String>, StoreError> {
+        let c = lock(&self.conn);
+        let mut stmt = c.prepare("SELECT id FROM runs ORDER BY created_at_ms, id")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {

@@ -7,6 +7,7 @@ mod demo;
 mod logging;
 mod render;
 mod run_cmd;
+mod serve_cmd;
 
 use std::path::PathBuf;
 
@@ -41,6 +42,14 @@ enum Command {
     Approve(run_cmd::AnswerArgs),
     /// Answer a task waiting for input: reject its permission request, or cancel it
     Deny(run_cmd::AnswerArgs),
+    /// Serve the task host over HTTP (bearer token, SSE events, pull workers)
+    Serve(serve_cmd::ServeArgs),
+    /// Submit a plan to a running `pier serve`
+    Submit(serve_cmd::SubmitArgs),
+    /// Show runs and tasks of a running `pier serve`
+    Status(serve_cmd::StatusArgs),
+    /// Cancel a run or a task on a running `pier serve`
+    Cancel(serve_cmd::CancelArgs),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
 }
@@ -68,6 +77,10 @@ fn main() {
             Command::Events(args) => run_cmd::events(args).await.map(|()| 0),
             Command::Approve(args) => run_cmd::answer(args, true).map(|()| 0),
             Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
+            Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),
+            Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
+            Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),
+            Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
         }
     });

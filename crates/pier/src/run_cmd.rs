@@ -143,9 +143,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             let path = std::env::var("PATH").ok();
             let agents = files.agents.clone();
             let exe = pier_exe.clone();
-            let known = move |a: &str| {
-                pier_client::registry::resolve(a, &agents, &exe, path.as_deref()).map(|_| ()).map_err(|e| e.to_string())
-            };
+            let known = move |a: &str| agent_known(a, &agents, &exe, path.as_deref());
             Some(pier_host::plan::parse(&text, &known)?)
         }
         _ => None,
@@ -263,6 +261,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(if completed == total && !stop.is_cancelled() { 0 } else { 1 })
+}
+
+/// Whether a plan's agent can run: a pull-worker task, or an agent the registry resolves.
+pub fn agent_known(
+    agent: &str,
+    agents: &BTreeMap<String, pier_client::AgentDef>,
+    exe: &std::path::Path,
+    path: Option<&str>,
+) -> Result<(), String> {
+    if agent == "worker" || agent.starts_with("worker:") {
+        return Ok(());
+    }
+    pier_client::registry::resolve(agent, agents, exe, path).map(|_| ()).map_err(|e| e.to_string())
 }
 
 fn uuid_short() -> String {

@@ -1,0 +1,549 @@
+//! `pier serve`: the task host as an HTTP service.
+//!
+//! Every route needs `Authorization: Bearer TOKEN`. Errors are JSON,
+//! `{"error": {"code", "message"}}`, with stable codes that keep protocol errors
+//! (`bad_plan`, `bad_transition`, `version_conflict`, `unknown_run`,
+//! `unknown_task`, `unauthorized`, `bad_request`) apart from task failures, which
+//! are task states, not HTTP errors.
+//!
+//! | route | does |
+//! |---|---|
+//! | `GET /health` | liveness |
+//! | `POST /runs` `{plan, run_id?}` | submit a plan (TOML text) |
+//! | `GET /runs`, `GET /runs/{run}` | runs with counts; one run with its tasks |
+//! | `POST /runs/{run}/cancel` | cancel every unfinished task of a run |
+//! | `POST /runs/{run}/tasks/{task}/cancel` | cancel a task |
+//! | `POST /runs/{run}/tasks/{task}/answer` `{allow, option?}` | answer `awaiting_input` |
+//! | `GET /events?after=SEQ&run=ID` | SSE; `Last-Event-ID` resumes exactly after that seq |
+//! | `POST /lease` `{worker, capabilities, ttl_ms}` | a pull worker claims a runnable task |
+//! | `POST /runs/{run}/tasks/{task}/heartbeat` `{worker, attempt, ttl_ms}` | renew the lease |
+//! | `POST /runs/{run}/tasks/{task}/update` `{status, version, idempotency_key, attempt, result?, error?}` | report |
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use pier_host::scheduler::{HostConfig, Scheduler, is_worker_task};
+use pier_host::{SqliteStore, StoreError, TaskState, TaskStore, Transition};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// A JSON error with a stable code.
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    extra: Option<Value>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, code, message: message.into(), extra: None }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = json!({"error": {"code": self.code, "message": self.message}});
+        if let Some(extra) = self.extra {
+            body["error"]["details"] = extra;
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        let status = match &e {
+            StoreError::Conflict { .. } | StoreError::IllegalTransition { .. } | StoreError::RunExists(_) => {
+                StatusCode::CONFLICT
+            }
+            StoreError::UnknownRun(_) | StoreError::UnknownTask(_) => StatusCode::NOT_FOUND,
+            StoreError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.code(), e.to_string())
+    }
+}
+
+/// What the service shares between requests.
+pub struct App {
+    store: Arc<SqliteStore>,
+    config: HostConfig,
+    token: String,
+    /// The scheduler task of each run being driven, by run id.
+    schedulers: Mutex<HashMap<String, CancellationToken>>,
+    shutdown: CancellationToken,
+}
+
+type Shared = Arc<App>;
+
+async fn blocking<T: Send + 'static>(
+    app: &Shared,
+    f: impl FnOnce(&SqliteStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let store = app.store.clone();
+    tokio::task::spawn_blocking(move || f(&store))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))?
+        .map_err(ApiError::from)
+}
+
+impl App {
+    pub fn new(store: Arc<SqliteStore>, config: HostConfig, token: String) -> Shared {
+        Arc::new(App {
+            store,
+            config,
+            token,
+            schedulers: Mutex::new(HashMap::new()),
+            shutdown: CancellationToken::new(),
+        })
+    }
+
+    /// Drives `run` with a scheduler unless one already does.
+    pub fn ensure_running(self: &Arc<Self>, run: &str) {
+        let mut map = self.schedulers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if map.contains_key(run) {
+            return;
+        }
+        let stop = self.shutdown.child_token();
+        map.insert(run.to_owned(), stop.clone());
+        drop(map);
+        let app = self.clone();
+        let run = run.to_owned();
+        tokio::spawn(async move {
+            let scheduler = Scheduler::new(app.store.clone(), app.config.clone());
+            if let Err(e) = scheduler.run(&run, stop).await {
+                tracing::error!(run = %run, error = %e, "the scheduler stopped");
+            }
+            app.schedulers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&run);
+        });
+    }
+
+    /// Stops every scheduler (running tasks are cancelled through the ACP handshake).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The router, with the token check on every route.
+pub fn router(app: Shared) -> Router {
+    Router::new()
+        .route("/health", get(|| async { Json(json!({"ok": true})) }))
+        .route("/runs", post(submit).get(list_runs))
+        .route("/runs/{run}", get(show_run))
+        .route("/runs/{run}/cancel", post(cancel_run))
+        .route("/runs/{run}/tasks/{task}/cancel", post(cancel_task))
+        .route("/runs/{run}/tasks/{task}/answer", post(answer))
+        .route("/runs/{run}/tasks/{task}/heartbeat", post(heartbeat))
+        .route("/runs/{run}/tasks/{task}/update", post(update))
+        .route("/lease", post(lease))
+        .route("/events", get(events))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
+        .with_state(app)
+}
+
+/// Constant-time comparison, so the token cannot be guessed byte by byte from timings.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn auth(State(app): State<Shared>, req: Request, next: Next) -> Response {
+    let given =
+        req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(t) if same(t.as_bytes(), app.token.as_bytes()) => next.run(req).await,
+        _ => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "send Authorization: Bearer TOKEN (see the token file)",
+        )
+        .into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+struct SubmitBody {
+    plan: String,
+    run_id: Option<String>,
+}
+
+async fn submit(State(app): State<Shared>, Json(body): Json<SubmitBody>) -> Result<Response, ApiError> {
+    let agents = app.config.agents.clone();
+    let exe = app.config.pier_exe.clone();
+    let path = std::env::var("PATH").ok();
+    let known = move |a: &str| {
+        if a == "worker" || a.starts_with("worker:") {
+            return Ok(());
+        }
+        pier_client::registry::resolve(a, &agents, &exe, path.as_deref()).map(|_| ()).map_err(|e| e.to_string())
+    };
+    let plan = pier_host::plan::parse(&body.plan, &known).map_err(|e| {
+        let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_plan", e.to_string());
+        err.extra = Some(serde_json::to_value(&e.0).unwrap_or(Value::Null));
+        err
+    })?;
+    let run = body.run_id.unwrap_or_else(|| format!("run-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
+    let r = run.clone();
+    blocking(&app, move |s| s.create_run(&r, &plan, "http")).await?;
+    app.ensure_running(&run);
+    Ok((StatusCode::CREATED, Json(json!({"run": run}))).into_response())
+}
+
+fn counts(tasks: &[pier_host::TaskRow]) -> BTreeMap<&'static str, usize> {
+    let mut c = BTreeMap::new();
+    for t in tasks {
+        *c.entry(t.state.as_str()).or_default() += 1;
+    }
+    c
+}
+
+async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let runs = blocking(&app, |s| {
+        let mut out = Vec::new();
+        for run in s.run_ids()? {
+            let tasks = s.tasks(&run)?;
+            out.push(json!({"run": run, "counts": counts(&tasks)}));
+        }
+        Ok(out)
+    })
+    .await?;
+    Ok(Json(json!({"runs": runs})))
+}
+
+async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
+    let r = run.clone();
+    let tasks = blocking(&app, move |s| {
+        if !s.run_exists(&r)? {
+            return Err(StoreError::UnknownRun(r));
+        }
+        s.tasks(&r)
+    })
+    .await?;
+    Ok(Json(json!({"run": run, "counts": counts(&tasks), "tasks": tasks})))
+}
+
+async fn find_task(app: &Shared, run: &str, task: &str) -> Result<pier_host::TaskRow, ApiError> {
+    let (r, t) = (run.to_owned(), task.to_owned());
+    blocking(app, move |s| {
+        if !s.run_exists(&r)? {
+            return Err(StoreError::UnknownRun(r));
+        }
+        s.tasks(&r)?.into_iter().find(|x| x.id == t).ok_or(StoreError::UnknownTask(t))
+    })
+    .await
+}
+
+async fn move_task(
+    app: &Shared,
+    row: &pier_host::TaskRow,
+    to: TaskState,
+    key: String,
+    reason: &str,
+) -> Result<pier_host::TaskRow, ApiError> {
+    let tr = Transition {
+        run: row.run_id.clone(),
+        task: row.id.clone(),
+        expected_version: row.version,
+        to: Some(to),
+        key,
+        reason: reason.to_owned(),
+        ..Transition::default()
+    };
+    blocking(app, move |s| s.transition(&tr)).await
+}
+
+async fn cancel_task(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let row = find_task(&app, &run, &task).await?;
+    let row =
+        move_task(&app, &row, TaskState::Cancelled, format!("cancel:{}", row.version), "cancelled over HTTP").await?;
+    app.ensure_running(&run);
+    Ok(Json(json!({"task": row})))
+}
+
+async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
+    let r = run.clone();
+    let tasks = blocking(&app, move |s| {
+        if !s.run_exists(&r)? {
+            return Err(StoreError::UnknownRun(r));
+        }
+        s.tasks(&r)
+    })
+    .await?;
+    let mut cancelled = 0;
+    for t in tasks.iter().filter(|t| !t.state.is_terminal()) {
+        if move_task(&app, t, TaskState::Cancelled, format!("cancel:{}", t.version), "run cancelled over HTTP")
+            .await
+            .is_ok()
+        {
+            cancelled += 1;
+        }
+    }
+    Ok(Json(json!({"run": run, "cancelled": cancelled})))
+}
+
+#[derive(Deserialize)]
+struct AnswerBody {
+    allow: bool,
+    option: Option<String>,
+}
+
+async fn answer(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Json(body): Json<AnswerBody>,
+) -> Result<Json<Value>, ApiError> {
+    let row = find_task(&app, &run, &task).await?;
+    if row.state != TaskState::AwaitingInput {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "bad_transition",
+            format!("task `{task}` is {}, not awaiting_input", row.state.as_str()),
+        ));
+    }
+    let (r, t) = (run.clone(), task.clone());
+    let open = blocking(&app, move |s| s.open_question(&r, &t)).await?;
+    match open {
+        Some((attempt, n, request)) => {
+            let wanted = match (&body.option, body.allow) {
+                (Some(o), _) => o.clone(),
+                (None, true) => "allow_once".into(),
+                (None, false) => "reject_once".into(),
+            };
+            let options = request["options"].as_array().cloned().unwrap_or_default();
+            let chosen = options
+                .iter()
+                .find(|o| o["optionId"] == wanted.as_str())
+                .or_else(|| options.iter().find(|o| o["kind"] == wanted.as_str()))
+                .and_then(|o| o["optionId"].as_str().map(str::to_owned))
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        "bad_request",
+                        format!("the agent offered no option `{wanted}`"),
+                    )
+                })?;
+            let (r, t, c) = (run.clone(), task.clone(), chosen.clone());
+            let ok = blocking(&app, move |s| s.answer(&r, &t, attempt, n, &c, "http")).await?;
+            if !ok {
+                return Err(ApiError::new(StatusCode::CONFLICT, "bad_transition", "the question was answered already"));
+            }
+            Ok(Json(json!({"answered": chosen})))
+        }
+        None => {
+            let to = if body.allow { TaskState::Pending } else { TaskState::Cancelled };
+            let row =
+                move_task(&app, &row, to, format!("answer:{}:{}", row.attempt, row.version), "answered over HTTP")
+                    .await?;
+            app.ensure_running(&run);
+            Ok(Json(json!({"task": row})))
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct LeaseBody {
+    worker: String,
+    #[serde(default)]
+    capabilities: Vec<String>,
+    ttl_ms: Option<i64>,
+}
+
+async fn lease(State(app): State<Shared>, Json(body): Json<LeaseBody>) -> Result<Response, ApiError> {
+    let ttl = body.ttl_ms.unwrap_or(30_000).clamp(1_000, 3_600_000);
+    let claimed = blocking(&app, move |s| {
+        for run in s.run_ids()? {
+            let tasks = s.tasks(&run)?;
+            let states: HashMap<&str, TaskState> = tasks.iter().map(|t| (t.id.as_str(), t.state)).collect();
+            for t in &tasks {
+                let capability = t.spec.agent.strip_prefix("worker:").unwrap_or("");
+                let fits =
+                    is_worker_task(t) && (capability.is_empty() || body.capabilities.iter().any(|c| c == capability));
+                let ready = t.spec.depends_on.iter().all(|d| states.get(d.as_str()) == Some(&TaskState::Completed));
+                if t.state == TaskState::Pending && fits && ready && t.not_before_ms <= pier_host::store::now_ms() {
+                    let tr = Transition {
+                        run: run.clone(),
+                        task: t.id.clone(),
+                        expected_version: t.version,
+                        to: Some(TaskState::Running),
+                        key: format!("lease:{}:{}", t.attempt + 1, body.worker),
+                        reason: format!("leased by worker {}", body.worker),
+                        start_attempt: true,
+                        lease: Some((body.worker.clone(), pier_host::store::now_ms() + ttl)),
+                        ..Transition::default()
+                    };
+                    match s.transition(&tr) {
+                        Ok(row) => return Ok(Some(row)),
+                        Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+        Ok(None)
+    })
+    .await?;
+    match claimed {
+        Some(row) => {
+            let (r, deps) = (row.run_id.clone(), row.spec.depends_on.clone());
+            let results: HashMap<String, String> = blocking(&app, move |s| {
+                Ok(s.tasks(&r)?
+                    .into_iter()
+                    .filter(|t| deps.contains(&t.id))
+                    .map(|t| (t.id, t.result.unwrap_or_default()))
+                    .collect())
+            })
+            .await?;
+            let prompt = pier_host::plan::render(&row.spec.prompt, &results);
+            Ok(Json(json!({"task": row, "prompt": prompt})).into_response())
+        }
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+    }
+}
+
+#[derive(Deserialize)]
+struct HeartbeatBody {
+    worker: String,
+    attempt: i64,
+    ttl_ms: Option<i64>,
+}
+
+async fn heartbeat(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Json(body): Json<HeartbeatBody>,
+) -> Result<Json<Value>, ApiError> {
+    let expires = pier_host::store::now_ms() + body.ttl_ms.unwrap_or(30_000).clamp(1_000, 3_600_000);
+    let ok = blocking(&app, move |s| s.heartbeat(&run, &task, body.attempt, &body.worker, expires)).await?;
+    if !ok {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "lease_lost",
+            "the lease is not yours any more; stop working on this task",
+        ));
+    }
+    Ok(Json(json!({"lease_expires_at_ms": expires})))
+}
+
+#[derive(Deserialize)]
+struct UpdateBody {
+    status: String,
+    version: i64,
+    idempotency_key: String,
+    attempt: i64,
+    result: Option<String>,
+    error: Option<String>,
+}
+
+async fn update(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Json(body): Json<UpdateBody>,
+) -> Result<Json<Value>, ApiError> {
+    let to = TaskState::parse(&body.status).ok_or_else(|| {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("unknown status `{}`", body.status))
+    })?;
+    let tr = Transition {
+        run: run.clone(),
+        task: task.clone(),
+        expected_version: body.version,
+        to: Some(to),
+        key: format!("worker:{}:{}", body.attempt, body.idempotency_key),
+        reason: "reported by a worker".into(),
+        result: body.result,
+        error: body.error,
+        ..Transition::default()
+    };
+    let row = blocking(&app, move |s| s.transition(&tr)).await?;
+    app.ensure_running(&run);
+    Ok(Json(json!({"task": row})))
+}
+
+#[derive(Deserialize)]
+struct EventsQuery {
+    after: Option<i64>,
+    run: Option<String>,
+}
+
+async fn events(
+    State(app): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<EventsQuery>,
+) -> Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>> {
+    let from_header =
+        headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<i64>().ok());
+    let after = from_header.or(q.after).unwrap_or(0);
+    let store = app.store.clone();
+    let run = q.run;
+    let stream = futures::stream::unfold(
+        (store, after, Vec::<pier_host::Event>::new(), run),
+        |(store, mut after, mut buffer, run)| async move {
+            loop {
+                if let Some(e) = (!buffer.is_empty()).then(|| buffer.remove(0)) {
+                    after = e.seq;
+                    let mut data = json!({"seq": e.seq, "run": e.run, "type": e.kind, "at_ms": e.at_ms});
+                    if let Some(t) = &e.task {
+                        data["task"] = json!(t);
+                    }
+                    if let (Some(obj), Some(d)) = (data.as_object_mut(), e.data.as_object()) {
+                        for (k, v) in d {
+                            obj.entry(k.clone()).or_insert(v.clone());
+                        }
+                    }
+                    let event = SseEvent::default().id(e.seq.to_string()).event(e.kind.clone()).data(data.to_string());
+                    return Some((Ok(event), (store, after, buffer, run)));
+                }
+                // Subscribe before reading, so a commit in between is not missed.
+                let mut rx = store.subscribe();
+                let (s, r) = (store.clone(), run.clone());
+                let batch = tokio::task::spawn_blocking(move || s.events_after(r.as_deref(), after, 1000)).await;
+                match batch {
+                    Ok(Ok(events)) if !events.is_empty() => buffer = events,
+                    Ok(Ok(_)) => {
+                        if rx.changed().await.is_err() {
+                            return None;
+                        }
+                    }
+                    _ => return None,
+                }
+            }
+        },
+    );
+    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+/// Reads the token file, or creates it (mode 0600) and says so once.
+pub fn load_or_create_token(path: &std::path::Path) -> std::io::Result<(String, bool)> {
+    match std::fs::read_to_string(path) {
+        Ok(t) if !t.trim().is_empty() => Ok((t.trim().to_owned(), false)),
+        _ => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let token = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+            f.write_all(token.as_bytes())?;
+            f.sync_all()?;
+            Ok((token, true))
+        }
+    }
+}
+
+/// The default token file.
+pub fn token_path(pier_home: &std::path::Path) -> PathBuf {
+    pier_home.join("serve.token")
+}

@@ -1,0 +1,191 @@
+//! `pier serve`, and the commands that talk to it: `pier submit`, `pier status`, `pier cancel`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use pier_host::scheduler::HostConfig;
+use pier_host::{SqliteStore, TaskStore};
+use pier_server::App;
+use serde_json::{Value, json};
+
+use crate::config::{self, ProcessEnv};
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on; loopback unless you say otherwise
+    #[arg(long, default_value = "127.0.0.1:8477")]
+    listen: SocketAddr,
+    /// The bearer token [env: PIER_TOKEN; default: created once in $PIER_HOME/serve.token]
+    #[arg(long)]
+    token: Option<String>,
+    /// Tasks run at once per run
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    #[arg(long)]
+    store: Option<PathBuf>,
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let env = ProcessEnv;
+    let home = config::pier_home(&env)?;
+    let here = std::env::current_dir()?;
+    let files = config::load_files(&env, &here)?;
+    let store_path = args.store.clone().unwrap_or_else(|| home.join("pier.db"));
+    let store =
+        Arc::new(SqliteStore::open(&store_path).with_context(|| format!("cannot open {}", store_path.display()))?);
+    let token = match args.token.clone().or_else(|| std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty())) {
+        Some(t) => t,
+        None => {
+            let path = pier_server::token_path(&home);
+            let (token, created) =
+                pier_server::load_or_create_token(&path).with_context(|| format!("token file {}", path.display()))?;
+            if created {
+                eprintln!("pier serve: created a token (saved to {}, mode 0600): {token}", path.display());
+            }
+            token
+        }
+    };
+    let config = HostConfig {
+        pier_exe: std::env::current_exe()?,
+        agents: files.agents.clone(),
+        base_dir: here,
+        concurrency: args.concurrency.max(1),
+        owner: HostConfig::owner_id(),
+        lease_ttl: Duration::from_secs(15),
+        retry_base: Duration::from_secs(1),
+        cancel_grace: Duration::from_secs(5),
+        default_idle_timeout: Duration::from_secs(600),
+    };
+    let app = App::new(store.clone(), config, token);
+    // Runs left unfinished by an earlier host go on.
+    for run in store.run_ids()? {
+        if store.tasks(&run)?.iter().any(|t| !t.state.is_terminal()) {
+            app.ensure_running(&run);
+        }
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    eprintln!("pier serve: listening on http://{addr}");
+    let shutdown_app = app.clone();
+    axum::serve(listener, pier_server::router(app))
+        .with_graceful_shutdown(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            } else {
+                std::future::pending::<()>().await;
+            }
+            shutdown_app.shutdown();
+        })
+        .await?;
+    Ok(())
+}
+
+/// Where a running `pier serve` is, and its token.
+#[derive(Debug, clap::Args)]
+pub struct ServerArgs {
+    /// The server's base URL [env: PIER_SERVER]
+    #[arg(long)]
+    server: Option<String>,
+}
+
+fn client(args: &ServerArgs) -> anyhow::Result<(reqwest::Client, String, String)> {
+    let server = args
+        .server
+        .clone()
+        .or_else(|| std::env::var("PIER_SERVER").ok())
+        .context("name the server with --server URL or PIER_SERVER")?;
+    let token = match std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty()) {
+        Some(t) => t,
+        None => {
+            let path = pier_server::token_path(&config::pier_home(&ProcessEnv)?);
+            std::fs::read_to_string(&path)
+                .with_context(|| format!("set PIER_TOKEN or keep the token in {}", path.display()))?
+                .trim()
+                .to_owned()
+        }
+    };
+    Ok((reqwest::Client::new(), server.trim_end_matches('/').to_owned(), token))
+}
+
+async fn call(args: &ServerArgs, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    let (http, base, token) = client(args)?;
+    let mut req = http.request(method, format!("{base}{path}")).bearer_auth(token);
+    if let Some(b) = body {
+        req = req.header("content-type", "application/json").body(b.to_string());
+    }
+    let resp = req.send().await.with_context(|| format!("cannot reach {base}"))?;
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    let value: Value = serde_json::from_str(&text).unwrap_or(json!({"raw": text}));
+    if !status.is_success() {
+        let msg = value["error"]["message"].as_str().unwrap_or(&text).to_owned();
+        let code = value["error"]["code"].as_str().unwrap_or("http");
+        anyhow::bail!("the server answered {status} ({code}): {msg}");
+    }
+    Ok(value)
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SubmitArgs {
+    plan: PathBuf,
+    #[arg(long)]
+    run_id: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+#[allow(clippy::print_stdout)]
+pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
+    let plan = std::fs::read_to_string(&args.plan).with_context(|| format!("cannot read {}", args.plan.display()))?;
+    let v =
+        call(&args.server, reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": args.run_id}))).await?;
+    println!("{}", v["run"].as_str().unwrap_or(""));
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    run: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+#[allow(clippy::print_stdout)]
+pub async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let path = match &args.run {
+        Some(r) => format!("/runs/{r}"),
+        None => "/runs".to_owned(),
+    };
+    let v = call(&args.server, reqwest::Method::GET, &path, None).await?;
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CancelArgs {
+    run: String,
+    /// Only this task
+    task: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+#[allow(clippy::print_stdout)]
+pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
+    let path = match &args.task {
+        Some(t) => format!("/runs/{}/tasks/{t}/cancel", args.run),
+        None => format!("/runs/{}/cancel", args.run),
+    };
+    let v = call(&args.server, reqwest::Method::POST, &path, Some(json!({}))).await?;
+    println!("{v}");
+    Ok(())
+}

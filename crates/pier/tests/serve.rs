@@ -1,0 +1,281 @@
+//! End-to-end tests of `pier serve`: the token, plan submission, the SSE stream
+//! with exact resume, answers over HTTP, and pull workers.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use futures::StreamExt;
+use pier_fake_model::{FakeModel, Reply};
+use pier_model::sse::SseDecoder;
+use serde_json::{Value, json};
+use support::{LIMIT, must};
+use tokio::io::AsyncBufReadExt;
+use tokio::process::{Child, Command};
+
+const PIER: &str = env!("CARGO_BIN_EXE_pier");
+const TOKEN: &str = "test-token-123";
+
+struct Server {
+    _dir: tempfile::TempDir,
+    _child: Child,
+    base: String,
+    http: reqwest::Client,
+}
+
+async fn server(base_url: Option<String>) -> Server {
+    let dir = must(tempfile::tempdir(), "dir");
+    let mut cmd = Command::new(PIER);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(url) = base_url {
+        cmd.env("PIER_BASE_URL", url).env("PIER_MODEL", "fake-model");
+    }
+    let mut child = must(cmd.spawn(), "spawn pier serve");
+    let stderr = child.stderr.take().unwrap_or_else(|| panic!("stderr"));
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    let base = loop {
+        let line = must(tokio::time::timeout(LIMIT, lines.next_line()).await, "serve started");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier serve exited"));
+        if let Some(url) = line.strip_prefix("pier serve: listening on ") {
+            break url.to_owned();
+        }
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Server { _dir: dir, _child: child, base, http: reqwest::Client::new() }
+}
+
+impl Server {
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut req = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(TOKEN);
+        if let Some(b) = body {
+            req = req.header("content-type", "application/json").body(b.to_string());
+        }
+        let resp = must(must(tokio::time::timeout(LIMIT, req.send()).await, "answer in time"), "send");
+        let status = resp.status().as_u16();
+        let text = must(resp.text().await, "body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// Reads SSE events from `after` (via Last-Event-ID) until `stop` says so; returns them.
+    async fn events_until(&self, after: Option<i64>, mut stop: impl FnMut(&Value) -> bool) -> Vec<Value> {
+        let mut req = self.http.get(format!("{}/events", self.base)).bearer_auth(TOKEN);
+        if let Some(a) = after {
+            req = req.header("Last-Event-ID", a.to_string());
+        }
+        let resp = must(must(tokio::time::timeout(LIMIT, req.send()).await, "connect"), "send");
+        assert_eq!(resp.status().as_u16(), 200);
+        let mut stream = resp.bytes_stream();
+        let mut sse = SseDecoder::new(1 << 20);
+        let mut out = Vec::new();
+        loop {
+            let chunk = must(tokio::time::timeout(LIMIT, stream.next()).await, "events in time");
+            let chunk = must(chunk.unwrap_or_else(|| panic!("stream ended")), "chunk");
+            for data in sse.push(&chunk).unwrap_or_default() {
+                let v: Value = must(serde_json::from_str(&data), "event json");
+                let done = stop(&v);
+                out.push(v);
+                if done {
+                    return out;
+                }
+            }
+        }
+    }
+}
+
+fn echo(body: &Value) -> Reply {
+    let text = body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("")
+        .to_owned();
+    Reply::text(&format!("done: {text}"))
+}
+
+#[tokio::test]
+async fn every_route_needs_the_token() {
+    let s = server(None).await;
+    let routes = [
+        ("GET", "/health"),
+        ("GET", "/runs"),
+        ("POST", "/runs"),
+        ("GET", "/runs/r"),
+        ("POST", "/runs/r/cancel"),
+        ("POST", "/runs/r/tasks/t/cancel"),
+        ("POST", "/runs/r/tasks/t/answer"),
+        ("POST", "/runs/r/tasks/t/heartbeat"),
+        ("POST", "/runs/r/tasks/t/update"),
+        ("POST", "/lease"),
+        ("GET", "/events"),
+    ];
+    for (method, path) in routes {
+        for auth in [None, Some("Bearer wrong"), Some("Basic abc")] {
+            let mut req = s.http.request(method.parse().unwrap_or(reqwest::Method::GET), format!("{}{path}", s.base));
+            if let Some(a) = auth {
+                req = req.header("authorization", a);
+            }
+            let resp = must(req.send().await, "send");
+            assert_eq!(resp.status().as_u16(), 401, "{method} {path} with {auth:?}");
+            let body: Value = must(serde_json::from_str(&must(resp.text().await, "text")), "json");
+            assert_eq!(body["error"]["code"], "unauthorized");
+        }
+    }
+    assert_eq!(s.call(reqwest::Method::GET, "/health", None).await, (200, json!({"ok": true})));
+}
+
+#[tokio::test]
+async fn a_submitted_plan_runs_and_the_event_stream_resumes_without_gap_or_duplicate() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"a\"\nprompt = \"root\"\n\n[[tasks]]\nid = \"b\"\ndepends_on = [\"a\"]\nprompt = \"left\"\n\n[[tasks]]\nid = \"c\"\ndepends_on = [\"a\"]\nprompt = \"right\"\n\n[[tasks]]\nid = \"d\"\ndepends_on = [\"b\", \"c\"]\nprompt = \"{{tasks.b.result}} + {{tasks.c.result}}\"\n";
+    let (code, body) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "web"}))).await;
+    assert_eq!((code, body["run"].clone()), (201, json!("web")));
+    // Follow the stream with forced reconnects every few events until d completes.
+    let mut seen: Vec<Value> = Vec::new();
+    let mut last: Option<i64> = None;
+    let mut reconnects = 0;
+    loop {
+        let mut n = 0;
+        let batch = s
+            .events_until(last, |e| {
+                n += 1;
+                n >= 3 || (e["task"] == "d" && e["to"] == "completed")
+            })
+            .await;
+        reconnects += 1;
+        last = batch.last().and_then(|e| e["seq"].as_i64()).or(last);
+        let done = batch.iter().any(|e| e["task"] == "d" && e["to"] == "completed");
+        seen.extend(batch);
+        if done {
+            break;
+        }
+    }
+    assert!(reconnects > 3);
+    let seqs: Vec<i64> = seen.iter().filter_map(|e| e["seq"].as_i64()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "gap or duplicate across reconnects");
+    let (code, run) = s.call(reqwest::Method::GET, "/runs/web", None).await;
+    assert_eq!(code, 200);
+    assert_eq!(run["counts"]["completed"], 4);
+    let d = run["tasks"].as_array().and_then(|t| t.iter().find(|t| t["id"] == "d")).cloned().unwrap_or_default();
+    assert_eq!(d["result"], "done: done: left + done: right");
+    // ?after= works as well as Last-Event-ID.
+    let resp = must(
+        s.http.get(format!("{}/events?after={}", s.base, seqs.len() - 2)).bearer_auth(TOKEN).send().await,
+        "after",
+    );
+    let mut stream = resp.bytes_stream();
+    let mut sse = SseDecoder::new(1 << 20);
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let chunk = must(
+            must(tokio::time::timeout(LIMIT, stream.next()).await, "in time").unwrap_or_else(|| panic!("ended")),
+            "chunk",
+        );
+        for data in sse.push(&chunk).unwrap_or_default() {
+            got.push(must(serde_json::from_str::<Value>(&data), "json")["seq"].as_i64().unwrap_or(0));
+        }
+    }
+    assert_eq!(got, [seqs.len() as i64 - 1, seqs.len() as i64]);
+    // Bad plans and unknown runs get stable codes.
+    let (code, bad) = s
+        .call(
+            reqwest::Method::POST,
+            "/runs",
+            Some(json!({"plan": "[[tasks]]\nid = \"x\"\nprompt = \"p\"\ndepends_on = [\"nope\"]\n"})),
+        )
+        .await;
+    assert_eq!((code, bad["error"]["code"].clone()), (400, json!("bad_plan")));
+    assert_eq!(bad["error"]["details"][0]["line"], 1);
+    let (code, unknown) = s.call(reqwest::Method::GET, "/runs/nope", None).await;
+    assert_eq!((code, unknown["error"]["code"].clone()), (404, json!("unknown_run")));
+}
+
+fn sdk_agent() -> String {
+    let path = std::env::var("PIER_TEST_SDK_AGENT").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js")
+    });
+    assert!(path.is_file(), "the TypeScript SDK example agent is missing at {}; run scripts/test", path.display());
+    format!("node {}", path.display())
+}
+
+#[tokio::test]
+async fn awaiting_input_is_answered_over_http() {
+    let s = server(None).await;
+    let plan = format!("[[tasks]]\nid = \"cfg\"\nagent = \"{}\"\nprompt = \"fix the config\"\n", sdk_agent());
+    let (code, _) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "ask"}))).await;
+    assert_eq!(code, 201);
+    let before = s.events_until(None, |e| e["type"] == "question").await;
+    assert!(before.iter().any(|e| e["to"] == "awaiting_input"));
+    let (code, wrong) = s
+        .call(reqwest::Method::POST, "/runs/ask/tasks/cfg/answer", Some(json!({"allow": true, "option": "nope"})))
+        .await;
+    assert_eq!((code, wrong["error"]["code"].clone()), (400, json!("bad_request")));
+    let (code, ok) = s.call(reqwest::Method::POST, "/runs/ask/tasks/cfg/answer", Some(json!({"allow": true}))).await;
+    assert_eq!((code, ok["answered"].clone()), (200, json!("allow")));
+    let last = before.last().and_then(|e| e["seq"].as_i64());
+    s.events_until(last, |e| e["task"] == "cfg" && e["to"] == "completed").await;
+    let (_, run) = s.call(reqwest::Method::GET, "/runs/ask", None).await;
+    assert!(run["tasks"][0]["result"].as_str().is_some_and(|r| r.contains("successfully updated")), "{run}");
+}
+
+#[tokio::test]
+async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"w1\"\nagent = \"worker:echo\"\nprompt = \"echo me\"\n\n[[tasks]]\nid = \"w2\"\nagent = \"worker:other\"\nprompt = \"not for echo\"\n";
+    let (code, _) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "pull"}))).await;
+    assert_eq!(code, 201);
+    let (code, leased) = s
+        .call(
+            reqwest::Method::POST,
+            "/lease",
+            Some(json!({"worker": "wk-1", "capabilities": ["echo"], "ttl_ms": 60000})),
+        )
+        .await;
+    assert_eq!(code, 200, "{leased}");
+    assert_eq!((leased["task"]["id"].clone(), leased["task"]["state"].clone()), (json!("w1"), json!("running")));
+    assert_eq!(leased["prompt"], "echo me");
+    let version = leased["task"]["version"].as_i64().unwrap_or(0);
+    let attempt = leased["task"]["attempt"].as_i64().unwrap_or(0);
+    // Nothing else fits this worker.
+    let (code, _) =
+        s.call(reqwest::Method::POST, "/lease", Some(json!({"worker": "wk-1", "capabilities": ["echo"]}))).await;
+    assert_eq!(code, 204);
+    let hb = |worker: &str| json!({"worker": worker, "attempt": attempt, "ttl_ms": 60000});
+    assert_eq!(s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/heartbeat", Some(hb("wk-1"))).await.0, 200);
+    let (code, lost) = s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/heartbeat", Some(hb("intruder"))).await;
+    assert_eq!((code, lost["error"]["code"].clone()), (409, json!("lease_lost")));
+    let update = |status: &str, v: i64, key: &str| json!({"status": status, "version": v, "idempotency_key": key, "attempt": attempt, "result": "echo me"});
+    let (code, stale) =
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version - 1, "k1"))).await;
+    assert_eq!((code, stale["error"]["code"].clone()), (409, json!("version_conflict")));
+    let (code, done) =
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version, "k1"))).await;
+    assert_eq!((code, done["task"]["state"].clone()), (200, json!("completed")));
+    let (code, replay) =
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version, "k1"))).await;
+    assert_eq!((code, replay), (200, done.clone()), "a replayed update returns the first answer");
+    let (code, illegal) =
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("running", version + 1, "k2"))).await;
+    assert_eq!((code, illegal["error"]["code"].clone()), (409, json!("bad_transition")));
+    // A worker cannot jump a pending task to completed.
+    let (_, run) = s.call(reqwest::Method::GET, "/runs/pull", None).await;
+    let w2 = run["tasks"].as_array().and_then(|t| t.iter().find(|t| t["id"] == "w2")).cloned().unwrap_or_default();
+    let jump = json!({"status": "completed", "version": w2["version"], "idempotency_key": "j", "attempt": 0});
+    let (code, jumped) = s.call(reqwest::Method::POST, "/runs/pull/tasks/w2/update", Some(jump)).await;
+    assert_eq!((code, jumped["error"]["code"].clone()), (409, json!("bad_transition")));
+    let (code, cancelled) = s.call(reqwest::Method::POST, "/runs/pull/cancel", Some(json!({}))).await;
+    assert_eq!((code, cancelled["cancelled"].clone()), (200, json!(1)));
+}
