@@ -33,7 +33,7 @@ pub fn slice_lines(text: &str, line: Option<u32>, limit: Option<u32>) -> String 
 }
 
 pub async fn write_text_file(sandbox: &Sandbox, req: WriteTextFileRequest) -> Result<WriteTextFileResponse, Error> {
-    let path = sandbox.resolve(&req.path)?;
+    let path = sandbox.resolve_write(&req.path)?;
     let content = req.content;
     let target = path.clone();
     tokio::task::spawn_blocking(move || {

@@ -127,7 +127,22 @@ impl ClientState {
                 .unwrap_or(ToolKind::Other),
         };
         let title = req.tool_call.fields.title.clone().unwrap_or_else(|| id.clone());
-        let (choice, rule, reason) = if self.cancelling.is_cancelled() {
+        // Host-side trust: an edit of a path outside the writable paths is never granted,
+        // whatever the agent claims about it.
+        let outside: Vec<String> = req
+            .tool_call
+            .fields
+            .locations
+            .iter()
+            .flatten()
+            .filter(|l| !self.sandbox.may_write(&l.path))
+            .map(|l| l.path.display().to_string())
+            .collect();
+        let writes = matches!(kind, ToolKind::Edit | ToolKind::Delete | ToolKind::Move);
+        let (choice, rule, reason) = if writes && !outside.is_empty() && !self.cancelling.is_cancelled() {
+            let (c, why) = choose(Rule::Deny, &req.options);
+            (c, Some(Rule::Deny), format!("{} is outside the paths this task may write{why}", outside.join(", ")))
+        } else if self.cancelling.is_cancelled() {
             (Choice::Cancelled, None, "the turn is being cancelled (R088)".to_owned())
         } else {
             let mut rule = self.policy.rule(kind);

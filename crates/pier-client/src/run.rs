@@ -51,6 +51,8 @@ pub struct RunOptions {
     pub setup_timeout: Duration,
     /// Answers *ask* permission decisions instead of the terminal.
     pub asker: Option<Arc<dyn crate::handler::Asker>>,
+    /// When set, the only directories the agent may write (fs writes and edit permissions).
+    pub writable: Option<Vec<PathBuf>>,
 }
 
 impl std::fmt::Debug for dyn crate::handler::Asker {
@@ -153,7 +155,10 @@ pub async fn run(
         error: None,
         duration: Duration::ZERO,
     };
-    let sandbox = match Sandbox::new(&opts.cwd, &opts.allow_dirs) {
+    let sandbox = match Sandbox::new(&opts.cwd, &opts.allow_dirs).and_then(|s| match &opts.writable {
+        Some(w) => s.with_writable(w),
+        None => Ok(s),
+    }) {
         Ok(s) => s,
         Err(e) => {
             outcome.error = Some(ClientError::usage(format!("cannot use the directories to serve: {e}")));

@@ -10,6 +10,8 @@ use pier_tools::Workspace;
 #[derive(Debug, Clone)]
 pub struct Sandbox {
     roots: Vec<Workspace>,
+    /// When set, writes must also land inside one of these (host-side trust).
+    writable: Option<Vec<Workspace>>,
 }
 
 impl Sandbox {
@@ -18,7 +20,31 @@ impl Sandbox {
         for dir in allow_dirs {
             roots.push(Workspace::new(dir)?);
         }
-        Ok(Sandbox { roots })
+        Ok(Sandbox { roots, writable: None })
+    }
+
+    /// Restricts writes to `dirs` (each must exist).
+    pub fn with_writable(mut self, dirs: &[PathBuf]) -> std::io::Result<Sandbox> {
+        self.writable = Some(dirs.iter().map(|d| Workspace::new(d)).collect::<std::io::Result<_>>()?);
+        Ok(self)
+    }
+
+    /// Whether `path` (absolute) may be written under the write restriction.
+    pub fn may_write(&self, path: &Path) -> bool {
+        match (&self.writable, path.to_str()) {
+            (None, _) => true,
+            (Some(dirs), Some(text)) => dirs.iter().any(|d| d.resolve(text).is_ok()),
+            (Some(_), None) => false,
+        }
+    }
+
+    /// The path of a write: inside the roots, and inside the writable directories if any.
+    pub fn resolve_write(&self, path: &Path) -> Result<PathBuf, Error> {
+        let resolved = self.resolve(path)?;
+        if !self.may_write(&resolved) {
+            return Err(invalid_params(format!("`{}` is outside the paths this task may write", path.display())));
+        }
+        Ok(resolved)
     }
 
     /// The path, if it is absolute and inside a root once symlinks are resolved.

@@ -242,3 +242,49 @@ async fn permission_requests_follow_the_policy_and_cancellation() {
     let r = s.call("session/request_permission", request("read")).await.unwrap_or_default();
     assert_eq!(r["outcome"], json!({"outcome": "cancelled"}), "R088");
 }
+
+#[tokio::test]
+async fn writes_and_edit_permissions_are_fenced_to_the_writable_paths() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let cwd = dir.path().canonicalize().unwrap_or_else(|e| panic!("{e}"));
+    std::fs::create_dir(cwd.join("out")).unwrap_or_else(|e| panic!("{e}"));
+    let sandbox =
+        Sandbox::new(&cwd, &[]).and_then(|s| s.with_writable(&[cwd.join("out")])).unwrap_or_else(|e| panic!("{e}"));
+    let (tx, _events) = mpsc::unbounded_channel();
+    let mut policy = ClientPolicy::default();
+    policy.approve_all();
+    let state = Arc::new(ClientState::new(sandbox, cwd.clone(), true, true, policy, false, tx));
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let (ar, aw) = tokio::io::split(a);
+    let (br, bw) = tokio::io::split(b);
+    let _client = Connection::spawn(ar, aw, Arc::new(ClientHandler(state)), ConnectionConfig::default());
+    let agent = Connection::spawn(br, bw, Arc::new(Quiet), ConnectionConfig::default());
+    let ok = agent
+        .request::<_, Value>(
+            "fs/write_text_file",
+            &json!({"sessionId": "s", "path": cwd.join("out/a.txt"), "content": "x"}),
+        )
+        .await;
+    assert!(ok.is_ok());
+    let fenced = agent
+        .request::<_, Value>(
+            "fs/write_text_file",
+            &json!({"sessionId": "s", "path": cwd.join("b.txt"), "content": "x"}),
+        )
+        .await;
+    assert!(matches!(fenced, Err(RequestError::Remote(ref e)) if i32::from(e.code) == -32602), "{fenced:?}");
+    assert!(!cwd.join("b.txt").exists());
+    let ask = |path: PathBuf| {
+        json!({
+            "sessionId": "s",
+            "toolCall": {"toolCallId": "t", "kind": "edit", "locations": [{"path": path}]},
+            "options": [{"optionId": "y", "name": "Yes", "kind": "allow_once"}, {"optionId": "n", "name": "No", "kind": "reject_once"}],
+        })
+    };
+    let inside: Value =
+        agent.request("session/request_permission", &ask(cwd.join("out/c.txt"))).await.unwrap_or_default();
+    assert_eq!(inside["outcome"]["optionId"], "y");
+    let outside: Value =
+        agent.request("session/request_permission", &ask(PathBuf::from("/etc/hosts"))).await.unwrap_or_default();
+    assert_eq!(outside["outcome"]["optionId"], "n", "approve-all does not reach past the writable paths");
+}

@@ -32,6 +32,9 @@ pub struct TaskSpec {
     pub permissions: BTreeMap<String, String>,
     /// Directories besides cwd the agent's fs/terminal calls may use.
     pub roots: Vec<PathBuf>,
+    /// When set, the only directories the agent may write to.
+    #[serde(default)]
+    pub writable: Option<Vec<PathBuf>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -48,6 +51,7 @@ struct Defaults {
     permissions: BTreeMap<String, String>,
     #[serde(default)]
     roots: Vec<PathBuf>,
+    writable: Option<Vec<PathBuf>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -70,6 +74,7 @@ struct TaskDef {
     permissions: BTreeMap<String, String>,
     #[serde(default)]
     roots: Vec<PathBuf>,
+    writable: Option<Vec<PathBuf>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -156,6 +161,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
             metadata: t.metadata.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect(),
             permissions,
             roots,
+            writable: t.writable.or_else(|| d.writable.clone()),
         });
     }
     if tasks.is_empty() {

@@ -478,6 +478,9 @@ impl Worker {
             max_time: spec.max_time.map(Duration::from_secs_f64),
             cancel_grace: self.config.cancel_grace,
             setup_timeout: Duration::from_secs(60),
+            writable: spec.writable.as_ref().map(|w| {
+                w.iter().map(|p| if p.is_absolute() { p.clone() } else { self.config.base_dir.join(p) }).collect()
+            }),
             asker: Some(Arc::new(HostAsker {
                 store: self.store.clone(),
                 run: self.row.run_id.clone(),

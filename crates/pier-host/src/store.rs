@@ -262,6 +262,7 @@ fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
                 metadata: BTreeMap::new(),
                 permissions: BTreeMap::new(),
                 roots: vec![],
+                writable: None,
             },
         },
         spec,

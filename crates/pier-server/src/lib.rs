@@ -14,7 +14,7 @@
 //! | `POST /runs/{run}/cancel` | cancel every unfinished task of a run |
 //! | `POST /runs/{run}/tasks/{task}/cancel` | cancel a task |
 //! | `POST /runs/{run}/tasks/{task}/answer` `{allow, option?}` | answer `awaiting_input` |
-//! | `GET /events?after=SEQ&run=ID` | SSE; `Last-Event-ID` resumes exactly after that seq |
+//! | `GET /events?after=SEQ&run=ID&follow=BOOL` | SSE; `Last-Event-ID` resumes exactly after that seq; `follow=false` ends when caught up |
 //! | `POST /lease` `{worker, capabilities, ttl_ms}` | a pull worker claims a runnable task |
 //! | `POST /runs/{run}/tasks/{task}/heartbeat` `{worker, attempt, ttl_ms}` | renew the lease |
 //! | `POST /runs/{run}/tasks/{task}/update` `{status, version, idempotency_key, attempt, result?, error?}` | report |
@@ -475,6 +475,8 @@ async fn update(
 struct EventsQuery {
     after: Option<i64>,
     run: Option<String>,
+    /// `false` ends the stream once it has caught up.
+    follow: Option<bool>,
 }
 
 async fn events(
@@ -487,9 +489,10 @@ async fn events(
     let after = from_header.or(q.after).unwrap_or(0);
     let store = app.store.clone();
     let run = q.run;
+    let follow = q.follow.unwrap_or(true);
     let stream = futures::stream::unfold(
         (store, after, Vec::<pier_host::Event>::new(), run),
-        |(store, mut after, mut buffer, run)| async move {
+        move |(store, mut after, mut buffer, run)| async move {
             loop {
                 if let Some(e) = (!buffer.is_empty()).then(|| buffer.remove(0)) {
                     after = e.seq;
@@ -511,6 +514,7 @@ async fn events(
                 let batch = tokio::task::spawn_blocking(move || s.events_after(r.as_deref(), after, 1000)).await;
                 match batch {
                     Ok(Ok(events)) if !events.is_empty() => buffer = events,
+                    Ok(Ok(_)) if !follow => return None,
                     Ok(Ok(_)) => {
                         if rx.changed().await.is_err() {
                             return None;

@@ -159,6 +159,7 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, String), ClientError> {
         cancel_grace: secs(args.cancel_grace)?,
         setup_timeout: Duration::from_secs(60),
         asker: None,
+        writable: None,
     };
     Ok((opts, prompt))
 }

@@ -63,6 +63,9 @@ pub struct EventsArgs {
     format: EventFormat,
     #[arg(long)]
     store: Option<PathBuf>,
+    /// Read from a running `pier serve` instead of the local store [env: PIER_SERVER]
+    #[arg(long)]
+    server: Option<String>,
 }
 
 fn open_store(path: &Option<PathBuf>) -> anyhow::Result<Arc<SqliteStore>> {
@@ -283,6 +286,12 @@ fn uuid_short() -> String {
 
 /// `pier events`.
 pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
+    if args.server.is_some() || std::env::var("PIER_SERVER").is_ok_and(|s| !s.is_empty()) {
+        return crate::serve_cmd::events(args.server.clone(), args.run.clone(), args.after, args.follow, |e| {
+            print_event(e, args.format)
+        })
+        .await;
+    }
     let store = open_store(&args.store)?;
     let mut rx = store.subscribe();
     let mut after = args.after;

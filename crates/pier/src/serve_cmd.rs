@@ -189,3 +189,45 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
     println!("{v}");
     Ok(())
 }
+
+/// Streams events from a running server (SSE), resuming after the last one seen
+/// if the connection drops.
+pub async fn events(
+    server: Option<String>,
+    run: Option<String>,
+    mut after: i64,
+    follow: bool,
+    mut print: impl FnMut(&pier_host::Event),
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let (http, base, token) = client(&ServerArgs { server })?;
+    loop {
+        let mut url = format!("{base}/events?after={after}&follow={follow}");
+        if let Some(r) = &run {
+            url.push_str(&format!("&run={r}"));
+        }
+        let resp = http.get(&url).bearer_auth(&token).send().await.with_context(|| format!("cannot reach {base}"))?;
+        anyhow::ensure!(resp.status().is_success(), "the server answered {}", resp.status());
+        let mut stream = resp.bytes_stream();
+        let mut sse = pier_model::sse::SseDecoder::new(16 << 20);
+        while let Some(chunk) = stream.next().await {
+            let Ok(chunk) = chunk else { break };
+            for data in sse.push(&chunk).map_err(|e| anyhow::anyhow!("an event line of {} bytes is too long", e.0))? {
+                let v: Value = serde_json::from_str(&data)?;
+                let event = pier_host::Event {
+                    seq: v["seq"].as_i64().unwrap_or(after),
+                    run: v["run"].as_str().unwrap_or("").to_owned(),
+                    task: v["task"].as_str().map(str::to_owned),
+                    kind: v["type"].as_str().unwrap_or("").to_owned(),
+                    at_ms: v["at_ms"].as_i64().unwrap_or(0),
+                    data: v.clone(),
+                };
+                after = event.seq;
+                print(&event);
+            }
+        }
+        if !follow {
+            return Ok(());
+        }
+    }
+}

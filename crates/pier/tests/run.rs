@@ -450,7 +450,7 @@ async fn tasks_run_on_the_typescript_sdk_example_agent_under_host_side_policy() 
     let plan = h.write(
         "p.toml",
         &format!(
-            "[defaults]\nagent = \"{agent}\"\n\n[[tasks]]\nid = \"allowed\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"allow\" }}\n\n[[tasks]]\nid = \"denied\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"deny\" }}\n"
+            "[defaults]\nagent = \"{agent}\"\n\n[[tasks]]\nid = \"allowed\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"allow\" }}\n\n[[tasks]]\nid = \"denied\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"deny\" }}\n\n[[tasks]]\nid = \"fenced\"\nprompt = \"fix the config\"\npermissions = {{ edit = \"allow\" }}\nwritable = [\".\"]\n"
         ),
     );
     let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--concurrency", "2"]).await;
@@ -470,6 +470,9 @@ async fn tasks_run_on_the_typescript_sdk_example_agent_under_host_side_policy() 
         .collect();
     assert!(decisions.contains(&("allowed".into(), "allow".into())), "{decisions:?}");
     assert!(decisions.contains(&("denied".into(), "reject".into())), "{decisions:?}");
+    // The edit targets /home/user/project/config.json: outside `writable`, so never granted.
+    assert!(decisions.contains(&("fenced".into(), "reject".into())), "{decisions:?}");
+    assert!(tasks[2].result.as_deref().is_some_and(|r| r.contains("skip the configuration update")), "{tasks:?}");
 }
 
 async fn answer_while_waiting(verb: &str, expect: &str) {

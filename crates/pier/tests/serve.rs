@@ -279,3 +279,48 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
     let (code, cancelled) = s.call(reqwest::Method::POST, "/runs/pull/cancel", Some(json!({}))).await;
     assert_eq!((code, cancelled["cancelled"].clone()), (200, json!(1)));
 }
+
+async fn cli(s: &Server, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(PIER);
+    cmd.args(args)
+        .env("PIER_TOKEN", TOKEN)
+        .env("PIER_SERVER", &s.base)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    must(must(tokio::time::timeout(LIMIT, cmd.output()).await, "cli in time"), "cli")
+}
+
+#[tokio::test]
+async fn submit_status_events_and_cancel_talk_to_the_server() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let s = server(Some(f.base_url())).await;
+    let dir = must(tempfile::tempdir(), "dir");
+    let plan = dir.path().join("plan.toml");
+    must(std::fs::write(&plan, "[[tasks]]\nid = \"only\"\nprompt = \"hello\"\n"), "write plan");
+    let o = cli(&s, &["submit", plan.to_str().unwrap_or_default(), "--run-id", "cli-run"]).await;
+    assert_eq!(
+        (o.status.code(), String::from_utf8_lossy(&o.stdout).trim().to_owned()),
+        (Some(0), "cli-run".to_owned())
+    );
+    s.events_until(None, |e| e["task"] == "only" && e["to"] == "completed").await;
+    let o = cli(&s, &["status", "cli-run"]).await;
+    let status: Value = must(serde_json::from_slice(&o.stdout), "status json");
+    assert_eq!(status["counts"]["completed"], 1);
+    let o = cli(&s, &["events", "--run", "cli-run", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let seqs: Vec<i64> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok()?["seq"].as_i64())
+        .collect();
+    assert!(seqs.len() > 4 && seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    let o = cli(&s, &["cancel", "nope"]).await;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown_run"));
+    let o = Command::new(PIER).args(["status"]).env("PIER_TOKEN", "wrong").env("PIER_SERVER", &s.base).output().await;
+    let o = must(o, "status");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unauthorized"), "{}", String::from_utf8_lossy(&o.stderr));
+}
