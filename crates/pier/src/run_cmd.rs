@@ -117,6 +117,82 @@ fn event_text(e: &Event) -> Option<String> {
     }
 }
 
+/// The live view of `pier run` on a terminal: event lines scroll above a block that
+/// shows the counts by state and each running task with its current tool.
+struct LiveView {
+    started: std::time::Instant,
+    states: BTreeMap<String, String>,
+    running: BTreeMap<String, (std::time::Instant, String)>,
+    height: usize,
+}
+
+impl LiveView {
+    fn new() -> LiveView {
+        LiveView { started: std::time::Instant::now(), states: BTreeMap::new(), running: BTreeMap::new(), height: 0 }
+    }
+
+    fn see(&mut self, e: &Event, out: &mut String) {
+        let task = e.task.clone().unwrap_or_default();
+        match e.kind.as_str() {
+            "task_created" => {
+                self.states.insert(task, "pending".into());
+            }
+            "transition" => {
+                let to = e.data["to"].as_str().unwrap_or("?").to_owned();
+                if to == "running" {
+                    self.running.insert(task.clone(), (std::time::Instant::now(), String::new()));
+                } else {
+                    self.running.remove(&task);
+                }
+                self.states.insert(task, to);
+                if let Some(line) = event_text(e) {
+                    out.push_str(&line);
+                    out.push('\n');
+                }
+            }
+            "session_update" => {
+                let u = &e.data["update"];
+                if let (Some(title), Some(entry)) = (u["title"].as_str(), self.running.get_mut(&task)) {
+                    entry.1 = title.to_owned();
+                }
+            }
+            _ => {
+                if let Some(line) = event_text(e) {
+                    out.push_str(&line);
+                    out.push('\n');
+                }
+            }
+        }
+    }
+
+    /// Clears the old block, writes `lines`, draws the block again.
+    fn draw(&mut self, lines: &str) {
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for s in self.states.values() {
+            *counts.entry(s.as_str()).or_default() += 1;
+        }
+        let summary: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let mut block = vec![format!("── {:.0}s · {}", self.started.elapsed().as_secs_f64(), summary.join(" · "))];
+        for (task, (since, tool)) in self.running.iter().take(12) {
+            block.push(format!("  ▸ {task} ({:.1}s) {tool}", since.elapsed().as_secs_f64()));
+        }
+        let mut out = String::new();
+        if self.height > 0 {
+            out.push_str(&format!("\x1b[{}A\x1b[J", self.height));
+        }
+        out.push_str(lines);
+        for l in &block {
+            let short: String = l.chars().take(120).collect();
+            out.push_str(&short);
+            out.push('\n');
+        }
+        self.height = block.len();
+        let mut stdout = std::io::stdout().lock();
+        let _ = stdout.write_all(out.as_bytes());
+        let _ = stdout.flush();
+    }
+}
+
 fn print_event(e: &Event, format: EventFormat) {
     let mut out = std::io::stdout().lock();
     match format {
@@ -207,6 +283,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         let handle = tokio::spawn(async move {
             let mut rx = store.subscribe();
             let mut after = start_seq;
+            let mut live = (format == EventFormat::Text && std::io::IsTerminal::is_terminal(&std::io::stdout()))
+                .then(LiveView::new);
+            if let Some(view) = live.as_mut() {
+                // A resumed run shows its tasks' current states from the start.
+                if let Ok(tasks) = store.tasks(&run) {
+                    for t in tasks {
+                        view.states.insert(t.id, t.state.as_str().to_owned());
+                    }
+                }
+            }
             loop {
                 let batch = {
                     let (s, r) = (store.clone(), run.clone());
@@ -214,8 +300,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 };
                 match batch {
                     Ok(Ok(events)) if !events.is_empty() => {
-                        for e in &events {
-                            print_event(e, format);
+                        match live.as_mut() {
+                            Some(view) => {
+                                let mut lines = String::new();
+                                for e in &events {
+                                    view.see(e, &mut lines);
+                                }
+                                view.draw(&lines);
+                            }
+                            None => {
+                                for e in &events {
+                                    print_event(e, format);
+                                }
+                            }
                         }
                         after = events.last().map_or(after, |e| e.seq);
                         continue;
@@ -229,6 +326,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 tokio::select! {
                     changed = rx.changed() => if changed.is_err() { return; },
                     _ = done2.cancelled() => {}
+                    // Keep the elapsed times moving on a terminal.
+                    _ = tokio::time::sleep(Duration::from_secs(1)), if live.is_some() => {
+                        if let Some(view) = live.as_mut() {
+                            view.draw("");
+                        }
+                    }
                 }
             }
         });

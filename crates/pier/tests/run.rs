@@ -520,3 +520,57 @@ async fn an_ask_waits_in_awaiting_input_until_pier_approve() {
 async fn an_ask_waits_in_awaiting_input_until_pier_deny() {
     answer_while_waiting("deny", "skip the configuration update").await;
 }
+
+#[tokio::test]
+async fn ctrl_c_cancels_running_tasks_through_the_handshake_and_resume_finishes() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::Stream(vec![Step::Text("slow".into()), Step::Hang]));
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\nretry_on = [\"max_tokens\"]\n");
+    let child = must(
+        h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "cc"]).spawn(),
+        "spawn",
+    );
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await, "the task started");
+    let pid = child.id().map_or(0, |p| p as i32);
+    must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGINT), "SIGINT");
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let back = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["to"] == "pending").unwrap_or_default();
+    assert!(back["reason"].as_str().is_some_and(|r| r.contains("the host stopped the attempt")), "{back}");
+    must(tokio::time::timeout(LIMIT, f.wait_for_disconnects(1)).await, "the agent's model stream was dropped");
+    let t = &h.store().tasks("cc")[0];
+    assert_eq!((t.state, t.failures), (pier_host::TaskState::Pending, 0), "a host stop is not a failure");
+    let o = h.run(&["run", "--resume", "cc", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[tokio::test]
+async fn max_tokens_is_retried_only_when_the_plan_says_so() {
+    let f = must(FakeModel::start().await, "fake");
+    let cut = || Reply::Stream(vec![Step::Text("cut".into()), Step::Finish("length".into()), Step::Done]);
+    f.push(cut());
+    f.push(cut());
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write(
+        "p.toml",
+        "[[tasks]]\nid = \"strict\"\nprompt = \"a\"\n\n[[tasks]]\nid = \"lenient\"\nprompt = \"b\"\nretry_on = [\"max_tokens\"]\ndepends_on = [\"strict\"]\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "5"]).await;
+    let tasks = h.store().tasks(&run_of(&o));
+    assert_eq!(tasks[0].state, pier_host::TaskState::Failed);
+    assert_eq!(tasks[0].error.as_deref(), Some("max_tokens"));
+    assert_eq!(tasks[1].state, pier_host::TaskState::Cancelled, "its dependency failed");
+    // Now the lenient one alone.
+    let f2 = must(FakeModel::start().await, "fake");
+    f2.push(cut());
+    f2.set_fallback(echo);
+    let h2 = Host::new(Some(f2.base_url()));
+    let plan = h2.write("p.toml", "[[tasks]]\nid = \"lenient\"\nprompt = \"b\"\nretry_on = [\"max_tokens\"]\n");
+    let o = h2.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--retry-base-ms", "5"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = &h2.store().tasks(&run_of(&o))[0];
+    assert_eq!((t.attempt, t.failures), (2, 1));
+}
