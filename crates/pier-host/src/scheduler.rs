@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::plan::render;
 use crate::state::TaskState;
-use crate::store::{SqliteStore, StoreError, TaskRow, TaskStore, Transition, now_ms};
+use crate::store::{StoreError, TaskRow, TaskStore, Transition, now_ms};
 
 /// How the host runs tasks.
 #[derive(Debug, Clone)]
@@ -65,16 +65,18 @@ fn owner_dead(owner: &str) -> bool {
 pub type Summary = BTreeMap<&'static str, usize>;
 
 pub struct Scheduler {
-    store: Arc<SqliteStore>,
+    store: Arc<dyn TaskStore>,
     config: HostConfig,
 }
 
 async fn blocking<T: Send + 'static>(
-    store: &Arc<SqliteStore>,
-    f: impl FnOnce(&SqliteStore) -> Result<T, StoreError> + Send + 'static,
+    store: &Arc<dyn TaskStore>,
+    f: impl FnOnce(&dyn TaskStore) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
     let store = store.clone();
-    tokio::task::spawn_blocking(move || f(&store)).await.map_err(|e| StoreError::Db(format!("store worker: {e}")))?
+    tokio::task::spawn_blocking(move || f(store.as_ref()))
+        .await
+        .map_err(|e| StoreError::Db(format!("store worker: {e}")))?
 }
 
 /// Tasks with agent `worker` or `worker:CAPABILITY` are claimed by pull workers over HTTP.
@@ -88,7 +90,7 @@ fn effectful(kind: &str) -> bool {
 }
 
 impl Scheduler {
-    pub fn new(store: Arc<SqliteStore>, config: HostConfig) -> Scheduler {
+    pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Scheduler {
         Scheduler { store, config }
     }
 
@@ -269,7 +271,7 @@ fn rerun_decision(t: &TaskRow, evidence: &[Value], reason: &str) -> (TaskState, 
 }
 
 struct Worker {
-    store: Arc<SqliteStore>,
+    store: Arc<dyn TaskStore>,
     config: HostConfig,
     row: TaskRow,
     results: HashMap<String, String>,
@@ -495,7 +497,7 @@ impl Worker {
 /// (`running → awaiting_input`), waits for `pier approve`/`pier deny` (or the
 /// HTTP API) to answer it, and resumes (`awaiting_input → running`).
 struct HostAsker {
-    store: Arc<SqliteStore>,
+    store: Arc<dyn TaskStore>,
     run: String,
     task: String,
     attempt: i64,
@@ -537,7 +539,7 @@ impl pier_client::handler::Asker for HostAsker {
 }
 
 async fn move_task(
-    store: &Arc<SqliteStore>,
+    store: &Arc<dyn TaskStore>,
     run: &str,
     task: &str,
     to: TaskState,
@@ -566,7 +568,7 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
 }
 
 /// Writes a task's events to the log in batches and its side effects as evidence.
-async fn record(store: Arc<SqliteStore>, row: TaskRow, mut rx: mpsc::UnboundedReceiver<ClientEvent>) {
+async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::UnboundedReceiver<ClientEvent>) {
     let mut kinds: HashMap<String, String> = HashMap::new();
     let mut effects_seen: HashSet<String> = HashSet::new();
     while let Some(first) = rx.recv().await {

@@ -7,7 +7,7 @@
 //! from `INTEGER PRIMARY KEY` inside the writing transaction, so the log is
 //! gap-free and strictly increasing in commit order.
 //!
-//! The [`TaskStore`] trait is what the scheduler uses; a PostgreSQL backend (claims
+//! The [`TaskStore`] trait is all the scheduler and the server use (`Arc<dyn TaskStore>`); a PostgreSQL backend (claims
 //! with `FOR UPDATE SKIP LOCKED`) can implement it without touching the scheduler.
 
 use std::collections::BTreeMap;
@@ -155,6 +155,8 @@ pub trait TaskStore: Send + Sync + 'static {
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
     /// Every run id, oldest first.
     fn run_ids(&self) -> Result<Vec<String>, StoreError>;
+    /// Changes whenever events are committed through this handle: the last sequence number.
+    fn subscribe(&self) -> watch::Receiver<i64>;
 }
 
 /// The SQLite store.
@@ -306,11 +308,6 @@ impl SqliteStore {
         let last: i64 = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?;
         let (seq_tx, _) = watch::channel(last);
         Ok(SqliteStore { conn: Mutex::new(conn), seq_tx })
-    }
-
-    /// Changes whenever events are appended: the last sequence number.
-    pub fn subscribe(&self) -> watch::Receiver<i64> {
-        self.seq_tx.subscribe()
     }
 
     fn published(&self, seq: i64) {
@@ -612,6 +609,10 @@ impl TaskStore for SqliteStore {
             self.published(seq);
         }
         Ok(changed == 1)
+    }
+
+    fn subscribe(&self) -> watch::Receiver<i64> {
+        self.seq_tx.subscribe()
     }
 
     fn run_ids(&self) -> Result<Vec<String>, StoreError> {

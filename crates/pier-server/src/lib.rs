@@ -33,7 +33,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use pier_host::scheduler::{HostConfig, Scheduler, is_worker_task};
-use pier_host::{SqliteStore, StoreError, TaskState, TaskStore, Transition};
+use pier_host::{StoreError, TaskState, TaskStore, Transition};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -77,7 +77,7 @@ impl From<StoreError> for ApiError {
 
 /// What the service shares between requests.
 pub struct App {
-    store: Arc<SqliteStore>,
+    store: Arc<dyn TaskStore>,
     config: HostConfig,
     token: String,
     /// The scheduler task of each run being driven, by run id.
@@ -89,17 +89,17 @@ type Shared = Arc<App>;
 
 async fn blocking<T: Send + 'static>(
     app: &Shared,
-    f: impl FnOnce(&SqliteStore) -> Result<T, StoreError> + Send + 'static,
+    f: impl FnOnce(&dyn TaskStore) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let store = app.store.clone();
-    tokio::task::spawn_blocking(move || f(&store))
+    tokio::task::spawn_blocking(move || f(store.as_ref()))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))?
         .map_err(ApiError::from)
 }
 
 impl App {
-    pub fn new(store: Arc<SqliteStore>, config: HostConfig, token: String) -> Shared {
+    pub fn new(store: Arc<dyn TaskStore>, config: HostConfig, token: String) -> Shared {
         Arc::new(App {
             store,
             config,
