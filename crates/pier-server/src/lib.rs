@@ -11,6 +11,7 @@
 //! | `GET /health` | liveness |
 //! | `POST /runs` `{plan, run_id?}` | submit a plan (TOML text) |
 //! | `GET /runs`, `GET /runs/{run}` | runs with counts; one run with its tasks |
+//! | `GET /runs/{run}/tasks/{task}` | one task with its current attempt's evidence |
 //! | `POST /runs/{run}/cancel` | cancel every unfinished task of a run |
 //! | `POST /runs/{run}/tasks/{task}/cancel` | cancel a task |
 //! | `POST /runs/{run}/tasks/{task}/answer` `{allow, option?}` | answer `awaiting_input` |
@@ -142,6 +143,7 @@ pub fn router(app: Shared) -> Router {
         .route("/runs", post(submit).get(list_runs))
         .route("/runs/{run}", get(show_run))
         .route("/runs/{run}/cancel", post(cancel_run))
+        .route("/runs/{run}/tasks/{task}", get(show_task))
         .route("/runs/{run}/tasks/{task}/cancel", post(cancel_task))
         .route("/runs/{run}/tasks/{task}/answer", post(answer))
         .route("/runs/{run}/tasks/{task}/heartbeat", post(heartbeat))
@@ -241,6 +243,16 @@ async fn find_task(app: &Shared, run: &str, task: &str) -> Result<pier_host::Tas
         s.tasks(&r)?.into_iter().find(|x| x.id == t).ok_or(StoreError::UnknownTask(t))
     })
     .await
+}
+
+async fn show_task(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let row = find_task(&app, &run, &task).await?;
+    let (r, t, attempt) = (run.clone(), task.clone(), row.attempt);
+    let evidence = blocking(&app, move |s| s.evidence(&r, &t, attempt)).await?;
+    Ok(Json(json!({"task": row, "evidence": evidence})))
 }
 
 async fn move_task(

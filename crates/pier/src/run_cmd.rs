@@ -46,6 +46,9 @@ pub struct RunArgs {
     /// Lease time-to-live in milliseconds; renewed every third of it
     #[arg(long, default_value_t = 15_000, hide = true)]
     lease_ttl_ms: u64,
+    /// How long an agent may take to confirm a cancel before it is killed, in milliseconds
+    #[arg(long, default_value_t = 5_000)]
+    cancel_grace_ms: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -254,7 +257,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         owner: HostConfig::owner_id(),
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         retry_base: Duration::from_millis(args.retry_base_ms),
-        cancel_grace: Duration::from_secs(5),
+        cancel_grace: Duration::from_millis(args.cancel_grace_ms),
         default_idle_timeout: Duration::from_secs(600),
     };
     let stop = CancellationToken::new();

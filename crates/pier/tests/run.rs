@@ -336,6 +336,73 @@ async fn an_expired_lease_of_a_dead_host_is_reclaimed_on_resume() {
 }
 
 #[tokio::test]
+async fn a_lease_that_expired_in_time_is_reclaimed() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = must(pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n", &|_| Ok(())), "plan");
+    {
+        let store = h.store();
+        must(pier_host::TaskStore::create_run(&store, "r2", &plan, "test"), "create");
+        let row = store.tasks("r2")[0].clone();
+        // A host on another machine, silent past its lease.
+        let tr = pier_host::Transition {
+            run: "r2".into(),
+            task: "t".into(),
+            expected_version: row.version,
+            to: Some(pier_host::TaskState::Running),
+            key: "claim:1".into(),
+            start_attempt: true,
+            lease: Some(("elsewhere:1:x".into(), pier_host::store::now_ms() - 1)),
+            ..Default::default()
+        };
+        must(pier_host::TaskStore::transition(&store, &tr), "claim");
+    }
+    let o = h.run(&["run", "--resume", "r2", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lost = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["to"] == "pending").unwrap_or_default();
+    assert!(lost["reason"].as_str().is_some_and(|r| r.contains("its lease expired")), "{lost}");
+}
+
+#[tokio::test]
+async fn an_agent_that_ignores_the_cancel_is_killed_and_the_attempt_retried() {
+    let h = Host::new(None);
+    let script = h.write(
+        "deaf.sh",
+        "#!/bin/sh\nread l; echo '{\"jsonrpc\":\"2.0\",\"id\":0,\"result\":{\"protocolVersion\":1}}'\nread l; echo '{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{\"sessionId\":\"s\"}}'\nexec sleep 300\n",
+    );
+    must(std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)), "chmod");
+    let plan = h.write(
+        "p.toml",
+        &format!(
+            "[[tasks]]\nid = \"t\"\nagent = \"{}\"\nprompt = \"x\"\ntimeout = 0.3\nmax_attempts = 2\n",
+            script.display()
+        ),
+    );
+    let o = h
+        .run(&[
+            "run",
+            plan.to_str().unwrap_or_default(),
+            "--format",
+            "json",
+            "--retry-base-ms",
+            "5",
+            "--cancel-grace-ms",
+            "300",
+        ])
+        .await;
+    assert_eq!(o.status.code(), Some(1));
+    let moves: Vec<String> = lines(&o)
+        .iter()
+        .filter(|e| e["type"] == "transition")
+        .filter_map(|e| e["to"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(moves, ["running", "pending", "running", "failed"]);
+    let failed = lines(&o).into_iter().find(|e| e["to"] == "failed").unwrap_or_default();
+    assert!(failed["error"].as_str().is_some_and(|e| e.contains("did not confirm the cancel")), "{failed}");
+}
+
+#[tokio::test]
 async fn sigkill_at_random_points_then_resume_completes_every_task_exactly_once() {
     let f = must(FakeModel::start().await, "fake");
     f.set_fallback(echo);

@@ -111,6 +111,7 @@ async fn every_route_needs_the_token() {
         ("GET", "/runs"),
         ("POST", "/runs"),
         ("GET", "/runs/r"),
+        ("GET", "/runs/r/tasks/t"),
         ("POST", "/runs/r/cancel"),
         ("POST", "/runs/r/tasks/t/cancel"),
         ("POST", "/runs/r/tasks/t/answer"),
@@ -276,6 +277,10 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
     let jump = json!({"status": "completed", "version": w2["version"], "idempotency_key": "j", "attempt": 0});
     let (code, jumped) = s.call(reqwest::Method::POST, "/runs/pull/tasks/w2/update", Some(jump)).await;
     assert_eq!((code, jumped["error"]["code"].clone()), (409, json!("bad_transition")));
+    let (code, shown) = s.call(reqwest::Method::GET, "/runs/pull/tasks/w1", None).await;
+    assert_eq!((code, shown["task"]["result"].clone()), (200, json!("echo me")));
+    let (code, missing) = s.call(reqwest::Method::GET, "/runs/pull/tasks/zz", None).await;
+    assert_eq!((code, missing["error"]["code"].clone()), (404, json!("unknown_task")));
     let (code, cancelled) = s.call(reqwest::Method::POST, "/runs/pull/cancel", Some(json!({}))).await;
     assert_eq!((code, cancelled["cancelled"].clone()), (200, json!(1)));
 }
