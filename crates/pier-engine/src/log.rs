@@ -1,7 +1,8 @@
 //! The durable session log: one JSON-lines file per session, owned by an actor.
 //!
 //! [`SessionLog`] is a cheap handle over a channel; the actor task owns the file.
-//! Appends are queued without waiting; [`SessionLog::flush`] waits until every
+//! Appends are queued without waiting and written to the file as soon as the queue
+//! is drained (so `tail -f` follows a turn live); [`SessionLog::flush`] waits until every
 //! earlier append is written and synced, and reports the first write error since
 //! the last flush, so a failed write is never dropped silently: the turn that
 //! flushes it fails. The log is the source later profiles replay from; read it
@@ -157,6 +158,17 @@ async fn run(mut sink: Sink, mut rx: mpsc::UnboundedReceiver<LogCmd>) {
                     if let Err(e) = result {
                         tracing::error!(error = %e, "writing the session log failed");
                         failed = Some(e.to_string());
+                    } else if rx.is_empty() {
+                        // Hand what is queued to the OS so the log can be tailed live;
+                        // the fsync waits for the turn's end.
+                        let pushed = match &mut sink {
+                            Sink::File(w) => w.flush().await,
+                            Sink::Other(w) => w.flush().await,
+                        };
+                        if let Err(e) = pushed {
+                            tracing::error!(error = %e, "writing the session log failed");
+                            failed = Some(e.to_string());
+                        }
                     }
                 }
             }

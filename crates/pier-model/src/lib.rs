@@ -10,6 +10,8 @@
 
 pub mod config;
 pub mod error;
+#[cfg(feature = "local")]
+pub mod local;
 pub mod openai;
 pub mod sse;
 
@@ -136,7 +138,8 @@ pub trait ModelProvider: Send + Sync + 'static {
 pub struct Unconfigured;
 
 /// How to configure a model, for error messages.
-pub const CONFIGURE_HINT: &str = "set PIER_MODEL and PIER_BASE_URL (and PIER_API_KEY if the endpoint needs a key), \
+pub const CONFIGURE_HINT: &str = "run `pier models install` for the embedded offline model, or \
+set PIER_MODEL and PIER_BASE_URL (and PIER_API_KEY if the endpoint needs a key), \
 pass --model and --base-url, or name a provider from a [providers.NAME] table of ./pier.toml or \
 ~/.config/pier/config.toml with --provider or `provider = \"NAME\"`";
 

@@ -41,13 +41,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let cwd = std::env::current_dir().context("cannot read the current directory")?;
     let files = config::load_files(&env, &cwd)?;
     let home = config::pier_home(&env)?;
-    let model: Arc<dyn ModelProvider> = match config::resolve_model(&args.model, &env, &files)? {
-        Some(c) => Arc::new(OpenAiProvider::new(c)?),
-        None => {
-            tracing::warn!("no model is configured; prompts will fail until one is: {}", pier_model::CONFIGURE_HINT);
-            Arc::new(Unconfigured)
-        }
-    };
+    let (model, local) = choose_model(&args.model, &env, &files, &home)?;
     tracing::info!(model = %model.describe(), home = %home.display(), "pier agent starting");
     let mut engine_config = EngineConfig::new(home);
     if let Some(n) = args.max_turn_requests.or(files.max_turn_requests) {
@@ -55,7 +49,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     engine_config.system_prompt = files.system_prompt.clone();
     let policy = config::resolve_policy(&files, &args.permissions)?;
-    let toolbox = Arc::new(Toolbox::builtin(config::resolve_limits(&files)));
+    // The embedded model cannot drive tool calls: it gets none, and a plain system prompt.
+    let toolbox = if local {
+        if engine_config.system_prompt.is_none() {
+            engine_config.system_prompt =
+                Some("You are a helpful assistant. Answer briefly and accurately.".to_owned());
+        }
+        Arc::new(Toolbox::empty())
+    } else {
+        Arc::new(Toolbox::builtin(config::resolve_limits(&files)))
+    };
     let engine = Engine::new(engine_config, model, toolbox, policy);
     let profile = match args.profile {
         ProfileArg::Automation => Profile::Automation,
@@ -88,4 +91,34 @@ async fn terminated() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// The model provider: a configured endpoint wins; `--model local` (or `PIER_MODEL=local`)
+/// forces the embedded model, which is also the default when nothing is configured and it
+/// is installed. Returns whether the embedded model was chosen.
+pub fn choose_model(
+    flags: &ModelFlags,
+    env: &dyn config::Env,
+    files: &config::FileConfig,
+    home: &std::path::Path,
+) -> anyhow::Result<(Arc<dyn ModelProvider>, bool)> {
+    let wants_local = flags.model.as_deref() == Some("local")
+        || (flags.model.is_none() && env.var("PIER_MODEL").as_deref() == Some("local"));
+    if !wants_local && let Some(c) = config::resolve_model(flags, env, files)? {
+        return Ok((Arc::new(OpenAiProvider::new(c)?), false));
+    }
+    #[cfg(feature = "local")]
+    {
+        let path = pier_model::local::model_path(home, pier_model::local::DEFAULT_MODEL);
+        if wants_local || path.is_file() {
+            tracing::info!(model = %path.display(), "using the embedded model");
+            return Ok((
+                Arc::new(pier_model::local::LocalProvider::new(pier_model::local::LocalConfig::new(path))),
+                true,
+            ));
+        }
+    }
+    let _ = home;
+    tracing::warn!("no model is configured; prompts will fail until one is: {}", pier_model::CONFIGURE_HINT);
+    Ok((Arc::new(Unconfigured), false))
 }

@@ -5,6 +5,7 @@ mod client_cmd;
 mod config;
 mod demo;
 mod logging;
+mod models_cmd;
 mod render;
 mod run_cmd;
 mod serve_cmd;
@@ -50,6 +51,9 @@ enum Command {
     Status(serve_cmd::StatusArgs),
     /// Cancel a run or a task on a running `pier serve`
     Cancel(serve_cmd::CancelArgs),
+    /// Install or list embedded models
+    #[command(subcommand)]
+    Models(models_cmd::ModelsCmd),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
 }
@@ -81,6 +85,7 @@ fn main() {
             Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),
             Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
+            Command::Models(cmd) => models_cmd::run(cmd).map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
         }
     });

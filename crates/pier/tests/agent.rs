@@ -530,3 +530,61 @@ fn the_frame_checker_rejects_stray_output() {
     }
     assert!(support::check_frame("{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":null}").is_ok());
 }
+
+fn test_model() -> std::path::PathBuf {
+    let path = std::env::var("PIER_TEST_MODEL").map(std::path::PathBuf::from).unwrap_or_else(|_| {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/models/smollm2.q8_0.gguf")
+    });
+    assert!(path.is_file(), "the embedded model is missing at {}; run scripts/test", path.display());
+    path
+}
+
+async fn local_agent() -> (PierProcess, String) {
+    let mut p = PierProcess::spawn(Options::default().env("PIER_MODEL", "local")).await;
+    let models = p.data_dir().join("models");
+    must(std::fs::create_dir_all(&models), "models dir");
+    must(std::os::unix::fs::symlink(test_model(), models.join("smollm2.q8_0.gguf")), "link the model");
+    p.initialize().await;
+    let sid = p.new_session().await;
+    (p, sid)
+}
+
+#[tokio::test]
+async fn the_embedded_model_answers_over_acp_offline() {
+    let (mut p, sid) = local_agent().await;
+    let id = p.prompt(&sid, "What is the capital of France?").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn");
+    let text = agent_texts(&notes, &sid).join("");
+    assert!(text.contains("Paris"), "{text}");
+    let log = read_log(&p.data_dir(), &sid);
+    assert!(
+        log.iter()
+            .any(|r| r["type"] == "model_request" && r["provider"].as_str().is_some_and(|d| d.starts_with("local")))
+    );
+}
+
+#[tokio::test]
+async fn cancelling_the_embedded_model_mid_generation_is_prompt() {
+    let (mut p, sid) = local_agent().await;
+    // Warm up: the first prompt loads the model.
+    let id = p.prompt(&sid, "Say hi.").await;
+    p.read_until_response(id).await;
+    let id = p.prompt(&sid, "Write a very long essay about the history of the sea, in many paragraphs.").await;
+    // Wait until generation is under way: the session log shows the model request.
+    let started = std::time::Instant::now();
+    loop {
+        let requests = read_log(&p.data_dir(), &sid).iter().filter(|r| r["type"] == "model_request").count();
+        if requests >= 2 {
+            break;
+        }
+        assert!(started.elapsed() < LIMIT, "the second model request never started");
+        tokio::task::yield_now().await;
+    }
+    let cancelled_at = std::time::Instant::now();
+    p.notify("session/cancel", json!({"sessionId": sid})).await;
+    let (_, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "cancelled");
+    let took = cancelled_at.elapsed();
+    assert!(took < std::time::Duration::from_millis(500), "cancel took {took:?}");
+}
