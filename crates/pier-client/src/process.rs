@@ -27,6 +27,8 @@ pub struct AgentProcess {
     child: Child,
     pgid: Option<Pid>,
     stderr: Arc<Mutex<VecDeque<String>>>,
+    /// The task reading stderr; it ends at the agent's EOF.
+    stderr_reader: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The pipes the connection runs over.
@@ -62,7 +64,7 @@ impl AgentProcess {
         };
         let stderr = Arc::new(Mutex::new(VecDeque::new()));
         let sink = stderr.clone();
-        tokio::spawn(async move {
+        let stderr_reader = tokio::spawn(async move {
             let mut lines = BufReader::new(err).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 if echo_stderr {
@@ -75,7 +77,10 @@ impl AgentProcess {
                 kept.push_back(line);
             }
         });
-        Ok((AgentProcess { name: command.name.clone(), child, pgid, stderr }, AgentPipes { stdin, stdout }))
+        Ok((
+            AgentProcess { name: command.name.clone(), child, pgid, stderr, stderr_reader: Some(stderr_reader) },
+            AgentPipes { stdin, stdout },
+        ))
     }
 
     /// The agent's process id, which is also its process group id.
@@ -86,6 +91,15 @@ impl AgentProcess {
     /// The last lines the agent wrote to stderr.
     pub fn stderr_tail(&self) -> Vec<String> {
         self.stderr.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned().collect()
+    }
+
+    /// After the agent closed its end: waits (at most `grace`) for it to exit and for
+    /// its last stderr lines, so an error can say how it ended.
+    pub async fn settle_exit(&mut self, grace: Duration) {
+        let _ = tokio::time::timeout(grace, self.child.wait()).await;
+        if let Some(reader) = self.stderr_reader.take() {
+            let _ = tokio::time::timeout(grace, reader).await;
+        }
     }
 
     /// Whether the agent has exited, and how.

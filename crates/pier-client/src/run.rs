@@ -296,7 +296,7 @@ async fn drive(
                     )
                     .await?
                 }
-                other => settle(agent, "session/new", other)?,
+                other => settle(agent, "session/new", other).await?,
             };
             response.session_id.0.to_string()
         }
@@ -400,7 +400,7 @@ async fn drive(
     }
     outcome.text = transcript.text();
     outcome.usage = transcript.usage.clone();
-    let response = settle(agent, "session/prompt", response)?;
+    let response = settle(agent, "session/prompt", response).await?;
     if let Some(usage) = response.get("usage") {
         outcome.usage = Some(usage.clone());
     }
@@ -425,8 +425,17 @@ async fn start_cancel(conn: &Connection, state: &ClientState, session_id: &str) 
     }
 }
 
-fn settle<T>(agent: &mut AgentProcess, what: &str, r: Result<T, RequestError>) -> Result<T, ClientError> {
-    r.map_err(|e| request_error(agent, what, e))
+async fn settle<T>(agent: &mut AgentProcess, what: &str, r: Result<T, RequestError>) -> Result<T, ClientError> {
+    match r {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            if matches!(e, RequestError::Closed) {
+                // The agent went away: let it finish exiting so the error can say how.
+                agent.settle_exit(Duration::from_secs(1)).await;
+            }
+            Err(request_error(agent, what, e))
+        }
+    }
 }
 
 async fn setup<T>(
@@ -437,7 +446,7 @@ async fn setup<T>(
     fut: impl std::future::Future<Output = Result<T, RequestError>>,
 ) -> Result<T, ClientError> {
     let r = guard(agent, opts, state, what, fut).await?;
-    settle(agent, what, r)
+    settle(agent, what, r).await
 }
 
 /// Bounds a setup request by the setup timeout and a protocol breach.
