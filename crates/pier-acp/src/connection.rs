@@ -292,11 +292,10 @@ impl Drop for WaiterGuard<'_> {
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(
-    mut sink: W,
-    mut rx: mpsc::Receiver<WriterCmd>,
-    shutdown: CancellationToken,
-) {
+async fn write_loop<W: AsyncWrite + Unpin>(sink: W, mut rx: mpsc::Receiver<WriterCmd>, shutdown: CancellationToken) {
+    // Frames are batched into one buffer and flushed when the queue runs dry: a burst
+    // of notifications costs a few large writes, not two small ones per frame.
+    let mut sink = tokio::io::BufWriter::with_capacity(64 * 1024, sink);
     let mut broken = false;
     while let Some(cmd) = rx.recv().await {
         match cmd {

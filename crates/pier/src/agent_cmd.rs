@@ -109,7 +109,11 @@ pub fn choose_model(
     }
     #[cfg(feature = "local")]
     {
-        let path = pier_model::local::model_path(home, pier_model::local::DEFAULT_MODEL);
+        let path = env
+            .var("PIER_LOCAL_MODEL")
+            .map(std::path::PathBuf::from)
+            .or_else(|| files.local_model.clone())
+            .unwrap_or_else(|| pier_model::local::model_path(home, pier_model::local::DEFAULT_MODEL));
         if wants_local || path.is_file() {
             tracing::info!(model = %path.display(), "using the embedded model");
             return Ok((

@@ -19,6 +19,8 @@ pub struct FileConfig {
     pub provider: Option<String>,
     pub max_turn_requests: Option<u32>,
     pub system_prompt: Option<String>,
+    /// The embedded model's GGUF file [default: $PIER_HOME/models/smollm2.q8_0.gguf].
+    pub local_model: Option<PathBuf>,
     #[serde(default)]
     pub providers: BTreeMap<String, ProviderTable>,
     /// `[permissions]`: tool kind → `allow`, `ask` or `deny`.
@@ -87,6 +89,7 @@ impl FileConfig {
         self.provider = over.provider.or(self.provider);
         self.max_turn_requests = over.max_turn_requests.or(self.max_turn_requests);
         self.system_prompt = over.system_prompt.or(self.system_prompt);
+        self.local_model = over.local_model.or(self.local_model);
         self.permissions.extend(over.permissions);
         self.agents.extend(over.agents);
         self.client.permissions.extend(over.client.permissions);

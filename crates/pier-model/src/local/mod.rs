@@ -72,13 +72,19 @@ pub struct LocalProvider {
 struct Inner {
     config: LocalConfig,
     loaded: OnceLock<Result<Arc<Loaded>, String>>,
-    /// One generation at a time, in arrival order (tokio's mutex is fair).
-    turn: Mutex<()>,
+    /// One generation at a time, in arrival order (tokio's mutex is fair). The
+    /// generating thread holds it, so it is free exactly when no generation runs.
+    turn: Arc<Mutex<()>>,
 }
 
 impl LocalProvider {
     pub fn new(config: LocalConfig) -> LocalProvider {
-        LocalProvider { inner: Arc::new(Inner { config, loaded: OnceLock::new(), turn: Mutex::new(()) }) }
+        LocalProvider { inner: Arc::new(Inner { config, loaded: OnceLock::new(), turn: Arc::new(Mutex::new(())) }) }
+    }
+
+    /// Resolves once no generation is running (a cancelled one has stopped).
+    pub async fn idle(&self) {
+        let _ = self.inner.turn.lock().await;
     }
 
     fn load(&self) -> Result<Arc<Loaded>, String> {
@@ -123,7 +129,7 @@ impl ModelProvider for LocalProvider {
     fn stream(&self, request: ModelRequest) -> ModelStream {
         let this = self.clone();
         Box::pin(async_stream::stream! {
-            let _turn = this.inner.turn.lock().await;
+            let turn = this.inner.turn.clone().lock_owned().await;
             let loader = this.clone();
             let loaded = match tokio::task::spawn_blocking(move || loader.load()).await {
                 Ok(Ok(l)) => l,
@@ -133,7 +139,10 @@ impl ModelProvider for LocalProvider {
             let (tx, mut rx) = mpsc::channel::<Result<ModelEvent, ModelError>>(16);
             let config = this.inner.config.clone();
             let prompt = chatml(&request.messages);
-            let worker = tokio::task::spawn_blocking(move || generate(&loaded, &config, &prompt, &tx));
+            let worker = tokio::task::spawn_blocking(move || {
+                generate(&loaded, &config, &prompt, &tx);
+                drop(turn);
+            });
             while let Some(event) = rx.recv().await {
                 yield event;
             }

@@ -1,0 +1,274 @@
+//! `pier-bench`: the pier side of the benchmark suite (see `bench/run.sh`).
+//!
+//! - `agent`: an ACP agent on pier's core that answers a prompt with N
+//!   `agent_message_chunk` notifications of about 100 bytes, then `end_turn`,
+//!   and answers the no-op extension request `_bench/ping`.
+//! - `client CMD…`: drives any agent over stdio: B1 (updates/s), B2 (ping or
+//!   `session/new` round trips), and prints one JSON line of results.
+//! - `limit`: the same bytes through a pipe, parsed with serde_json alone.
+//! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
+//! - `sessions CMD…`: opens sessions and reports the agent's RSS.
+
+#![allow(clippy::print_stdout)]
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use agent_client_protocol_schema::ProtocolVersion;
+use agent_client_protocol_schema::v1::{
+    ContentBlock, ContentChunk, Error, InitializeResponse, NewSessionResponse, PromptResponse, SessionNotification,
+    SessionUpdate, StopReason, TextContent,
+};
+use futures::future::BoxFuture;
+use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx};
+use serde_json::{Value, json};
+
+const CHUNK: &str = "The quick brown fox jumps over the lazy dog while the benchmark counts every single message. ok";
+
+fn arg(args: &[String], name: &str, default: u64) -> u64 {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+struct BenchAgent {
+    sessions: AtomicU64,
+}
+
+impl Handler for BenchAgent {
+    fn request(&self, cx: RequestCx, method: String, params: Value) -> BoxFuture<'static, Result<Value, Error>> {
+        let n = self.sessions.fetch_add(u64::from(method == "session/new"), Ordering::Relaxed);
+        Box::pin(async move {
+            match method.as_str() {
+                "initialize" => Ok(json!(InitializeResponse::new(ProtocolVersion::V1))),
+                "session/new" => Ok(json!(NewSessionResponse::new(format!("s{n}")))),
+                "_bench/ping" => Ok(json!({})),
+                "session/prompt" => {
+                    let sid = params["sessionId"].as_str().unwrap_or("s").to_owned();
+                    let count: u64 =
+                        params["prompt"][0]["text"].as_str().and_then(|t| t.parse().ok()).unwrap_or(100_000);
+                    for _ in 0..count {
+                        let note = SessionNotification::new(
+                            sid.clone(),
+                            SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(
+                                CHUNK,
+                            )))),
+                        );
+                        if cx.conn.notify("session/update", &note).await.is_err() {
+                            break;
+                        }
+                    }
+                    Ok(json!(PromptResponse::new(StopReason::EndTurn)))
+                }
+                _ => Err(Error::method_not_found()),
+            }
+        })
+    }
+
+    fn notification(&self, _conn: &Connection, _method: &str, _params: Value) {}
+}
+
+struct Counter {
+    updates: Arc<AtomicU64>,
+}
+
+impl Handler for Counter {
+    fn request(&self, _cx: RequestCx, _m: String, _p: Value) -> BoxFuture<'static, Result<Value, Error>> {
+        Box::pin(async { Err(Error::method_not_found()) })
+    }
+    fn notification(&self, _conn: &Connection, method: &str, _params: Value) {
+        if method == "session/update" {
+            self.updates.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn agent() {
+    let conn = Connection::spawn(
+        tokio::io::stdin(),
+        tokio::io::stdout(),
+        Arc::new(BenchAgent { sessions: AtomicU64::new(0) }),
+        ConnectionConfig::default(),
+    );
+    conn.closed().await;
+}
+
+fn spawn(cmd: &[String]) -> tokio::process::Child {
+    let Some((program, rest)) = cmd.split_first() else { panic!("give the agent command after --") };
+    match tokio::process::Command::new(program)
+        .args(rest)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => panic!("spawn {program}: {e}"),
+    }
+}
+
+fn connect(child: &mut tokio::process::Child, updates: Arc<AtomicU64>) -> Connection {
+    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else { panic!("pipes") };
+    Connection::spawn(stdout, stdin, Arc::new(Counter { updates }), ConnectionConfig::default())
+}
+
+async fn call(conn: &Connection, method: &str, params: Value) -> Value {
+    match conn.request_value(method, &params).await {
+        Ok(v) => v,
+        Err(e) => panic!("{method}: {e}"),
+    }
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    field("VmHWM:").max(field("VmRSS:"))
+}
+
+async fn client(args: &[String], cmd: &[String]) {
+    let updates_wanted = arg(args, "--updates", 100_000);
+    let rtts = arg(args, "--rtt", 20_000);
+    let rtt_method = if args.iter().any(|a| a == "--rtt-session-new") { "session/new" } else { "_bench/ping" };
+    let updates = Arc::new(AtomicU64::new(0));
+    let mut child = spawn(cmd);
+    let pid = child.id().unwrap_or(0);
+    let conn = connect(&mut child, updates.clone());
+    call(&conn, "initialize", json!({"protocolVersion": 1})).await;
+    let cwd = std::env::current_dir().map(|p| p.display().to_string()).unwrap_or_else(|_| "/".into());
+    let session = call(&conn, "session/new", json!({"cwd": cwd, "mcpServers": []})).await;
+    let sid = session["sessionId"].as_str().unwrap_or("").to_owned();
+    // B1.
+    let started = Instant::now();
+    let prompt = json!({"sessionId": sid, "prompt": [{"type": "text", "text": updates_wanted.to_string()}]});
+    call(&conn, "session/prompt", prompt).await;
+    let b1 = started.elapsed();
+    let got = updates.load(Ordering::Relaxed);
+    let agent_rss_kb = rss_kb(pid);
+    let own_rss_kb = rss_kb(std::process::id());
+    // B2.
+    let mut lat = Vec::with_capacity(rtts as usize);
+    for _ in 0..rtts {
+        let t = Instant::now();
+        let params = if rtt_method == "session/new" { json!({"cwd": cwd, "mcpServers": []}) } else { json!({}) };
+        call(&conn, rtt_method, params).await;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    let pct = |p: f64| lat.get(((lat.len() as f64 - 1.0) * p) as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+    let bytes = serde_json::to_vec(&json!({"jsonrpc":"2.0","method":"session/update","params": SessionNotification::new(sid.clone(), SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(CHUNK)))))})).map_or(0, |v| v.len() + 1);
+    println!(
+        "{}",
+        json!({
+            "updates": got, "seconds": b1.as_secs_f64(),
+            "msgs_per_s": got as f64 / b1.as_secs_f64(),
+            "mb_per_s": (got as f64 * bytes as f64) / b1.as_secs_f64() / 1e6,
+            "frame_bytes": bytes,
+            "rtt_method": rtt_method, "rtt_p50_us": pct(0.5), "rtt_p99_us": pct(0.99),
+            "agent_peak_rss_kb": agent_rss_kb, "client_peak_rss_kb": own_rss_kb,
+        })
+    );
+    drop(conn);
+    let _ = child.kill().await;
+}
+
+/// The serde-only limit: the same frames through a pipe, parsed into schema types.
+fn limit(args: &[String]) {
+    use std::io::{BufRead, Write};
+    let n = arg(args, "--updates", 100_000);
+    let note = json!({"jsonrpc":"2.0","method":"session/update","params": SessionNotification::new("s", SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(CHUNK)))))});
+    let mut frame = serde_json::to_vec(&note).unwrap_or_default();
+    frame.push(b'\n');
+    let (reader, mut writer) = match std::io::pipe() {
+        Ok(p) => p,
+        Err(e) => panic!("pipe: {e}"),
+    };
+    let started = Instant::now();
+    let w = std::thread::spawn(move || {
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, &mut writer);
+        for _ in 0..n {
+            let _ = out.write_all(&frame);
+        }
+        let _ = out.flush();
+    });
+    let mut count = 0u64;
+    let mut lines = std::io::BufReader::with_capacity(1 << 16, reader);
+    let mut line = Vec::new();
+    while lines.read_until(b'\n', &mut line).map_or(0, |n| n) > 0 {
+        let v: Value = serde_json::from_slice(&line).unwrap_or(Value::Null);
+        if let Ok(n) = serde_json::from_value::<SessionNotification>(v["params"].clone()) {
+            std::hint::black_box(n);
+            count += 1;
+        }
+        line.clear();
+        if count == n {
+            break;
+        }
+    }
+    let _ = w.join();
+    let s = started.elapsed().as_secs_f64();
+    println!("{}", json!({"updates": count, "seconds": s, "msgs_per_s": count as f64 / s}));
+}
+
+async fn startup(args: &[String], cmd: &[String]) {
+    let n = arg(args, "--n", 20);
+    let mut init = Vec::new();
+    let mut new = Vec::new();
+    for _ in 0..n {
+        let started = Instant::now();
+        let mut child = spawn(cmd);
+        let conn = connect(&mut child, Arc::new(AtomicU64::new(0)));
+        call(&conn, "initialize", json!({"protocolVersion": 1})).await;
+        init.push(started.elapsed());
+        let cwd = std::env::current_dir().map(|p| p.display().to_string()).unwrap_or_else(|_| "/".into());
+        call(&conn, "session/new", json!({"cwd": cwd, "mcpServers": []})).await;
+        new.push(started.elapsed());
+        drop(conn);
+        let _ = child.kill().await;
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v.get(v.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+    };
+    println!("{}", json!({"initialize_ms": median(&mut init), "session_new_ms": median(&mut new)}));
+}
+
+async fn sessions(args: &[String], cmd: &[String]) {
+    let n = arg(args, "--sessions", 1000);
+    let mut child = spawn(cmd);
+    let pid = child.id().unwrap_or(0);
+    let conn = connect(&mut child, Arc::new(AtomicU64::new(0)));
+    call(&conn, "initialize", json!({"protocolVersion": 1})).await;
+    let idle = rss_kb(pid);
+    let cwd = std::env::current_dir().map(|p| p.display().to_string()).unwrap_or_else(|_| "/".into());
+    for _ in 0..n {
+        call(&conn, "session/new", json!({"cwd": cwd, "mcpServers": []})).await;
+    }
+    let with = rss_kb(pid);
+    println!("{}", json!({"idle_rss_kb": idle, "sessions": n, "rss_with_sessions_kb": with}));
+    drop(conn);
+    let _ = child.kill().await;
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let split = args.iter().position(|a| a == "--").unwrap_or(args.len());
+    let (opts, cmd) = (&args[..split], args.get(split + 1..).unwrap_or(&[]));
+    match opts.first().map(String::as_str) {
+        Some("agent") => agent().await,
+        Some("client") => client(opts, cmd).await,
+        Some("limit") => limit(opts),
+        Some("startup") => startup(opts, cmd).await,
+        Some("sessions") => sessions(opts, cmd).await,
+        _ => eprintln!(
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | startup -- CMD | sessions -- CMD"
+        ),
+    }
+}
