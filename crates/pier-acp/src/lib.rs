@@ -13,6 +13,7 @@ pub mod connection;
 pub mod error;
 pub mod frame;
 pub mod message;
+pub mod stdio;
 
 pub use agent_client_protocol_schema::v1 as schema;
 pub use connection::{CloseReason, Connection, ConnectionConfig, Handler, RequestCx};

@@ -64,9 +64,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         ProfileArg::Automation => Profile::Automation,
     };
     let agent = AcpAgent::new(engine, profile);
+    let (stdin, stdout) = pier_acp::stdio::streams();
     let conn_config = ConnectionConfig { max_frame_bytes: args.max_frame_bytes, ..ConnectionConfig::default() };
-    let conn =
-        Connection::spawn(tokio::io::stdin(), tokio::io::stdout(), Arc::new(AgentHandler(agent.clone())), conn_config);
+    let conn = Connection::spawn(stdin, stdout, Arc::new(AgentHandler(agent.clone())), conn_config);
 
     let reason = tokio::select! {
         reason = conn.closed() => reason,
