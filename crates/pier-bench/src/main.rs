@@ -46,7 +46,7 @@ impl Handler for BenchAgent {
                 "session/prompt" => {
                     let sid = params["sessionId"].as_str().unwrap_or("s").to_owned();
                     let count: u64 =
-                        params["prompt"][0]["text"].as_str().and_then(|t| t.parse().ok()).unwrap_or(100_000);
+                        params["prompt"][0]["text"].as_str().and_then(|t| t.trim().parse().ok()).unwrap_or(1);
                     for _ in 0..count {
                         let note = SessionNotification::new(
                             sid.clone(),
