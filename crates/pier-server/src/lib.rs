@@ -222,15 +222,20 @@ async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!({"runs": runs})))
 }
 
-async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
-    let r = run.clone();
-    let tasks = blocking(&app, move |s| {
+/// The tasks of a run that must exist.
+async fn run_tasks(app: &Shared, run: &str) -> Result<Vec<pier_host::TaskRow>, ApiError> {
+    let r = run.to_owned();
+    blocking(app, move |s| {
         if !s.run_exists(&r)? {
             return Err(StoreError::UnknownRun(r));
         }
         s.tasks(&r)
     })
-    .await?;
+    .await
+}
+
+async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
+    let tasks = run_tasks(&app, &run).await?;
     Ok(Json(json!({"run": run, "counts": counts(&tasks), "tasks": tasks})))
 }
 
@@ -286,14 +291,7 @@ async fn cancel_task(
 }
 
 async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
-    let r = run.clone();
-    let tasks = blocking(&app, move |s| {
-        if !s.run_exists(&r)? {
-            return Err(StoreError::UnknownRun(r));
-        }
-        s.tasks(&r)
-    })
-    .await?;
+    let tasks = run_tasks(&app, &run).await?;
     let mut cancelled = 0;
     for t in tasks.iter().filter(|t| !t.state.is_terminal()) {
         if move_task(&app, t, TaskState::Cancelled, format!("cancel:{}", t.version), "run cancelled over HTTP")
@@ -334,19 +332,8 @@ async fn answer(
                 (None, true) => "allow_once".into(),
                 (None, false) => "reject_once".into(),
             };
-            let options = request["options"].as_array().cloned().unwrap_or_default();
-            let chosen = options
-                .iter()
-                .find(|o| o["optionId"] == wanted.as_str())
-                .or_else(|| options.iter().find(|o| o["kind"] == wanted.as_str()))
-                .and_then(|o| o["optionId"].as_str().map(str::to_owned))
-                .ok_or_else(|| {
-                    ApiError::new(
-                        StatusCode::BAD_REQUEST,
-                        "bad_request",
-                        format!("the agent offered no option `{wanted}`"),
-                    )
-                })?;
+            let chosen = pier_host::plan::offered_option(&request, &wanted)
+                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e))?;
             let (r, t, c) = (run.clone(), task.clone(), chosen.clone());
             let ok = blocking(&app, move |s| s.answer(&r, &t, attempt, n, &c, "http")).await?;
             if !ok {

@@ -459,26 +459,12 @@ pub fn answer(args: AnswerArgs, allow: bool) -> anyhow::Result<()> {
     );
     let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
     if let Some((attempt, n, request)) = store.open_question(&run, &task.id)? {
-        let options = request["options"].as_array().cloned().unwrap_or_default();
         let wanted = match (&args.option, allow) {
             (Some(o), true) => o.clone(),
             (None, true) => "allow_once".to_owned(),
             (_, false) => "reject_once".to_owned(),
         };
-        let chosen = options
-            .iter()
-            .find(|o| o["optionId"] == wanted.as_str())
-            .or_else(|| options.iter().find(|o| o["kind"] == wanted.as_str()))
-            .and_then(|o| o["optionId"].as_str().map(str::to_owned))
-            .ok_or_else(|| {
-                let offered: Vec<String> = options
-                    .iter()
-                    .map(|o| {
-                        format!("{} ({})", o["optionId"].as_str().unwrap_or("?"), o["kind"].as_str().unwrap_or("?"))
-                    })
-                    .collect();
-                anyhow::anyhow!("the agent offered no option `{wanted}`; it offered: {}", offered.join(", "))
-            })?;
+        let chosen = pier_host::plan::offered_option(&request, &wanted).map_err(|e| anyhow::anyhow!(e))?;
         anyhow::ensure!(store.answer(&run, &task.id, attempt, n, &chosen, &who)?, "the question was answered already");
         println!("answered `{chosen}` for task `{}` of run `{run}`", task.id);
     } else {
