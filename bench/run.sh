@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The benchmark suite (not part of CI): builds the harness, installs the TypeScript
-# SDK, and prints B1-B4 as JSON lines. Results and their reading: docs/benchmarks.md.
+# The benchmark suite (not part of CI): builds the harness (pier's side in crates/pier-bench,
+# the official Rust SDK's in bench/rust-sdk, the TypeScript SDK's in bench/ts), installs the
+# TypeScript SDK, and prints B1-B4 as JSON lines. Results and their reading: docs/benchmarks.md.
 #
 #   bench/run.sh [ROUNDS]      # default 5 rounds after one warm-up
 set -euo pipefail
@@ -14,6 +15,8 @@ if [ ! -f "$peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js" 
 fi
 ln -sfn "$peers/node_modules" bench/ts/node_modules
 cargo build --release -p pier -p pier-bench --quiet
+(cd bench/rust-sdk && cargo build --release --quiet)
+sdk=bench/rust-sdk/target/release/sdk-bench
 bench=target/release/pier-bench
 pier=target/release/pier
 sdk_agent="$peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js"
@@ -28,6 +31,7 @@ run() { # NAME COMMAND...: one warm-up, then $rounds measured runs
 
 echo "# machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB, $(uname -sr), $(rustc --version), node $(node --version)"
 run B1B2-pier       "$bench" client --updates 100000 --rtt 20000 --rtt-session-new -- "$bench" agent
+run B1B2-rust-sdk   "$sdk" client 100000 20000 -- "$sdk" agent
 run B1B2-typescript node bench/ts/client.mjs 100000 20000 node bench/ts/agent.mjs
 run B1-serde-limit  "$bench" limit --updates 100000
 run B3-pier-agent   env PIER_HOME="$home" "$bench" startup --n 20 -- "$pier" agent
