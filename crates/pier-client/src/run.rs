@@ -102,6 +102,24 @@ pub struct RunOutcome {
     pub duration: Duration,
 }
 
+impl RunOutcome {
+    /// A run that got nowhere (yet): no agent, no session, no stop reason.
+    pub fn failed(error: Option<ClientError>) -> RunOutcome {
+        RunOutcome {
+            ending: Ending::Failed,
+            stop_reason: None,
+            text: String::new(),
+            usage: None,
+            agent_info: None,
+            session_id: None,
+            load_session: false,
+            resume_session: false,
+            error,
+            duration: Duration::ZERO,
+        }
+    }
+}
+
 /// Builds the final assistant message from updates: a tool call starts a new message.
 #[derive(Default)]
 struct Transcript {
@@ -143,18 +161,7 @@ pub async fn run(
     mut interrupts: mpsc::UnboundedReceiver<()>,
 ) -> RunOutcome {
     let started = Instant::now();
-    let mut outcome = RunOutcome {
-        ending: Ending::Failed,
-        stop_reason: None,
-        text: String::new(),
-        usage: None,
-        agent_info: None,
-        session_id: None,
-        load_session: false,
-        resume_session: false,
-        error: None,
-        duration: Duration::ZERO,
-    };
+    let mut outcome = RunOutcome::failed(None);
     let sandbox = match Sandbox::new(&opts.cwd, &opts.allow_dirs).and_then(|s| match &opts.writable {
         Some(w) => s.with_writable(w),
         None => Ok(s),

@@ -112,12 +112,13 @@ impl Scheduler {
                 (t.state == TaskState::Running || (t.state == TaskState::AwaitingInput && t.lease_owner.is_some()))
                     && !active.contains_key(&t.id)
             };
+            let mut changed = false;
             for t in tasks.iter().filter(held) {
                 let expired = t.lease_expires_at_ms.is_some_and(|e| e < now);
                 let dead = t.lease_owner.as_deref().is_some_and(owner_dead);
                 if expired || dead {
                     let why = if dead { "its host died" } else { "its lease expired" };
-                    self.lost(t, &format!("the attempt was lost: {why}")).await?;
+                    changed |= self.lost(t, &format!("the attempt was lost: {why}")).await?;
                 }
             }
             // A failed or cancelled dependency cancels its pending dependents.
@@ -126,7 +127,8 @@ impl Scheduler {
                     by_id.get(d.as_str()).filter(|d| matches!(d.state, TaskState::Failed | TaskState::Cancelled))
                 }) {
                     let reason = format!("dependency `{}` ended {}", dep.id, dep.state.as_str());
-                    self.transition(t, TaskState::Cancelled, "cancel:dependency", &reason, |_| {}).await?;
+                    changed |=
+                        self.transition(t, TaskState::Cancelled, "cancel:dependency", &reason, |_| {}).await?.is_some();
                 }
             }
             if stop.is_cancelled() {
@@ -140,12 +142,11 @@ impl Scheduler {
                 }
                 break;
             }
-            // Anything changed above shows in the next pass; start what is runnable now.
-            let tasks = {
-                let r = run.to_owned();
-                blocking(&self.store, move |s| s.tasks(&r)).await?
-            };
-            let by_id: HashMap<&str, &TaskRow> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
+            // A change above (which may cascade) is read afresh; otherwise the tasks read at
+            // the top of this pass are still current, and runnable ones start now.
+            if changed {
+                continue;
+            }
             let results: HashMap<String, String> = tasks
                 .iter()
                 .filter(|t| t.state == TaskState::Completed)
@@ -246,13 +247,13 @@ impl Scheduler {
         }
     }
 
-    /// The safe re-run decision for an attempt that was lost mid-turn.
-    async fn lost(&self, t: &TaskRow, reason: &str) -> Result<(), StoreError> {
+    /// The safe re-run decision for an attempt that was lost mid-turn; true if the task moved.
+    async fn lost(&self, t: &TaskRow, reason: &str) -> Result<bool, StoreError> {
         let (run, id, attempt) = (t.run_id.clone(), t.id.clone(), t.attempt);
         let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, attempt)).await?;
         let (to, why) = rerun_decision(t, &evidence, reason);
-        self.transition(t, to, "lost", &why, |tr| tr.data = Some(json!({"evidence": evidence}))).await?;
-        Ok(())
+        let moved = self.transition(t, to, "lost", &why, |tr| tr.data = Some(json!({"evidence": evidence}))).await?;
+        Ok(moved.is_some())
     }
 }
 

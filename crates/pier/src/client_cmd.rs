@@ -204,21 +204,6 @@ async fn run_with_signals(
     outcome
 }
 
-fn failed(error: ClientError) -> RunOutcome {
-    RunOutcome {
-        ending: pier_client::Ending::Failed,
-        stop_reason: None,
-        text: String::new(),
-        usage: None,
-        agent_info: None,
-        session_id: None,
-        load_session: false,
-        resume_session: false,
-        error: Some(error),
-        duration: Duration::ZERO,
-    }
-}
-
 fn format_of(args: &ClientArgs) -> Format {
     args.format.unwrap_or(Format::Text)
 }
@@ -228,7 +213,7 @@ pub async fn exec(args: ClientArgs) -> i32 {
     let mut renderer = Renderer::new(format_of(&args), args.verbose);
     let outcome = match options(&args) {
         Ok((opts, prompt)) => run_with_signals(opts, SessionTarget::New, prompt, &mut renderer).await,
-        Err(e) => failed(e),
+        Err(e) => RunOutcome::failed(Some(e)),
     };
     let code = render::exit_code(&outcome);
     renderer.finish(&outcome, code);
@@ -244,7 +229,7 @@ pub async fn prompt(args: PromptArgs) -> i32 {
     let mut renderer = Renderer::new(format_of(&args.client), args.client.verbose);
     let outcome = match prompt_inner(&args, &mut renderer).await {
         Ok(o) => o,
-        Err(e) => failed(e),
+        Err(e) => RunOutcome::failed(Some(e)),
     };
     let code = render::exit_code(&outcome);
     renderer.finish(&outcome, code);

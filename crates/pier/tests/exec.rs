@@ -8,7 +8,7 @@ use std::process::{Output, Stdio};
 
 use pier_fake_model::{FakeModel, Reply, Step};
 use serde_json::Value;
-use support::{LIMIT, must};
+use support::{LIMIT, group_alive, must};
 use tokio::process::Command;
 
 const PIER: &str = env!("CARGO_BIN_EXE_pier");
@@ -110,22 +110,6 @@ fn processes_with(marker: &str) -> Vec<i32> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// Whether a live (non-zombie) process is in process group `pgid`.
-fn group_alive(pgid: &str) -> bool {
-    std::fs::read_dir("/proc")
-        .map(|d| {
-            d.flatten().any(|e| {
-                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-                let fields: Vec<String> = stat
-                    .rsplit_once(')')
-                    .map(|(_, rest)| rest.split_whitespace().map(str::to_owned).collect())
-                    .unwrap_or_default();
-                fields.len() > 2 && fields[2] == pgid && fields[0] != "Z"
-            })
-        })
-        .unwrap_or(false)
 }
 
 /// An agent command line of pier's own agent carrying a unique marker.
@@ -297,7 +281,7 @@ exec sleep 300
     assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("did not confirm the cancel")), "{r}");
     let pgid = std::fs::read_to_string(env.home.path().join("deaf.pid")).unwrap_or_default();
     assert!(!pgid.trim().is_empty());
-    assert!(!group_alive(pgid.trim()), "the agent's group survived");
+    assert!(!group_alive(pgid.trim().parse().unwrap_or(0)), "the agent's group survived");
 }
 
 #[tokio::test]

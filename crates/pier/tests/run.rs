@@ -9,7 +9,7 @@ use std::process::{Output, Stdio};
 
 use pier_fake_model::{FakeModel, Reply, Step};
 use serde_json::Value;
-use support::{LIMIT, must};
+use support::{LIMIT, echo, must, sdk_agent};
 use tokio::process::Command;
 
 const PIER: &str = env!("CARGO_BIN_EXE_pier");
@@ -87,16 +87,6 @@ fn seq_of(events: &[Value], task: &str, to: &str) -> i64 {
         .find(|e| e["type"] == "transition" && e["task"] == task && e["to"] == to)
         .and_then(|e| e["seq"].as_i64())
         .unwrap_or_else(|| panic!("no {task} -> {to} in {events:#?}"))
-}
-
-fn echo(body: &Value) -> Reply {
-    let text = body["messages"]
-        .as_array()
-        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or("")
-        .to_owned();
-    Reply::text(&format!("done: {text}"))
 }
 
 #[tokio::test]
@@ -499,15 +489,6 @@ async fn sigkill_at_random_points_then_resume_completes_every_task_exactly_once(
     }
     assert_eq!(completions.len(), 200);
     assert!(completions.values().all(|&n| n == 1), "a task completed twice");
-}
-
-fn sdk_agent() -> String {
-    let path = std::env::var("PIER_TEST_SDK_AGENT").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../target/test-peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js")
-    });
-    assert!(path.is_file(), "the TypeScript SDK example agent is missing at {}; run scripts/test", path.display());
-    format!("node {}", path.display())
 }
 
 #[tokio::test]

@@ -7,28 +7,14 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::{Output, Stdio};
 
 use serde_json::Value;
-use support::{LIMIT, must};
+use support::{LIMIT, must, sdk_agent};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 const PIER: &str = env!("CARGO_BIN_EXE_pier");
-
-fn sdk_agent() -> String {
-    let path = std::env::var("PIER_TEST_SDK_AGENT").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../target/test-peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js")
-    });
-    assert!(
-        path.is_file(),
-        "the TypeScript SDK example agent is not installed at {}; run scripts/test, which installs it",
-        path.display()
-    );
-    format!("node {}", path.display())
-}
 
 fn command(work: &std::path::Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(PIER);

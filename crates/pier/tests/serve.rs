@@ -3,14 +3,13 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 
 use futures::StreamExt;
-use pier_fake_model::{FakeModel, Reply};
+use pier_fake_model::FakeModel;
 use pier_model::sse::SseDecoder;
 use serde_json::{Value, json};
-use support::{LIMIT, must};
+use support::{LIMIT, echo, must, sdk_agent};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 
@@ -91,16 +90,6 @@ impl Server {
             }
         }
     }
-}
-
-fn echo(body: &Value) -> Reply {
-    let text = body["messages"]
-        .as_array()
-        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or("")
-        .to_owned();
-    Reply::text(&format!("done: {text}"))
 }
 
 #[tokio::test]
@@ -201,15 +190,6 @@ async fn a_submitted_plan_runs_and_the_event_stream_resumes_without_gap_or_dupli
     assert_eq!(bad["error"]["details"][0]["line"], 1);
     let (code, unknown) = s.call(reqwest::Method::GET, "/runs/nope", None).await;
     assert_eq!((code, unknown["error"]["code"].clone()), (404, json!("unknown_run")));
-}
-
-fn sdk_agent() -> String {
-    let path = std::env::var("PIER_TEST_SDK_AGENT").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../target/test-peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js")
-    });
-    assert!(path.is_file(), "the TypeScript SDK example agent is missing at {}; run scripts/test", path.display());
-    format!("node {}", path.display())
 }
 
 #[tokio::test]

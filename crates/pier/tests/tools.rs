@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use pier_fake_model::{FakeModel, Reply};
 use serde_json::{Value, json};
-use support::{LIMIT, Options, PierProcess, agent_texts, must, read_log, stop_reason};
+use support::{LIMIT, Options, PierProcess, agent_texts, group_alive, must, read_log, stop_reason};
 
 async fn fake() -> FakeModel {
     must(FakeModel::start().await, "start the fake model")
@@ -197,19 +197,6 @@ async fn cancel_while_a_permission_is_pending_ends_cancelled_and_the_tool_never_
     assert_eq!(stop_reason(&p.read_until_response(id).await.1), "end_turn");
     assert!(!p.cwd().join("ran").exists());
     assert_eq!(transitions(&p.data_dir(), &sid, "c1"), ["pending", "failed"]);
-}
-
-fn group_alive(pgid: i32) -> bool {
-    std::fs::read_dir("/proc")
-        .map(|dir| {
-            dir.flatten().any(|e| {
-                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-                let after = stat.rsplit_once(')').map(|(_, rest)| rest.trim().to_owned()).unwrap_or_default();
-                let fields: Vec<&str> = after.split_whitespace().collect();
-                fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z"
-            })
-        })
-        .unwrap_or(false)
 }
 
 #[tokio::test]

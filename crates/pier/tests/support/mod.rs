@@ -310,3 +310,44 @@ pub fn read_log(dir: &Path, sid: &str) -> Vec<Value> {
     let text = must(std::fs::read_to_string(&path), "read the session log");
     text.lines().map(|l| must(serde_json::from_str(l), "a log line is JSON")).collect()
 }
+
+/// The TypeScript SDK's example agent as a command line; `scripts/test` installs it.
+pub fn sdk_agent() -> String {
+    let path = std::env::var("PIER_TEST_SDK_AGENT").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js")
+    });
+    assert!(
+        path.is_file(),
+        "the TypeScript SDK example agent is not installed at {}; run scripts/test, which installs it",
+        path.display()
+    );
+    format!("node {}", path.display())
+}
+
+/// A fake-model reply that echoes the last user message as `done: TEXT`.
+pub fn echo(body: &Value) -> pier_fake_model::Reply {
+    let text = body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("")
+        .to_owned();
+    pier_fake_model::Reply::text(&format!("done: {text}"))
+}
+
+/// Whether a live (non-zombie) process is in process group `pgid`.
+pub fn group_alive(pgid: i32) -> bool {
+    std::fs::read_dir("/proc")
+        .map(|dir| {
+            dir.flatten().any(|e| {
+                let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+                let fields: Vec<String> = stat
+                    .rsplit_once(')')
+                    .map(|(_, rest)| rest.split_whitespace().map(str::to_owned).collect())
+                    .unwrap_or_default();
+                fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z"
+            })
+        })
+        .unwrap_or(false)
+}
