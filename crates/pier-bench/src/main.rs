@@ -6,6 +6,7 @@
 //! - `client CMD…`: drives any agent over stdio: B1 (updates/s), B2 (ping or
 //!   `session/new` round trips), and prints one JSON line of results.
 //! - `limit`: the same bytes through a pipe, parsed with serde_json alone.
+//! - `floor`: B2's floor, a line echoed by a blocking child with no protocol at all.
 //! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
 //! - `sessions CMD…`: opens sessions and reports the agent's RSS.
 
@@ -85,9 +86,10 @@ impl Handler for Counter {
 }
 
 async fn agent() {
+    let (reader, writer) = pier_acp::stdio::streams();
     let conn = Connection::spawn(
-        tokio::io::stdin(),
-        tokio::io::stdout(),
+        reader,
+        writer,
         Arc::new(BenchAgent { sessions: AtomicU64::new(0) }),
         ConnectionConfig::default(),
     );
@@ -224,6 +226,56 @@ fn limit(args: &[String]) {
     println!("{}", json!({"updates": count, "seconds": s, "msgs_per_s": count as f64 / s}));
 }
 
+/// The floor of B2: a request-sized line echoed by a blocking child (std only, no
+/// runtime, no parsing), timed the same way. What any implementation pays for two
+/// pipe writes and two wake-ups on this machine.
+fn floor(args: &[String]) {
+    use std::io::{BufRead, Write};
+    let rtts = arg(args, "--rtt", 20_000);
+    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
+    let mut child =
+        match std::process::Command::new(exe).arg("echo").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn() {
+            Ok(c) => c,
+            Err(e) => panic!("spawn the echo child: {e}"),
+        };
+    let (Some(mut to), Some(from)) = (child.stdin.take(), child.stdout.take()) else { panic!("pipes") };
+    let mut from = std::io::BufReader::new(from);
+    let cwd = std::env::current_dir().map(|p| p.display().to_string()).unwrap_or_else(|_| "/".into());
+    let mut request = serde_json::to_vec(
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "session/new", "params": {"cwd": cwd, "mcpServers": []}}),
+    )
+    .unwrap_or_default();
+    request.push(b'\n');
+    let mut line = Vec::new();
+    let mut lat = Vec::with_capacity(rtts as usize);
+    for _ in 0..rtts {
+        let t = Instant::now();
+        line.clear();
+        if to.write_all(&request).is_err() || from.read_until(b'\n', &mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        lat.push(t.elapsed());
+    }
+    drop(to);
+    let _ = child.wait();
+    lat.sort();
+    let pct = |p: f64| lat.get(((lat.len() as f64 - 1.0) * p) as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+    println!("{}", json!({"rtt_p50_us": pct(0.5), "rtt_p99_us": pct(0.99)}));
+}
+
+fn echo() {
+    use std::io::{BufRead, Write};
+    let mut input = std::io::stdin().lock();
+    let mut output = std::io::stdout().lock();
+    let mut line = Vec::new();
+    while input.read_until(b'\n', &mut line).unwrap_or(0) > 0 {
+        if output.write_all(&line).and_then(|()| output.flush()).is_err() {
+            break;
+        }
+        line.clear();
+    }
+}
+
 async fn startup(args: &[String], cmd: &[String]) {
     let n = arg(args, "--n", 20);
     let mut init = Vec::new();
@@ -273,10 +325,12 @@ async fn main() {
         Some("agent") => agent().await,
         Some("client") => client(opts, cmd).await,
         Some("limit") => limit(opts),
+        Some("floor") => floor(opts),
+        Some("echo") => echo(),
         Some("startup") => startup(opts, cmd).await,
         Some("sessions") => sessions(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | startup -- CMD | sessions -- CMD"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | startup -- CMD | sessions -- CMD"
         ),
     }
 }

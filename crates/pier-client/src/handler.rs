@@ -64,7 +64,8 @@ pub struct ClientState {
     /// Tool kinds by tool call id, from updates, for permission requests that omit the kind.
     kinds: Mutex<HashMap<String, ToolKind>>,
     /// Answers *ask* when set, instead of the terminal or the non-interactive rule.
-    pub asker: Option<Arc<dyn Asker>>,
+    /// Per turn: an agent that serves several turns answers each turn's asker.
+    asker: Mutex<Option<Arc<dyn Asker>>>,
 }
 
 impl ClientState {
@@ -93,8 +94,15 @@ impl ClientState {
             terminals: Terminals::default(),
             replaying: AtomicBool::new(false),
             kinds: Mutex::new(HashMap::new()),
-            asker: None,
+            asker: Mutex::new(None),
         }
+    }
+
+    /// Readies the state for the next turn of the same agent: its asker, and no
+    /// memory of the last turn's tool calls.
+    pub fn begin_turn(&self, asker: Option<Arc<dyn Asker>>) {
+        *self.asker.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = asker;
+        self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
     }
 
     fn emit(&self, event: ClientEvent) {
@@ -147,8 +155,9 @@ impl ClientState {
         } else {
             let mut rule = self.policy.rule(kind);
             let mut reason = format!("policy for {} tools: {rule:?}", kind.as_str());
+            let asker = self.asker.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
             if rule == Rule::Ask
-                && let Some(asker) = self.asker.clone()
+                && let Some(asker) = asker
             {
                 let answer = tokio::select! {
                     answer = asker.ask(&req) => answer,

@@ -151,8 +151,8 @@ impl Transcript {
     }
 }
 
-/// Runs one prompt. `events` receives everything that happens; `interrupts`
-/// yields once per Ctrl-C or SIGTERM.
+/// Runs one prompt on a fresh agent process, then tears it down. `events` receives
+/// everything that happens; `interrupts` yields once per Ctrl-C or SIGTERM.
 pub async fn run(
     opts: RunOptions,
     target: SessionTarget,
@@ -161,60 +161,177 @@ pub async fn run(
     mut interrupts: mpsc::UnboundedReceiver<()>,
 ) -> RunOutcome {
     let started = Instant::now();
-    let mut outcome = RunOutcome::failed(None);
-    let sandbox = match Sandbox::new(&opts.cwd, &opts.allow_dirs).and_then(|s| match &opts.writable {
-        Some(w) => s.with_writable(w),
-        None => Ok(s),
-    }) {
-        Ok(s) => s,
-        Err(e) => {
-            outcome.error = Some(ClientError::usage(format!("cannot use the directories to serve: {e}")));
-            return outcome;
+    let mut outcome = match LiveAgent::start(&opts, &events).await {
+        Ok(mut agent) => {
+            let outcome = agent.turn(&opts, target, prompt, &events, &mut interrupts).await;
+            agent.shutdown(&events).await;
+            outcome
         }
+        Err(error) => RunOutcome::failed(Some(error)),
     };
-    let (mut agent, pipes) = match AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr) {
-        Ok(p) => p,
-        Err(e) => {
-            outcome.error = Some(e);
-            return outcome;
-        }
-    };
-    // The handler reports to `inner`; the loop below forwards to `events` and learns from it.
-    let (inner_tx, mut inner_rx) = mpsc::unbounded_channel();
-    let mut state = ClientState::new(
-        sandbox,
-        opts.cwd.clone(),
-        opts.fs,
-        opts.terminal,
-        opts.policy.clone(),
-        opts.interactive,
-        inner_tx,
-    );
-    state.asker = opts.asker.clone();
-    let state = Arc::new(state);
-    let conn = Connection::spawn(
-        pipes.stdout,
-        pipes.stdin,
-        Arc::new(ClientHandler(state.clone())),
-        ConnectionConfig::default(),
-    );
-
-    let result =
-        drive(&opts, target, prompt, &conn, &state, &mut agent, &mut inner_rx, &events, &mut interrupts, &mut outcome)
-            .await;
-    if let Err(e) = result {
-        // A cancel that ended in a kill has set its own ending already.
-        outcome.error = Some(e);
-    }
-    // Teardown: terminals, then the agent and its group.
-    state.terminals.kill_all();
-    conn.close().await;
-    agent.shutdown(Duration::from_secs(2)).await;
-    while let Ok(event) = inner_rx.try_recv() {
-        let _ = events.send(event);
-    }
     outcome.duration = started.elapsed();
     outcome
+}
+
+/// An agent process that has answered `initialize`. It serves one turn at a time,
+/// each in a session of its own, and can serve another as long as every turn so far
+/// ended cleanly ([`LiveAgent::reusable`]): a task host keeps such agents warm
+/// instead of paying a process start per task.
+pub struct LiveAgent {
+    process: AgentProcess,
+    conn: Connection,
+    state: Arc<ClientState>,
+    inner_rx: mpsc::UnboundedReceiver<ClientEvent>,
+    init: Value,
+    info: Option<Implementation>,
+    load_session: bool,
+    resume_session: bool,
+    /// False once a turn ended in anything but an answer: a cancel, a kill, an error.
+    clean: bool,
+}
+
+impl LiveAgent {
+    /// Spawns the agent and runs the handshake. On failure the agent is already torn down.
+    pub async fn start(
+        opts: &RunOptions,
+        events: &mpsc::UnboundedSender<ClientEvent>,
+    ) -> Result<LiveAgent, ClientError> {
+        let sandbox = Sandbox::new(&opts.cwd, &opts.allow_dirs)
+            .and_then(|s| match &opts.writable {
+                Some(w) => s.with_writable(w),
+                None => Ok(s),
+            })
+            .map_err(|e| ClientError::usage(format!("cannot use the directories to serve: {e}")))?;
+        let (process, pipes) = AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr)?;
+        // The handler reports to `inner`; a turn forwards to its `events` and learns from it.
+        let (inner_tx, inner_rx) = mpsc::unbounded_channel();
+        let state = Arc::new(ClientState::new(
+            sandbox,
+            opts.cwd.clone(),
+            opts.fs,
+            opts.terminal,
+            opts.policy.clone(),
+            opts.interactive,
+            inner_tx,
+        ));
+        state.begin_turn(opts.asker.clone());
+        let conn = Connection::spawn(
+            pipes.stdout,
+            pipes.stdin,
+            Arc::new(ClientHandler(state.clone())),
+            ConnectionConfig::default(),
+        );
+        let mut agent = LiveAgent {
+            process,
+            conn,
+            state,
+            inner_rx,
+            init: Value::Null,
+            info: None,
+            load_session: false,
+            resume_session: false,
+            clean: true,
+        };
+        match agent.handshake(opts).await {
+            Ok(()) => Ok(agent),
+            Err(e) => {
+                agent.shutdown(events).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn handshake(&mut self, opts: &RunOptions) -> Result<(), ClientError> {
+        let (agent, conn, state) = (&mut self.process, &self.conn, &self.state);
+        let caps = ClientCapabilities::new()
+            .fs(FileSystemCapabilities::new().read_text_file(opts.fs).write_text_file(opts.fs))
+            .terminal(opts.terminal);
+        let init = InitializeRequest::new(ProtocolVersion::V1)
+            .client_capabilities(caps)
+            .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));
+        let init: Value = setup(agent, opts, state, "initialize", conn.request("initialize", &init)).await?;
+        let init_response: InitializeResponse = serde_json::from_value(init.clone())
+            .map_err(|e| agent_error(agent, format!("its initialize response is malformed: {e}")))?;
+        if init_response.protocol_version != ProtocolVersion::V1 {
+            return Err(agent_error(
+                agent,
+                format!(
+                    "it speaks ACP protocol version {}, and pier speaks only version 1 (R028)",
+                    init_response.protocol_version
+                ),
+            ));
+        }
+        self.info = init_response.agent_info.clone();
+        self.load_session = init_response.agent_capabilities.load_session;
+        self.resume_session = init_response.agent_capabilities.session_capabilities.resume.is_some();
+        self.init = init;
+        Ok(())
+    }
+
+    /// Whether the agent can take another turn: every turn so far was answered
+    /// without a cancel, and the process and its connection are alive.
+    pub fn reusable(&mut self) -> bool {
+        self.clean && !self.conn.is_closing() && self.process.try_exit().is_none()
+    }
+
+    /// Opens or continues a session and runs one prompt in it. Teardown of what the
+    /// turn started (terminals) happens here; the agent itself stays up.
+    pub async fn turn(
+        &mut self,
+        opts: &RunOptions,
+        target: SessionTarget,
+        prompt: Vec<ContentBlock>,
+        events: &mpsc::UnboundedSender<ClientEvent>,
+        interrupts: &mut mpsc::UnboundedReceiver<()>,
+    ) -> RunOutcome {
+        let started = Instant::now();
+        let mut outcome = RunOutcome::failed(None);
+        outcome.agent_info = self.info.clone();
+        outcome.load_session = self.load_session;
+        outcome.resume_session = self.resume_session;
+        if !self.reusable() {
+            outcome.error = Some(agent_error(&mut self.process, "it cannot take another turn".into()));
+            return outcome;
+        }
+        self.state.begin_turn(opts.asker.clone());
+        let result = drive(
+            opts,
+            target,
+            prompt,
+            &self.conn,
+            &self.state,
+            &mut self.process,
+            &self.init,
+            &mut self.inner_rx,
+            events,
+            interrupts,
+            &mut outcome,
+        )
+        .await;
+        if let Err(e) = result {
+            // A cancel that ended in a kill has set its own ending already.
+            outcome.error = Some(e);
+        }
+        if outcome.ending != Ending::Answered || outcome.error.is_some() {
+            self.clean = false;
+        }
+        self.state.terminals.kill_all();
+        while let Ok(event) = self.inner_rx.try_recv() {
+            let _ = events.send(event);
+        }
+        outcome.duration = started.elapsed();
+        outcome
+    }
+
+    /// Closes the connection and ends the agent's whole process group.
+    pub async fn shutdown(mut self, events: &mpsc::UnboundedSender<ClientEvent>) {
+        self.state.terminals.kill_all();
+        self.conn.close().await;
+        self.process.shutdown(Duration::from_secs(2)).await;
+        while let Ok(event) = self.inner_rx.try_recv() {
+            let _ = events.send(event);
+        }
+    }
 }
 
 /// An agent failure with the last lines of its stderr.
@@ -251,34 +368,12 @@ async fn drive(
     conn: &Connection,
     state: &Arc<ClientState>,
     agent: &mut AgentProcess,
+    init: &Value,
     inner_rx: &mut mpsc::UnboundedReceiver<ClientEvent>,
     events: &mpsc::UnboundedSender<ClientEvent>,
     interrupts: &mut mpsc::UnboundedReceiver<()>,
     outcome: &mut RunOutcome,
 ) -> Result<(), ClientError> {
-    // Handshake.
-    let caps = ClientCapabilities::new()
-        .fs(FileSystemCapabilities::new().read_text_file(opts.fs).write_text_file(opts.fs))
-        .terminal(opts.terminal);
-    let init = InitializeRequest::new(ProtocolVersion::V1)
-        .client_capabilities(caps)
-        .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));
-    let init: Value = setup(agent, opts, state, "initialize", conn.request("initialize", &init)).await?;
-    let init_response: InitializeResponse = serde_json::from_value(init.clone())
-        .map_err(|e| agent_error(agent, format!("its initialize response is malformed: {e}")))?;
-    if init_response.protocol_version != ProtocolVersion::V1 {
-        return Err(agent_error(
-            agent,
-            format!(
-                "it speaks ACP protocol version {}, and pier speaks only version 1 (R028)",
-                init_response.protocol_version
-            ),
-        ));
-    }
-    outcome.agent_info = init_response.agent_info.clone();
-    outcome.load_session = init_response.agent_capabilities.load_session;
-    outcome.resume_session = init_response.agent_capabilities.session_capabilities.resume.is_some();
-
     // Session.
     let session_id = match target {
         SessionTarget::New => {
@@ -293,7 +388,7 @@ async fn drive(
             .await?;
             let response = match first {
                 Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {
-                    authenticate(agent, opts, state, conn, &init).await?;
+                    authenticate(agent, opts, state, conn, init).await?;
                     setup(
                         agent,
                         opts,

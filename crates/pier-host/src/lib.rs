@@ -3,6 +3,7 @@
 //! tasks to ACP agents through `pier-client`.
 
 pub mod plan;
+pub mod pool;
 pub mod scheduler;
 pub mod state;
 pub mod store;

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use agent_client_protocol_schema::v1::StopReason;
 use pier_client::policy::ClientPolicy;
+use pier_client::run::{LiveAgent, RunOutcome};
 use pier_client::{AgentDef, ClientEvent, Ending, RunOptions, SessionTarget, registry};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -27,6 +28,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::plan::render;
+use crate::pool::AgentPool;
 use crate::state::TaskState;
 use crate::store::{StoreError, TaskRow, TaskStore, Transition, now_ms};
 
@@ -97,35 +99,55 @@ impl Scheduler {
     /// Runs `run` until no task can make progress, or `stop` fires (then running
     /// tasks are cancelled through the ACP handshake and returned to the queue).
     pub async fn run(&self, run: &str, stop: CancellationToken) -> Result<Summary, StoreError> {
+        let mut view = View::load(&self.store, run).await?;
+        let pool = Arc::new(AgentPool::new(self.config.concurrency.max(1)));
+        let summary = self.schedule(&stop, &mut view, &pool).await;
+        // Whatever the ending, no agent outlives the run.
+        pool.drain().await;
+        summary
+    }
+
+    async fn schedule(
+        &self,
+        stop: &CancellationToken,
+        view: &mut View,
+        pool: &Arc<AgentPool>,
+    ) -> Result<Summary, StoreError> {
         let mut workers: JoinSet<String> = JoinSet::new();
         let mut active: HashMap<String, CancellationToken> = HashMap::new();
         loop {
-            let tasks = {
-                let r = run.to_owned();
-                blocking(&self.store, move |s| s.tasks(&r)).await?
-            };
+            view.refresh(&self.store).await?;
             let now = now_ms();
-            let by_id: HashMap<&str, &TaskRow> = tasks.iter().map(|t| (t.id.as_str(), t)).collect();
 
             // Attempts lost by another (dead or silent) host go back through the safe re-run check.
             let held = |t: &&TaskRow| {
                 (t.state == TaskState::Running || (t.state == TaskState::AwaitingInput && t.lease_owner.is_some()))
                     && !active.contains_key(&t.id)
             };
-            let mut changed = false;
-            for t in tasks.iter().filter(held) {
-                let expired = t.lease_expires_at_ms.is_some_and(|e| e < now);
+            let lost_by = |t: &TaskRow| {
                 let dead = t.lease_owner.as_deref().is_some_and(owner_dead);
-                if expired || dead {
-                    let why = if dead { "its host died" } else { "its lease expired" };
-                    changed |= self.lost(t, &format!("the attempt was lost: {why}")).await?;
+                let expired = t.lease_expires_at_ms.is_some_and(|e| e < now);
+                (expired || dead).then_some(if dead { "its host died" } else { "its lease expired" })
+            };
+            let mut changed = false;
+            for t in view.rows.iter().filter(held) {
+                if lost_by(t).is_none() {
+                    continue;
+                }
+                // Heartbeats write no event, so the view's lease may be stale: look again.
+                let (r, id) = (t.run_id.clone(), t.id.clone());
+                let Some(fresh) = blocking(&self.store, move |s| s.task(&r, &id)).await? else { continue };
+                if let Some(why) = lost_by(&fresh).filter(|_| held(&&fresh)) {
+                    changed |= self.lost(&fresh, &format!("the attempt was lost: {why}")).await?;
                 }
             }
             // A failed or cancelled dependency cancels its pending dependents.
-            for t in tasks.iter().filter(|t| t.state == TaskState::Pending) {
-                if let Some(dep) = t.spec.depends_on.iter().find_map(|d| {
-                    by_id.get(d.as_str()).filter(|d| matches!(d.state, TaskState::Failed | TaskState::Cancelled))
-                }) {
+            for t in view.rows.iter().filter(|t| t.state == TaskState::Pending) {
+                if let Some(dep) =
+                    t.spec.depends_on.iter().find_map(|d| {
+                        view.get(d).filter(|d| matches!(d.state, TaskState::Failed | TaskState::Cancelled))
+                    })
+                {
                     let reason = format!("dependency `{}` ended {}", dep.id, dep.state.as_str());
                     changed |=
                         self.transition(t, TaskState::Cancelled, "cancel:dependency", &reason, |_| {}).await?.is_some();
@@ -142,26 +164,20 @@ impl Scheduler {
                 }
                 break;
             }
-            // A change above (which may cascade) is read afresh; otherwise the tasks read at
-            // the top of this pass are still current, and runnable ones start now.
+            // A change above (which may cascade) is read afresh first.
             if changed {
                 continue;
             }
-            let results: HashMap<String, String> = tasks
-                .iter()
-                .filter(|t| t.state == TaskState::Completed)
-                .map(|t| (t.id.clone(), t.result.clone().unwrap_or_default()))
-                .collect();
             let mut next_wake: Option<i64> = None;
-            for t in &tasks {
+            for t in &view.rows {
+                if active.len() >= self.config.concurrency.max(1) {
+                    break;
+                }
                 if t.state != TaskState::Pending || active.contains_key(&t.id) || is_worker_task(t) {
                     continue;
                 }
-                let ready = t
-                    .spec
-                    .depends_on
-                    .iter()
-                    .all(|d| by_id.get(d.as_str()).is_some_and(|d| d.state == TaskState::Completed));
+                let ready =
+                    t.spec.depends_on.iter().all(|d| view.get(d).is_some_and(|d| d.state == TaskState::Completed));
                 if !ready {
                     continue;
                 }
@@ -169,16 +185,21 @@ impl Scheduler {
                     next_wake = Some(next_wake.map_or(t.not_before_ms, |w| w.min(t.not_before_ms)));
                     continue;
                 }
-                if active.len() >= self.config.concurrency.max(1) {
-                    break;
-                }
                 let token = stop.child_token();
                 active.insert(t.id.clone(), token.clone());
+                let results = t
+                    .spec
+                    .depends_on
+                    .iter()
+                    .filter_map(|d| view.get(d))
+                    .map(|d| (d.id.clone(), d.result.clone().unwrap_or_default()))
+                    .collect();
                 let worker = Worker {
                     store: self.store.clone(),
+                    pool: pool.clone(),
                     config: self.config.clone(),
                     row: t.clone(),
-                    results: results.clone(),
+                    results,
                 };
                 workers.spawn(async move {
                     let id = worker.row.id.clone();
@@ -188,13 +209,13 @@ impl Scheduler {
                     id
                 });
             }
-            for t in tasks.iter().filter(|t| t.state == TaskState::Running && !active.contains_key(&t.id)) {
+            for t in view.rows.iter().filter(|t| t.state == TaskState::Running && !active.contains_key(&t.id)) {
                 if let Some(e) = t.lease_expires_at_ms {
                     next_wake = Some(next_wake.map_or(e, |w| w.min(e)));
                 }
             }
             if active.is_empty() && next_wake.is_none() {
-                let waiting_on_others = tasks.iter().any(|t| t.state == TaskState::Running);
+                let waiting_on_others = view.rows.iter().any(|t| t.state == TaskState::Running);
                 if !waiting_on_others {
                     break;
                 }
@@ -205,17 +226,20 @@ impl Scheduler {
                     if let Some(Ok(id)) = done {
                         active.remove(&id);
                     }
+                    // Every worker that has ended by now is taken in this one pass.
+                    while let Some(done) = workers.try_join_next() {
+                        if let Ok(id) = done {
+                            active.remove(&id);
+                        }
+                    }
                 }
                 _ = tokio::time::sleep(Duration::from_millis(sleep_ms)) => {}
                 _ = stop.cancelled() => {}
             }
         }
-        let tasks = {
-            let r = run.to_owned();
-            blocking(&self.store, move |s| s.tasks(&r)).await?
-        };
+        view.refresh(&self.store).await?;
         let mut summary = Summary::new();
-        for t in &tasks {
+        for t in &view.rows {
             *summary.entry(t.state.as_str()).or_default() += 1;
         }
         Ok(summary)
@@ -271,8 +295,54 @@ fn rerun_decision(t: &TaskRow, evidence: &[Value], reason: &str) -> (TaskState, 
     }
 }
 
+/// The scheduler's picture of a run: every task in plan order, kept current by
+/// re-reading only the tasks an event touched since the last look. A pass over a
+/// large run costs one indexed query when nothing moved, not a read of every task.
+struct View {
+    run: String,
+    rows: Vec<TaskRow>,
+    index: HashMap<String, usize>,
+    /// The event sequence the rows are current to.
+    seq: i64,
+}
+
+impl View {
+    async fn load(store: &Arc<dyn TaskStore>, run: &str) -> Result<View, StoreError> {
+        let r = run.to_owned();
+        // The sequence is read before the tasks: whatever lands in between is read twice, never missed.
+        let (rows, seq) = blocking(store, move |s| {
+            let seq = s.last_seq()?;
+            Ok((s.tasks(&r)?, seq))
+        })
+        .await?;
+        let index = rows.iter().enumerate().map(|(i, t)| (t.id.clone(), i)).collect();
+        Ok(View { run: run.to_owned(), rows, index, seq })
+    }
+
+    async fn refresh(&mut self, store: &Arc<dyn TaskStore>) -> Result<(), StoreError> {
+        let (r, after) = (self.run.clone(), self.seq);
+        let (changed, seq) = blocking(store, move |s| s.tasks_changed(&r, after)).await?;
+        for row in changed {
+            match self.index.get(&row.id) {
+                Some(&i) => self.rows[i] = row,
+                None => {
+                    self.index.insert(row.id.clone(), self.rows.len());
+                    self.rows.push(row);
+                }
+            }
+        }
+        self.seq = seq;
+        Ok(())
+    }
+
+    fn get(&self, id: &str) -> Option<&TaskRow> {
+        self.index.get(id).and_then(|&i| self.rows.get(i))
+    }
+}
+
 struct Worker {
     store: Arc<dyn TaskStore>,
+    pool: Arc<AgentPool>,
     config: HostConfig,
     row: TaskRow,
     results: HashMap<String, String>,
@@ -332,7 +402,7 @@ impl Worker {
                 let blocks = vec![agent_client_protocol_schema::v1::ContentBlock::Text(
                     agent_client_protocol_schema::v1::TextContent::new(prompt),
                 )];
-                let run = pier_client::run::run(opts, SessionTarget::New, blocks, events_tx, int_rx);
+                let run = self.turn(opts, blocks, events_tx, int_rx);
                 tokio::pin!(run);
                 let mut interrupted = false;
                 loop {
@@ -358,7 +428,7 @@ impl Worker {
         let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, attempt)).await?;
         // Questions asked during the attempt moved the task (and its version) since the claim.
         let (run, id) = (claimed.run_id.clone(), claimed.id.clone());
-        let current = blocking(&self.store, move |s| s.tasks(&run)).await?.into_iter().find(|t| t.id == id);
+        let current = blocking(&self.store, move |s| s.task(&run, &id)).await?;
         let Some(current) = current
             .filter(|c| c.attempt == attempt && matches!(c.state, TaskState::Running | TaskState::AwaitingInput))
         else {
@@ -447,6 +517,33 @@ impl Worker {
             Ok(_) | Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    /// One turn on a warm agent from the pool, or on a new one; the agent goes back
+    /// to the pool only if the turn ended cleanly.
+    async fn turn(
+        &self,
+        opts: RunOptions,
+        prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
+        events: mpsc::UnboundedSender<ClientEvent>,
+        mut interrupts: mpsc::UnboundedReceiver<()>,
+    ) -> RunOutcome {
+        let started = std::time::Instant::now();
+        let key = AgentPool::key(&opts);
+        let agent = match self.pool.take(&key).await {
+            Some(agent) => Ok(agent),
+            None => LiveAgent::start(&opts, &events).await,
+        };
+        let mut outcome = match agent {
+            Ok(mut agent) => {
+                let outcome = agent.turn(&opts, SessionTarget::New, prompt, &events, &mut interrupts).await;
+                self.pool.give_back(key, agent).await;
+                outcome
+            }
+            Err(e) => RunOutcome::failed(Some(e)),
+        };
+        outcome.duration = started.elapsed();
+        outcome
     }
 
     fn options(&self) -> Result<RunOptions, String> {
@@ -548,7 +645,7 @@ async fn move_task(
 ) -> Result<TaskRow, StoreError> {
     let (r, t, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
     blocking(store, move |s| {
-        let row = s.tasks(&r)?.into_iter().find(|x| x.id == t).ok_or_else(|| StoreError::UnknownTask(t.clone()))?;
+        let row = s.task(&r, &t)?.ok_or_else(|| StoreError::UnknownTask(t.clone()))?;
         s.transition(&Transition {
             run: r.clone(),
             task: t.clone(),

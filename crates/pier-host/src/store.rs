@@ -1,7 +1,12 @@
 //! The durable store: runs, tasks, attempts, idempotent updates and the event log,
 //! in SQLite (WAL, `synchronous = FULL`: a commit is on disk before it returns).
 //!
-//! Every write is one transaction. A task update names the version it read
+//! Every write is atomic: its own savepoint inside a *group commit*. Writers queue
+//! their work; whoever holds the write connection runs everything queued in one
+//! transaction, commits once (one fsync for all of them) and only then hands each
+//! writer its answer, so nothing is announced before it is on disk. Under load,
+//! eight workers' updates cost one fsync instead of eight. Reads use a connection
+//! of their own and see committed data only. A task update names the version it read
 //! (optimistic concurrency) and carries an idempotency key: a replayed key gets
 //! the first answer back and changes nothing. Events get their sequence number
 //! from `INTEGER PRIMARY KEY` inside the writing transaction, so the log is
@@ -128,6 +133,12 @@ pub trait TaskStore: Send + Sync + 'static {
     fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError>;
     fn run_exists(&self, run: &str) -> Result<bool, StoreError>;
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
+    /// One task, or `None` if the run has no such task.
+    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
+    /// The run's tasks touched by an event after sequence `after`, and the sequence
+    /// they are current to (pass it back next time). How the scheduler stays current
+    /// without reading every task on every pass.
+    fn tasks_changed(&self, run: &str, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError>;
     fn transition(&self, t: &Transition) -> Result<TaskRow, StoreError>;
     /// Renews a lease if the task is still running this attempt for this owner (fencing).
     fn heartbeat(
@@ -161,9 +172,20 @@ pub trait TaskStore: Send + Sync + 'static {
 
 /// The SQLite store.
 pub struct SqliteStore {
+    /// The write connection; whoever holds it commits the queued writes.
     conn: Mutex<Connection>,
+    /// Writes waiting for the next group commit.
+    queue: Mutex<Vec<Job>>,
+    /// For reads, which never wait for a commit.
+    reader: Mutex<Connection>,
     seq_tx: watch::Sender<i64>,
 }
+
+/// A queued write: runs against the open transaction (or, given none, does not run)
+/// and returns the highest event sequence it wrote (0 for none) and how to hand its
+/// answer over once the commit is known (`Err` if the commit failed).
+type Job = Box<dyn FnOnce(Option<&Connection>) -> (i64, Finish) + Send>;
+type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 const MIGRATIONS: &[&str] = &[
     r#"
@@ -228,28 +250,33 @@ CREATE TABLE questions (
 "#,
 ];
 
-fn lock(m: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The columns [`row_to_task`] reads, in its order (by index: looking columns up
+/// by name was a tenth of the host's time in the B5 profile).
+const TASK_COLUMNS: &str = "run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms, \
+                            not_before_ms, result, usage, error, spec";
+
 fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
-    let state: String = r.get("state")?;
-    let spec: String = r.get("spec")?;
-    let usage: Option<String> = r.get("usage")?;
+    let state: String = r.get(2)?;
+    let spec: String = r.get(12)?;
+    let usage: Option<String> = r.get(10)?;
     Ok((
         TaskRow {
-            run_id: r.get("run_id")?,
-            id: r.get("id")?,
+            run_id: r.get(0)?,
+            id: r.get(1)?,
             state: TaskState::parse(&state).unwrap_or(TaskState::Failed),
-            version: r.get("version")?,
-            attempt: r.get("attempt")?,
-            failures: r.get("failures")?,
-            lease_owner: r.get("lease_owner")?,
-            lease_expires_at_ms: r.get("lease_expires_at_ms")?,
-            not_before_ms: r.get("not_before_ms")?,
-            result: r.get("result")?,
+            version: r.get(3)?,
+            attempt: r.get(4)?,
+            failures: r.get(5)?,
+            lease_owner: r.get(6)?,
+            lease_expires_at_ms: r.get(7)?,
+            not_before_ms: r.get(8)?,
+            result: r.get(9)?,
             usage: usage.and_then(|u| serde_json::from_str(&u).ok()),
-            error: r.get("error")?,
+            error: r.get(11)?,
             spec: TaskSpec {
                 id: String::new(),
                 prompt: String::new(),
@@ -272,19 +299,47 @@ fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
 }
 
 fn load_task(c: &Connection, run: &str, task: &str) -> Result<TaskRow, StoreError> {
-    let found =
-        c.query_row("SELECT * FROM tasks WHERE run_id = ?1 AND id = ?2", params![run, task], row_to_task).optional()?;
+    let found = c
+        .prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 AND id = ?2"))?
+        .query_row(params![run, task], row_to_task)
+        .optional()?;
     let (mut row, spec) = found.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
     row.spec = serde_json::from_str(&spec)?;
     Ok(row)
 }
 
 fn insert_event(c: &Connection, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
-    c.execute(
-        "INSERT INTO events (run_id, task_id, type, at_ms, data) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![run, task, kind, now_ms(), data.to_string()],
-    )?;
+    c.prepare_cached("INSERT INTO events (run_id, task_id, type, at_ms, data) VALUES (?1, ?2, ?3, ?4, ?5)")?
+        .execute(params![run, task, kind, now_ms(), data.to_string()])?;
     Ok(c.last_insert_rowid())
+}
+
+fn collect_tasks(rows: impl Iterator<Item = rusqlite::Result<(TaskRow, String)>>) -> Result<Vec<TaskRow>, StoreError> {
+    let mut out = Vec::new();
+    for r in rows {
+        let (mut row, spec) = r?;
+        row.spec = serde_json::from_str(&spec)?;
+        out.push(row);
+    }
+    Ok(out)
+}
+
+/// Runs `work` in a savepoint: kept if it succeeds, undone if it fails.
+fn savepoint<T>(
+    c: &Connection,
+    work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError>,
+) -> Result<(T, i64), StoreError> {
+    c.execute_batch("SAVEPOINT job")?;
+    match work(c) {
+        Ok(done) => {
+            c.execute_batch("RELEASE job")?;
+            Ok(done)
+        }
+        Err(e) => {
+            let _ = c.execute_batch("ROLLBACK TO job; RELEASE job");
+            Err(e)
+        }
+    }
 }
 
 impl SqliteStore {
@@ -295,6 +350,8 @@ impl SqliteStore {
         }
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        // Statements are reused by every commit; the default cache of 16 is too small.
+        conn.set_prepared_statement_cache_capacity(64);
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
@@ -307,7 +364,72 @@ impl SqliteStore {
         }
         let last: i64 = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?;
         let (seq_tx, _) = watch::channel(last);
-        Ok(SqliteStore { conn: Mutex::new(conn), seq_tx })
+        let reader = Connection::open(path)?;
+        reader.busy_timeout(std::time::Duration::from_secs(10))?;
+        reader.set_prepared_statement_cache_capacity(64);
+        Ok(SqliteStore { conn: Mutex::new(conn), queue: Mutex::new(Vec::new()), reader: Mutex::new(reader), seq_tx })
+    }
+
+    /// Runs `work` atomically in the next group commit and returns its answer once
+    /// the commit is on disk. `work` returns its answer and the highest event
+    /// sequence it wrote (0 for none); an error undoes only this work.
+    fn write<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T, StoreError>>(1);
+        let job: Job = Box::new(move |c: Option<&Connection>| {
+            let outcome = match c {
+                Some(c) => savepoint(c, work),
+                None => Err(StoreError::Db("the store could not begin a transaction".into())),
+            };
+            let seq = outcome.as_ref().map_or(0, |(_, seq)| *seq);
+            let finish: Finish = Box::new(move |committed: Result<(), StoreError>| {
+                let _ = tx.send(committed.and(outcome.map(|(answer, _)| answer)));
+            });
+            (seq, finish)
+        });
+        lock(&self.queue).push(job);
+        loop {
+            // The previous committer may have taken this work: its answer is handed
+            // over before the write connection is released.
+            let conn = lock(&self.conn);
+            if let Ok(answer) = rx.try_recv() {
+                return answer;
+            }
+            let jobs = std::mem::take(&mut *lock(&self.queue));
+            if jobs.is_empty() {
+                continue;
+            }
+            self.commit(&conn, jobs);
+            drop(conn);
+            if let Ok(answer) = rx.try_recv() {
+                return answer;
+            }
+        }
+    }
+
+    /// One group commit: every job in one transaction, one fsync, then the answers.
+    fn commit(&self, conn: &Connection, jobs: Vec<Job>) {
+        let begun = conn.execute_batch("BEGIN IMMEDIATE").map_err(StoreError::from);
+        let mut finishes = Vec::with_capacity(jobs.len());
+        let mut last = 0;
+        for job in jobs {
+            // Without a transaction nothing runs, and every writer hears why.
+            let (seq, finish) = job(begun.as_ref().ok().map(|()| conn));
+            last = last.max(seq);
+            finishes.push(finish);
+        }
+        let committed = begun.and_then(|()| conn.execute_batch("COMMIT").map_err(StoreError::from));
+        if committed.is_err() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        for finish in finishes {
+            finish(committed.clone());
+        }
+        if committed.is_ok() && last > 0 {
+            self.published(last);
+        }
     }
 
     fn published(&self, seq: i64) {
@@ -322,139 +444,150 @@ impl SqliteStore {
     }
 }
 
+fn create_run(tx: &Connection, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
+    let exists: bool =
+        tx.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0;
+    if exists {
+        return Err(StoreError::RunExists(run.to_owned()));
+    }
+    tx.execute(
+        "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
+        params![run, source, serde_json::to_string(plan)?, now_ms()],
+    )?;
+    let mut last = insert_event(tx, run, None, "run_created", &json!({"tasks": plan.tasks.len(), "source": source}))?;
+    for (i, t) in plan.tasks.iter().enumerate() {
+        tx.execute(
+            "INSERT INTO tasks (run_id, id, ord, state, version, spec) VALUES (?1, ?2, ?3, 'pending', 1, ?4)",
+            params![run, t.id, i as i64, serde_json::to_string(t)?],
+        )?;
+        last = insert_event(
+            tx,
+            run,
+            Some(&t.id),
+            "task_created",
+            &json!({"depends_on": t.depends_on, "agent": t.agent, "metadata": t.metadata, "to": "pending"}),
+        )?;
+    }
+    Ok(last)
+}
+
+fn transition(tx: &Connection, t: &Transition) -> Result<(TaskRow, i64), StoreError> {
+    let replay: Option<String> = tx
+        .query_row(
+            "SELECT answer FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
+            params![t.run, t.task, t.key],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if let Some(answer) = replay {
+        return Ok((serde_json::from_str(&answer)?, 0));
+    }
+    let row = load_task(tx, &t.run, &t.task)?;
+    if row.version != t.expected_version {
+        return Err(StoreError::Conflict { task: t.task.clone(), expected: t.expected_version, actual: row.version });
+    }
+    let to = t.to.unwrap_or(row.state);
+    if t.to.is_some() && !row.state.can_move_to(to) {
+        return Err(StoreError::IllegalTransition { task: t.task.clone(), from: row.state.as_str(), to: to.as_str() });
+    }
+    let attempt = row.attempt + i64::from(t.start_attempt);
+    let failures = row.failures + i64::from(t.count_failure);
+    let (owner, expires) = match (&t.lease, to) {
+        (Some((o, e)), TaskState::Running) => (Some(o.clone()), Some(*e)),
+        // A task waiting for a person keeps its lease: its agent is still alive.
+        (_, TaskState::Running | TaskState::AwaitingInput) => (row.lease_owner.clone(), row.lease_expires_at_ms),
+        _ => (None, None),
+    };
+    tx.execute(
+        "UPDATE tasks SET state = ?3, version = version + 1, attempt = ?4, failures = ?5, lease_owner = ?6,
+             lease_expires_at_ms = ?7, not_before_ms = ?8, result = COALESCE(?9, result),
+             usage = COALESCE(?10, usage), error = ?11
+         WHERE run_id = ?1 AND id = ?2",
+        params![
+            t.run,
+            t.task,
+            to.as_str(),
+            attempt,
+            failures,
+            owner,
+            expires,
+            t.not_before_ms.unwrap_or(row.not_before_ms),
+            t.result,
+            t.usage.as_ref().map(Value::to_string),
+            t.error,
+        ],
+    )?;
+    if t.start_attempt {
+        tx.execute(
+            "INSERT OR IGNORE INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3)",
+            params![t.run, t.task, attempt],
+        )?;
+    }
+    let mut data = json!({"from": row.state.as_str(), "to": to.as_str(), "attempt": attempt, "reason": t.reason, "version": row.version + 1});
+    if let (Some(extra), Some(obj)) = (&t.data, data.as_object_mut())
+        && let Some(e) = extra.as_object()
+    {
+        obj.extend(e.clone());
+    }
+    if let Some(err) = &t.error {
+        data["error"] = json!(err);
+    }
+    let seq = insert_event(tx, &t.run, Some(&t.task), "transition", &data)?;
+    let new_row = load_task(tx, &t.run, &t.task)?;
+    tx.execute(
+        "INSERT INTO updates (run_id, task_id, key, answer) VALUES (?1, ?2, ?3, ?4)",
+        params![t.run, t.task, t.key, serde_json::to_string(&new_row)?],
+    )?;
+    Ok((new_row, seq))
+}
+
 impl TaskStore for SqliteStore {
     fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
-        let mut c = lock(&self.conn);
-        let tx = c.transaction()?;
-        let exists: bool =
-            tx.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0;
-        if exists {
-            return Err(StoreError::RunExists(run.to_owned()));
-        }
-        tx.execute(
-            "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
-            params![run, source, serde_json::to_string(plan)?, now_ms()],
-        )?;
-        let mut last =
-            insert_event(&tx, run, None, "run_created", &json!({"tasks": plan.tasks.len(), "source": source}))?;
-        for (i, t) in plan.tasks.iter().enumerate() {
-            tx.execute(
-                "INSERT INTO tasks (run_id, id, ord, state, version, spec) VALUES (?1, ?2, ?3, 'pending', 1, ?4)",
-                params![run, t.id, i as i64, serde_json::to_string(t)?],
-            )?;
-            last = insert_event(
-                &tx,
-                run,
-                Some(&t.id),
-                "task_created",
-                &json!({"depends_on": t.depends_on, "agent": t.agent, "metadata": t.metadata, "to": "pending"}),
-            )?;
-        }
-        tx.commit()?;
-        drop(c);
-        self.published(last);
-        Ok(())
+        let (run, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
+        self.write(move |tx| create_run(tx, &run, &plan, &source).map(|seq| ((), seq)))
     }
 
     fn run_exists(&self, run: &str) -> Result<bool, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         Ok(c.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0)
     }
 
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError> {
-        let c = lock(&self.conn);
-        let mut stmt = c.prepare("SELECT * FROM tasks WHERE run_id = ?1 ORDER BY ord")?;
+        let c = lock(&self.reader);
+        let mut stmt = c.prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 ORDER BY ord"))?;
         let rows = stmt.query_map(params![run], row_to_task)?;
-        let mut out = Vec::new();
-        for r in rows {
-            let (mut row, spec) = r?;
-            row.spec = serde_json::from_str(&spec)?;
-            out.push(row);
+        collect_tasks(rows)
+    }
+
+    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
+        match load_task(&lock(&self.reader), run, task) {
+            Ok(row) => Ok(Some(row)),
+            Err(StoreError::UnknownTask(_)) => Ok(None),
+            Err(e) => Err(e),
         }
-        Ok(out)
+    }
+
+    fn tasks_changed(&self, run: &str, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
+        let c = lock(&self.reader);
+        // The bound is read first: a change that lands after it is reported again next time.
+        let upto: i64 = c
+            .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE run_id = ?1")?
+            .query_row(params![run], |r| r.get(0))?;
+        if upto <= after {
+            return Ok((Vec::new(), after));
+        }
+        let mut stmt = c.prepare_cached(&format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 AND id IN
+                 (SELECT task_id FROM events WHERE run_id = ?1 AND seq > ?2 AND seq <= ?3 AND task_id IS NOT NULL)
+             ORDER BY ord"
+        ))?;
+        let rows = stmt.query_map(params![run, after, upto], row_to_task)?;
+        Ok((collect_tasks(rows)?, upto))
     }
 
     fn transition(&self, t: &Transition) -> Result<TaskRow, StoreError> {
-        let mut c = lock(&self.conn);
-        let tx = c.transaction()?;
-        let replay: Option<String> = tx
-            .query_row(
-                "SELECT answer FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
-                params![t.run, t.task, t.key],
-                |r| r.get(0),
-            )
-            .optional()?;
-        if let Some(answer) = replay {
-            return Ok(serde_json::from_str(&answer)?);
-        }
-        let row = load_task(&tx, &t.run, &t.task)?;
-        if row.version != t.expected_version {
-            return Err(StoreError::Conflict {
-                task: t.task.clone(),
-                expected: t.expected_version,
-                actual: row.version,
-            });
-        }
-        let to = t.to.unwrap_or(row.state);
-        if t.to.is_some() && !row.state.can_move_to(to) {
-            return Err(StoreError::IllegalTransition {
-                task: t.task.clone(),
-                from: row.state.as_str(),
-                to: to.as_str(),
-            });
-        }
-        let attempt = row.attempt + i64::from(t.start_attempt);
-        let failures = row.failures + i64::from(t.count_failure);
-        let (owner, expires) = match (&t.lease, to) {
-            (Some((o, e)), TaskState::Running) => (Some(o.clone()), Some(*e)),
-            // A task waiting for a person keeps its lease: its agent is still alive.
-            (_, TaskState::Running | TaskState::AwaitingInput) => (row.lease_owner.clone(), row.lease_expires_at_ms),
-            _ => (None, None),
-        };
-        tx.execute(
-            "UPDATE tasks SET state = ?3, version = version + 1, attempt = ?4, failures = ?5, lease_owner = ?6,
-                 lease_expires_at_ms = ?7, not_before_ms = ?8, result = COALESCE(?9, result),
-                 usage = COALESCE(?10, usage), error = ?11
-             WHERE run_id = ?1 AND id = ?2",
-            params![
-                t.run,
-                t.task,
-                to.as_str(),
-                attempt,
-                failures,
-                owner,
-                expires,
-                t.not_before_ms.unwrap_or(row.not_before_ms),
-                t.result,
-                t.usage.as_ref().map(Value::to_string),
-                t.error,
-            ],
-        )?;
-        if t.start_attempt {
-            tx.execute(
-                "INSERT OR IGNORE INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3)",
-                params![t.run, t.task, attempt],
-            )?;
-        }
-        let mut data = json!({"from": row.state.as_str(), "to": to.as_str(), "attempt": attempt, "reason": t.reason, "version": row.version + 1});
-        if let (Some(extra), Some(obj)) = (&t.data, data.as_object_mut())
-            && let Some(e) = extra.as_object()
-        {
-            obj.extend(e.clone());
-        }
-        if let Some(err) = &t.error {
-            data["error"] = json!(err);
-        }
-        let seq = insert_event(&tx, &t.run, Some(&t.task), "transition", &data)?;
-        let new_row = load_task(&tx, &t.run, &t.task)?;
-        tx.execute(
-            "INSERT INTO updates (run_id, task_id, key, answer) VALUES (?1, ?2, ?3, ?4)",
-            params![t.run, t.task, t.key, serde_json::to_string(&new_row)?],
-        )?;
-        tx.commit()?;
-        drop(c);
-        self.published(seq);
-        Ok(new_row)
+        let t = t.clone();
+        self.write(move |tx| transition(tx, &t))
     }
 
     fn heartbeat(
@@ -465,42 +598,44 @@ impl TaskStore for SqliteStore {
         owner: &str,
         expires_at_ms: i64,
     ) -> Result<bool, StoreError> {
-        let c = lock(&self.conn);
-        let n = c.execute(
-            "UPDATE tasks SET lease_expires_at_ms = ?5
-             WHERE run_id = ?1 AND id = ?2 AND state IN ('running', 'awaiting_input') AND attempt = ?3 AND lease_owner = ?4",
-            params![run, task, attempt, owner, expires_at_ms],
-        )?;
-        Ok(n == 1)
+        let (run, task, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
+        self.write(move |c| {
+            let n = c.prepare_cached(
+                "UPDATE tasks SET lease_expires_at_ms = ?5
+                 WHERE run_id = ?1 AND id = ?2 AND state IN ('running', 'awaiting_input') AND attempt = ?3 AND lease_owner = ?4",
+            )?
+            .execute(params![run, task, attempt, owner, expires_at_ms])?;
+            Ok((n == 1, 0))
+        })
     }
 
     fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError> {
         if events.is_empty() {
             return self.last_seq();
         }
-        let mut c = lock(&self.conn);
-        let tx = c.transaction()?;
-        let mut last = 0;
-        for (run, task, kind, data) in events {
-            last = insert_event(&tx, run, task.as_deref(), kind, data)?;
-        }
-        tx.commit()?;
-        drop(c);
-        self.published(last);
-        Ok(last)
+        let events = events.to_vec();
+        self.write(move |tx| {
+            let mut last = 0;
+            for (run, task, kind, data) in &events {
+                last = insert_event(tx, run, task.as_deref(), kind, data)?;
+            }
+            Ok((last, last))
+        })
     }
 
     fn add_evidence(&self, run: &str, task: &str, attempt: i64, evidence: &Value) -> Result<(), StoreError> {
-        let c = lock(&self.conn);
-        c.execute(
-            "UPDATE attempts SET evidence = json_insert(evidence, '$[#]', json(?4)) WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-            params![run, task, attempt, evidence.to_string()],
-        )?;
-        Ok(())
+        let (run, task, evidence) = (run.to_owned(), task.to_owned(), evidence.to_string());
+        self.write(move |c| {
+            c.prepare_cached(
+                "UPDATE attempts SET evidence = json_insert(evidence, '$[#]', json(?4)) WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+            )?
+            .execute(params![run, task, attempt, evidence])?;
+            Ok(((), 0))
+        })
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         let text: Option<String> = c
             .query_row(
                 "SELECT evidence FROM attempts WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
@@ -512,8 +647,8 @@ impl TaskStore for SqliteStore {
     }
 
     fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
-        let c = lock(&self.conn);
-        let mut stmt = c.prepare(
+        let c = lock(&self.reader);
+        let mut stmt = c.prepare_cached(
             "SELECT seq, run_id, task_id, type, at_ms, data FROM events
              WHERE seq > ?1 AND (?2 IS NULL OR run_id = ?2) ORDER BY seq LIMIT ?3",
         )?;
@@ -532,37 +667,36 @@ impl TaskStore for SqliteStore {
     }
 
     fn last_seq(&self) -> Result<i64, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         Ok(c.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?)
     }
 
     fn ask(&self, run: &str, task: &str, attempt: i64, request: &Value) -> Result<i64, StoreError> {
-        let mut c = lock(&self.conn);
-        let tx = c.transaction()?;
-        let n: i64 = tx.query_row(
-            "SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-            params![run, task, attempt],
-            |r| r.get(0),
-        )?;
-        tx.execute(
-            "INSERT INTO questions (run_id, task_id, attempt, n, request) VALUES (?1, ?2, ?3, ?4, ?5)",
-            params![run, task, attempt, n, request.to_string()],
-        )?;
-        let seq = insert_event(
-            &tx,
-            run,
-            Some(task),
-            "question",
-            &json!({"attempt": attempt, "question": n, "request": request}),
-        )?;
-        tx.commit()?;
-        drop(c);
-        self.published(seq);
-        Ok(n)
+        let (run, task, request) = (run.to_owned(), task.to_owned(), request.clone());
+        self.write(move |tx| {
+            let (run, task, request) = (run.as_str(), task.as_str(), &request);
+            let n: i64 = tx.query_row(
+                "SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+                params![run, task, attempt],
+                |r| r.get(0),
+            )?;
+            tx.execute(
+                "INSERT INTO questions (run_id, task_id, attempt, n, request) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![run, task, attempt, n, request.to_string()],
+            )?;
+            let seq = insert_event(
+                tx,
+                run,
+                Some(task),
+                "question",
+                &json!({"attempt": attempt, "question": n, "request": request}),
+            )?;
+            Ok((n, seq))
+        })
     }
 
     fn answer_of(&self, run: &str, task: &str, attempt: i64, n: i64) -> Result<Option<String>, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         Ok(c.query_row(
             "SELECT answer FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4",
             params![run, task, attempt, n],
@@ -573,7 +707,7 @@ impl TaskStore for SqliteStore {
     }
 
     fn open_question(&self, run: &str, task: &str) -> Result<Option<(i64, i64, Value)>, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         let row: Option<(i64, i64, String)> = c
             .query_row(
                 "SELECT attempt, n, request FROM questions WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL
@@ -586,29 +720,26 @@ impl TaskStore for SqliteStore {
     }
 
     fn answer(&self, run: &str, task: &str, attempt: i64, n: i64, option: &str, by: &str) -> Result<bool, StoreError> {
-        let mut c = lock(&self.conn);
-        let tx = c.transaction()?;
-        let changed = tx.execute(
-            "UPDATE questions SET answer = ?5, answered_by = ?6
+        let (run, task, option, by) = (run.to_owned(), task.to_owned(), option.to_owned(), by.to_owned());
+        self.write(move |tx| {
+            let (run, task, option, by) = (run.as_str(), task.as_str(), option.as_str(), by.as_str());
+            let changed = tx.execute(
+                "UPDATE questions SET answer = ?5, answered_by = ?6
              WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4 AND answer IS NULL",
-            params![run, task, attempt, n, option, by],
-        )?;
-        let mut seq = 0;
-        if changed == 1 {
-            seq = insert_event(
-                &tx,
-                run,
-                Some(task),
-                "answer",
-                &json!({"attempt": attempt, "question": n, "option": option, "by": by}),
+                params![run, task, attempt, n, option, by],
             )?;
-        }
-        tx.commit()?;
-        drop(c);
-        if seq > 0 {
-            self.published(seq);
-        }
-        Ok(changed == 1)
+            let mut seq = 0;
+            if changed == 1 {
+                seq = insert_event(
+                    tx,
+                    run,
+                    Some(task),
+                    "answer",
+                    &json!({"attempt": attempt, "question": n, "option": option, "by": by}),
+                )?;
+            }
+            Ok((changed == 1, seq))
+        })
     }
 
     fn subscribe(&self) -> watch::Receiver<i64> {
@@ -616,14 +747,14 @@ impl TaskStore for SqliteStore {
     }
 
     fn run_ids(&self) -> Result<Vec<String>, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         let mut stmt = c.prepare("SELECT id FROM runs ORDER BY created_at_ms, id")?;
         let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
-        let c = lock(&self.conn);
+        let c = lock(&self.reader);
         let mut stmt = c.prepare(
             "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = ?1 ORDER BY r.created_at_ms DESC",
         )?;

@@ -118,3 +118,49 @@ fn the_event_log_is_gap_free_and_survives_reopening() {
         Err(StoreError::RunExists(_))
     ));
 }
+
+#[test]
+fn concurrent_writers_each_get_their_own_answer_and_a_refused_one_leaves_nothing() {
+    let (_d, s) = store();
+    let s = std::sync::Arc::new(s);
+    let v = s.tasks("r").unwrap_or_default()[0].version;
+    let start = s.last_seq().unwrap_or_default();
+    // Sixteen writers at once: each appends events, and all race to claim task a at
+    // the same version. Whatever lands in one group commit, exactly one claim wins
+    // and the losers' work is undone without touching the winners'.
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                for j in 0..20 {
+                    let event = ("r".to_owned(), None, "note".to_owned(), serde_json::json!({"writer": i, "n": j}));
+                    s.append_events(&[event]).unwrap_or_else(|e| panic!("{e}"));
+                }
+                s.transition(&claim(v, &format!("claim-{i}")))
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("writer panicked"))).collect();
+    let won = results.iter().filter(|r| r.is_ok()).count();
+    let conflicts = results.iter().filter(|r| matches!(r, Err(StoreError::Conflict { .. }))).count();
+    assert_eq!((won, conflicts), (1, 15), "{results:?}");
+    let events = s.events_after(Some("r"), start, 10_000).unwrap_or_default();
+    let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (start + 1..=start + 16 * 20 + 1).collect::<Vec<_>>(), "gap-free, one transition event");
+    assert_eq!(events.iter().filter(|e| e.kind == "transition").count(), 1);
+    assert_eq!(s.tasks("r").unwrap_or_default()[0].attempt, 1);
+}
+
+#[test]
+fn tasks_changed_reports_only_the_tasks_an_event_touched() {
+    let (_d, s) = store();
+    let (all, seq) = s.tasks_changed("r", 0).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(all.len(), 2, "every task was created by an event");
+    assert_eq!(s.tasks_changed("r", seq).unwrap_or_else(|e| panic!("{e}")), (vec![], seq), "nothing since");
+    let v = all[0].version;
+    s.transition(&claim(v, "c")).unwrap_or_else(|e| panic!("{e}"));
+    let (changed, later) = s.tasks_changed("r", seq).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(changed.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), ["a"]);
+    assert_eq!(changed[0].state, TaskState::Running);
+    assert!(later > seq);
+}

@@ -245,7 +245,7 @@ async fn find_task(app: &Shared, run: &str, task: &str) -> Result<pier_host::Tas
         if !s.run_exists(&r)? {
             return Err(StoreError::UnknownRun(r));
         }
-        s.tasks(&r)?.into_iter().find(|x| x.id == t).ok_or(StoreError::UnknownTask(t))
+        s.task(&r, &t)?.ok_or(StoreError::UnknownTask(t))
     })
     .await
 }
@@ -398,11 +398,13 @@ async fn lease(State(app): State<Shared>, Json(body): Json<LeaseBody>) -> Result
         Some(row) => {
             let (r, deps) = (row.run_id.clone(), row.spec.depends_on.clone());
             let results: HashMap<String, String> = blocking(&app, move |s| {
-                Ok(s.tasks(&r)?
-                    .into_iter()
-                    .filter(|t| deps.contains(&t.id))
-                    .map(|t| (t.id, t.result.unwrap_or_default()))
-                    .collect())
+                let mut results = HashMap::new();
+                for d in deps {
+                    if let Some(t) = s.task(&r, &d)? {
+                        results.insert(t.id, t.result.unwrap_or_default());
+                    }
+                }
+                Ok(results)
             })
             .await?;
             let prompt = pier_host::plan::render(&row.spec.prompt, &results);
