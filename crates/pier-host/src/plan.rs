@@ -35,6 +35,9 @@ pub struct TaskSpec {
     /// When set, the only directories the agent may write to.
     #[serde(default)]
     pub writable: Option<Vec<PathBuf>>,
+    /// Run on an agent process of its own, never a warm one another task used.
+    #[serde(default)]
+    pub fresh_agent: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -52,6 +55,7 @@ struct Defaults {
     #[serde(default)]
     roots: Vec<PathBuf>,
     writable: Option<Vec<PathBuf>>,
+    fresh_agent: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -75,6 +79,7 @@ struct TaskDef {
     #[serde(default)]
     roots: Vec<PathBuf>,
     writable: Option<Vec<PathBuf>>,
+    fresh_agent: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -158,6 +163,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
             max_attempts: t.max_attempts.or(d.max_attempts).unwrap_or(3).max(1),
             retry_on: t.retry_on.or_else(|| d.retry_on.clone()).unwrap_or_default(),
             idempotent: t.idempotent.or(d.idempotent).unwrap_or(false),
+            fresh_agent: t.fresh_agent.or(d.fresh_agent).unwrap_or(false),
             metadata: t.metadata.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect(),
             permissions,
             roots,

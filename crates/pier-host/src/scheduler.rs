@@ -530,14 +530,20 @@ impl Worker {
     ) -> RunOutcome {
         let started = std::time::Instant::now();
         let key = AgentPool::key(&opts);
-        let agent = match self.pool.take(&key).await {
+        let fresh = self.row.spec.fresh_agent;
+        let warm = if fresh { None } else { self.pool.take(&key).await };
+        let agent = match warm {
             Some(agent) => Ok(agent),
             None => LiveAgent::start(&opts, &events).await,
         };
         let mut outcome = match agent {
             Ok(mut agent) => {
                 let outcome = agent.turn(&opts, SessionTarget::New, prompt, &events, &mut interrupts).await;
-                self.pool.give_back(key, agent).await;
+                if fresh {
+                    agent.shutdown(&events).await;
+                } else {
+                    self.pool.give_back(key, agent).await;
+                }
                 outcome
             }
             Err(e) => RunOutcome::failed(Some(e)),

@@ -292,6 +292,7 @@ fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
                 permissions: BTreeMap::new(),
                 roots: vec![],
                 writable: None,
+                fresh_agent: false,
             },
         },
         spec,

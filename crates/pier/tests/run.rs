@@ -258,12 +258,14 @@ async fn a_warm_agent_serves_the_next_task_in_a_new_session_until_a_turn_ends_ba
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pid_agent.py");
     h.write("pier.toml", &format!("[agents.pid]\ncommand = \"python3\"\nargs = [\"{}\"]\n", script.display()));
     // One at a time, in plan order: a and b share a process; c hangs and times out, so
-    // its process is not reused; d gets a fresh one.
+    // its process is not reused; d gets a fresh one; e asks for a process of its own;
+    // f is served by d's, which waited in the pool.
     let plan = h.write(
         "p.toml",
         "[defaults]\nagent = \"pid\"\n\n[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"x\"\n\n\
          [[tasks]]\nid = \"c\"\nprompt = \"hang\"\ntimeout = 0.3\nmax_attempts = 1\n\n\
-         [[tasks]]\nid = \"d\"\nprompt = \"x\"\n",
+         [[tasks]]\nid = \"d\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"e\"\nprompt = \"x\"\nfresh_agent = true\n\n\
+         [[tasks]]\nid = \"f\"\nprompt = \"x\"\n",
     );
     let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--concurrency", "1"]).await;
     assert_eq!(o.status.code(), Some(1), "c failed, so the run did: {}", stderr(&o));
@@ -274,13 +276,15 @@ async fn a_warm_agent_serves_the_next_task_in_a_new_session_until_a_turn_ends_ba
         let (pid, session) = text.split_once(' ').unwrap_or_default();
         (pid.trim_start_matches("pid=").parse().unwrap_or(0), session.to_owned())
     };
-    let (a, b, d) = (answer("a"), answer("b"), answer("d"));
+    let (a, b, d, e, f) = (answer("a"), answer("b"), answer("d"), answer("e"), answer("f"));
     assert_eq!(tasks["c"].state, pier_host::TaskState::Failed);
     assert!(a.0 > 0 && a.0 == b.0, "a and b ran on one warm agent: {a:?} {b:?}");
     assert_eq!((a.1.as_str(), b.1.as_str()), ("session=s1", "session=s2"), "each task has a session of its own");
     assert_ne!(d.0, a.0, "the agent whose turn timed out was not reused");
     assert_eq!(d.1, "session=s1");
-    for pid in [a.0, d.0] {
+    assert!(e.0 > 0 && e.0 != d.0, "fresh_agent got a process of its own: {e:?}");
+    assert_eq!(f, (d.0, "session=s2".to_owned()), "the warm agent served the next task");
+    for pid in [a.0, d.0, e.0] {
         assert!(!support::group_alive(pid), "agent {pid} outlived the run");
     }
 }
