@@ -7,6 +7,9 @@
 //!   `session/new` round trips), and prints one JSON line of results.
 //! - `limit`: the same bytes through a pipe, parsed with serde_json alone.
 //! - `floor`: B2's floor, a line echoed by a blocking child with no protocol at all.
+//! - `log -- DB`: B5's durable event appends/s from concurrent writers, then a fill
+//!   of the log for the replay.
+//! - `replay -- URL`: B5's SSE replay of every stored event from `pier serve`.
 //! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
 //! - `sessions CMD…`: opens sessions and reports the agent's RSS.
 
@@ -276,6 +279,100 @@ fn echo() {
     }
 }
 
+/// B5's event log: durable appends from concurrent writers (each append its own
+/// commit, as the host's recorders make them), then a fill to `--fill` events for
+/// the replay benchmark.
+fn log(args: &[String], db: &str) {
+    let writers = arg(args, "--writers", 8);
+    let appends = arg(args, "--appends", 40_000);
+    let fill = arg(args, "--fill", 0);
+    let store = match pier_host::SqliteStore::open(std::path::Path::new(db)) {
+        Ok(s) => Arc::new(s),
+        Err(e) => panic!("open {db}: {e}"),
+    };
+    let plan = match pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"x\"\n", &|_| Ok(())) {
+        Ok(p) => p,
+        Err(e) => panic!("{e}"),
+    };
+    let _ = pier_host::TaskStore::create_run(store.as_ref(), "bench", &plan, "bench");
+    let note = |n: u64| {
+        let update = SessionNotification::new(
+            "s",
+            SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(CHUNK)))),
+        );
+        ("bench".to_owned(), Some("t".to_owned()), "session_update".to_owned(), json!({"n": n, "update": update}))
+    };
+    let started = Instant::now();
+    let threads: Vec<_> = (0..writers)
+        .map(|w| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                for i in 0..appends / writers {
+                    if let Err(e) = pier_host::TaskStore::append_events(store.as_ref(), &[note(w * 1_000_000 + i)]) {
+                        panic!("append: {e}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
+    }
+    let s = started.elapsed().as_secs_f64();
+    let done = appends / writers * writers;
+    let mut have = pier_host::TaskStore::last_seq(store.as_ref()).unwrap_or(0) as u64;
+    while have < fill {
+        let batch: Vec<_> = (0..(fill - have).min(10_000)).map(note).collect();
+        have = pier_host::TaskStore::append_events(store.as_ref(), &batch).unwrap_or(0) as u64;
+    }
+    println!(
+        "{}",
+        json!({"writers": writers, "appends": done, "seconds": s, "appends_per_s": done as f64 / s, "events_stored": have})
+    );
+}
+
+/// B5's replay: every stored event from sequence 0 over `GET /events` (SSE) of a
+/// running `pier serve`, counted and checked for gaps by one client.
+async fn replay(args: &[String], url: &str) {
+    let token = args.iter().position(|a| a == "--token").and_then(|i| args.get(i + 1)).cloned().unwrap_or_default();
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let mut response = match client
+        .get(format!("{url}/events?after=0&follow=false"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+    {
+        Ok(r) => r,
+        Err(e) => panic!("GET /events: {e}"),
+    };
+    let (mut count, mut last, mut gaps, mut bytes) = (0u64, 0i64, 0u64, 0usize);
+    let mut carry: Vec<u8> = Vec::new();
+    while let Ok(Some(chunk)) = response.chunk().await {
+        bytes += chunk.len();
+        carry.extend_from_slice(&chunk);
+        let mut start = 0;
+        while let Some(end) = carry[start..].iter().position(|&b| b == b'\n') {
+            let line = &carry[start..start + end];
+            if let Some(id) = line.strip_prefix(b"id:") {
+                let seq: i64 = std::str::from_utf8(id).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+                gaps += u64::from(seq != last + 1);
+                last = seq;
+                count += 1;
+            }
+            start += end + 1;
+        }
+        carry.drain(..start);
+    }
+    let s = started.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        json!({"events": count, "last_seq": last, "gaps": gaps, "seconds": s, "events_per_s": count as f64 / s,
+               "mb_per_s": bytes as f64 / s / 1e6})
+    );
+}
+
 async fn startup(args: &[String], cmd: &[String]) {
     let n = arg(args, "--n", 20);
     let mut init = Vec::new();
@@ -326,11 +423,13 @@ async fn main() {
         Some("client") => client(opts, cmd).await,
         Some("limit") => limit(opts),
         Some("floor") => floor(opts),
+        Some("log") => log(opts, cmd.first().map_or("bench.db", String::as_str)),
+        Some("replay") => replay(opts, cmd.first().map_or("http://127.0.0.1:8477", String::as_str)).await,
         Some("echo") => echo(),
         Some("startup") => startup(opts, cmd).await,
         Some("sessions") => sessions(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | startup -- CMD | sessions -- CMD"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD"
         ),
     }
 }

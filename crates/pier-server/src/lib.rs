@@ -480,6 +480,34 @@ struct EventsQuery {
     follow: Option<bool>,
 }
 
+/// Events read from the store at a time for `/events`.
+const EVENT_BATCH: usize = 2000;
+
+struct Replay {
+    store: Arc<dyn TaskStore>,
+    run: Option<String>,
+    /// The last sequence sent.
+    after: i64,
+    buffer: std::collections::VecDeque<pier_host::Event>,
+    /// The read of the batch after `buffer`, already under way.
+    next: Option<tokio::task::JoinHandle<Result<Vec<pier_host::Event>, StoreError>>>,
+}
+
+/// One log event as SSE: `id` is its sequence, `event` its type, `data` the event
+/// with its own fields first and its data's fields after.
+fn sse_event(e: pier_host::Event) -> SseEvent {
+    let mut data = json!({"seq": e.seq, "run": e.run, "type": e.kind, "at_ms": e.at_ms});
+    if let Some(t) = &e.task {
+        data["task"] = json!(t);
+    }
+    if let (Some(obj), Value::Object(d)) = (data.as_object_mut(), e.data) {
+        for (k, v) in d {
+            obj.entry(k).or_insert(v);
+        }
+    }
+    SseEvent::default().id(e.seq.to_string()).event(e.kind).data(data.to_string())
+}
+
 async fn events(
     State(app): State<Shared>,
     headers: HeaderMap,
@@ -491,41 +519,45 @@ async fn events(
     let store = app.store.clone();
     let run = q.run;
     let follow = q.follow.unwrap_or(true);
-    let stream = futures::stream::unfold(
-        (store, after, Vec::<pier_host::Event>::new(), run),
-        move |(store, mut after, mut buffer, run)| async move {
-            loop {
-                if let Some(e) = (!buffer.is_empty()).then(|| buffer.remove(0)) {
-                    after = e.seq;
-                    let mut data = json!({"seq": e.seq, "run": e.run, "type": e.kind, "at_ms": e.at_ms});
-                    if let Some(t) = &e.task {
-                        data["task"] = json!(t);
-                    }
-                    if let (Some(obj), Some(d)) = (data.as_object_mut(), e.data.as_object()) {
-                        for (k, v) in d {
-                            obj.entry(k.clone()).or_insert(v.clone());
-                        }
-                    }
-                    let event = SseEvent::default().id(e.seq.to_string()).event(e.kind.clone()).data(data.to_string());
-                    return Some((Ok(event), (store, after, buffer, run)));
-                }
+    // While one batch is being sent, the next is read (a blocking thread reads and
+    // decodes while the runtime encodes and writes): a replay uses both cores.
+    let fetch = move |store: Arc<dyn TaskStore>, run: Option<String>, after: i64| {
+        tokio::task::spawn_blocking(move || store.events_after(run.as_deref(), after, EVENT_BATCH))
+    };
+    let state = Replay { store, run, after, buffer: std::collections::VecDeque::new(), next: None };
+    let stream = futures::stream::unfold(state, move |mut st| async move {
+        loop {
+            if let Some(e) = st.buffer.pop_front() {
+                st.after = e.seq;
+                return Some((Ok(sse_event(e)), st));
+            }
+            let prefetched = match st.next.take() {
+                Some(next) => next.await.ok().and_then(Result::ok).unwrap_or_default(),
+                None => Vec::new(),
+            };
+            let events = if prefetched.is_empty() {
                 // Subscribe before reading, so a commit in between is not missed.
-                let mut rx = store.subscribe();
-                let (s, r) = (store.clone(), run.clone());
-                let batch = tokio::task::spawn_blocking(move || s.events_after(r.as_deref(), after, 1000)).await;
-                match batch {
-                    Ok(Ok(events)) if !events.is_empty() => buffer = events,
+                let mut rx = st.store.subscribe();
+                match fetch(st.store.clone(), st.run.clone(), st.after).await {
+                    Ok(Ok(events)) if !events.is_empty() => events,
                     Ok(Ok(_)) if !follow => return None,
                     Ok(Ok(_)) => {
                         if rx.changed().await.is_err() {
                             return None;
                         }
+                        continue;
                     }
                     _ => return None,
                 }
+            } else {
+                prefetched
+            };
+            if let Some(last) = events.last() {
+                st.next = Some(fetch(st.store.clone(), st.run.clone(), last.seq));
             }
-        },
-    );
+            st.buffer = events.into();
+        }
+    });
     Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
 
