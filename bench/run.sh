@@ -1,39 +1,96 @@
 #!/usr/bin/env bash
-# The benchmark suite (not part of CI): builds the harness (pier's side in crates/pier-bench,
+# The benchmark suite (not part of CI). Builds the harness (pier's side in crates/pier-bench,
 # the official Rust SDK's in bench/rust-sdk, the TypeScript SDK's in bench/ts), installs the
-# TypeScript SDK, and prints B1-B4 as JSON lines. Results and their reading: docs/benchmarks.md.
+# TypeScript SDK (and, with --peers, codex-acp, claude-agent-acp and gemini-cli, about 400 MB),
+# runs every benchmark once to warm up and then ROUNDS times, prints each run as a JSON line on
+# stderr and the table of medians (min, max) on stdout. Reading the figures: docs/benchmarks.md.
 #
-#   bench/run.sh [ROUNDS]      # default 5 rounds after one warm-up
+#   bench/run.sh [ROUNDS] [--peers]      # default 5 rounds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds="${1:-5}"
+rounds=5
+with_peers=0
+for a in "$@"; do
+  case "$a" in
+    --peers) with_peers=1 ;;
+    *) rounds="$a" ;;
+  esac
+done
 
 peers="${PIER_TEST_PEERS:-$PWD/target/test-peers}"
 if [ ! -f "$peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js" ]; then
   mkdir -p "$peers"
   npm install --prefix "$peers" --no-audit --no-fund --loglevel=error @agentclientprotocol/sdk@1.9.0
 fi
+interop="${PIER_INTEROP_PEERS:-$PWD/target/interop}"
+if [ "$with_peers" = 1 ] && [ ! -x "$interop/node_modules/.bin/gemini" ]; then
+  mkdir -p "$interop"
+  npm install --prefix "$interop" --no-audit --no-fund --loglevel=error \
+    @zed-industries/codex-acp@0.16.0 @zed-industries/claude-agent-acp@0.23.1 @google/gemini-cli@0.61.0
+fi
 ln -sfn "$peers/node_modules" bench/ts/node_modules
-cargo build --release -p pier -p pier-bench --quiet
+cargo build --release --quiet -p pier -p pier-bench
+cargo build --release --quiet -p pier --example interop
 (cd bench/rust-sdk && cargo build --release --quiet)
-sdk=bench/rust-sdk/target/release/sdk-bench
-bench=target/release/pier-bench
-pier=target/release/pier
+sdk="$PWD/bench/rust-sdk/target/release/sdk-bench"
+bench="$PWD/target/release/pier-bench"
+pier="$PWD/target/release/pier"
 sdk_agent="$peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js"
-home="$(mktemp -d)"
-trap 'rm -rf "$home"' EXIT
+work="$(mktemp -d)"
+server=""
+cleanup() { [ -n "$server" ] && kill "$server" 2>/dev/null; rm -rf "$work"; }
+trap cleanup EXIT
+export PIER_HOME="$work/home"
+pin="taskset -c 0"
 
 run() { # NAME COMMAND...: one warm-up, then $rounds measured runs
   local name="$1"; shift
   "$@" >/dev/null
-  for i in $(seq "$rounds"); do echo "{\"bench\":\"$name\",\"round\":$i,\"result\":$("$@")}"; done
+  for i in $(seq "$rounds"); do
+    local line
+    line="{\"bench\":\"$name\",\"round\":$i,\"result\":$("$@")}"
+    echo "$line" >&2
+    echo "$line"
+  done
 }
 
-echo "# machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB, $(uname -sr), $(rustc --version), node $(node --version)"
-run B1B2-pier       "$bench" client --updates 100000 --rtt 20000 --rtt-session-new -- "$bench" agent
-run B1B2-rust-sdk   "$sdk" client 100000 20000 -- "$sdk" agent
-run B1B2-typescript node bench/ts/client.mjs 100000 20000 node bench/ts/agent.mjs
-run B1-serde-limit  "$bench" limit --updates 100000
-run B3-pier-agent   env PIER_HOME="$home" "$bench" startup --n 20 -- "$pier" agent
-run B3-ts-example   "$bench" startup --n 20 -- node "$sdk_agent"
-run B4-pier-agent   env PIER_HOME="$home" "$bench" sessions --sessions 1000 -- "$pier" agent
+{
+echo "Machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB, $(uname -sr), $(rustc --version), node $(node --version); $(date -u +%F)"
+echo
+# B1 + B2, each pairing with its own agent and client. Free: the kernel places the two
+# processes; pinned: both on one core, where a round trip costs the software, not the
+# hypervisor's wake-up of an idle core (see B2-floor).
+run B1B2-pier              "$bench" client --updates 100000 --rtt 20000 --rtt-session-new -- "$bench" agent
+run B1B2-rust-sdk          "$sdk" client 100000 20000 -- "$sdk" agent
+run B1B2-typescript        node bench/ts/client.mjs 100000 20000 node bench/ts/agent.mjs
+run B1B2-pier-pinned       $pin "$bench" client --updates 100000 --rtt 20000 --rtt-session-new -- "$bench" agent
+run B1B2-rust-sdk-pinned   $pin "$sdk" client 100000 20000 -- "$sdk" agent
+run B1B2-typescript-pinned $pin node bench/ts/client.mjs 100000 20000 node bench/ts/agent.mjs
+run B1-serde-limit         "$bench" limit --updates 100000
+run B2-floor               "$bench" floor
+run B2-floor-pinned        $pin "$bench" floor
+# B3: cold starts, median of 20 per run.
+run B3-pier-agent          "$bench" startup --n 20 -- "$pier" agent
+run B3-ts-example          "$bench" startup --n 20 -- node "$sdk_agent"
+# B4: agent RSS idle, with 1,000 sessions, and during B1 (pier's client reads the agent's peak).
+run B4-pier-agent          "$bench" sessions --sessions 1000 -- "$pier" agent
+run B4-rust-sdk-agent      "$bench" sessions --sessions 1000 -- "$sdk" agent
+run B4-typescript-agent    "$bench" sessions --sessions 1000 -- node bench/ts/agent.mjs
+run B4-B1-rust-sdk-agent   "$bench" client --updates 100000 --rtt 1 --rtt-session-new -- "$sdk" agent
+run B4-B1-typescript-agent "$bench" client --updates 100000 --rtt 1 --rtt-session-new -- node bench/ts/agent.mjs
+# B5: the host end to end, the event log, and the SSE replay of 1,000,000 events.
+run B5-host-10000-tasks    "$bench" host --tasks 10000 --concurrency 8 -- "$pier"
+run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
+"$bench" log --writers 1 --appends 1 --fill 1000000 -- "$work/replay.db" >/dev/null
+port=$((20000 + RANDOM % 20000))
+"$pier" serve --store "$work/replay.db" --listen "127.0.0.1:$port" --token bench 2>"$work/serve.log" &
+server=$!
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
+run B5-sse-replay-1M       "$bench" replay --token bench -- "http://127.0.0.1:$port"
+kill "$server"; server=""
+if [ "$with_peers" = 1 ]; then
+  # B3 for the real agents, their models pointed at a local fake server.
+  target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 \
+    | sed 's/^{"agent":"\([a-z]*\)",/{"bench":"B3-\1","round":1,/' | tee /dev/stderr
+fi
+} | python3 bench/summarize.py

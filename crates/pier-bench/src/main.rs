@@ -10,6 +10,7 @@
 //! - `log -- DB`: B5's durable event appends/s from concurrent writers, then a fill
 //!   of the log for the replay.
 //! - `replay -- URL`: B5's SSE replay of every stored event from `pier serve`.
+//! - `host -- PIER`: B5 end to end, `pier run` of N trivial tasks against the bench agent.
 //! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
 //! - `sessions CMD…`: opens sessions and reports the agent's RSS.
 
@@ -106,12 +107,21 @@ fn spawn(cmd: &[String]) -> tokio::process::Child {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
     {
         Ok(c) => c,
         Err(e) => panic!("spawn {program}: {e}"),
     }
+}
+
+/// Ends the agent and everything it started (Node agents start helpers of their own).
+async fn end(mut child: tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+    }
+    let _ = child.wait().await;
 }
 
 fn connect(child: &mut tokio::process::Child, updates: Arc<AtomicU64>) -> Connection {
@@ -181,7 +191,7 @@ async fn client(args: &[String], cmd: &[String]) {
         })
     );
     drop(conn);
-    let _ = child.kill().await;
+    end(child).await;
 }
 
 /// The serde-only limit: the same frames through a pipe, parsed into schema types.
@@ -373,6 +383,50 @@ async fn replay(args: &[String], url: &str) {
     );
 }
 
+/// B5 end to end: `pier run` of a plan of independent trivial tasks against the bench
+/// agent (one update per prompt), every commit durable, timed as a whole process.
+async fn host(args: &[String], cmd: &[String]) {
+    let tasks = arg(args, "--tasks", 10_000);
+    let concurrency = arg(args, "--concurrency", 8);
+    let Some(pier) = cmd.first() else { panic!("give the pier binary after --") };
+    let dir = std::env::temp_dir().join(format!("pier-bench-host-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let write = |name: &str, text: String| {
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(dir.join(name), text)) {
+            panic!("write {name}: {e}");
+        }
+    };
+    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
+    write("pier.toml", format!("[agents.bench]\ncommand = {:?}\nargs = [\"agent\"]\n", exe.display().to_string()));
+    let mut plan = String::from("[defaults]\nagent = \"bench\"\n");
+    for i in 0..tasks {
+        plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
+    }
+    write("plan.toml", plan);
+    let started = Instant::now();
+    let out = tokio::process::Command::new(pier)
+        .args(["run", "plan.toml", "--format", "json", "--concurrency", &concurrency.to_string()])
+        .current_dir(&dir)
+        .env("PIER_HOME", dir.join("home"))
+        .stderr(Stdio::inherit())
+        .output()
+        .await;
+    let seconds = started.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => panic!("run {pier}: {e}"),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary: Value = text.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or_default();
+    let completed = summary["counts"]["completed"].as_u64().unwrap_or(0);
+    println!(
+        "{}",
+        json!({"tasks": tasks, "completed": completed, "concurrency": concurrency, "seconds": seconds,
+               "tasks_per_s": completed as f64 / seconds, "events": text.lines().count().saturating_sub(1)})
+    );
+}
+
 async fn startup(args: &[String], cmd: &[String]) {
     let n = arg(args, "--n", 20);
     let mut init = Vec::new();
@@ -387,7 +441,7 @@ async fn startup(args: &[String], cmd: &[String]) {
         call(&conn, "session/new", json!({"cwd": cwd, "mcpServers": []})).await;
         new.push(started.elapsed());
         drop(conn);
-        let _ = child.kill().await;
+        end(child).await;
     }
     let median = |v: &mut Vec<Duration>| {
         v.sort();
@@ -410,7 +464,7 @@ async fn sessions(args: &[String], cmd: &[String]) {
     let with = rss_kb(pid);
     println!("{}", json!({"idle_rss_kb": idle, "sessions": n, "rss_with_sessions_kb": with}));
     drop(conn);
-    let _ = child.kill().await;
+    end(child).await;
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -423,13 +477,14 @@ async fn main() {
         Some("client") => client(opts, cmd).await,
         Some("limit") => limit(opts),
         Some("floor") => floor(opts),
+        Some("host") => host(opts, cmd).await,
         Some("log") => log(opts, cmd.first().map_or("bench.db", String::as_str)),
         Some("replay") => replay(opts, cmd.first().map_or("http://127.0.0.1:8477", String::as_str)).await,
         Some("echo") => echo(),
         Some("startup") => startup(opts, cmd).await,
         Some("sessions") => sessions(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host -- PIER | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD"
         ),
     }
 }

@@ -277,6 +277,29 @@ async fn main() -> std::io::Result<()> {
         .and_then(Path::parent)
         .map(|d| d.join("pier"))
         .ok_or_else(|| std::io::Error::other("no target dir"))?;
+    if let Some(bench) = flag("--startup").map(|b| std::path::absolute(b)).transpose()? {
+        // Benchmark B3 (bench/run.sh): each agent set up as for the interop check, its
+        // model pointed at the fake server, timed by `pier-bench startup`.
+        let n = flag("--n").unwrap_or_else(|| "20".into());
+        for agent in AGENTS.iter().filter(|a| wanted.is_empty() || wanted.contains(&a.name)) {
+            let scratch = tempfile::tempdir()?;
+            let work = scratch.path().join("work");
+            std::fs::create_dir_all(&work)?;
+            let fake = FakeModel::start().await?;
+            fake.set_fallback(|_| Reply::text("ok"));
+            let s = setup(agent.name, &peers, scratch.path(), &fake.base_url())?;
+            let mut cmd = tokio::process::Command::new(&bench);
+            cmd.args(["startup", "--n", n.as_str(), "--"])
+                .args(s.command.split(' '))
+                .current_dir(&work)
+                .envs(s.env.iter().map(|(k, v)| (k, v)))
+                .stderr(std::process::Stdio::inherit());
+            let out = cmd.output().await?;
+            let line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            println!("{{\"agent\":\"{}\",\"result\":{}}}", agent.name, if line.is_empty() { "null" } else { &line });
+        }
+        return Ok(());
+    }
     let mut rows = Vec::new();
     for agent in AGENTS.iter().filter(|a| wanted.is_empty() || wanted.contains(&a.name)) {
         eprintln!("== {}", agent.name);
