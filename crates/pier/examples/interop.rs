@@ -277,7 +277,7 @@ async fn main() -> std::io::Result<()> {
         .and_then(Path::parent)
         .map(|d| d.join("pier"))
         .ok_or_else(|| std::io::Error::other("no target dir"))?;
-    if let Some(bench) = flag("--startup").map(|b| std::path::absolute(b)).transpose()? {
+    if let Some(bench) = flag("--startup").map(std::path::absolute).transpose()? {
         // Benchmark B3 (bench/run.sh): each agent set up as for the interop check, its
         // model pointed at the fake server, timed by `pier-bench startup`.
         let n = flag("--n").unwrap_or_else(|| "20".into());
