@@ -6,7 +6,9 @@
 //! A driver task reads frames and dispatches them; a writer task owns the sink.
 //!
 //! # Dispatch
-//! Incoming requests each run on their own task, so a long `session/prompt` never
+//! An incoming request's handler is polled once on the read loop, so requests begin
+//! in wire order and one that needs no waiting (most of them) is answered without a
+//! task; one that waits continues on its own task, so a long `session/prompt` never
 //! blocks `session/cancel`, another session, or a response this side awaits.
 //! Notifications are handed to the handler synchronously on the read loop, so the
 //! handler sees them in wire order.
@@ -398,7 +400,17 @@ async fn start_request(conn: &Connection, handler: &Arc<dyn Handler>, id: Reques
         return;
     }
     let cx = RequestCx { id: id.clone(), cancel: cancel.clone(), conn: conn.clone() };
-    let fut = handler.request(cx, method, params);
+    let mut fut = handler.request(cx, method, params);
+    // Most requests (initialize, session/new, a cancel) finish without waiting: polled
+    // once here, they are answered without a task of their own. One that waits goes on
+    // to its task, which polls it again with a real waker straight away.
+    let first = fut.as_mut().poll(&mut std::task::Context::from_waker(futures::task::noop_waker_ref()));
+    if let std::task::Poll::Ready(result) = first {
+        lock(&inner.in_flight).remove(&id);
+        let result = if cancelled_by_peer.load(Ordering::SeqCst) { Err(Error::request_cancelled()) } else { result };
+        conn.respond(&id, result).await;
+        return;
+    }
     let conn = conn.clone();
     inner.tracker.spawn(async move {
         let settle_timeout = conn.inner.config.settle_timeout;
