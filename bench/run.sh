@@ -78,6 +78,11 @@ run B4-rust-sdk-agent      "$bench" sessions --sessions 1000 -- "$sdk" agent
 run B4-typescript-agent    "$bench" sessions --sessions 1000 -- node bench/ts/agent.mjs
 run B4-B1-rust-sdk-agent   "$bench" client --updates 100000 --rtt 1 --rtt-session-new -- "$sdk" agent
 run B4-B1-typescript-agent "$bench" client --updates 100000 --rtt 1 --rtt-session-new -- node bench/ts/agent.mjs
+if [ -x /usr/bin/time ]; then
+  # pier exec as the client of B1 (its peak RSS includes everything it buffered).
+  run B4-pier-exec-B1-json sh -c "/usr/bin/time -f '{\"peak_rss_kb\":%M,\"seconds\":%e}' -o '$work/t' \
+    '$pier' exec --agent '$bench agent' --format json 100000 >/dev/null && cat '$work/t'"
+fi
 # B5: the host end to end, the event log, and the SSE replay of 1,000,000 events.
 run B5-host-10000-tasks    "$bench" host --tasks 10000 --concurrency 8 -- "$pier"
 run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
@@ -91,6 +96,7 @@ kill "$server"; server=""
 if [ "$with_peers" = 1 ]; then
   # B3 for the real agents, their models pointed at a local fake server.
   target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 \
-    | sed 's/^{"agent":"\([a-z]*\)",/{"bench":"B3-\1","round":1,/' | tee /dev/stderr
+    | sed 's/^{"agent":"\([a-z]*\)",/{"bench":"B3-\1","round":1,/' \
+    | while read -r line; do echo "$line" >&2; echo "$line"; done
 fi
 } | python3 bench/summarize.py
