@@ -94,6 +94,14 @@ pub trait Handler: Send + Sync + 'static {
     /// Told when the peer sent something that is not a valid message (it has
     /// already been answered as the spec says). The default ignores it.
     fn protocol_error(&self, _conn: &Connection, _description: &str) {}
+
+    /// Checked before each frame is read. A handler whose consumer has fallen behind
+    /// returns a future that resolves once it has caught up; the connection stops
+    /// reading meanwhile (the peer's writes then wait on the pipe) instead of buffering
+    /// without bound. The default never waits.
+    fn backpressure(&self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
 }
 
 /// Context of one incoming request.
@@ -333,6 +341,13 @@ async fn drive<R: tokio::io::AsyncBufRead + Unpin>(
 ) {
     let inner = conn.inner.clone();
     let reason = loop {
+        if let Some(caught_up) = handler.backpressure() {
+            tokio::select! {
+                biased;
+                _ = inner.shutdown.cancelled() => break CloseReason::Requested,
+                () = caught_up => {}
+            }
+        }
         let frame = tokio::select! {
             biased;
             _ = inner.shutdown.cancelled() => break CloseReason::Requested,

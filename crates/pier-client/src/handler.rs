@@ -50,6 +50,8 @@ pub struct ClientState {
     /// Whether a person can be asked on the terminal.
     pub interactive: bool,
     pub events: mpsc::UnboundedSender<ClientEvent>,
+    /// Events sent on `events` and not yet taken by the turn.
+    pub backlog: Arc<Backlog>,
     /// Fires once the turn is being cancelled: every permission request is then
     /// answered `cancelled` (R088).
     pub cancelling: CancellationToken,
@@ -66,6 +68,51 @@ pub struct ClientState {
     /// Answers *ask* when set, instead of the terminal or the non-interactive rule.
     /// Per turn: an agent that serves several turns answers each turn's asker.
     asker: Mutex<Option<Arc<dyn Asker>>>,
+}
+
+/// Events the handler has handed on and the turn has not yet taken. An agent can
+/// write updates faster than they are rendered or recorded; above `HIGH` the
+/// connection stops reading until the turn is down to `LOW`, so a flood costs the
+/// agent a blocked pipe instead of costing pier unbounded memory.
+#[derive(Default)]
+pub struct Backlog {
+    queued: std::sync::atomic::AtomicUsize,
+    drained: tokio::sync::Notify,
+}
+
+impl Backlog {
+    const HIGH: usize = 1024;
+    const LOW: usize = 256;
+
+    fn added(&self) {
+        self.queued.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The turn took one event.
+    pub fn taken(&self) {
+        let before = self.queued.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| Some(q.saturating_sub(1)));
+        if before.unwrap_or(0) == Self::LOW + 1 {
+            self.drained.notify_waiters();
+        }
+    }
+
+    fn over(self: &Arc<Self>) -> Option<BoxFuture<'static, ()>> {
+        if self.queued.load(Ordering::SeqCst) <= Self::HIGH {
+            return None;
+        }
+        let backlog = self.clone();
+        Some(Box::pin(async move {
+            loop {
+                let notified = backlog.drained.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if backlog.queued.load(Ordering::SeqCst) <= Self::LOW {
+                    return;
+                }
+                notified.await;
+            }
+        }))
+    }
 }
 
 impl ClientState {
@@ -95,6 +142,7 @@ impl ClientState {
             replaying: AtomicBool::new(false),
             kinds: Mutex::new(HashMap::new()),
             asker: Mutex::new(None),
+            backlog: Arc::new(Backlog::default()),
         }
     }
 
@@ -106,6 +154,7 @@ impl ClientState {
     }
 
     fn emit(&self, event: ClientEvent) {
+        self.backlog.added();
         let _ = self.events.send(event);
     }
 
@@ -367,6 +416,10 @@ impl Handler for ClientHandler {
             return;
         }
         self.0.emit(ClientEvent::Update(params));
+    }
+
+    fn backpressure(&self) -> Option<BoxFuture<'static, ()>> {
+        self.0.backlog.over()
     }
 
     fn protocol_error(&self, _conn: &Connection, description: &str) {

@@ -151,13 +151,16 @@ impl Transcript {
     }
 }
 
+/// How many events may wait between a turn and whoever consumes its `events`.
+pub const EVENT_QUEUE: usize = 1024;
+
 /// Runs one prompt on a fresh agent process, then tears it down. `events` receives
 /// everything that happens; `interrupts` yields once per Ctrl-C or SIGTERM.
 pub async fn run(
     opts: RunOptions,
     target: SessionTarget,
     prompt: Vec<ContentBlock>,
-    events: mpsc::UnboundedSender<ClientEvent>,
+    events: mpsc::Sender<ClientEvent>,
     mut interrupts: mpsc::UnboundedReceiver<()>,
 ) -> RunOutcome {
     let started = Instant::now();
@@ -192,10 +195,7 @@ pub struct LiveAgent {
 
 impl LiveAgent {
     /// Spawns the agent and runs the handshake. On failure the agent is already torn down.
-    pub async fn start(
-        opts: &RunOptions,
-        events: &mpsc::UnboundedSender<ClientEvent>,
-    ) -> Result<LiveAgent, ClientError> {
+    pub async fn start(opts: &RunOptions, events: &mpsc::Sender<ClientEvent>) -> Result<LiveAgent, ClientError> {
         let sandbox = Sandbox::new(&opts.cwd, &opts.allow_dirs)
             .and_then(|s| match &opts.writable {
                 Some(w) => s.with_writable(w),
@@ -281,7 +281,7 @@ impl LiveAgent {
         opts: &RunOptions,
         target: SessionTarget,
         prompt: Vec<ContentBlock>,
-        events: &mpsc::UnboundedSender<ClientEvent>,
+        events: &mpsc::Sender<ClientEvent>,
         interrupts: &mut mpsc::UnboundedReceiver<()>,
     ) -> RunOutcome {
         let started = Instant::now();
@@ -317,19 +317,21 @@ impl LiveAgent {
         }
         self.state.terminals.kill_all();
         while let Ok(event) = self.inner_rx.try_recv() {
-            let _ = events.send(event);
+            self.state.backlog.taken();
+            let _ = events.send(event).await;
         }
         outcome.duration = started.elapsed();
         outcome
     }
 
     /// Closes the connection and ends the agent's whole process group.
-    pub async fn shutdown(mut self, events: &mpsc::UnboundedSender<ClientEvent>) {
+    pub async fn shutdown(mut self, events: &mpsc::Sender<ClientEvent>) {
         self.state.terminals.kill_all();
         self.conn.close().await;
         self.process.shutdown(Duration::from_secs(2)).await;
         while let Ok(event) = self.inner_rx.try_recv() {
-            let _ = events.send(event);
+            self.state.backlog.taken();
+            let _ = events.send(event).await;
         }
     }
 }
@@ -370,7 +372,7 @@ async fn drive(
     agent: &mut AgentProcess,
     init: &Value,
     inner_rx: &mut mpsc::UnboundedReceiver<ClientEvent>,
-    events: &mpsc::UnboundedSender<ClientEvent>,
+    events: &mpsc::Sender<ClientEvent>,
     interrupts: &mut mpsc::UnboundedReceiver<()>,
     outcome: &mut RunOutcome,
 ) -> Result<(), ClientError> {
@@ -443,17 +445,20 @@ async fn drive(
         tokio::select! {
             response = &mut prompt_fut => break response,
             Some(event) = inner_rx.recv() => {
+                state.backlog.taken();
                 last_activity = Instant::now();
                 match &event {
                     ClientEvent::Update(params) => transcript.see(params),
                     ClientEvent::ProtocolError(_) => {
-                        let _ = events.send(event.clone());
+                        let _ = events.send(event.clone()).await;
                         outcome.text = transcript.text();
                         return Err(protocol_error(agent, state));
                     }
                     _ => {}
                 }
-                let _ = events.send(event);
+                // A bounded queue: while its consumer is behind, this waits, the handler's
+                // backlog grows, and the connection stops reading (see `Backlog`).
+                let _ = events.send(event).await;
             }
             _ = tokio::time::sleep_until(idle_deadline.into()), if cancel.is_none() => {
                 start_cancel(conn, state, &session_id).await;
@@ -495,10 +500,11 @@ async fn drive(
     };
     // Updates that raced the response are still part of the turn.
     while let Ok(event) = inner_rx.try_recv() {
+        state.backlog.taken();
         if let ClientEvent::Update(params) = &event {
             transcript.see(params);
         }
-        let _ = events.send(event);
+        let _ = events.send(event).await;
     }
     outcome.text = transcript.text();
     outcome.usage = transcript.usage.clone();

@@ -90,6 +90,6 @@ impl AgentPool {
 
 async fn end(agent: LiveAgent) {
     // Nothing reads events of an agent between tasks.
-    let (events, _) = mpsc::unbounded_channel();
+    let (events, _) = mpsc::channel(1);
     agent.shutdown(&events).await;
 }

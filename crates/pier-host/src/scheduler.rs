@@ -393,7 +393,7 @@ impl Worker {
         };
 
         let prepared = self.options();
-        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (events_tx, events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
         let (int_tx, int_rx) = mpsc::unbounded_channel();
         let recorder = tokio::spawn(record(self.store.clone(), claimed.clone(), events_rx));
         let outcome = match prepared {
@@ -525,7 +525,7 @@ impl Worker {
         &self,
         opts: RunOptions,
         prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
-        events: mpsc::UnboundedSender<ClientEvent>,
+        events: mpsc::Sender<ClientEvent>,
         mut interrupts: mpsc::UnboundedReceiver<()>,
     ) -> RunOutcome {
         let started = std::time::Instant::now();
@@ -672,7 +672,7 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
 }
 
 /// Writes a task's events to the log in batches and its side effects as evidence.
-async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::UnboundedReceiver<ClientEvent>) {
+async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::Receiver<ClientEvent>) {
     let mut kinds: HashMap<String, String> = HashMap::new();
     let mut effects_seen: HashSet<String> = HashSet::new();
     while let Some(first) = rx.recv().await {

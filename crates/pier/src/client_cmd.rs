@@ -171,7 +171,7 @@ async fn run_with_signals(
     prompt: String,
     renderer: &mut Renderer,
 ) -> RunOutcome {
-    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let (events_tx, mut events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
     let (int_tx, int_rx) = mpsc::unbounded_channel();
     let signals = tokio::spawn(async move {
         use tokio::signal::unix::{SignalKind, signal};

@@ -131,6 +131,24 @@ async fn exec_text_prints_the_answer_and_exits_zero() {
 }
 
 #[tokio::test]
+async fn an_update_flood_costs_the_agent_a_blocked_pipe_not_pier_unbounded_memory() {
+    // The agent writes 100,000 updates as fast as the pipe takes them; rendering them as
+    // JSON is slower than reading them. pier stops reading while it is behind, so its
+    // peak RSS (read by the agent from /proc at the end) stays small.
+    let env = Env::new(None);
+    let agent =
+        format!("python3 {}", Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/flood_agent.py").display());
+    let o = env.run(&["exec", "--agent", &agent, "--format", "json", "100000"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let all = lines(&o);
+    let thoughts = all.iter().filter(|l| l["update"]["sessionUpdate"] == "agent_thought_chunk").count();
+    assert_eq!(thoughts, 100_000, "every update was delivered");
+    let text = result(&o)["text"].as_str().unwrap_or_default().to_owned();
+    let peak_kb: u64 = text.trim_start_matches("peak=").parse().unwrap_or(u64::MAX);
+    assert!(peak_kb < 40 * 1024, "pier exec peaked at {peak_kb} kB while the agent flooded it");
+}
+
+#[tokio::test]
 async fn exec_json_is_ndjson_ending_with_a_result() {
     let f = fake().await;
     f.push(Reply::text("42"));
