@@ -447,6 +447,9 @@ async fn drive(
             Some(event) = inner_rx.recv() => {
                 state.backlog.taken();
                 last_activity = Instant::now();
+                if !of_session(&event, &session_id) {
+                    continue;
+                }
                 match &event {
                     ClientEvent::Update(params) => transcript.see(params),
                     ClientEvent::ProtocolError(_) => {
@@ -501,6 +504,9 @@ async fn drive(
     // Updates that raced the response are still part of the turn.
     while let Ok(event) = inner_rx.try_recv() {
         state.backlog.taken();
+        if !of_session(&event, &session_id) {
+            continue;
+        }
         if let ClientEvent::Update(params) = &event {
             transcript.see(params);
         }
@@ -524,6 +530,21 @@ async fn drive(
         Some(_) => Ending::Interrupted { confirmed: prompt_response.stop_reason == StopReason::Cancelled },
     };
     Ok(())
+}
+
+/// Whether an event belongs to this turn's session. An agent that serves several
+/// turns may still send an update for an earlier session; it is not this turn's.
+fn of_session(event: &ClientEvent, session_id: &str) -> bool {
+    match event {
+        ClientEvent::Update(params) => {
+            let of = params["sessionId"].as_str() == Some(session_id);
+            if !of {
+                tracing::debug!(session = ?params["sessionId"], "ignored an update for another session");
+            }
+            of
+        }
+        _ => true,
+    }
 }
 
 async fn start_cancel(conn: &Connection, state: &ClientState, session_id: &str) {

@@ -257,12 +257,13 @@ async fn a_warm_agent_serves_the_next_task_in_a_new_session_until_a_turn_ends_ba
     let h = Host::new(None);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pid_agent.py");
     h.write("pier.toml", &format!("[agents.pid]\ncommand = \"python3\"\nargs = [\"{}\"]\n", script.display()));
-    // One at a time, in plan order: a and b share a process; c hangs and times out, so
+    // One at a time, in plan order: a and b share a process (and a stray update for a's
+    // session, sent while b's session opens, is not b's); c hangs and times out, so
     // its process is not reused; d gets a fresh one; e asks for a process of its own;
     // f is served by d's, which waited in the pool.
     let plan = h.write(
         "p.toml",
-        "[defaults]\nagent = \"pid\"\n\n[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"x\"\n\n\
+        "[defaults]\nagent = \"pid\"\n\n[[tasks]]\nid = \"a\"\nprompt = \"late\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"x\"\n\n\
          [[tasks]]\nid = \"c\"\nprompt = \"hang\"\ntimeout = 0.3\nmax_attempts = 1\n\n\
          [[tasks]]\nid = \"d\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"e\"\nprompt = \"x\"\nfresh_agent = true\n\n\
          [[tasks]]\nid = \"f\"\nprompt = \"x\"\n",
