@@ -135,6 +135,8 @@ pub trait TaskStore: Send + Sync + 'static {
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
     /// One task, or `None` if the run has no such task.
     fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
+    /// Every pending task of every run, oldest run first, in plan order.
+    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
     /// The run's tasks touched by an event after sequence `after`, and the sequence
     /// they are current to (pass it back next time). How the scheduler stays current
     /// without reading every task on every pass.
@@ -247,6 +249,10 @@ CREATE TABLE questions (
     answered_by TEXT,
     PRIMARY KEY (run_id, task_id, attempt, n)
 );
+"#,
+    // Pending tasks across all runs, for handing worker tasks out without reading every run.
+    r#"
+CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending';
 "#,
 ];
 
@@ -566,6 +572,17 @@ impl TaskStore for SqliteStore {
             Err(StoreError::UnknownTask(_)) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        let c = lock(&self.reader);
+        let columns = TASK_COLUMNS.split(", ").map(|c| format!("t.{}", c.trim())).collect::<Vec<_>>().join(", ");
+        let mut stmt = c.prepare_cached(&format!(
+            "SELECT {columns} FROM tasks t INDEXED BY tasks_pending JOIN runs r ON r.id = t.run_id
+             WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord"
+        ))?;
+        let rows = stmt.query_map([], row_to_task)?;
+        collect_tasks(rows)
     }
 
     fn tasks_changed(&self, run: &str, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {

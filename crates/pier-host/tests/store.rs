@@ -164,3 +164,18 @@ fn tasks_changed_reports_only_the_tasks_an_event_touched() {
     assert_eq!(changed[0].state, TaskState::Running);
     assert!(later > seq);
 }
+
+#[test]
+fn pending_tasks_come_from_every_run_in_order_and_leave_when_claimed() {
+    let (_d, s) = store();
+    let plan = parse("[[tasks]]\nid = \"z\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    s.create_run("r2", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    let ids = |s: &SqliteStore| -> Vec<(String, String)> {
+        s.pending_tasks().unwrap_or_else(|e| panic!("{e}")).into_iter().map(|t| (t.run_id, t.id)).collect()
+    };
+    let pair = |r: &str, t: &str| (r.to_owned(), t.to_owned());
+    assert_eq!(ids(&s), [pair("r", "a"), pair("r", "b"), pair("r2", "z")]);
+    let v = s.tasks("r").unwrap_or_default()[0].version;
+    s.transition(&claim(v, "c")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ids(&s), [pair("r", "b"), pair("r2", "z")]);
+}

@@ -363,32 +363,35 @@ struct LeaseBody {
 async fn lease(State(app): State<Shared>, Json(body): Json<LeaseBody>) -> Result<Response, ApiError> {
     let ttl = body.ttl_ms.unwrap_or(30_000).clamp(1_000, 3_600_000);
     let claimed = blocking(&app, move |s| {
-        for run in s.run_ids()? {
-            let tasks = s.tasks(&run)?;
-            let states: HashMap<&str, TaskState> = tasks.iter().map(|t| (t.id.as_str(), t.state)).collect();
-            for t in &tasks {
-                let capability = t.spec.agent.strip_prefix("worker:").unwrap_or("");
-                let fits =
-                    is_worker_task(t) && (capability.is_empty() || body.capabilities.iter().any(|c| c == capability));
-                let ready = t.spec.depends_on.iter().all(|d| states.get(d.as_str()) == Some(&TaskState::Completed));
-                if t.state == TaskState::Pending && fits && ready && t.not_before_ms <= pier_host::store::now_ms() {
-                    let tr = Transition {
-                        run: run.clone(),
-                        task: t.id.clone(),
-                        expected_version: t.version,
-                        to: Some(TaskState::Running),
-                        key: format!("lease:{}:{}", t.attempt + 1, body.worker),
-                        reason: format!("leased by worker {}", body.worker),
-                        start_attempt: true,
-                        lease: Some((body.worker.clone(), pier_host::store::now_ms() + ttl)),
-                        ..Transition::default()
-                    };
-                    match s.transition(&tr) {
-                        Ok(row) => return Ok(Some(row)),
-                        Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => continue,
-                        Err(e) => return Err(e),
-                    }
-                }
+        for t in s.pending_tasks()? {
+            let capability = t.spec.agent.strip_prefix("worker:").unwrap_or("");
+            let fits =
+                is_worker_task(&t) && (capability.is_empty() || body.capabilities.iter().any(|c| c == capability));
+            if !fits || t.not_before_ms > pier_host::store::now_ms() {
+                continue;
+            }
+            let mut ready = true;
+            for d in &t.spec.depends_on {
+                ready &= s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed);
+            }
+            if !ready {
+                continue;
+            }
+            let tr = Transition {
+                run: t.run_id.clone(),
+                task: t.id.clone(),
+                expected_version: t.version,
+                to: Some(TaskState::Running),
+                key: format!("lease:{}:{}", t.attempt + 1, body.worker),
+                reason: format!("leased by worker {}", body.worker),
+                start_attempt: true,
+                lease: Some((body.worker.clone(), pier_host::store::now_ms() + ttl)),
+                ..Transition::default()
+            };
+            match s.transition(&tr) {
+                Ok(row) => return Ok(Some(row)),
+                Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => continue,
+                Err(e) => return Err(e),
             }
         }
         Ok(None)

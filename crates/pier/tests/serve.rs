@@ -215,7 +215,8 @@ async fn awaiting_input_is_answered_over_http() {
 #[tokio::test]
 async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine() {
     let s = server(None).await;
-    let plan = "[[tasks]]\nid = \"w1\"\nagent = \"worker:echo\"\nprompt = \"echo me\"\n\n[[tasks]]\nid = \"w2\"\nagent = \"worker:other\"\nprompt = \"not for echo\"\n";
+    let plan = "[[tasks]]\nid = \"w1\"\nagent = \"worker:echo\"\nprompt = \"echo me\"\n\n[[tasks]]\nid = \"w2\"\nagent = \"worker:other\"\nprompt = \"not for echo\"\n\n\
+                [[tasks]]\nid = \"w3\"\nagent = \"worker:echo\"\ndepends_on = [\"w1\"]\nprompt = \"after {{tasks.w1.result}}\"\n";
     let (code, _) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "pull"}))).await;
     assert_eq!(code, 201);
     let (code, leased) = s
@@ -230,7 +231,7 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
     assert_eq!(leased["prompt"], "echo me");
     let version = leased["task"]["version"].as_i64().unwrap_or(0);
     let attempt = leased["task"]["attempt"].as_i64().unwrap_or(0);
-    // Nothing else fits this worker.
+    // Nothing else fits this worker (w3 waits for w1).
     let (code, _) =
         s.call(reqwest::Method::POST, "/lease", Some(json!({"worker": "wk-1", "capabilities": ["echo"]}))).await;
     assert_eq!(code, 204);
@@ -248,6 +249,9 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
     let (code, replay) =
         s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version, "k1"))).await;
     assert_eq!((code, replay), (200, done.clone()), "a replayed update returns the first answer");
+    let (code, next) =
+        s.call(reqwest::Method::POST, "/lease", Some(json!({"worker": "wk-1", "capabilities": ["echo"]}))).await;
+    assert_eq!((code, next["task"]["id"].clone(), next["prompt"].clone()), (200, json!("w3"), json!("after echo me")));
     let (code, illegal) =
         s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("running", version + 1, "k2"))).await;
     assert_eq!((code, illegal["error"]["code"].clone()), (409, json!("bad_transition")));
@@ -262,7 +266,7 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
     let (code, missing) = s.call(reqwest::Method::GET, "/runs/pull/tasks/zz", None).await;
     assert_eq!((code, missing["error"]["code"].clone()), (404, json!("unknown_task")));
     let (code, cancelled) = s.call(reqwest::Method::POST, "/runs/pull/cancel", Some(json!({}))).await;
-    assert_eq!((code, cancelled["cancelled"].clone()), (200, json!(1)));
+    assert_eq!((code, cancelled["cancelled"].clone()), (200, json!(2)), "w2 pending and w3 running");
 }
 
 async fn cli(s: &Server, args: &[&str]) -> std::process::Output {
