@@ -276,7 +276,16 @@ impl Scheduler {
         let (run, id, attempt) = (t.run_id.clone(), t.id.clone(), t.attempt);
         let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, attempt)).await?;
         let (to, why) = rerun_decision(t, &evidence, reason);
-        let moved = self.transition(t, to, "lost", &why, |tr| tr.data = Some(json!({"evidence": evidence}))).await?;
+        let moved = self
+            .transition(t, to, "lost", &why, |tr| {
+                tr.data = Some(json!({"evidence": evidence}));
+                tr.release_lease = true;
+                // Already waiting for a person: it stays so, now for the re-run decision.
+                if t.state == to {
+                    tr.to = None;
+                }
+            })
+            .await?;
         Ok(moved.is_some())
     }
 }

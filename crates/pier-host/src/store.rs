@@ -123,6 +123,9 @@ pub struct Transition {
     pub start_attempt: bool,
     pub count_failure: bool,
     pub lease: Option<(String, i64)>,
+    /// Ends the attempt's hold on the task whatever the target state: the lease is
+    /// cleared and the attempt's unanswered questions are void (its asker is gone).
+    pub release_lease: bool,
     pub not_before_ms: Option<i64>,
     /// Extra fields for the transition event (evidence, outcome).
     pub data: Option<Value>,
@@ -500,6 +503,7 @@ fn transition(tx: &Connection, t: &Transition) -> Result<(TaskRow, i64), StoreEr
     let attempt = row.attempt + i64::from(t.start_attempt);
     let failures = row.failures + i64::from(t.count_failure);
     let (owner, expires) = match (&t.lease, to) {
+        _ if t.release_lease => (None, None),
         (Some((o, e)), TaskState::Running) => (Some(o.clone()), Some(*e)),
         // A task waiting for a person keeps its lease: its agent is still alive.
         (_, TaskState::Running | TaskState::AwaitingInput) => (row.lease_owner.clone(), row.lease_expires_at_ms),
@@ -524,6 +528,13 @@ fn transition(tx: &Connection, t: &Transition) -> Result<(TaskRow, i64), StoreEr
             t.error,
         ],
     )?;
+    if t.release_lease {
+        tx.prepare_cached(
+            "UPDATE questions SET answer = '', answered_by = 'void: the attempt was lost'
+             WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL",
+        )?
+        .execute(params![t.run, t.task])?;
+    }
     if t.start_attempt {
         tx.execute(
             "INSERT OR IGNORE INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3)",

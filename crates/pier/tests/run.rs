@@ -364,6 +364,63 @@ async fn an_expired_lease_of_a_dead_host_is_reclaimed_on_resume() {
 }
 
 #[tokio::test]
+async fn a_question_of_a_dead_host_is_void_and_a_person_decides_the_rerun() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = must(pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n", &|_| Ok(())), "plan");
+    {
+        // A host (long dead) claimed t, its agent edited a file, then asked a person.
+        let store = h.store();
+        must(pier_host::TaskStore::create_run(&store, "r1", &plan, "test"), "create");
+        let row = store.tasks("r1")[0].clone();
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let claim = pier_host::Transition {
+            run: "r1".into(),
+            task: "t".into(),
+            expected_version: row.version,
+            to: Some(pier_host::TaskState::Running),
+            key: "claim:1".into(),
+            start_attempt: true,
+            lease: Some((format!("{}:{}:dead", host.trim(), u32::MAX - 3), i64::MAX)),
+            ..Default::default()
+        };
+        let row = must(pier_host::TaskStore::transition(&store, &claim), "claim by a dead host");
+        let effect = serde_json::json!({"toolCallId": "e1", "kind": "edit", "status": "completed"});
+        must(pier_host::TaskStore::add_evidence(&store, "r1", "t", 1, &effect), "evidence");
+        let ask = serde_json::json!({"options": [{"optionId": "allow_once", "kind": "allow_once", "name": "Allow"}]});
+        must(pier_host::TaskStore::ask(&store, "r1", "t", 1, &ask), "ask");
+        let wait = pier_host::Transition {
+            expected_version: row.version,
+            to: Some(pier_host::TaskState::AwaitingInput),
+            key: "wait:1".into(),
+            start_attempt: false,
+            lease: None,
+            ..claim
+        };
+        must(pier_host::TaskStore::transition(&store, &wait), "awaiting input");
+    }
+    let o = h.run(&["run", "--resume", "r1", "--format", "json"]).await;
+    assert_ne!(o.status.code(), Some(0), "the task still waits for a person");
+    let lost = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["task"] == "t").unwrap_or_default();
+    assert!(
+        lost["reason"].as_str().is_some_and(|r| r.contains("its host died") && r.contains("a person must decide")),
+        "{lost}"
+    );
+    let t = h.store().tasks("r1")[0].clone();
+    assert_eq!((t.state, t.lease_owner.as_deref()), (pier_host::TaskState::AwaitingInput, None));
+    assert_eq!(must(pier_host::TaskStore::open_question(&h.store(), "r1", "t"), "question"), None);
+    // pier approve now decides the re-run, not the dead agent's question.
+    let approved = h.run(&["approve", "t"]).await;
+    assert_eq!(approved.status.code(), Some(0), "{}", stderr(&approved));
+    assert!(String::from_utf8_lossy(&approved.stdout).contains("is now pending"));
+    let o = h.run(&["run", "--resume", "r1", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = &h.store().tasks("r1")[0];
+    assert_eq!((t.state, t.attempt), (pier_host::TaskState::Completed, 2));
+}
+
+#[tokio::test]
 async fn a_lease_that_expired_in_time_is_reclaimed() {
     let f = must(FakeModel::start().await, "fake");
     f.set_fallback(echo);
