@@ -93,6 +93,45 @@ async fn fake() -> FakeModel {
 }
 
 /// A marker that finds every process started for one test in /proc.
+#[tokio::test]
+async fn a_second_ctrl_c_kills_an_agent_that_ignores_the_cancel() {
+    let mut env = Env::new(None);
+    let fifo = env.home.path().join("stubborn.fifo");
+    must(nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU), "mkfifo");
+    env.vars.push(("STUBBORN_FIFO".into(), fifo.display().to_string()));
+    let marker = format!("marker-stubborn-{}", std::process::id());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/stubborn_agent.py");
+    let agent = format!("python3 {} {marker}", script.display());
+    let child = must(
+        env.command(&["exec", "--format", "json", "--cancel-grace", "600", "--agent", &agent, "go"]).spawn(),
+        "spawn",
+    );
+    let pid = nix::unistd::Pid::from_raw(child.id().map_or(0, |p| p as i32));
+    // The agent reports each step on the FIFO; reading it is how the test knows where it is.
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let Ok(file) = std::fs::File::open(&fifo) else { return };
+        for line in std::io::BufReader::new(file).lines().map_while(Result::ok) {
+            let _ = seen_tx.send(line);
+        }
+    });
+    let mut next =
+        async || must(tokio::time::timeout(LIMIT, seen.recv()).await, "the agent reported").unwrap_or_default();
+    assert_eq!(next().await, "prompt");
+    must(nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT), "first SIGINT");
+    assert_eq!(next().await, "cancel", "the first Ctrl-C starts the cancel handshake");
+    assert!(!processes_with(&marker).is_empty(), "the agent is still running, ignoring the cancel");
+    must(nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT), "second SIGINT");
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit at once"), "wait");
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    let r = result(&o);
+    assert_eq!(r["error"]["cancelConfirmed"], false, "{r}");
+    assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("interrupted twice")), "{r}");
+    assert!(processes_with(&marker).is_empty(), "the agent survived the second Ctrl-C");
+    let _ = reader.join();
+}
+
 fn processes_with(marker: &str) -> Vec<i32> {
     std::fs::read_dir("/proc")
         .map(|d| {
