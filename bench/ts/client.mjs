@@ -25,7 +25,7 @@ const result = await acp
       lat.push(Number(process.hrtime.bigint() - t) / 1e3);
     }
     lat.sort((a, b) => a - b);
-    return { updates: count, seconds, msgs_per_s: count / seconds, rtt_p50_us: lat[Math.floor((lat.length - 1) * 0.5)], rtt_p99_us: lat[Math.floor((lat.length - 1) * 0.99)] };
+    return { updates: count, seconds, msgs_per_s: count / seconds, rtt_p50_us: lat[Math.floor((lat.length - 1) * 0.5)], rtt_p99_us: lat[Math.floor((lat.length - 1) * 0.99)], client_peak_rss_kb: process.resourceUsage().maxRSS };
   });
 console.log(JSON.stringify(result));
 child.kill();

@@ -96,11 +96,21 @@ async fn client(updates: u64, rtts: u64, cmd: String) -> agent_client_protocol::
             println!(
                 "{}",
                 serde_json::json!({"updates": got, "seconds": seconds, "msgs_per_s": got as f64 / seconds,
-                    "rtt_p50_us": pct(0.5), "rtt_p99_us": pct(0.99)})
+                    "rtt_p50_us": pct(0.5), "rtt_p99_us": pct(0.99), "client_peak_rss_kb": peak_rss_kb()})
             );
             Ok(())
         })
         .await
+}
+
+/// This process's peak RSS (VmHWM), as pier-bench reports it.
+fn peak_rss_kb() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 #[tokio::main(flavor = "current_thread")]

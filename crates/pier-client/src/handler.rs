@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, IsTerminal};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use agent_client_protocol_schema::v1::{
@@ -49,9 +49,7 @@ pub struct ClientState {
     pub policy: ClientPolicy,
     /// Whether a person can be asked on the terminal.
     pub interactive: bool,
-    pub events: mpsc::UnboundedSender<ClientEvent>,
-    /// Events sent on `events` and not yet taken by the turn.
-    pub backlog: Arc<Backlog>,
+    pub events: EventSender,
     /// Fires once the turn is being cancelled: every permission request is then
     /// answered `cancelled` (R088).
     pub cancelling: CancellationToken,
@@ -70,48 +68,84 @@ pub struct ClientState {
     asker: Mutex<Option<Arc<dyn Asker>>>,
 }
 
-/// Events the handler has handed on and the turn has not yet taken. An agent can
-/// write updates faster than they are rendered or recorded; above `HIGH` the
-/// connection stops reading until the turn is down to `LOW`, so a flood costs the
-/// agent a blocked pipe instead of costing pier unbounded memory.
+/// The handler's events on their way to the turn, counted: an agent can write
+/// updates faster than they are rendered or recorded, and with more than `HIGH`
+/// waiting the connection stops reading (`Handler::backpressure`) until the turn is
+/// down to `LOW`, so a flood costs the agent a blocked pipe instead of costing pier
+/// unbounded memory. Sending counts up and receiving counts down, so no consumer
+/// has to remember to.
+pub fn event_channel() -> (EventSender, EventReceiver) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let backlog = Arc::new(Backlog::default());
+    (EventSender { tx, backlog: backlog.clone() }, EventReceiver { rx, backlog })
+}
+
+#[derive(Clone)]
+pub struct EventSender {
+    tx: mpsc::UnboundedSender<ClientEvent>,
+    backlog: Arc<Backlog>,
+}
+
+pub struct EventReceiver {
+    rx: mpsc::UnboundedReceiver<ClientEvent>,
+    backlog: Arc<Backlog>,
+}
+
 #[derive(Default)]
-pub struct Backlog {
-    queued: std::sync::atomic::AtomicUsize,
+struct Backlog {
+    queued: AtomicUsize,
     drained: tokio::sync::Notify,
 }
 
-impl Backlog {
-    const HIGH: usize = 1024;
-    const LOW: usize = 256;
+const HIGH: usize = 1024;
+const LOW: usize = 256;
 
-    fn added(&self) {
-        self.queued.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// The turn took one event.
-    pub fn taken(&self) {
-        let before = self.queued.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| Some(q.saturating_sub(1)));
-        if before.unwrap_or(0) == Self::LOW + 1 {
-            self.drained.notify_waiters();
+impl EventSender {
+    fn send(&self, event: ClientEvent) {
+        self.backlog.queued.fetch_add(1, Ordering::SeqCst);
+        if self.tx.send(event).is_err() {
+            // Nobody will take it.
+            self.backlog.queued.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
-    fn over(self: &Arc<Self>) -> Option<BoxFuture<'static, ()>> {
-        if self.queued.load(Ordering::SeqCst) <= Self::HIGH {
+    /// `Some` while more than `HIGH` events wait: resolves once no more than `LOW` do.
+    fn backpressure(&self) -> Option<BoxFuture<'static, ()>> {
+        if self.backlog.queued.load(Ordering::SeqCst) <= HIGH {
             return None;
         }
-        let backlog = self.clone();
+        let backlog = self.backlog.clone();
         Some(Box::pin(async move {
             loop {
                 let notified = backlog.drained.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                if backlog.queued.load(Ordering::SeqCst) <= Self::LOW {
+                if backlog.queued.load(Ordering::SeqCst) <= LOW {
                     return;
                 }
                 notified.await;
             }
         }))
+    }
+}
+
+impl EventReceiver {
+    pub async fn recv(&mut self) -> Option<ClientEvent> {
+        let event = self.rx.recv().await;
+        self.took(event.is_some());
+        event
+    }
+
+    pub fn try_recv(&mut self) -> Result<ClientEvent, mpsc::error::TryRecvError> {
+        let event = self.rx.try_recv();
+        self.took(event.is_ok());
+        event
+    }
+
+    fn took(&self, one: bool) {
+        if one && self.backlog.queued.fetch_sub(1, Ordering::SeqCst) == LOW + 1 {
+            self.backlog.drained.notify_waiters();
+        }
     }
 }
 
@@ -124,7 +158,7 @@ impl ClientState {
         terminal: bool,
         policy: ClientPolicy,
         interactive: bool,
-        events: mpsc::UnboundedSender<ClientEvent>,
+        events: EventSender,
     ) -> ClientState {
         ClientState {
             sandbox,
@@ -142,7 +176,6 @@ impl ClientState {
             replaying: AtomicBool::new(false),
             kinds: Mutex::new(HashMap::new()),
             asker: Mutex::new(None),
-            backlog: Arc::new(Backlog::default()),
         }
     }
 
@@ -154,8 +187,7 @@ impl ClientState {
     }
 
     fn emit(&self, event: ClientEvent) {
-        self.backlog.added();
-        let _ = self.events.send(event);
+        self.events.send(event);
     }
 
     fn remember_kind(&self, params: &Value) {
@@ -419,7 +451,7 @@ impl Handler for ClientHandler {
     }
 
     fn backpressure(&self) -> Option<BoxFuture<'static, ()>> {
-        self.0.backlog.over()
+        self.0.events.backpressure()
     }
 
     fn protocol_error(&self, _conn: &Connection, description: &str) {

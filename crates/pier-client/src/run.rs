@@ -23,7 +23,7 @@ use pier_acp::{Connection, ConnectionConfig, RequestError};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::handler::{ClientHandler, ClientState, message_text};
+use crate::handler::{ClientHandler, ClientState, EventReceiver, event_channel, message_text};
 use crate::policy::ClientPolicy;
 use crate::process::AgentProcess;
 use crate::registry::AgentCommand;
@@ -184,7 +184,7 @@ pub struct LiveAgent {
     process: AgentProcess,
     conn: Connection,
     state: Arc<ClientState>,
-    inner_rx: mpsc::UnboundedReceiver<ClientEvent>,
+    inner_rx: EventReceiver,
     init: Value,
     info: Option<Implementation>,
     load_session: bool,
@@ -204,7 +204,7 @@ impl LiveAgent {
             .map_err(|e| ClientError::usage(format!("cannot use the directories to serve: {e}")))?;
         let (process, pipes) = AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr)?;
         // The handler reports to `inner`; a turn forwards to its `events` and learns from it.
-        let (inner_tx, inner_rx) = mpsc::unbounded_channel();
+        let (inner_tx, inner_rx) = event_channel();
         let state = Arc::new(ClientState::new(
             sandbox,
             opts.cwd.clone(),
@@ -317,7 +317,6 @@ impl LiveAgent {
         }
         self.state.terminals.kill_all();
         while let Ok(event) = self.inner_rx.try_recv() {
-            self.state.backlog.taken();
             let _ = events.send(event).await;
         }
         outcome.duration = started.elapsed();
@@ -330,7 +329,6 @@ impl LiveAgent {
         self.conn.close().await;
         self.process.shutdown(Duration::from_secs(2)).await;
         while let Ok(event) = self.inner_rx.try_recv() {
-            self.state.backlog.taken();
             let _ = events.send(event).await;
         }
     }
@@ -371,7 +369,7 @@ async fn drive(
     state: &Arc<ClientState>,
     agent: &mut AgentProcess,
     init: &Value,
-    inner_rx: &mut mpsc::UnboundedReceiver<ClientEvent>,
+    inner_rx: &mut EventReceiver,
     events: &mpsc::Sender<ClientEvent>,
     interrupts: &mut mpsc::UnboundedReceiver<()>,
     outcome: &mut RunOutcome,
@@ -445,7 +443,6 @@ async fn drive(
         tokio::select! {
             response = &mut prompt_fut => break response,
             Some(event) = inner_rx.recv() => {
-                state.backlog.taken();
                 last_activity = Instant::now();
                 if !of_session(&event, &session_id) {
                     continue;
@@ -460,7 +457,7 @@ async fn drive(
                     _ => {}
                 }
                 // A bounded queue: while its consumer is behind, this waits, the handler's
-                // backlog grows, and the connection stops reading (see `Backlog`).
+                // backlog grows, and the connection stops reading (see `event_channel`).
                 let _ = events.send(event).await;
             }
             _ = tokio::time::sleep_until(idle_deadline.into()), if cancel.is_none() => {
@@ -503,7 +500,6 @@ async fn drive(
     };
     // Updates that raced the response are still part of the turn.
     while let Ok(event) = inner_rx.try_recv() {
-        state.backlog.taken();
         if !of_session(&event, &session_id) {
             continue;
         }

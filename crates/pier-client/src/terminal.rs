@@ -15,7 +15,7 @@ use agent_client_protocol_schema::v1::{
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use pier_acp::error::{internal, invalid_params};
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::AsyncRead;
 use tokio::sync::watch;
 
 use crate::sandbox::Sandbox;
@@ -77,14 +77,8 @@ fn exit_status(status: std::process::ExitStatus) -> TerminalExitStatus {
     s
 }
 
-async fn pump(mut r: impl AsyncRead + Unpin, out: Arc<Mutex<Output>>) {
-    let mut buf = vec![0u8; 8192];
-    while let Ok(n) = r.read(&mut buf).await {
-        if n == 0 {
-            break;
-        }
-        lock(&out).push(&buf[..n]);
-    }
+async fn pump(r: impl AsyncRead + Unpin, out: Arc<Mutex<Output>>) {
+    pier_tools::command::read_into(r, |chunk| lock(&out).push(chunk)).await;
 }
 
 impl Terminals {

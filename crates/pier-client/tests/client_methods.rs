@@ -8,11 +8,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use pier_acp::schema::Error;
 use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx, RequestError};
-use pier_client::handler::{ClientHandler, ClientState};
+use pier_client::handler::{ClientHandler, ClientState, EventReceiver, event_channel};
 use pier_client::sandbox::Sandbox;
 use pier_client::{ClientEvent, ClientPolicy};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 
 struct Quiet;
 impl Handler for Quiet {
@@ -27,7 +26,7 @@ struct Setup {
     extra: tempfile::TempDir,
     agent: Connection,
     state: Arc<ClientState>,
-    events: mpsc::UnboundedReceiver<ClientEvent>,
+    events: EventReceiver,
 }
 
 fn setup_with(policy: ClientPolicy, fs: bool, terminal: bool) -> Setup {
@@ -35,7 +34,7 @@ fn setup_with(policy: ClientPolicy, fs: bool, terminal: bool) -> Setup {
     let extra = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let cwd = dir.path().canonicalize().unwrap_or_else(|e| panic!("{e}"));
     let sandbox = Sandbox::new(&cwd, &[extra.path().to_owned()]).unwrap_or_else(|e| panic!("{e}"));
-    let (tx, events) = mpsc::unbounded_channel();
+    let (tx, events) = event_channel();
     let state = Arc::new(ClientState::new(sandbox, cwd, fs, terminal, policy, false, tx));
     let (a, b) = tokio::io::duplex(1 << 20);
     let (ar, aw) = tokio::io::split(a);
@@ -50,6 +49,21 @@ fn setup() -> Setup {
 }
 
 impl Setup {
+    /// A terminal running `sleep 300` in its own group, and that group's id once the
+    /// command has printed it.
+    async fn sleeping_terminal(&self) -> (Value, i64) {
+        let create = json!({"sessionId": "s", "command": "sh", "args": ["-c", "echo $$; exec sleep 300"]});
+        let id = self.call("terminal/create", create).await.unwrap_or_default()["terminalId"].clone();
+        loop {
+            let out =
+                self.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
+            if let Some(pid) = out["output"].as_str().and_then(|o| o.trim().parse::<i64>().ok()) {
+                return (id, pid);
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     fn root(&self) -> PathBuf {
         self.dir.path().canonicalize().unwrap_or_else(|e| panic!("{e}"))
     }
@@ -180,15 +194,7 @@ async fn terminals_run_report_truncate_kill_and_release() {
     assert_eq!((out["output"].clone(), out["truncated"].clone()), (json!("éé"), json!(true)), "{out}");
 
     // Kill keeps the terminal valid; release invalidates it.
-    let id = s.call("terminal/create", create("echo $$; exec sleep 300", None)).await.unwrap_or_default()["terminalId"]
-        .clone();
-    let pgid = loop {
-        let out = s.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
-        if let Some(pid) = out["output"].as_str().and_then(|o| o.trim().parse::<i64>().ok()) {
-            break pid;
-        }
-        tokio::task::yield_now().await;
-    };
+    let (id, pgid) = s.sleeping_terminal().await;
     assert!(group_alive(pgid));
     assert!(s.call("terminal/kill", json!({"sessionId": "s", "terminalId": id})).await.is_ok());
     let exit = s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
@@ -198,15 +204,7 @@ async fn terminals_run_report_truncate_kill_and_release() {
     assert_eq!(s.code("terminal/output", json!({"sessionId": "s", "terminalId": id})).await, -32602);
 
     // Shutdown kills what is still running.
-    let id = s.call("terminal/create", create("echo $$; exec sleep 300", None)).await.unwrap_or_default()["terminalId"]
-        .clone();
-    let pgid = loop {
-        let out = s.call("terminal/output", json!({"sessionId": "s", "terminalId": id})).await.unwrap_or_default();
-        if let Some(pid) = out["output"].as_str().and_then(|o| o.trim().parse::<i64>().ok()) {
-            break pid;
-        }
-        tokio::task::yield_now().await;
-    };
+    let (id, pgid) = s.sleeping_terminal().await;
     s.state.terminals.kill_all();
     let exit = s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await;
     assert!(exit.is_err() || !group_alive(pgid));
@@ -250,7 +248,7 @@ async fn writes_and_edit_permissions_are_fenced_to_the_writable_paths() {
     std::fs::create_dir(cwd.join("out")).unwrap_or_else(|e| panic!("{e}"));
     let sandbox =
         Sandbox::new(&cwd, &[]).and_then(|s| s.with_writable(&[cwd.join("out")])).unwrap_or_else(|e| panic!("{e}"));
-    let (tx, _events) = mpsc::unbounded_channel();
+    let (tx, _events) = event_channel();
     let mut policy = ClientPolicy::default();
     policy.approve_all();
     let state = Arc::new(ClientState::new(sandbox, cwd.clone(), true, true, policy, false, tx));

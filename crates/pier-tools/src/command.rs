@@ -184,14 +184,20 @@ fn lock(m: &Mutex<HeadTail>) -> std::sync::MutexGuard<'_, HeadTail> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-async fn capture(mut r: impl AsyncRead + Unpin, sink: Arc<Mutex<HeadTail>>) {
+/// Reads `r` to its end (or its first error), handing each chunk to `sink`: how a
+/// child's output is captured, here and by the client's terminals.
+pub async fn read_into(mut r: impl AsyncRead + Unpin, mut sink: impl FnMut(&[u8])) {
     let mut buf = vec![0u8; 8192];
     while let Ok(n) = r.read(&mut buf).await {
         if n == 0 {
             break;
         }
-        lock(&sink).push(&buf[..n]);
+        sink(&buf[..n]);
     }
+}
+
+async fn capture(r: impl AsyncRead + Unpin, sink: Arc<Mutex<HeadTail>>) {
+    read_into(r, |chunk| lock(&sink).push(chunk)).await;
 }
 
 fn signal_name(sig: i32) -> String {

@@ -42,17 +42,7 @@ impl Env {
     }
 
     fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(PIER);
-        cmd.args(args)
-            .current_dir(self.work.path())
-            .env_clear()
-            .envs(self.vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        cmd
+        support::pier_command(self.work.path(), &self.vars, args)
     }
 
     async fn run(&self, args: &[&str]) -> Output {

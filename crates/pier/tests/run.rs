@@ -5,14 +5,12 @@ mod support;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 use pier_fake_model::{FakeModel, Reply, Step};
 use serde_json::Value;
 use support::{LIMIT, echo, must, sdk_agent};
 use tokio::process::Command;
-
-const PIER: &str = env!("CARGO_BIN_EXE_pier");
 
 struct Host {
     dir: tempfile::TempDir,
@@ -46,17 +44,7 @@ impl Host {
     }
 
     fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(PIER);
-        cmd.args(args)
-            .current_dir(self.dir.path())
-            .env_clear()
-            .envs(self.vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        cmd
+        support::pier_command(self.dir.path(), &self.vars, args)
     }
 
     async fn run(&self, args: &[&str]) -> Output {
@@ -67,6 +55,32 @@ impl Host {
     fn store(&self) -> pier_host::SqliteStore {
         must(pier_host::SqliteStore::open(&self.path("data/pier.db")), "open store")
     }
+
+    /// Stores run `run` of one task `t`, claimed (attempt 1) by another host `owner`
+    /// whose lease ends at `expires_ms`, as if that host had crashed or gone silent.
+    fn claimed_elsewhere(&self, run: &str, owner: String, expires_ms: i64) -> pier_host::TaskRow {
+        let plan = must(pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n", &|_| Ok(())), "plan");
+        let store = self.store();
+        must(pier_host::TaskStore::create_run(&store, run, &plan, "test"), "create");
+        let row = store.tasks(run)[0].clone();
+        let claim = pier_host::Transition {
+            run: run.into(),
+            task: "t".into(),
+            expected_version: row.version,
+            to: Some(pier_host::TaskState::Running),
+            key: "claim:1".into(),
+            start_attempt: true,
+            lease: Some((owner, expires_ms)),
+            ..Default::default()
+        };
+        must(pier_host::TaskStore::transition(&store, &claim), "claim by another host")
+    }
+}
+
+/// A lease owner naming a process of this machine that does not exist.
+fn dead_owner() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}:{}:dead", host.trim(), u32::MAX - 3)
 }
 
 fn lines(o: &Output) -> Vec<Value> {
@@ -333,25 +347,7 @@ async fn an_expired_lease_of_a_dead_host_is_reclaimed_on_resume() {
     let f = must(FakeModel::start().await, "fake");
     f.set_fallback(echo);
     let h = Host::new(Some(f.base_url()));
-    let plan_text = "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n";
-    let plan = must(pier_host::plan::parse(plan_text, &|_| Ok(())), "plan");
-    {
-        let store = h.store();
-        must(pier_host::TaskStore::create_run(&store, "r1", &plan, "test"), "create");
-        let row = store.tasks("r1")[0].clone();
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let tr = pier_host::Transition {
-            run: "r1".into(),
-            task: "t".into(),
-            expected_version: row.version,
-            to: Some(pier_host::TaskState::Running),
-            key: "claim:1".into(),
-            start_attempt: true,
-            lease: Some((format!("{}:{}:dead", host.trim(), u32::MAX - 3), i64::MAX)),
-            ..Default::default()
-        };
-        must(pier_host::TaskStore::transition(&store, &tr), "claim by a dead host");
-    }
+    h.claimed_elsewhere("r1", dead_owner(), i64::MAX);
     let o = h.run(&["run", "--resume", "r1", "--format", "json"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let lost = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["to"] == "pending").unwrap_or_default();
@@ -368,35 +364,21 @@ async fn a_question_of_a_dead_host_is_void_and_a_person_decides_the_rerun() {
     let f = must(FakeModel::start().await, "fake");
     f.set_fallback(echo);
     let h = Host::new(Some(f.base_url()));
-    let plan = must(pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n", &|_| Ok(())), "plan");
     {
         // A host (long dead) claimed t, its agent edited a file, then asked a person.
+        let row = h.claimed_elsewhere("r1", dead_owner(), i64::MAX);
         let store = h.store();
-        must(pier_host::TaskStore::create_run(&store, "r1", &plan, "test"), "create");
-        let row = store.tasks("r1")[0].clone();
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let claim = pier_host::Transition {
-            run: "r1".into(),
-            task: "t".into(),
-            expected_version: row.version,
-            to: Some(pier_host::TaskState::Running),
-            key: "claim:1".into(),
-            start_attempt: true,
-            lease: Some((format!("{}:{}:dead", host.trim(), u32::MAX - 3), i64::MAX)),
-            ..Default::default()
-        };
-        let row = must(pier_host::TaskStore::transition(&store, &claim), "claim by a dead host");
         let effect = serde_json::json!({"toolCallId": "e1", "kind": "edit", "status": "completed"});
         must(pier_host::TaskStore::add_evidence(&store, "r1", "t", 1, &effect), "evidence");
         let ask = serde_json::json!({"options": [{"optionId": "allow_once", "kind": "allow_once", "name": "Allow"}]});
         must(pier_host::TaskStore::ask(&store, "r1", "t", 1, &ask), "ask");
         let wait = pier_host::Transition {
+            run: "r1".into(),
+            task: "t".into(),
             expected_version: row.version,
             to: Some(pier_host::TaskState::AwaitingInput),
             key: "wait:1".into(),
-            start_attempt: false,
-            lease: None,
-            ..claim
+            ..Default::default()
         };
         must(pier_host::TaskStore::transition(&store, &wait), "awaiting input");
     }
@@ -425,24 +407,8 @@ async fn a_lease_that_expired_in_time_is_reclaimed() {
     let f = must(FakeModel::start().await, "fake");
     f.set_fallback(echo);
     let h = Host::new(Some(f.base_url()));
-    let plan = must(pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n", &|_| Ok(())), "plan");
-    {
-        let store = h.store();
-        must(pier_host::TaskStore::create_run(&store, "r2", &plan, "test"), "create");
-        let row = store.tasks("r2")[0].clone();
-        // A host on another machine, silent past its lease.
-        let tr = pier_host::Transition {
-            run: "r2".into(),
-            task: "t".into(),
-            expected_version: row.version,
-            to: Some(pier_host::TaskState::Running),
-            key: "claim:1".into(),
-            start_attempt: true,
-            lease: Some(("elsewhere:1:x".into(), pier_host::store::now_ms() - 1)),
-            ..Default::default()
-        };
-        must(pier_host::TaskStore::transition(&store, &tr), "claim");
-    }
+    // A host on another machine, silent past its lease.
+    h.claimed_elsewhere("r2", "elsewhere:1:x".into(), pier_host::store::now_ms() - 1);
     let o = h.run(&["run", "--resume", "r2", "--format", "json"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let lost = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["to"] == "pending").unwrap_or_default();

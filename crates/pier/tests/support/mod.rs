@@ -277,6 +277,22 @@ fn process_exists(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
+/// `pier ARGS` run in `dir` with exactly `vars` for its environment, in its own
+/// process group, stdin closed, stdout and stderr piped; killed if dropped.
+pub fn pier_command(dir: &Path, vars: &[(String, String)], args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pier"));
+    cmd.args(args)
+        .current_dir(dir)
+        .env_clear()
+        .envs(vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    cmd
+}
+
 pub fn must<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> T {
     match r {
         Ok(v) => v,
