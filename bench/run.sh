@@ -94,9 +94,12 @@ for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && b
 run B5-sse-replay-1M       "$bench" replay --token bench -- "http://127.0.0.1:$port"
 kill "$server"; server=""
 if [ "$with_peers" = 1 ]; then
-  # B3 for the real agents, their models pointed at a local fake server.
-  target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 \
-    | sed 's/^{"agent":"\([a-z]*\)",/{"bench":"B3-\1","round":1,/' \
-    | while read -r line; do echo "$line" >&2; echo "$line"; done
+  # B3 for the real agents, their models pointed at a local fake server: a warm-up, then rounds.
+  target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 >/dev/null
+  for i in $(seq "$rounds"); do
+    target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 \
+      | sed "s/^{\"agent\":\"\([a-z]*\)\",/{\"bench\":\"B3-\1\",\"round\":$i,/" \
+      | while read -r line; do echo "$line" >&2; echo "$line"; done
+  done
 fi
 } | python3 bench/summarize.py
