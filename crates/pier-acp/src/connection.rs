@@ -197,6 +197,13 @@ impl Connection {
 
     /// Like [`Connection::request`], returning the raw result.
     pub async fn request_value<P: Serialize>(&self, method: &str, params: &P) -> Result<Value, RequestError> {
+        self.send_request(method, params).await?.value().await
+    }
+
+    /// Queues a request's frame and returns at once, before its answer: frames sent
+    /// after this call leave after the request. Await [`Outgoing::value`] for the answer;
+    /// dropping it withdraws the request (`$/cancel_request`).
+    pub async fn send_request<P: Serialize>(&self, method: &str, params: &P) -> Result<Outgoing, RequestError> {
         let (id, rx) = {
             let mut pending = lock(&self.inner.pending);
             if pending.closed {
@@ -208,16 +215,10 @@ impl Connection {
             pending.waiters.insert(id, tx);
             (id, rx)
         };
-        let mut guard = WaiterGuard { inner: &self.inner, id, answered: false };
+        let outgoing = Outgoing { inner: self.inner.clone(), id, rx: Some(rx) };
         let frame = message::encode_request(&RequestId::Number(id), method, params)?;
         self.send_frame(frame).await?;
-        let answer = rx.await;
-        guard.answered = true;
-        match answer {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(RequestError::Remote(error)),
-            Err(_) => Err(RequestError::Closed),
-        }
+        Ok(outgoing)
     }
 
     /// Sends a notification. Frames leave in the order they were sent.
@@ -279,16 +280,38 @@ impl Connection {
     }
 }
 
-/// Removes an outgoing request's waiter if its future is dropped before the answer.
-struct WaiterGuard<'a> {
-    inner: &'a Inner,
+/// A request on the wire, waiting for its answer. Dropped before the answer, it
+/// removes its waiter and tells the peer (`$/cancel_request`).
+pub struct Outgoing {
+    inner: Arc<Inner>,
     id: i64,
-    answered: bool,
+    /// `None` once answered.
+    rx: Option<oneshot::Receiver<Result<Value, Error>>>,
 }
 
-impl Drop for WaiterGuard<'_> {
+impl Outgoing {
+    /// The answer: the raw result, the peer's error, or `Closed`.
+    pub async fn value(mut self) -> Result<Value, RequestError> {
+        let Some(rx) = self.rx.as_mut() else { return Err(RequestError::Closed) };
+        let answer = rx.await;
+        self.rx = None;
+        match answer {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(RequestError::Remote(error)),
+            Err(_) => Err(RequestError::Closed),
+        }
+    }
+
+    /// The answer, decoded.
+    pub async fn answer<R: DeserializeOwned>(self, method: &str) -> Result<R, RequestError> {
+        let value = self.value().await?;
+        serde_json::from_value(value).map_err(|source| RequestError::Malformed { method: method.to_owned(), source })
+    }
+}
+
+impl Drop for Outgoing {
     fn drop(&mut self) {
-        if self.answered {
+        if self.rx.is_none() {
             return;
         }
         let removed = lock(&self.inner.pending).waiters.remove(&self.id).is_some();

@@ -16,5 +16,5 @@ pub mod message;
 pub mod stdio;
 
 pub use agent_client_protocol_schema::v1 as schema;
-pub use connection::{CloseReason, Connection, ConnectionConfig, Handler, RequestCx};
+pub use connection::{CloseReason, Connection, ConnectionConfig, Handler, Outgoing, RequestCx};
 pub use error::RequestError;

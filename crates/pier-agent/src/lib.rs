@@ -6,9 +6,12 @@
 //! the token is set by the prompt's handler before the handler yields, so a
 //! `session/cancel` that follows a prompt on the wire always finds it.
 
+pub mod mcp;
 pub mod permission;
 pub mod profile;
 pub mod prompt;
+mod sessions;
+mod settings;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -16,14 +19,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use agent_client_protocol_schema::v1::{
-    ClientNotification, ClientRequest, Error, Implementation, InitializeRequest, InitializeResponse, NewSessionRequest,
-    NewSessionResponse, PromptRequest, PromptResponse, SessionNotification, StopReason,
+    ClientNotification, ClientRequest, CloseSessionRequest, DeleteSessionRequest, Error, Implementation,
+    InitializeRequest, InitializeResponse, ListSessionsRequest, LoadSessionRequest, NewSessionRequest, PromptRequest,
+    PromptResponse, ResumeSessionRequest, SessionNotification, SessionUpdate, SetSessionConfigOptionRequest,
+    SetSessionModeRequest, StopReason,
 };
 use agent_client_protocol_schema::{MethodDispatchError, ProtocolVersion};
 use futures::future::BoxFuture;
 use pier_acp::error::{decode_params, internal, invalid_params};
 use pier_acp::{Connection, Handler, RequestCx};
-use pier_engine::{Engine, EngineError, EventMsg, Session, TurnContext};
+use pier_engine::{Engine, EngineError, EventMsg, Mode, Session, TurnContext};
+use pier_model::ModelProvider;
 use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -31,10 +37,49 @@ use tokio_util::sync::CancellationToken;
 
 pub use profile::Profile;
 
+/// A model a session may be switched to (`pier.toml`'s named providers).
+#[derive(Clone)]
+pub struct NamedModel {
+    pub name: String,
+    pub provider: Arc<dyn ModelProvider>,
+    /// Whether it takes images.
+    pub vision: bool,
+}
+
+/// How the agent is set up, beyond its engine.
+#[derive(Clone)]
+pub struct AgentOptions {
+    pub profile: Profile,
+    /// The mode new sessions start in (editor profile).
+    pub mode: Mode,
+    /// The models a session may choose from; a `model` config option is offered when there are several.
+    pub models: Vec<NamedModel>,
+    /// The name of the engine's own model in `models`, if it is one of them.
+    pub default_model: Option<String>,
+    /// Whether the engine's own model takes images.
+    pub vision: bool,
+    /// How long MCP servers get to start and list their tools.
+    pub mcp_timeout: std::time::Duration,
+}
+
+impl AgentOptions {
+    pub fn new(profile: Profile) -> AgentOptions {
+        AgentOptions {
+            profile,
+            mode: Mode::default(),
+            models: Vec::new(),
+            default_model: None,
+            vision: false,
+            mcp_timeout: std::time::Duration::from_secs(30),
+        }
+    }
+}
+
 /// An ACP agent over the engine.
 pub struct AcpAgent {
     engine: Engine,
     profile: Profile,
+    options: AgentOptions,
     initialized: AtomicBool,
     sessions: Mutex<HashMap<String, Arc<SessionEntry>>>,
 }
@@ -45,6 +90,25 @@ struct SessionEntry {
     /// the prompt handler; the number makes sure a turn clears only its own token.
     turn: Mutex<Option<(u64, CancellationToken)>>,
     turns: AtomicU64,
+    /// Held by a running turn for its whole length: `session/close` waits on it.
+    running: Arc<tokio::sync::Mutex<()>>,
+    /// The chosen model's name, when a session picked one of `AgentOptions::models`.
+    model: Mutex<Option<String>>,
+    /// The session's MCP servers; stopped when the session closes.
+    mcp: Mutex<Option<mcp::Servers>>,
+}
+
+impl SessionEntry {
+    fn new(session: Arc<Session>, mcp: Option<mcp::Servers>) -> SessionEntry {
+        SessionEntry {
+            session,
+            turn: Mutex::new(None),
+            turns: AtomicU64::new(0),
+            running: Arc::new(tokio::sync::Mutex::new(())),
+            model: Mutex::new(None),
+            mcp: Mutex::new(mcp),
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -57,25 +121,47 @@ fn to_value<T: Serialize>(v: &T) -> Result<Value, Error> {
 
 impl AcpAgent {
     pub fn new(engine: Engine, profile: Profile) -> Arc<AcpAgent> {
+        Self::with_options(engine, AgentOptions::new(profile))
+    }
+
+    pub fn with_options(engine: Engine, options: AgentOptions) -> Arc<AcpAgent> {
         Arc::new(AcpAgent {
             engine,
-            profile,
+            profile: options.profile,
+            options,
             initialized: AtomicBool::new(false),
             sessions: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Closes every session and flushes its log. Call after the connection closed.
+    /// Closes every session, flushes its log and stops its MCP servers. Call after the connection closed.
     pub async fn shutdown(&self) {
         let entries: Vec<Arc<SessionEntry>> = lock(&self.sessions).drain().map(|(_, e)| e).collect();
         for entry in entries {
-            if let Some((_, token)) = lock(&entry.turn).take() {
-                token.cancel();
-            }
-            if let Err(e) = entry.session.close().await {
-                tracing::error!(session = %entry.session.id, error = %e, "closing a session failed");
-            }
+            self.dispose(&entry).await;
         }
+    }
+
+    /// Cancels a session's turn, waits (bounded) for it to end, stops its MCP servers and
+    /// closes its log. The entry must already be out of the table.
+    async fn dispose(&self, entry: &SessionEntry) {
+        if let Some((_, token)) = lock(&entry.turn).take() {
+            token.cancel();
+        }
+        if tokio::time::timeout(std::time::Duration::from_secs(10), entry.running.lock()).await.is_err() {
+            tracing::error!(session = %entry.session.id, "the cancelled turn did not end within 10 s");
+        }
+        let servers = lock(&entry.mcp).take();
+        if let Some(servers) = servers {
+            servers.shutdown().await;
+        }
+        if let Err(e) = entry.session.close().await {
+            tracing::error!(session = %entry.session.id, error = %e, "closing a session failed");
+        }
+    }
+
+    fn entry(&self, id: &str) -> Result<Arc<SessionEntry>, Error> {
+        lock(&self.sessions).get(id).cloned().ok_or_else(|| unknown_session(id))
     }
 
     fn initialize(&self, req: InitializeRequest) -> Result<Value, Error> {
@@ -83,7 +169,7 @@ impl AcpAgent {
         tracing::info!(requested = req.protocol_version.as_u16(), "initialize");
         self.initialized.store(true, Ordering::SeqCst);
         let response = InitializeResponse::new(ProtocolVersion::V1)
-            .agent_capabilities(self.profile.capabilities())
+            .agent_capabilities(self.profile.capabilities(self.options.vision))
             .auth_methods(Vec::new())
             .agent_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")).title("pier".to_owned()));
         to_value(&response)
@@ -98,94 +184,100 @@ impl AcpAgent {
         }
     }
 
-    async fn new_session(self: Arc<Self>, cancel: CancellationToken, req: NewSessionRequest) -> Result<Value, Error> {
-        self.require_initialized()?;
-        if !req.cwd.is_absolute() {
-            return Err(invalid_params(format!("cwd must be an absolute path, got `{}`", req.cwd.display())));
-        }
-        if !req.mcp_servers.is_empty() {
-            return Err(invalid_params(format!(
-                "the {} profile takes no MCP servers; send `mcpServers: []`",
-                self.profile.name()
-            )));
-        }
-        if !req.additional_directories.is_empty() {
-            return Err(invalid_params(format!(
-                "the {} profile takes no additionalDirectories; the session is confined to cwd",
-                self.profile.name()
-            )));
-        }
-        match tokio::fs::metadata(&req.cwd).await {
-            Ok(m) if m.is_dir() => {}
-            _ => return Err(invalid_params(format!("cwd `{}` is not an existing directory", req.cwd.display()))),
-        }
-        let session = self.engine.create_session(req.cwd).await.map_err(|e| engine_error(&e))?;
-        if cancel.is_cancelled() {
-            // Lost the race with close: dispose of the handle nobody will ever see.
-            let _ = session.close().await;
-            return Err(Error::request_cancelled());
-        }
-        let id = session.id.clone();
-        tracing::info!(session = %id, cwd = %session.cwd.display(), "session created");
-        lock(&self.sessions)
-            .insert(id.clone(), Arc::new(SessionEntry { session, turn: Mutex::new(None), turns: AtomicU64::new(0) }));
-        to_value(&NewSessionResponse::new(id))
-    }
-
     /// The synchronous half of `session/prompt`: validation and reserving the
     /// session happen in wire order, before any later message is read.
     fn start_prompt(self: &Arc<Self>, cx: RequestCx, req: PromptRequest) -> BoxFuture<'static, Result<Value, Error>> {
         let prepared = (|| -> Result<_, Error> {
             self.require_initialized()?;
             let id = req.session_id.0.to_string();
-            let entry = lock(&self.sessions).get(&id).cloned().ok_or_else(|| {
-                Error::session_not_found(req.session_id.clone())
-                    .data(json!({ "sessionId": id, "reason": "no such session on this connection; create one with session/new" }))
-            })?;
-            let text = prompt::prompt_text(&req.prompt)?;
+            let entry = self.entry(&id)?;
+            let text = match self.profile {
+                Profile::Automation => prompt::prompt_text(&req.prompt)?.into(),
+                Profile::Editor => {
+                    let accepts = prompt::Accepts { embedded_context: true, image: self.session_vision(&entry) };
+                    prompt::user_prompt(&req.prompt, accepts)?
+                }
+            };
+            let running = entry.running.clone().try_lock_owned().map_err(|_| engine_error(&EngineError::Busy))?;
             let permit = entry.session.begin_turn().map_err(|e| engine_error(&e))?;
             let token = cx.cancel.child_token();
             let seq = entry.turns.fetch_add(1, Ordering::SeqCst);
             *lock(&entry.turn) = Some((seq, token.clone()));
-            Ok((entry, text, permit, token, seq))
+            Ok((entry, text, permit, token, seq, running))
         })();
         let agent = self.clone();
         Box::pin(async move {
-            let (entry, text, permit, token, seq) = prepared?;
+            let (entry, text, permit, token, seq, running) = prepared?;
             let result = agent.run_turn(&cx.conn, &entry, text, permit, token).await;
             let mut current = lock(&entry.turn);
             if current.as_ref().is_some_and(|(s, _)| *s == seq) {
                 *current = None;
             }
             drop(current);
+            drop(running);
             result
         })
+    }
+
+    /// Whether the model of this session takes images.
+    fn session_vision(&self, entry: &SessionEntry) -> bool {
+        match lock(&entry.model).as_deref() {
+            Some(name) => self.options.models.iter().any(|m| m.name == name && m.vision),
+            None => self.options.vision,
+        }
+    }
+
+    /// Sends one `session/update`; a closed connection is only logged (the turn ends anyway).
+    async fn send_update(conn: &Connection, session_id: &str, update: SessionUpdate) {
+        let note = SessionNotification::new(session_id.to_owned(), update);
+        if conn.notify("session/update", &note).await.is_err() {
+            tracing::debug!("connection closed while sending an update");
+        }
     }
 
     async fn run_turn(
         &self,
         conn: &Connection,
         entry: &SessionEntry,
-        text: String,
+        text: pier_engine::UserPrompt,
         permit: pier_engine::TurnPermit,
         token: CancellationToken,
     ) -> Result<Value, Error> {
         let session_id = entry.session.id.clone();
         let (tx, mut rx) = mpsc::channel::<EventMsg>(64);
-        let profile = self.profile;
+        let (asks_tx, mut asks) = mpsc::channel::<permission::Ask>(1);
+        let mut projector = self.profile.projector(entry.session.model().context_window());
         let forward = async {
-            while let Some(event) = rx.recv().await {
-                if let Some(update) = profile.project(&event) {
-                    let note = SessionNotification::new(session_id.clone(), update);
-                    if conn.notify("session/update", &note).await.is_err() {
-                        tracing::debug!("connection closed while sending an update");
-                    }
+            let mut asking = true;
+            loop {
+                // Events first: a permission request leaves after the updates emitted before it.
+                tokio::select! {
+                    biased;
+                    event = rx.recv() => match event {
+                        Some(event) => {
+                            if let Some(update) = projector.project(&event) {
+                                Self::send_update(conn, &session_id, update).await;
+                            }
+                        }
+                        None => break,
+                    },
+                    ask = asks.recv(), if asking => match ask {
+                        Some(ask) => {
+                            let sent = conn.send_request("session/request_permission", &ask.request).await;
+                            let _ = ask.sent.send(sent);
+                        }
+                        None => asking = false,
+                    },
                 }
             }
         };
         // The turn ends, drops its sender, and `forward` drains: every update is
         // written before the response (R092).
-        let approver = Arc::new(permission::ClientApprover { conn: conn.clone(), session_id: session_id.clone() });
+        let approver = Arc::new(permission::ClientApprover {
+            asks: asks_tx,
+            session_id: session_id.clone(),
+            always: self.profile == Profile::Editor,
+        });
         let cx = TurnContext { cancel: token, events: tx, approver };
         let (result, ()) = tokio::join!(permit.run(text, cx), forward);
         match result {
@@ -241,10 +333,19 @@ fn engine_error(e: &EngineError) -> Error {
             Error::new(-32603, m.to_string()).data(data)
         }
         EngineError::Workspace(_) => invalid_params(e.to_string()),
+        EngineError::UnknownSession(id) => unknown_session(id),
         EngineError::Log(_) => {
             Error::new(-32603, e.to_string()).data(json!({ "kind": "session_log", "reason": e.to_string() }))
         }
     }
+}
+
+/// -32002 for a session this agent does not have.
+fn unknown_session(id: &str) -> Error {
+    Error::session_not_found(id.to_owned()).data(json!({
+        "sessionId": id,
+        "reason": "no such session; create one with session/new, or find stored ones with session/list",
+    }))
 }
 
 /// The -32602 error for params that did not match the method's type, with the serde path.
@@ -253,6 +354,13 @@ fn invalid_payload(method: &str, params: &Value) -> Error {
         "initialize" => decode_params::<InitializeRequest>(method, params).err(),
         "session/new" => decode_params::<NewSessionRequest>(method, params).err(),
         "session/prompt" => decode_params::<PromptRequest>(method, params).err(),
+        "session/load" => decode_params::<LoadSessionRequest>(method, params).err(),
+        "session/resume" => decode_params::<ResumeSessionRequest>(method, params).err(),
+        "session/list" => decode_params::<ListSessionsRequest>(method, params).err(),
+        "session/close" => decode_params::<CloseSessionRequest>(method, params).err(),
+        "session/delete" => decode_params::<DeleteSessionRequest>(method, params).err(),
+        "session/set_mode" => decode_params::<SetSessionModeRequest>(method, params).err(),
+        "session/set_config_option" => decode_params::<SetSessionConfigOptionRequest>(method, params).err(),
         _ => None,
     };
     path_error.unwrap_or_else(|| invalid_params(format!("the params of `{method}` do not match its schema")))
@@ -297,6 +405,13 @@ impl Handler for AgentHandler {
             }
             ClientRequest::NewSessionRequest(r) => Box::pin(agent.new_session(cx.cancel.clone(), r)),
             ClientRequest::PromptRequest(r) => agent.start_prompt(cx, r),
+            ClientRequest::LoadSessionRequest(r) => Box::pin(agent.load_session(cx, r)),
+            ClientRequest::ResumeSessionRequest(r) => Box::pin(agent.resume_session(cx, r)),
+            ClientRequest::ListSessionsRequest(r) => Box::pin(agent.list_sessions(r)),
+            ClientRequest::CloseSessionRequest(r) => Box::pin(agent.close_session(r)),
+            ClientRequest::DeleteSessionRequest(r) => Box::pin(agent.delete_session(r)),
+            ClientRequest::SetSessionModeRequest(r) => Box::pin(agent.set_mode(cx, r)),
+            ClientRequest::SetSessionConfigOptionRequest(r) => Box::pin(agent.set_config_option(cx, r)),
             _ => {
                 let error = method_not_found(&method, "not offered");
                 Box::pin(async move { Err(error) })

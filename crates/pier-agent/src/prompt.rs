@@ -7,8 +7,67 @@
 //! as are prompts with no visible text, since `promptCapabilities` advertises
 //! none of them.
 
-use agent_client_protocol_schema::v1::{ContentBlock, Error};
+//!
+//! The editor profile also takes embedded text resources (given to the model with
+//! their URI) and, where the model takes images, image blocks.
+
+use agent_client_protocol_schema::v1::{ContentBlock, EmbeddedResourceResource, Error};
 use pier_acp::error::invalid_params;
+use pier_engine::UserPrompt;
+
+/// What a profile's prompts may carry besides text and resource links.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Accepts {
+    pub embedded_context: bool,
+    pub image: bool,
+}
+
+/// The prompt as the engine takes it, or the -32602 error that explains what is wrong with it.
+pub fn user_prompt(blocks: &[ContentBlock], accepts: Accepts) -> Result<UserPrompt, Error> {
+    let mut parts = Vec::with_capacity(blocks.len());
+    let mut images = Vec::new();
+    for (i, block) in blocks.iter().enumerate() {
+        match block {
+            ContentBlock::Text(t) => parts.push(t.text.clone()),
+            ContentBlock::ResourceLink(link) => parts.push(flatten_resource_link(&link.name, &link.uri)),
+            ContentBlock::Resource(r) if accepts.embedded_context => match &r.resource {
+                EmbeddedResourceResource::TextResourceContents(t) => {
+                    parts.push(format!("<resource uri=\"{}\">\n{}\n</resource>", t.uri, t.text));
+                }
+                EmbeddedResourceResource::BlobResourceContents(b) => {
+                    return Err(invalid_params(format!(
+                        "prompt block {i} is a binary resource ({}); this agent takes embedded resources as text only",
+                        b.uri
+                    )));
+                }
+                _ => return Err(unsupported(i, "resource")),
+            },
+            ContentBlock::Image(img) if accepts.image => {
+                images.push(pier_model::Image { mime_type: img.mime_type.clone(), data: img.data.clone() })
+            }
+            ContentBlock::Image(_) => return Err(refused(i, "image", accepts)),
+            ContentBlock::Audio(_) => return Err(refused(i, "audio", accepts)),
+            ContentBlock::Resource(_) => return Err(unsupported(i, "resource")),
+            _ => return Err(unsupported(i, "unknown")),
+        }
+    }
+    let text = parts.join("\n");
+    if text.trim().is_empty() && images.is_empty() {
+        return Err(invalid_params("the prompt is empty; send at least one text or resource_link block with content"));
+    }
+    Ok(UserPrompt { text, images })
+}
+
+fn refused(index: usize, kind: &str, accepts: Accepts) -> Error {
+    if accepts.embedded_context {
+        invalid_params(format!(
+            "prompt block {index} is of type `{kind}`, which this agent's model does not take (see \
+             promptCapabilities; set `vision = true` on a provider that accepts images)"
+        ))
+    } else {
+        unsupported(index, kind)
+    }
+}
 
 /// The text of a resource link as the model sees it.
 pub fn flatten_resource_link(name: &str, uri: &str) -> String {

@@ -51,6 +51,7 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
         call.locations.iter().map(|l| ToolCallLocation::new(l.path.clone()).line(l.line)).collect();
     let mut fields = ToolCallUpdateFields::new()
         .title(call.title.clone())
+        .name(call.name.clone())
         .kind(tool_kind(call.kind))
         .status(tool_status(call.status))
         .raw_input(call.raw_input.clone())
@@ -60,6 +61,35 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
     }
     if let Some(raw) = &call.raw_output {
         fields = fields.raw_output(raw.clone());
+    }
+    fields
+}
+
+/// Only the fields of `after` that differ from `before` (P08: an update carries what changed).
+pub fn changed_fields(before: &ToolCallRecord, after: &ToolCallRecord) -> ToolCallUpdateFields {
+    let (old, new) = (tool_call_fields(before), tool_call_fields(after));
+    let mut fields = ToolCallUpdateFields::new();
+    if new.title != old.title {
+        fields.title = new.title;
+    }
+    if new.kind != old.kind {
+        fields.kind = new.kind;
+    }
+    if new.status != old.status {
+        fields.status = new.status;
+    }
+    if new.content != old.content {
+        // An update that empties the content must say so, not leave it out.
+        fields.content = Some(new.content.unwrap_or_default());
+    }
+    if new.locations != old.locations {
+        fields.locations = new.locations;
+    }
+    if new.raw_input != old.raw_input {
+        fields.raw_input = new.raw_input;
+    }
+    if new.raw_output != old.raw_output {
+        fields.raw_output = new.raw_output;
     }
     fields
 }

@@ -13,6 +13,9 @@ pub enum EngineError {
     /// The session's directory cannot be used.
     #[error("the session directory cannot be used: {0}")]
     Workspace(String),
+    /// No stored session has this id.
+    #[error("there is no session `{0}`; list the stored ones with session/list")]
+    UnknownSession(String),
     /// The session log could not be written; the turn's record would be lost.
     #[error("the session log could not be written ({0}); check that PIER_HOME is writable and has space")]
     Log(String),

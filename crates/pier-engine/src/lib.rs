@@ -8,24 +8,28 @@
 //! - [`tool_call`]: the tool call entity and its state machine.
 //! - [`permission`]: the permission policy and the approver seam.
 //! - [`log`]: the per-session JSON-lines log actor.
+//! - [`store`]: sessions at rest: reading logs back, listing, deleting.
 
 pub mod error;
 pub mod log;
 pub mod permission;
 pub mod session;
+pub mod store;
 pub mod tool_call;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use error::EngineError;
-pub use permission::{Approver, Decision, NoApprover, PermissionAnswer, PermissionPolicy};
-use pier_model::{ModelProvider, ToolSpec, Usage};
-use pier_tools::{PlanEntry, Toolbox, Workspace};
-pub use session::{Session, TurnContext, TurnPermit};
+pub use permission::{Approver, Decision, Grants, Mode, NoApprover, PermissionAnswer, PermissionPolicy, Verdict};
+use pier_model::{ModelProvider, Usage};
+use pier_tools::{PlanEntry, Tool, Toolbox, Workspace};
+pub use session::{Session, TurnContext, TurnPermit, UserPrompt};
+pub use store::{SessionMeta, SessionStore};
 pub use tool_call::{ToolCallRecord, ToolCallStatus};
 
 use crate::log::{LogRecord, SessionLog};
+use crate::session::SessionState;
 
 /// Why a turn ended; the five stop reasons of seed 000.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +75,8 @@ pub enum EventMsg {
     ToolCallUpdate(ToolCallRecord),
     /// The whole plan, replacing the previous one.
     Plan(Vec<PlanEntry>),
+    /// The session got its title (from its first prompt).
+    Title(String),
 }
 
 /// Settings of the engine.
@@ -109,20 +115,31 @@ pub(crate) struct Services {
     pub model: Arc<dyn ModelProvider>,
     pub toolbox: Arc<Toolbox>,
     pub policy: PermissionPolicy,
+    pub store: SessionStore,
 }
 
-impl Services {
-    fn tool_specs(&self) -> Vec<ToolSpec> {
-        self.toolbox
-            .tools()
-            .iter()
-            .map(|t| ToolSpec {
-                name: t.name().to_owned(),
-                description: t.description().to_owned(),
-                parameters: t.parameters(),
-            })
-            .collect()
+/// How a session is set up: where it works and what it may use beyond the engine's own.
+pub struct SessionOptions {
+    /// The session directory; relative paths start here.
+    pub cwd: PathBuf,
+    /// More directories tools may touch (ACP `additionalDirectories`).
+    pub roots: Vec<PathBuf>,
+    /// Tools of this session only (its MCP servers'), offered after the built-in ones.
+    pub tools: Vec<Arc<dyn Tool>>,
+    /// The permission mode a new session starts in; a reopened one keeps its own.
+    pub mode: Mode,
+}
+
+impl SessionOptions {
+    pub fn new(cwd: PathBuf) -> SessionOptions {
+        SessionOptions { cwd, roots: Vec::new(), tools: Vec::new(), mode: Mode::default() }
     }
+}
+
+/// A session opened again from its log, and the records a replay shows.
+pub struct Reopened {
+    pub session: Arc<Session>,
+    pub records: Vec<(u64, LogRecord)>,
 }
 
 /// Creates sessions over one model provider, one toolbox and one permission policy.
@@ -137,26 +154,82 @@ impl Engine {
         toolbox: Arc<Toolbox>,
         policy: PermissionPolicy,
     ) -> Engine {
-        Engine { services: Arc::new(Services { config, model, toolbox, policy }) }
+        let store = SessionStore::new(&config.home);
+        Engine { services: Arc::new(Services { config, model, toolbox, policy, store }) }
+    }
+
+    /// Where this engine keeps sessions.
+    pub fn store(&self) -> &SessionStore {
+        &self.services.store
     }
 
     /// Creates a fresh session rooted at `cwd`, with its log under `$PIER_HOME/sessions/`.
     pub async fn create_session(&self, cwd: PathBuf) -> Result<Arc<Session>, EngineError> {
+        self.create(SessionOptions::new(cwd)).await
+    }
+
+    /// Creates a fresh session, with its log under `$PIER_HOME/sessions/`.
+    pub async fn create(&self, options: SessionOptions) -> Result<Arc<Session>, EngineError> {
         let id = uuid::Uuid::new_v4().to_string();
-        let path = self.services.config.home.join("sessions").join(format!("{id}.jsonl"));
-        let log = SessionLog::create(&path).await?;
-        self.start(id, cwd, log).await
+        let log = SessionLog::create(&self.services.store.log_path(&id)).await?;
+        self.start(id, options, log).await
     }
 
     /// Creates a session that logs to `log`; for tests.
     pub async fn create_session_with_log(&self, cwd: PathBuf, log: SessionLog) -> Result<Arc<Session>, EngineError> {
-        self.start(uuid::Uuid::new_v4().to_string(), cwd, log).await
+        self.start(uuid::Uuid::new_v4().to_string(), SessionOptions::new(cwd), log).await
     }
 
-    async fn start(&self, id: String, cwd: PathBuf, log: SessionLog) -> Result<Arc<Session>, EngineError> {
-        let workspace = Workspace::new(&cwd).map_err(|e| EngineError::Workspace(format!("{}: {e}", cwd.display())))?;
-        log.append(0, &LogRecord::SessionStarted { session_id: id.clone(), cwd: cwd.clone() });
+    async fn start(&self, id: String, options: SessionOptions, log: SessionLog) -> Result<Arc<Session>, EngineError> {
+        let workspace = workspace(&options)?;
+        log.append(0, &LogRecord::SessionStarted { session_id: id.clone(), cwd: options.cwd.clone() });
         log.flush().await?;
-        Ok(Arc::new(Session::new(id, cwd, workspace, log, self.services.clone())))
+        let session = Session::new(id, options, workspace, log, SessionState::default(), self.services.clone());
+        session.write_meta().await?;
+        Ok(Arc::new(session))
     }
+
+    /// Opens a stored session again, in this process or a later one: its conversation,
+    /// plan, mode and remembered permission answers come back from its log. The roots
+    /// are the ones given now, never the stored ones (R058).
+    pub async fn open(&self, id: &str, options: SessionOptions) -> Result<Reopened, EngineError> {
+        let store = &self.services.store;
+        if !store.exists(id) {
+            return Err(EngineError::UnknownSession(id.to_owned()));
+        }
+        let workspace = workspace(&options)?;
+        let records = store::read_log(&store.log_path(id)).await?;
+        let mut state = SessionState::default();
+        let mut mode = options.mode;
+        for (turn, record) in &records {
+            state.turns = state.turns.max(*turn);
+            match record {
+                LogRecord::History { messages } => state.history.extend(messages.iter().cloned()),
+                LogRecord::Grant { key, allow } => state.grants.remember(key.clone(), *allow),
+                LogRecord::Plan { entries } => state.plan = entries.clone(),
+                LogRecord::Setting { id, value } if id == "mode" => mode = value.parse().unwrap_or(mode),
+                _ => {}
+            }
+        }
+        let title = store.read_meta(id).await.and_then(|m| m.title);
+        let log = SessionLog::create(&store.log_path(id)).await?;
+        log.append(state.turns, &LogRecord::SessionOpened { cwd: options.cwd.clone(), roots: options.roots.clone() });
+        log.flush().await?;
+        let session = Session::new(
+            id.to_owned(),
+            SessionOptions { mode, ..options },
+            workspace,
+            log,
+            state,
+            self.services.clone(),
+        );
+        session.restore_title(title);
+        session.write_meta().await?;
+        Ok(Reopened { session: Arc::new(session), records })
+    }
+}
+
+fn workspace(options: &SessionOptions) -> Result<Workspace, EngineError> {
+    Workspace::with_roots(&options.cwd, &options.roots)
+        .map_err(|e| EngineError::Workspace(format!("{}: {e}", options.cwd.display())))
 }

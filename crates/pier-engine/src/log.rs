@@ -11,19 +11,29 @@
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::EngineError;
 
 /// One record of the log. Every line is `{"at_ms":…,"turn":…,"type":…,…}`.
-#[derive(Debug, Clone, Serialize)]
+///
+/// A session reopens from these records ([`crate::Engine::open`]): `history` rebuilds
+/// the conversation, `grant` the remembered permission answers, `setting` the mode
+/// and the model; the rest is what a replay shows.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum LogRecord {
     SessionStarted {
         session_id: String,
         cwd: PathBuf,
+    },
+    /// The session was opened again (`load` or `resume`), possibly in another process.
+    SessionOpened {
+        cwd: PathBuf,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        roots: Vec<PathBuf>,
     },
     Prompt {
         text: String,
@@ -59,6 +69,20 @@ pub enum LogRecord {
     },
     TurnEnded {
         stop_reason: String,
+    },
+    /// The messages a turn added to the conversation, written when it ends and keeps them.
+    History {
+        messages: Vec<pier_model::ChatMessage>,
+    },
+    /// An *always* permission answer, by scope key.
+    Grant {
+        key: String,
+        allow: bool,
+    },
+    /// A session setting changed (`mode`, `model`).
+    Setting {
+        id: String,
+        value: String,
     },
     TurnFailed {
         error: String,

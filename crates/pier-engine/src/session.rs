@@ -3,7 +3,9 @@
 //! State ownership: [`Session`] is shared (`Arc`) by whoever routes prompts to it.
 //! Its conversation lives in [`SessionState`] behind an async mutex that a turn
 //! holds for its whole length: taking it with `try_lock` is how a second prompt
-//! on a busy session is refused without disturbing the first.
+//! on a busy session is refused without disturbing the first. What may change
+//! while a turn runs (the mode, the model, from `session/set_mode` and friends)
+//! lives in [`Shared`], read by the turn at each decision.
 //!
 //! Tool calls of one model message run one after another, in the order the model
 //! gave them. Running read-only calls concurrently would save little next to a
@@ -15,28 +17,47 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use pier_model::{ChatMessage, FinishReason, ModelEvent, ModelRequest, Role, ToolCall, Usage};
-use pier_tools::{PlanEntry, ToolContext, ToolKind, Workspace};
+use pier_model::{ChatMessage, FinishReason, ModelEvent, ModelProvider, ModelRequest, Role, ToolCall, ToolSpec, Usage};
+use pier_tools::{PlanEntry, Tool, ToolContext, ToolKind, Workspace};
 use serde_json::Value;
 use tokio::sync::{Mutex, OwnedMutexGuard, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::EngineError;
 use crate::log::{LogRecord, SessionLog};
-use crate::permission::{Approver, Decision, PermissionAnswer};
+use crate::permission::{Approver, Grants, Mode, PermissionAnswer, Verdict};
+use crate::store::{SessionMeta, now_rfc3339};
 use crate::tool_call::ToolCallRecord;
-use crate::{EventMsg, Services, StopReason};
+use crate::{EventMsg, Services, SessionOptions, StopReason};
 
 /// How long a cancelled tool gets to clean up (kill its process group) before it is dropped.
 const TOOL_SETTLE: Duration = Duration::from_secs(5);
+
+/// Longest title taken from a first prompt, in characters.
+const TITLE_CHARS: usize = 80;
 
 /// The conversation of one session. Created by [`Session`], mutated only by the
 /// turn that holds the lock.
 #[derive(Default)]
 pub struct SessionState {
-    history: Vec<ChatMessage>,
-    turns: u64,
-    plan: Vec<PlanEntry>,
+    pub(crate) history: Vec<ChatMessage>,
+    pub(crate) turns: u64,
+    pub(crate) plan: Vec<PlanEntry>,
+    pub(crate) grants: Grants,
+}
+
+/// What may change while a turn runs; each value is read when it is used.
+struct Shared {
+    mode: std::sync::Mutex<Mode>,
+    /// A model chosen for this session, instead of the engine's.
+    model: std::sync::Mutex<Option<Arc<dyn ModelProvider>>>,
+    title: std::sync::Mutex<Option<String>>,
+    /// This session's own tools (its MCP servers').
+    tools: Vec<Arc<dyn Tool>>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// One session: an id, a working directory, a log and a conversation.
@@ -46,6 +67,7 @@ pub struct Session {
     workspace: Workspace,
     log: SessionLog,
     state: Arc<Mutex<SessionState>>,
+    shared: Arc<Shared>,
     services: Arc<Services>,
 }
 
@@ -59,28 +81,98 @@ pub struct TurnContext {
     pub approver: Arc<dyn Approver>,
 }
 
+/// What the user sent: text, and images for models that take them.
+#[derive(Debug, Clone, Default)]
+pub struct UserPrompt {
+    pub text: String,
+    pub images: Vec<pier_model::Image>,
+}
+
+impl From<String> for UserPrompt {
+    fn from(text: String) -> Self {
+        UserPrompt { text, images: Vec::new() }
+    }
+}
+
 /// The right to run one turn, held from acceptance to the stop reason.
 pub struct TurnPermit {
     state: OwnedMutexGuard<SessionState>,
+    id: String,
     log: SessionLog,
     cwd: PathBuf,
     workspace: Workspace,
+    shared: Arc<Shared>,
     services: Arc<Services>,
 }
 
 impl Session {
     pub(crate) fn new(
         id: String,
-        cwd: PathBuf,
+        options: SessionOptions,
         workspace: Workspace,
         log: SessionLog,
+        state: SessionState,
         services: Arc<Services>,
     ) -> Self {
-        Session { id, cwd, workspace, log, state: Arc::new(Mutex::new(SessionState::default())), services }
+        let shared = Shared {
+            mode: std::sync::Mutex::new(options.mode),
+            model: std::sync::Mutex::new(None),
+            title: std::sync::Mutex::new(None),
+            tools: options.tools,
+        };
+        Session {
+            id,
+            cwd: options.cwd,
+            workspace,
+            log,
+            state: Arc::new(Mutex::new(state)),
+            shared: Arc::new(shared),
+            services,
+        }
     }
 
     pub fn log(&self) -> &SessionLog {
         &self.log
+    }
+
+    /// Every directory the session's tools may touch, `cwd` first.
+    pub fn roots(&self) -> Vec<PathBuf> {
+        self.workspace.roots().map(std::path::Path::to_path_buf).collect()
+    }
+
+    pub fn mode(&self) -> Mode {
+        *lock(&self.shared.mode)
+    }
+
+    /// Changes the mode; the running turn's next decision sees it. Logged, so it holds on reopen.
+    pub fn set_mode(&self, mode: Mode) {
+        *lock(&self.shared.mode) = mode;
+        let turn = self.state.try_lock().map_or(0, |s| s.turns);
+        self.log.append(turn, &LogRecord::Setting { id: "mode".into(), value: mode.id().into() });
+    }
+
+    /// Uses `model` (named `name` in the log) for this session's next model requests.
+    pub fn set_model(&self, name: &str, model: Arc<dyn ModelProvider>) {
+        *lock(&self.shared.model) = Some(model);
+        let turn = self.state.try_lock().map_or(0, |s| s.turns);
+        self.log.append(turn, &LogRecord::Setting { id: "model".into(), value: name.into() });
+    }
+
+    /// The model this session's requests go to.
+    pub fn model(&self) -> Arc<dyn ModelProvider> {
+        lock(&self.shared.model).clone().unwrap_or_else(|| self.services.model.clone())
+    }
+
+    pub fn title(&self) -> Option<String> {
+        lock(&self.shared.title).clone()
+    }
+
+    pub(crate) fn restore_title(&self, title: Option<String>) {
+        *lock(&self.shared.title) = title;
+    }
+
+    pub(crate) async fn write_meta(&self) -> Result<(), EngineError> {
+        write_meta(&self.services, &self.id, &self.cwd, self.title()).await
     }
 
     /// Reserves the session for a turn, or fails with [`EngineError::Busy`].
@@ -88,9 +180,11 @@ impl Session {
         let state = self.state.clone().try_lock_owned().map_err(|_| EngineError::Busy)?;
         Ok(TurnPermit {
             state,
+            id: self.id.clone(),
             log: self.log.clone(),
             cwd: self.cwd.clone(),
             workspace: self.workspace.clone(),
+            shared: self.shared.clone(),
             services: self.services.clone(),
         })
     }
@@ -101,6 +195,26 @@ impl Session {
         self.log.append(turn, &LogRecord::SessionClosed);
         self.log.flush().await
     }
+}
+
+async fn write_meta(
+    services: &Services,
+    id: &str,
+    cwd: &std::path::Path,
+    title: Option<String>,
+) -> Result<(), EngineError> {
+    let meta = SessionMeta { session_id: id.to_owned(), cwd: cwd.to_owned(), title, updated_at: now_rfc3339() };
+    services.store.write_meta(&meta).await
+}
+
+/// A session's title from its first prompt: the first non-empty line, cut at a character boundary.
+fn title_of(prompt: &str) -> Option<String> {
+    let line = prompt.lines().map(str::trim).find(|l| !l.is_empty())?;
+    let mut title: String = line.chars().take(TITLE_CHARS).collect();
+    if line.chars().count() > TITLE_CHARS {
+        title.push('…');
+    }
+    Some(title)
 }
 
 /// How a model request ended, as the loop sees it.
@@ -123,24 +237,75 @@ impl TurnPermit {
     /// When `cx.cancel` fires, the model stream is dropped, a running tool is
     /// stopped, and the turn ends [`StopReason::Cancelled`] whatever the aborted
     /// work does (R090, R091). An error leaves the conversation as it was before.
-    pub async fn run(mut self, prompt: String, cx: TurnContext) -> Result<StopReason, EngineError> {
+    pub async fn run(mut self, prompt: impl Into<UserPrompt>, cx: TurnContext) -> Result<StopReason, EngineError> {
+        let UserPrompt { text: prompt, images } = prompt.into();
         self.state.turns += 1;
         let n = self.state.turns;
         let before = self.state.history.len();
+        let new_title = {
+            let mut title = lock(&self.shared.title);
+            if title.is_none() {
+                *title = title_of(&prompt);
+                title.clone()
+            } else {
+                None
+            }
+        };
+        if let Some(title) = new_title {
+            let _ = cx.events.send(EventMsg::Title(title)).await;
+        }
         self.log.append(n, &LogRecord::Prompt { text: prompt.clone() });
-        self.state.history.push(ChatMessage::new(Role::User, prompt));
+        let mut message = ChatMessage::new(Role::User, prompt);
+        message.images = images;
+        self.state.history.push(message);
 
         let log = self.log.clone();
         let result = Turn { permit: &mut self, n, before, cx: &cx }.run().await;
         match &result {
-            Ok(stop) => log.append(n, &LogRecord::TurnEnded { stop_reason: stop.as_str().to_owned() }),
+            Ok(stop) => {
+                let added = &self.state.history[before.min(self.state.history.len())..];
+                if !added.is_empty() {
+                    log.append(n, &LogRecord::History { messages: added.to_vec() });
+                }
+                log.append(n, &LogRecord::TurnEnded { stop_reason: stop.as_str().to_owned() });
+            }
             Err(e) => {
                 self.state.history.truncate(before);
                 log.append(n, &LogRecord::TurnFailed { error: e.to_string() });
             }
         }
-        log.flush().await?;
+        if let Err(e) = log.flush().await {
+            // The turn's record is not durable: neither is its place in the conversation.
+            self.state.history.truncate(before);
+            return Err(e);
+        }
+        let title = lock(&self.shared.title).clone();
+        if let Err(e) = write_meta(&self.services, &self.id, &self.cwd, title).await {
+            tracing::warn!(session = %self.id, error = %e, "could not update the session summary");
+        }
         result
+    }
+
+    fn model(&self) -> Arc<dyn ModelProvider> {
+        lock(&self.shared.model).clone().unwrap_or_else(|| self.services.model.clone())
+    }
+
+    fn tool(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        self.services.toolbox.get(name).or_else(|| self.shared.tools.iter().find(|t| t.name() == name).cloned())
+    }
+
+    fn tools(&self) -> impl Iterator<Item = &Arc<dyn Tool>> {
+        self.services.toolbox.tools().iter().chain(self.shared.tools.iter())
+    }
+
+    fn tool_specs(&self) -> Vec<ToolSpec> {
+        self.tools()
+            .map(|t| ToolSpec {
+                name: t.name().to_owned(),
+                description: t.description().to_owned(),
+                parameters: t.parameters(),
+            })
+            .collect()
     }
 }
 
@@ -177,10 +342,11 @@ impl Turn<'_> {
             messages.push(ChatMessage::new(Role::System, system));
         }
         messages.extend(self.permit.state.history.iter().cloned());
-        let tools = services.tool_specs();
-        self.log(LogRecord::ModelRequest { n: k, provider: services.model.describe() });
+        let tools = self.permit.tool_specs();
+        let model = self.permit.model();
+        self.log(LogRecord::ModelRequest { n: k, provider: model.describe() });
 
-        let mut stream = services.model.stream(ModelRequest { messages, tools });
+        let mut stream = model.stream(ModelRequest { messages, tools });
         let (mut text, mut reasoning, mut refusal) = (String::new(), String::new(), String::new());
         let mut usage: Option<Usage> = None;
         let (reason, tool_calls) = loop {
@@ -229,6 +395,10 @@ impl Turn<'_> {
 
         match reason {
             FinishReason::Refusal => {
+                if text.is_empty() && !refusal.is_empty() {
+                    // The refusal came apart from the text stream: a streaming client has not seen it.
+                    self.emit(EventMsg::TextDelta(refusal.clone())).await;
+                }
                 let said = if text.is_empty() { refusal } else { text };
                 self.log(LogRecord::Refusal { text: said.clone() });
                 if !said.is_empty() {
@@ -244,19 +414,29 @@ impl Turn<'_> {
             }
             FinishReason::ToolCalls => {
                 self.commit(text, tool_calls.clone()).await;
-                for call in tool_calls {
+                let mut calls = tool_calls.into_iter();
+                while let Some(call) = calls.next() {
                     let id = call.id.clone();
                     let (answer, stop) = self.tool_call(call).await;
-                    let mut message = ChatMessage::new(Role::Tool, answer);
-                    message.tool_call_id = Some(id);
-                    self.permit.state.history.push(message);
+                    self.answer(id, answer);
                     if let Some(stop) = stop {
+                        // Every call of the message gets its answer, or the next request of
+                        // this session would carry tool calls without results.
+                        for rest in calls {
+                            self.answer(rest.id, "error: not run; the turn was cancelled before this call".into());
+                        }
                         return Ok(Step::Stop(stop));
                     }
                 }
                 Ok(Step::Continue)
             }
         }
+    }
+
+    fn answer(&mut self, call_id: String, text: String) {
+        let mut message = ChatMessage::new(Role::Tool, text);
+        message.tool_call_id = Some(call_id);
+        self.permit.state.history.push(message);
     }
 
     /// Records a finished assistant message and hands it to the profile.
@@ -295,22 +475,25 @@ impl Turn<'_> {
         } else {
             serde_json::from_str(&call.arguments).map_err(|e| format!("the arguments are not valid JSON ({e})"))
         };
-        let tool = services.toolbox.get(&call.name);
+        let tool = self.permit.tool(&call.name);
         let raw_input = parsed.clone().unwrap_or_else(|_| Value::String(call.arguments.clone()));
-        let (title, kind, locations) = match (&tool, &parsed) {
-            (Some(t), Ok(args)) => {
+        let mut record =
+            ToolCallRecord::new(call.id.clone(), call.name.clone(), call.name.clone(), ToolKind::Other, raw_input);
+        if let Some(t) = &tool {
+            record.kind = t.kind();
+            record.title = t.name().to_owned();
+            if let Ok(args) = &parsed {
                 let p = t.preview(args, &self.permit.workspace);
-                (p.title, t.kind(), p.locations)
+                record.title = p.title;
+                record.locations = p.locations;
+                record.content = p.content;
             }
-            (Some(t), Err(_)) => (t.name().to_owned(), t.kind(), Vec::new()),
-            (None, _) => (call.name.clone(), ToolKind::Other, Vec::new()),
-        };
-        let mut record = ToolCallRecord::new(call.id.clone(), call.name.clone(), title, kind, raw_input);
-        record.locations = locations;
+        }
+        let kind = record.kind;
         self.publish(&record, true).await;
 
         let Some(tool) = tool else {
-            let known: Vec<&str> = services.toolbox.tools().iter().map(|t| t.name()).collect();
+            let known: Vec<&str> = self.permit.tools().map(|t| t.name()).collect();
             let reason = format!("there is no tool named `{}`; the tools are: {}", call.name, known.join(", "));
             return (self.fail(&mut record, reason).await, None);
         };
@@ -319,46 +502,22 @@ impl Turn<'_> {
             Err(reason) => return (self.fail(&mut record, reason).await, None),
         };
 
-        match services.policy.decide(kind) {
-            Decision::Allow => {}
-            Decision::Deny => {
-                let reason = format!(
-                    "the permission policy denies {} tools, so `{}` did not run; do the task another way or explain \
-                     what you need",
-                    kind.as_str(),
-                    call.name
-                );
-                return (self.fail(&mut record, reason).await, None);
-            }
-            Decision::Ask => {
-                let answer = tokio::select! {
-                    biased;
-                    _ = self.cx.cancel.cancelled() => PermissionAnswer::Cancelled,
-                    answer = self.cx.approver.ask(&record) => answer,
-                };
-                // A cancel that raced the answer wins: the tool never runs.
-                let answer = if self.cx.cancel.is_cancelled() { PermissionAnswer::Cancelled } else { answer };
-                self.log(LogRecord::Permission { call_id: record.id.clone(), answer: format!("{answer:?}") });
-                match answer {
-                    PermissionAnswer::AllowOnce => {}
-                    PermissionAnswer::RejectOnce => {
-                        let reason = "the client rejected this tool call, so it did not run; do not repeat it \
-                                      unchanged, adapt your approach"
-                            .to_owned();
-                        return (self.fail(&mut record, reason).await, None);
-                    }
-                    PermissionAnswer::Unavailable(why) => {
-                        let reason = format!("permission was unavailable ({why}), so the tool did not run");
-                        return (self.fail(&mut record, reason).await, None);
-                    }
-                    PermissionAnswer::Cancelled => {
-                        let text = self.fail(&mut record, "cancelled before it ran".into()).await;
-                        return (text, Some(StopReason::Cancelled));
-                    }
+        let mode = *lock(&self.permit.shared.mode);
+        match mode.verdict(kind, services.policy.decide(kind)) {
+            Verdict::Allow => {}
+            Verdict::Deny(reason) => return (self.fail(&mut record, reason).await, None),
+            Verdict::Ask => {
+                if let Some(stop) = self.ask(&mut record, &tool, &args).await {
+                    return stop;
                 }
             }
         }
 
+        // The one gate a tool passes to run: a cancel that landed after the grant stops it here.
+        if self.cx.cancel.is_cancelled() {
+            let text = self.fail(&mut record, "cancelled before it ran".into()).await;
+            return (text, Some(StopReason::Cancelled));
+        }
         if let Err(e) = record.start() {
             tracing::error!(error = %e, call = %record.id, "tool call state machine");
         }
@@ -396,5 +555,56 @@ impl Turn<'_> {
             None => self.fail(&mut record, "the tool did not finish".into()).await,
         };
         (text, None)
+    }
+
+    /// The *ask* path: a remembered answer for the call's scope, else the approver.
+    /// Returns `None` when the call may run, else what the call ends with.
+    async fn ask(
+        &mut self,
+        record: &mut ToolCallRecord,
+        tool: &Arc<dyn Tool>,
+        args: &Value,
+    ) -> Option<(String, Option<StopReason>)> {
+        let keys = Grants::keys(record.kind, &tool.scope(args));
+        if let Some(key) = self.permit.state.grants.rejects(&keys) {
+            let reason = format!(
+                "the user rejected `{key}` calls for the rest of this session, so this call did not run; do the task \
+                 another way"
+            );
+            return Some((self.fail(record, reason).await, None));
+        }
+        if self.permit.state.grants.allows(&keys) {
+            return None;
+        }
+        let answer = tokio::select! {
+            biased;
+            _ = self.cx.cancel.cancelled() => PermissionAnswer::Cancelled,
+            answer = self.cx.approver.ask(record) => answer,
+        };
+        // A cancel that raced the answer wins: the tool never runs.
+        let answer = if self.cx.cancel.is_cancelled() { PermissionAnswer::Cancelled } else { answer };
+        self.log(LogRecord::Permission { call_id: record.id.clone(), answer: format!("{answer:?}") });
+        if let PermissionAnswer::AllowAlways | PermissionAnswer::RejectAlways = answer {
+            let allow = answer == PermissionAnswer::AllowAlways;
+            for key in &keys {
+                self.permit.state.grants.remember(key.clone(), allow);
+                self.log(LogRecord::Grant { key: key.clone(), allow });
+            }
+        }
+        let reason = match answer {
+            PermissionAnswer::AllowOnce | PermissionAnswer::AllowAlways => return None,
+            PermissionAnswer::RejectOnce | PermissionAnswer::RejectAlways => {
+                "the client rejected this tool call, so it did not run; do not repeat it unchanged, adapt your approach"
+                    .to_owned()
+            }
+            PermissionAnswer::Unavailable(why) => {
+                format!("permission was unavailable ({why}), so the tool did not run")
+            }
+            PermissionAnswer::Cancelled => {
+                let text = self.fail(record, "cancelled before it ran".into()).await;
+                return Some((text, Some(StopReason::Cancelled)));
+            }
+        };
+        Some((self.fail(record, reason).await, None))
     }
 }

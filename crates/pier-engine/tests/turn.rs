@@ -89,6 +89,7 @@ async fn events_are_deltas_then_the_committed_message() -> std::io::Result<()> {
     assert_eq!(
         events,
         vec![
+            EventMsg::Title("q".into()),
             EventMsg::ReasoningDelta("hmm".into()),
             EventMsg::TextDelta("a".into()),
             EventMsg::TextDelta("b".into()),

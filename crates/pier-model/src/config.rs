@@ -48,6 +48,8 @@ pub struct ModelConfig {
     pub max_tokens: Option<u32>,
     /// Whether to ask for usage in the stream (`stream_options.include_usage`).
     pub stream_usage: bool,
+    /// The model's context window in tokens, for clients' usage meters.
+    pub context_window: Option<u64>,
 }
 
 impl ModelConfig {
@@ -62,6 +64,7 @@ impl ModelConfig {
             retry_base_delay: Duration::from_millis(500),
             max_tokens: None,
             stream_usage: true,
+            context_window: None,
         }
     }
 

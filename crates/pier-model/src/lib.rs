@@ -43,11 +43,21 @@ pub struct ChatMessage {
     /// For a `Tool` message: the call it answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// Images of a user message, for providers that take them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<Image>,
+}
+
+/// An image as base64 data with its MIME type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Image {
+    pub mime_type: String,
+    pub data: String,
 }
 
 impl ChatMessage {
     pub fn new(role: Role, content: impl Into<String>) -> Self {
-        Self { role, content: content.into(), tool_calls: Vec::new(), tool_call_id: None }
+        Self { role, content: content.into(), tool_calls: Vec::new(), tool_call_id: None, images: Vec::new() }
     }
 }
 
@@ -131,6 +141,11 @@ pub trait ModelProvider: Send + Sync + 'static {
 
     /// Starts a request and streams its events.
     fn stream(&self, request: ModelRequest) -> ModelStream;
+
+    /// The model's context window in tokens, where it is known.
+    fn context_window(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The provider used when none is configured: every request fails at once with

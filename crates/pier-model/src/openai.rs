@@ -56,6 +56,10 @@ impl ModelProvider for OpenAiProvider {
         format!("openai-compatible {} at {}", self.inner.config.model, self.inner.config.base_url)
     }
 
+    fn context_window(&self) -> Option<u64> {
+        self.inner.config.context_window
+    }
+
     fn stream(&self, request: ModelRequest) -> ModelStream {
         let inner = self.inner.clone();
         Box::pin(async_stream::stream! {
@@ -230,6 +234,14 @@ fn message_json(m: &ChatMessage) -> Value {
         Role::Tool => "tool",
     };
     let mut v = json!({ "role": role, "content": m.content });
+    if !m.images.is_empty() {
+        // Chat Completions takes images as content parts with data URLs.
+        let mut parts = vec![json!({ "type": "text", "text": m.content })];
+        parts.extend(m.images.iter().map(|i| {
+            json!({ "type": "image_url", "image_url": { "url": format!("data:{};base64,{}", i.mime_type, i.data) } })
+        }));
+        v["content"] = Value::Array(parts);
+    }
     if !m.tool_calls.is_empty() {
         v["tool_calls"] = m
             .tool_calls

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use crate::output::HeadTail;
-use crate::{Location, Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace};
+use crate::{Location, Preview, Scope, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace};
 
 pub struct RunCommand;
 
@@ -34,13 +34,13 @@ struct Args {
 const DRAIN: Duration = Duration::from_secs(2);
 
 impl Tool for RunCommand {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "run_command"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Execute
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Run a shell command (`sh -c`) in the session directory. Returns the exit code and the output; long output \
          keeps its beginning and end. Background processes do not outlive the command. Default timeout 120 s."
     }
@@ -60,6 +60,13 @@ impl Tool for RunCommand {
         Preview {
             title: format!("Run `{short}`"),
             locations: vec![Location { path: ws.root().to_owned(), line: None }],
+            content: Vec::new(),
+        }
+    }
+    fn scope(&self, args: &Value) -> Scope {
+        match args.get("command").and_then(Value::as_str).and_then(programs) {
+            Some(names) if !names.is_empty() => Scope::Names(names),
+            _ => Scope::Unscoped,
         }
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
@@ -175,7 +182,9 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
         "stdout_bytes": out.total(),
         "stderr_bytes": err.total(),
     });
-    let mut output = ToolOutput::ok(text, raw);
+    let mut output = ToolOutput::ok(text.clone(), raw);
+    // An editor shows the command's output inside the tool call.
+    output.content = vec![crate::ToolContent::Text { text }];
     output.success = success;
     Ok(output)
 }
@@ -202,4 +211,135 @@ async fn capture(r: impl AsyncRead + Unpin, sink: Arc<Mutex<HeadTail>>) {
 
 fn signal_name(sig: i32) -> String {
     Signal::try_from(sig).map(|s| s.as_str().to_owned()).unwrap_or_else(|_| format!("signal {sig}"))
+}
+
+/// The programs a shell command runs: the first word of each simple command of a
+/// list or pipeline, after any `env` and `VAR=value` prefix, by base name. `None`
+/// when the command has a shape whose programs cannot be known from its text
+/// (substitutions, subshells, groups, functions, a program named by a variable).
+pub fn programs(command: &str) -> Option<Vec<String>> {
+    if ["$(", "`", "<(", ">(", "${"].iter().any(|s| command.contains(s)) {
+        return None;
+    }
+    let mut names: Vec<String> = Vec::new();
+    for segment in split_list(command)? {
+        let words = shell_words::split(&segment).ok()?;
+        let mut words = words.iter().map(String::as_str).peekable();
+        let mut program = None;
+        while let Some(w) = words.next() {
+            if is_assignment(w) {
+                continue;
+            }
+            if w == "env" {
+                while let Some(next) = words.peek() {
+                    if next.starts_with('-') || is_assignment(next) {
+                        words.next();
+                    } else {
+                        break;
+                    }
+                }
+                continue;
+            }
+            program = Some(w);
+            break;
+        }
+        let Some(program) = program else { continue };
+        if program.is_empty()
+            || program.starts_with(['$', '(', '{'])
+            || ["(", ")", "{", "}", "!", "if", "for", "while", "until", "case", "function"].contains(&program)
+        {
+            return None;
+        }
+        let base = program.rsplit('/').next().unwrap_or(program).to_owned();
+        if !names.contains(&base) {
+            names.push(base);
+        }
+    }
+    Some(names)
+}
+
+fn is_assignment(word: &str) -> bool {
+    match word.split_once('=') {
+        Some((name, _)) => {
+            !name.is_empty()
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && !name.starts_with(|c: char| c.is_ascii_digit())
+        }
+        None => false,
+    }
+}
+
+/// Splits a command at `;`, `&`, `|`, `&&`, `||` and newlines outside quotes.
+fn split_list(command: &str) -> Option<Vec<String>> {
+    let (mut out, mut cur) = (Vec::new(), String::new());
+    let (mut single, mut double, mut escaped) = (false, false, false);
+    for c in command.chars() {
+        if escaped {
+            cur.push(c);
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\\' if !single => {
+                cur.push(c);
+                escaped = true;
+            }
+            '\'' if !double => {
+                single = !single;
+                cur.push(c);
+            }
+            '"' if !single => {
+                double = !double;
+                cur.push(c);
+            }
+            ';' | '&' | '|' | '\n' if !single && !double => {
+                // `>&2` and `2>&1` are redirections, not list operators.
+                if c == '&' && (cur.ends_with('>') || cur.ends_with('<')) {
+                    cur.push(c);
+                } else if !cur.trim().is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                } else {
+                    cur.clear();
+                }
+            }
+            _ => cur.push(c),
+        }
+    }
+    if single || double {
+        return None;
+    }
+    if !cur.trim().is_empty() {
+        out.push(cur);
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::programs;
+
+    fn p(s: &str) -> Option<Vec<String>> {
+        programs(s)
+    }
+
+    fn v(names: &[&str]) -> Option<Vec<String>> {
+        Some(names.iter().map(|s| (*s).to_owned()).collect())
+    }
+
+    #[test]
+    fn programs_of_simple_lists_and_pipelines() {
+        assert_eq!(p("git status"), v(&["git"]));
+        assert_eq!(p("FOO=1 BAR=x /usr/bin/git log --oneline"), v(&["git"]));
+        assert_eq!(p("env -i PATH=/bin cargo test"), v(&["cargo"]));
+        assert_eq!(p("git diff | grep -v x && ls; git log"), v(&["git", "grep", "ls"]));
+        assert_eq!(p("echo 'a && rm -rf /' >&2"), v(&["echo"]));
+        assert_eq!(p("make 2>&1 | tee out.txt"), v(&["make", "tee"]));
+    }
+
+    #[test]
+    fn shapes_that_hide_programs_are_unscoped() {
+        for bad in ["echo $(rm x)", "echo `id`", "(cd x && rm y)", "{ rm x; }", "$CMD arg", "echo 'unclosed"] {
+            assert_eq!(p(bad), None, "{bad}");
+        }
+    }
 }

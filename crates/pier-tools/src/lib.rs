@@ -186,19 +186,36 @@ impl ToolError {
 pub struct Preview {
     pub title: String,
     pub locations: Vec<Location>,
+    /// What the call would produce, where that is known before it runs: an edit's diff.
+    pub content: Vec<ToolContent>,
+}
+
+/// What an *always* permission answer for a call covers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every call of the tool's kind.
+    Kind,
+    /// Calls whose every name (a command's programs, say) is covered.
+    Names(Vec<String>),
+    /// Nothing beyond this call: its shape cannot be scoped safely.
+    Unscoped,
 }
 
 /// A built-in tool.
 pub trait Tool: Send + Sync + 'static {
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &str;
     fn kind(&self) -> ToolKind;
-    fn description(&self) -> &'static str;
+    fn description(&self) -> &str;
     /// JSON schema of the arguments.
     fn parameters(&self) -> Value;
     /// Title and locations of a call with `args`, without running it.
     fn preview(&self, args: &Value, workspace: &Workspace) -> Preview;
     /// Runs the call.
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>>;
+    /// What a remembered permission answer for a call with `args` covers.
+    fn scope(&self, _args: &Value) -> Scope {
+        Scope::Kind
+    }
 }
 
 /// Parses a tool's arguments, with a message the model can act on.

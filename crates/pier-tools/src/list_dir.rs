@@ -15,13 +15,13 @@ struct Args {
 }
 
 impl Tool for ListDir {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "list_dir"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Read
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "List a directory of the session: each entry with its type and size. Files ignored by .gitignore are left out."
     }
     fn parameters(&self) -> Value {
@@ -36,6 +36,7 @@ impl Tool for ListDir {
         Preview {
             title: format!("List {path}"),
             locations: ws.resolve(path).map(|p| vec![Location { path: p, line: None }]).unwrap_or_default(),
+            content: Vec::new(),
         }
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {

@@ -38,13 +38,13 @@ struct Args {
 }
 
 impl Tool for UpdatePlan {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "update_plan"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Think
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Record your plan for the task as a full list of steps. Each call replaces the whole plan, so always send \
          every step with its current status."
     }
@@ -70,7 +70,7 @@ impl Tool for UpdatePlan {
     }
     fn preview(&self, args: &Value, _ws: &Workspace) -> Preview {
         let n = args.get("entries").and_then(Value::as_array).map_or(0, Vec::len);
-        Preview { title: format!("Update plan ({n} steps)"), locations: Vec::new() }
+        Preview { title: format!("Update plan ({n} steps)"), locations: Vec::new(), content: Vec::new() }
     }
     fn run(&self, args: Value, _cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
         Box::pin(async move {

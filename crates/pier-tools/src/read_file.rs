@@ -20,13 +20,13 @@ struct Args {
 }
 
 impl Tool for ReadFile {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "read_file"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Read
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Read a text file in the session directory. Large files are returned a page at a time: pass `line` \
          (1-based first line) and `limit` (number of lines) to read further."
     }
@@ -47,6 +47,7 @@ impl Tool for ReadFile {
         Preview {
             title: format!("Read {path}"),
             locations: ws.resolve(path).map(|p| vec![Location { path: p, line }]).unwrap_or_default(),
+            content: Vec::new(),
         }
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {

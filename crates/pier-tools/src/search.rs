@@ -24,13 +24,13 @@ struct Args {
 const MAX_LINE_CHARS: usize = 400;
 
 impl Tool for Grep {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "grep"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Search
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Search files of the session for a regular expression (Rust regex syntax). Returns `path:line: text` \
          for each matching line. Respects .gitignore and skips binary files. Narrow with `path` and `glob` (e.g. `*.rs`)."
     }
@@ -51,6 +51,7 @@ impl Tool for Grep {
         Preview {
             title: format!("grep {pattern:?} in {path}"),
             locations: ws.resolve(path).map(|p| vec![Location { path: p, line: None }]).unwrap_or_default(),
+            content: Vec::new(),
         }
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {

@@ -5,25 +5,49 @@
 //! exists is canonicalised and the rest re-attached, and the result is checked
 //! again. So `..`, absolute paths elsewhere, and symlinks that point out are all
 //! refused, including a dangling symlink a write would follow.
+//!
+//! A workspace has one root, the session's `cwd`, against which relative paths
+//! resolve, and may have more (ACP's `additionalDirectories`): an absolute path
+//! inside any root is accepted.
 
 use std::path::{Component, Path, PathBuf};
 
 use crate::ToolError;
 
-/// The root every tool path must stay inside. Cheap to clone.
+/// The roots every tool path must stay inside. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Workspace {
     root: PathBuf,
+    extra: std::sync::Arc<[PathBuf]>,
 }
 
 impl Workspace {
     /// A workspace rooted at `cwd`, which must exist.
     pub fn new(cwd: &Path) -> std::io::Result<Workspace> {
-        Ok(Workspace { root: cwd.canonicalize()? })
+        Ok(Workspace { root: cwd.canonicalize()?, extra: std::sync::Arc::from(Vec::new()) })
     }
 
+    /// A workspace rooted at `cwd` that also admits paths inside each of `extra`; all must exist.
+    pub fn with_roots(cwd: &Path, extra: &[PathBuf]) -> std::io::Result<Workspace> {
+        let extra: Vec<PathBuf> = extra
+            .iter()
+            .map(|d| d.canonicalize().map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", d.display()))))
+            .collect::<std::io::Result<_>>()?;
+        Ok(Workspace { root: cwd.canonicalize()?, extra: std::sync::Arc::from(extra) })
+    }
+
+    /// The session directory: relative paths start here.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Every root: the session directory first, then the additional ones.
+    pub fn roots(&self) -> impl Iterator<Item = &Path> {
+        std::iter::once(self.root.as_path()).chain(self.extra.iter().map(PathBuf::as_path))
+    }
+
+    fn inside(&self, path: &Path) -> bool {
+        self.roots().any(|r| path.starts_with(r))
     }
 
     /// `path` relative to the root for display, or as is when outside.
@@ -46,7 +70,7 @@ impl Workspace {
         let given = Path::new(path);
         let joined = if given.is_absolute() { given.to_path_buf() } else { self.root.join(given) };
         let normal = normalize(&joined);
-        if !normal.starts_with(&self.root) {
+        if !self.inside(&normal) {
             return Err(self.outside(path));
         }
         // Find the deepest existing ancestor (not following a final symlink).
@@ -67,20 +91,30 @@ impl Workspace {
         for name in rest.into_iter().rev() {
             resolved.push(name);
         }
-        if !resolved.starts_with(&self.root) {
+        if !self.inside(&resolved) {
             return Err(ToolError::new(format!(
-                "`{path}` resolves through a symlink to {}, outside the session directory {}; refused",
+                "`{path}` resolves through a symlink to {}, outside the session's roots ({}); refused",
                 resolved.display(),
-                self.root.display()
+                self.describe_roots()
             )));
         }
         Ok(resolved)
     }
 
+    fn describe_roots(&self) -> String {
+        self.roots().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
+    }
+
     fn outside(&self, path: &str) -> ToolError {
+        if self.extra.is_empty() {
+            return ToolError::new(format!(
+                "`{path}` is outside the session directory {}; tools may only touch paths inside it",
+                self.root.display()
+            ));
+        }
         ToolError::new(format!(
-            "`{path}` is outside the session directory {}; tools may only touch paths inside it",
-            self.root.display()
+            "`{path}` is outside the session's roots ({}); tools may only touch paths inside them",
+            self.describe_roots()
         ))
     }
 }
@@ -130,6 +164,21 @@ mod tests {
         }
         let msg = ws.resolve("../secret").err().map(|e| e.0).unwrap_or_default();
         assert!(msg.contains("outside the session directory"), "{msg}");
+    }
+
+    #[test]
+    fn additional_roots_admit_absolute_paths_inside_them_only() {
+        let (_d, ws) = ws();
+        let other = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let third = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let multi = Workspace::with_roots(ws.root(), &[other.path().to_owned()]).unwrap_or_else(|e| panic!("{e}"));
+        let inside = other.path().canonicalize().unwrap_or_else(|e| panic!("{e}")).join("f");
+        assert_eq!(multi.resolve(&inside.display().to_string()).ok(), Some(inside.clone()));
+        assert_eq!(multi.resolve("rel").ok(), Some(ws.root().join("rel")));
+        assert!(ws.resolve(&inside.display().to_string()).is_err());
+        let elsewhere = third.path().join("f").display().to_string();
+        let msg = multi.resolve(&elsewhere).err().map(|e| e.0).unwrap_or_default();
+        assert!(msg.contains("outside the session's roots"), "{msg}");
     }
 
     #[test]

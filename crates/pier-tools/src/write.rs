@@ -30,22 +30,66 @@ struct EditArgs {
     replace_all: bool,
 }
 
-fn preview(verb: &str, args: &Value, ws: &Workspace) -> Preview {
+/// Files larger than this get no diff in the preview: the permission request stays small.
+const PREVIEW_BYTES: u64 = 1 << 20;
+
+/// Title, location and, where the change can be computed without running, its diff.
+/// `change` turns the old text (`None` for a new file) into the new text and the first changed line.
+fn preview(
+    verb: &str,
+    args: &Value,
+    ws: &Workspace,
+    change: impl FnOnce(Option<&str>) -> Option<(String, usize)>,
+) -> Preview {
     let path = arg_path(args).unwrap_or("?");
-    Preview {
-        title: format!("{verb} {path}"),
-        locations: ws.resolve(path).map(|p| vec![Location { path: p, line: None }]).unwrap_or_default(),
+    let mut preview = Preview { title: format!("{verb} {path}"), locations: Vec::new(), content: Vec::new() };
+    let Ok(resolved) = ws.resolve(path) else { return preview };
+    let old = match std::fs::metadata(&resolved) {
+        Ok(m) if m.is_file() && m.len() <= PREVIEW_BYTES => std::fs::read_to_string(&resolved).ok(),
+        Ok(_) => return preview_at(preview, resolved, None),
+        Err(_) => None,
+    };
+    match change(old.as_deref()) {
+        Some((new_text, line)) => {
+            preview.content.push(ToolContent::Diff { path: resolved.clone(), old_text: old, new_text });
+            preview_at(preview, resolved, Some(line as u32))
+        }
+        None => preview_at(preview, resolved, None),
     }
 }
 
+fn preview_at(mut preview: Preview, path: std::path::PathBuf, line: Option<u32>) -> Preview {
+    preview.locations.push(Location { path, line });
+    preview
+}
+
+/// The text after an edit and the 1-based line of its first change, or why it cannot apply.
+fn apply_edit(old: &str, args: &EditArgs) -> Result<(String, usize, usize), &'static str> {
+    let count = old.matches(args.old_text.as_str()).count();
+    if count == 0 {
+        return Err("not found");
+    }
+    if count > 1 && !args.replace_all {
+        return Err("ambiguous");
+    }
+    let first = old.find(args.old_text.as_str()).unwrap_or(0);
+    let line = old[..first].matches('\n').count() + 1;
+    let new = if args.replace_all {
+        old.replace(args.old_text.as_str(), &args.new_text)
+    } else {
+        old.replacen(args.old_text.as_str(), &args.new_text, 1)
+    };
+    Ok((new, count, line))
+}
+
 impl Tool for WriteFile {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "write_file"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Edit
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Create a file, or replace a file's whole content. Parent directories are created. Prefer edit_file for \
          changing part of an existing file."
     }
@@ -60,7 +104,8 @@ impl Tool for WriteFile {
         })
     }
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
-        preview("Write", args, ws)
+        let content = args.get("content").and_then(Value::as_str).map(str::to_owned);
+        preview("Write", args, ws, |_| content.map(|c| (c, 1)))
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
         Box::pin(async move {
@@ -86,20 +131,20 @@ impl Tool for WriteFile {
                 json!({"path": path, "created": old.is_none(), "bytes": args.content.len()}),
             );
             out.content = vec![ToolContent::Diff { path: path.clone(), old_text: old, new_text: args.content }];
-            out.locations = vec![Location { path, line: None }];
+            out.locations = vec![Location { path: path.clone(), line: Some(1) }];
             Ok(out)
         })
     }
 }
 
 impl Tool for EditFile {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "edit_file"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Edit
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Replace exact text in a file. `old_text` must match exactly once (whitespace included) unless \
          `replace_all` is true; include enough surrounding lines to make it unique."
     }
@@ -116,7 +161,14 @@ impl Tool for EditFile {
         })
     }
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
-        preview("Edit", args, ws)
+        let edit: Option<EditArgs> = serde_json::from_value(args.clone()).ok();
+        preview("Edit", args, ws, |old| {
+            let (edit, old) = (edit?, old?);
+            if edit.old_text.is_empty() {
+                return None;
+            }
+            apply_edit(old, &edit).ok().map(|(new, _, line)| (new, line))
+        })
     }
     fn run(&self, args: Value, cx: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
         Box::pin(async move {
@@ -131,24 +183,21 @@ impl Tool for EditFile {
                 let Some(old) = read_existing(&target, &shown)? else {
                     return Err(ToolError::new(format!("{shown} does not exist; use write_file to create it")));
                 };
-                let count = old.matches(args.old_text.as_str()).count();
-                if count == 0 {
-                    return Err(ToolError::new(format!(
-                        "old_text was not found in {shown}; read the file and copy the exact text, whitespace included"
-                    )));
-                }
-                if count > 1 && !args.replace_all {
-                    return Err(ToolError::new(format!(
-                        "old_text matches {count} times in {shown}; include more surrounding text to make it unique, \
-                         or set replace_all"
-                    )));
-                }
-                let first = old.find(args.old_text.as_str()).unwrap_or(0);
-                let line = old[..first].matches('\n').count() + 1;
-                let new = if args.replace_all {
-                    old.replace(args.old_text.as_str(), &args.new_text)
-                } else {
-                    old.replacen(args.old_text.as_str(), &args.new_text, 1)
+                let (new, count, line) = match apply_edit(&old, &args) {
+                    Ok(applied) => applied,
+                    Err("not found") => {
+                        return Err(ToolError::new(format!(
+                            "old_text was not found in {shown}; read the file and copy the exact text, whitespace \
+                             included"
+                        )));
+                    }
+                    Err(_) => {
+                        let count = old.matches(args.old_text.as_str()).count();
+                        return Err(ToolError::new(format!(
+                            "old_text matches {count} times in {shown}; include more surrounding text to make it \
+                             unique, or set replace_all"
+                        )));
+                    }
                 };
                 write_atomic(&target, new.as_bytes(), &shown)?;
                 Ok((old, new, count, line))

@@ -380,20 +380,20 @@ async fn update_plan_takes_the_whole_plan() {
 struct Panics;
 
 impl Tool for Panics {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "panics"
     }
     fn kind(&self) -> ToolKind {
         ToolKind::Other
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "panics"
     }
     fn parameters(&self) -> Value {
         json!({})
     }
     fn preview(&self, _: &Value, _: &Workspace) -> Preview {
-        Preview { title: "panics".into(), locations: vec![] }
+        Preview { title: "panics".into(), locations: vec![], content: vec![] }
     }
     fn run(&self, _: Value, _: ToolContext) -> BoxFuture<'static, Result<ToolOutput, ToolError>> {
         Box::pin(async { panic!("boom") })

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use pier_acp::{Connection, ConnectionConfig};
-use pier_agent::{AcpAgent, AgentHandler, Profile};
+use pier_agent::{AcpAgent, AgentHandler, AgentOptions, NamedModel, Profile};
 use pier_engine::{Engine, EngineConfig};
 use pier_model::{ModelProvider, OpenAiProvider, Unconfigured};
 use pier_tools::Toolbox;
@@ -17,13 +17,15 @@ pub enum ProfileArg {
     /// Fresh text sessions, committed assistant text only (seed 003)
     #[default]
     Automation,
+    /// Everything an editor shows: deltas, tool calls with diffs, plans, modes, sessions that reopen, MCP
+    Editor,
 }
 
 #[derive(Debug, clap::Args)]
 pub struct AgentArgs {
-    /// Which ACP surface to offer
-    #[arg(long, value_enum, default_value_t)]
-    profile: ProfileArg,
+    /// Which ACP surface to offer [default: automation, or `profile` in pier.toml]
+    #[arg(long, value_enum)]
+    profile: Option<ProfileArg>,
     #[command(flatten)]
     model: ModelFlags,
     #[command(flatten)]
@@ -60,10 +62,25 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         Arc::new(Toolbox::builtin(config::resolve_limits(&files)))
     };
     let engine = Engine::new(engine_config, model, toolbox, policy);
-    let profile = match args.profile {
-        ProfileArg::Automation => Profile::Automation,
+    let profile = match (args.profile, files.profile.as_deref()) {
+        (Some(ProfileArg::Editor), _) | (None, Some("editor")) => Profile::Editor,
+        (Some(ProfileArg::Automation), _) | (None, None | Some("automation")) => Profile::Automation,
+        (None, Some(other)) => anyhow::bail!("unknown profile `{other}` in pier.toml; expected automation or editor"),
     };
-    let agent = AcpAgent::new(engine, profile);
+    let mut options = AgentOptions::new(profile);
+    if let Some(mode) = &files.mode {
+        options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
+    }
+    if !local {
+        options.vision = config::resolve_vision(&args.model, &env, &files);
+        let (chosen, named) = config::named_models(&args.model, &env, &files)?;
+        for (name, config, vision) in named {
+            options.models.push(NamedModel { name, provider: Arc::new(OpenAiProvider::new(config)?), vision });
+        }
+        options.default_model = chosen.filter(|c| options.models.iter().any(|m| &m.name == c));
+    }
+    tracing::info!(profile = profile.name(), "profile");
+    let agent = AcpAgent::with_options(engine, options);
     let (stdin, stdout) = pier_acp::stdio::streams();
     let conn_config = ConnectionConfig { max_frame_bytes: args.max_frame_bytes, ..ConnectionConfig::default() };
     let conn = Connection::spawn(stdin, stdout, Arc::new(AgentHandler(agent.clone())), conn_config);

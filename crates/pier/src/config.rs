@@ -17,6 +17,10 @@ use serde::Deserialize;
 pub struct FileConfig {
     /// The provider to use, by name.
     pub provider: Option<String>,
+    /// `pier agent`'s profile: `automation` or `editor`.
+    pub profile: Option<String>,
+    /// The permission mode new editor-profile sessions start in: `read-only`, `ask`, `auto`.
+    pub mode: Option<String>,
     pub max_turn_requests: Option<u32>,
     pub system_prompt: Option<String>,
     /// The embedded model's GGUF file [default: $PIER_HOME/models/smollm2.q8_0.gguf].
@@ -70,6 +74,10 @@ pub struct ProviderTable {
     pub retry_base_delay_ms: Option<u64>,
     pub max_tokens: Option<u32>,
     pub stream_usage: Option<bool>,
+    /// Whether the model takes images (the editor profile then accepts image prompts).
+    pub vision: Option<bool>,
+    /// The model's context window in tokens (default 128000), for usage meters.
+    pub context_window: Option<u64>,
 }
 
 impl FileConfig {
@@ -90,6 +98,8 @@ impl FileConfig {
         self.max_turn_requests = over.max_turn_requests.or(self.max_turn_requests);
         self.system_prompt = over.system_prompt.or(self.system_prompt);
         self.local_model = over.local_model.or(self.local_model);
+        self.profile = over.profile.or(self.profile);
+        self.mode = over.mode.or(self.mode);
         self.permissions.extend(over.permissions);
         self.agents.extend(over.agents);
         self.client.permissions.extend(over.client.permissions);
@@ -109,6 +119,8 @@ impl FileConfig {
                     retry_base_delay_ms: table.retry_base_delay_ms.or(base.retry_base_delay_ms),
                     max_tokens: table.max_tokens.or(base.max_tokens),
                     stream_usage: table.stream_usage.or(base.stream_usage),
+                    vision: table.vision.or(base.vision),
+                    context_window: table.context_window.or(base.context_window),
                 },
             );
         }
@@ -284,7 +296,54 @@ pub fn resolve_model(flags: &ModelFlags, env: &dyn Env, files: &FileConfig) -> a
     if let Some(b) = table.stream_usage {
         config.stream_usage = b;
     }
+    config.context_window = Some(table.context_window.unwrap_or(DEFAULT_CONTEXT_WINDOW));
     Ok(Some(config))
+}
+
+/// Assumed when a provider does not say: the common size of today's hosted models.
+const DEFAULT_CONTEXT_WINDOW: u64 = 128_000;
+
+/// Whether the provider `resolve_model` picks takes images.
+pub fn resolve_vision(flags: &ModelFlags, env: &dyn Env, files: &FileConfig) -> bool {
+    let provider = flags.provider.clone().or_else(|| env.var("PIER_PROVIDER")).or_else(|| files.provider.clone());
+    provider.and_then(|p| files.providers.get(&p)).and_then(|t| t.vision).unwrap_or(false)
+}
+
+/// A named provider with a model: `(name, config, vision)`.
+pub type NamedProvider = (String, ModelConfig, bool);
+
+/// The chosen provider's name, and every named provider with a model, for the editor
+/// profile's `model` select.
+pub fn named_models(
+    flags: &ModelFlags,
+    env: &dyn Env,
+    files: &FileConfig,
+) -> anyhow::Result<(Option<String>, Vec<NamedProvider>)> {
+    let chosen = flags.provider.clone().or_else(|| env.var("PIER_PROVIDER")).or_else(|| files.provider.clone());
+    let mut out = Vec::new();
+    for (name, table) in &files.providers {
+        if table.model.is_none() {
+            continue;
+        }
+        let named = ModelFlags { provider: Some(name.clone()), model: None, base_url: None };
+        // Only the file speaks for a named provider; PIER_MODEL and friends choose the default one.
+        if let Some(config) = resolve_model(&named, &NoEnv(env), files)? {
+            out.push((name.clone(), config, table.vision.unwrap_or(false)));
+        }
+    }
+    Ok((chosen, out))
+}
+
+/// The environment without the variables that override a provider's own table.
+struct NoEnv<'a>(&'a dyn Env);
+
+impl Env for NoEnv<'_> {
+    fn var(&self, name: &str) -> Option<String> {
+        match name {
+            "PIER_MODEL" | "PIER_BASE_URL" | "PIER_PROVIDER" => None,
+            other => self.0.var(other),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,11 +11,24 @@
 //! - `result`: always the last line: `stopReason` (null when there is none), `text`
 //!   (the final assistant message), `usage`, `agent` (`name`, `version`),
 //!   `sessionId`, `durationMs`, `exitCode`, and on failure `error` (`kind`, `message`).
+//!
+//! # The text view
+//! The answer as it streams; thoughts dimmed; each tool call as one line
+//! `MARK KIND TITLE [STATUS]`, rewritten in place on a terminal while it is the last
+//! line; a call's `diff` content as a unified diff ([`diff`]) once, when the call
+//! completes (or at the end of the run for a call that neither completed nor failed);
+//! a call's text output only with `--verbose`; the plan as a checklist. Colour only
+//! on a terminal without `NO_COLOR`.
+
+mod diff;
 
 use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 
 use pier_client::{ClientError, ClientEvent, Ending, RunOutcome};
 use serde_json::{Value, json};
+
+use self::diff::FileDiff;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -61,23 +74,52 @@ pub fn exit_code(outcome: &RunOutcome) -> i32 {
     }
 }
 
+/// What the text renderer printed last, to know when a new line must start and
+/// whether a tool call's line can be rewritten in place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Last {
+    Nothing,
+    Message,
+    Thought,
+    /// The line of this tool call, still the last line on the screen.
+    ToolLine(String),
+    Other,
+}
+
+/// What the text renderer knows of one tool call, merged from its updates.
+#[derive(Debug, Default)]
+struct ToolState {
+    title: Option<String>,
+    kind: Option<String>,
+    status: Option<String>,
+    /// The call's `diff` content items, as last sent (an update's `content` replaces them).
+    diffs: Vec<FileDiff>,
+    /// The call's text content items (tool output), as last sent.
+    texts: Vec<String>,
+    diffs_shown: bool,
+    texts_shown: bool,
+}
+
 /// Prints events as they come and the outcome at the end.
 pub struct Renderer {
     format: Format,
     colour: bool,
     tty: bool,
     verbose: bool,
-    /// The tool call whose line was printed last, to update it in place.
-    last_tool_line: Option<String>,
+    last: Last,
     at_line_start: bool,
-    titles: std::collections::HashMap<String, String>,
+    /// Every tool call seen, in the order first seen.
+    tools: Vec<(String, ToolState)>,
+    /// Where diff paths are shown relative to.
+    here: Option<PathBuf>,
 }
 
 impl Renderer {
     pub fn new(format: Format, verbose: bool) -> Renderer {
         let tty = std::io::stdout().is_terminal();
         let colour = tty && std::env::var_os("NO_COLOR").is_none();
-        Renderer { format, colour, tty, verbose, last_tool_line: None, at_line_start: true, titles: Default::default() }
+        let here = std::env::current_dir().ok().and_then(|d| d.canonicalize().ok());
+        Renderer { format, colour, tty, verbose, last: Last::Nothing, at_line_start: true, tools: Vec::new(), here }
     }
 
     fn out(&mut self, s: &str) {
@@ -90,10 +132,14 @@ impl Renderer {
     }
 
     fn line(&mut self, s: &str) {
+        self.end_line();
+        self.out(&format!("{s}\n"));
+    }
+
+    fn end_line(&mut self) {
         if !self.at_line_start {
             self.out("\n");
         }
-        self.out(&format!("{s}\n"));
     }
 
     fn json(&mut self, v: &Value) {
@@ -145,43 +191,24 @@ impl Renderer {
                 match update["sessionUpdate"].as_str().unwrap_or("") {
                     "agent_message_chunk" => {
                         if let Some(t) = update["content"]["text"].as_str() {
-                            if self.last_tool_line.take().is_some() && !self.at_line_start {
-                                self.out("\n");
+                            if !matches!(self.last, Last::Message | Last::Nothing) {
+                                self.end_line();
                             }
+                            self.last = Last::Message;
                             self.out(t);
                         }
                     }
                     "agent_thought_chunk" => {
                         if let Some(t) = update["content"]["text"].as_str() {
-                            self.last_tool_line = None;
+                            if !matches!(self.last, Last::Thought | Last::Nothing) {
+                                self.end_line();
+                            }
+                            self.last = Last::Thought;
                             let dimmed = self.dim(t);
                             self.out(&dimmed);
                         }
                     }
-                    "tool_call" | "tool_call_update" => {
-                        let id = update["toolCallId"].as_str().unwrap_or("?").to_owned();
-                        if let Some(title) = update["title"].as_str() {
-                            self.titles.insert(id.clone(), title.to_owned());
-                        }
-                        let title = self.titles.get(&id).cloned().unwrap_or_else(|| id.clone());
-                        let status = update["status"].as_str().unwrap_or("pending");
-                        let mark = match status {
-                            "completed" => "✓",
-                            "failed" => "✗",
-                            "in_progress" => "…",
-                            _ => "·",
-                        };
-                        let text = format!("{mark} {title} [{status}]");
-                        if self.tty && self.last_tool_line.as_deref() == Some(id.as_str()) {
-                            self.out(&format!("\r\x1b[2K{text}"));
-                        } else if update["sessionUpdate"] == "tool_call" || update.get("status").is_some() {
-                            if !self.at_line_start {
-                                self.out("\n");
-                            }
-                            self.out(&text);
-                        }
-                        self.last_tool_line = Some(id);
-                    }
+                    "tool_call" | "tool_call_update" => self.tool_call(update),
                     "plan" => {
                         let entries = update["entries"].as_array().cloned().unwrap_or_default();
                         let mut lines = vec!["plan:".to_owned()];
@@ -193,8 +220,8 @@ impl Renderer {
                             };
                             lines.push(format!("  {mark} {}", e["content"].as_str().unwrap_or("")));
                         }
-                        self.last_tool_line = None;
                         self.line(&lines.join("\n"));
+                        self.last = Last::Other;
                     }
                     _ => {}
                 }
@@ -211,6 +238,125 @@ impl Renderer {
                 }
             }
             ClientEvent::ProtocolError(message) => eprintln!("pier: protocol error from the agent: {message}"),
+        }
+    }
+
+    /// A `tool_call` or `tool_call_update`: the call's one line (`MARK KIND TITLE [STATUS]`),
+    /// rewritten in place on a terminal while it is the last line; its diffs once, when it
+    /// completes; its text output once it ends, with `--verbose` only.
+    fn tool_call(&mut self, update: &Value) {
+        let id = update["toolCallId"].as_str().unwrap_or("?").to_owned();
+        let index = match self.tools.iter().position(|(known, _)| *known == id) {
+            Some(i) => i,
+            None => {
+                self.tools.push((id.clone(), ToolState::default()));
+                self.tools.len() - 1
+            }
+        };
+        let (diffs, texts) = self.content(&update["content"]);
+        let state = &mut self.tools[index].1;
+        if let Some(title) = update["title"].as_str() {
+            state.title = Some(title.to_owned());
+        }
+        if let Some(kind) = update["kind"].as_str() {
+            state.kind = Some(kind.to_owned());
+        }
+        if let Some(status) = update["status"].as_str() {
+            state.status = Some(status.to_owned());
+        }
+        if update["content"].is_array() {
+            state.diffs = diffs;
+            state.texts = texts;
+        }
+        let status = state.status.clone().unwrap_or_else(|| "pending".to_owned());
+        let mark = match status.as_str() {
+            "completed" => "✓",
+            "failed" => "✗",
+            "in_progress" => "…",
+            _ => "·",
+        };
+        let kind = state.kind.as_deref().unwrap_or("other");
+        let title = state.title.as_deref().unwrap_or(&id);
+        let text = format!("{mark} {kind:<5} {title} [{status}]");
+        let show_diffs = status == "completed" && !state.diffs_shown && !state.diffs.is_empty();
+        let show_texts = self.verbose
+            && matches!(status.as_str(), "completed" | "failed")
+            && !state.texts_shown
+            && !state.texts.is_empty();
+        if self.tty && self.last == Last::ToolLine(id.clone()) {
+            self.out(&format!("\r\x1b[2K{text}"));
+        } else if update["sessionUpdate"] == "tool_call" || update.get("status").is_some() {
+            self.end_line();
+            self.out(&text);
+        }
+        self.last = Last::ToolLine(id);
+        if show_diffs {
+            self.tools[index].1.diffs_shown = true;
+            self.print_diffs(index);
+        }
+        if show_texts {
+            self.tools[index].1.texts_shown = true;
+            let texts = self.tools[index].1.texts.clone();
+            self.end_line();
+            for t in texts {
+                let indented: String = t.lines().map(|l| format!("  {l}\n")).collect();
+                let dimmed = self.dim(&indented);
+                self.out(&dimmed);
+            }
+            self.last = Last::Other;
+        }
+    }
+
+    /// The diff and text items of a tool call's `content`.
+    fn content(&self, content: &Value) -> (Vec<FileDiff>, Vec<String>) {
+        let (mut diffs, mut texts) = (Vec::new(), Vec::new());
+        for item in content.as_array().into_iter().flatten() {
+            match item["type"].as_str() {
+                Some("diff") => {
+                    let (Some(path), Some(new)) = (item["path"].as_str(), item["newText"].as_str()) else { continue };
+                    let old = item["oldText"].as_str().map(str::to_owned);
+                    diffs.push(FileDiff { path: self.shown_path(path), old, new: new.to_owned() });
+                }
+                Some("content") => {
+                    if let Some(t) = item["content"]["text"].as_str() {
+                        texts.push(t.to_owned());
+                    }
+                }
+                _ => {}
+            }
+        }
+        (diffs, texts)
+    }
+
+    /// `path` relative to the current directory when it is under it.
+    fn shown_path(&self, path: &str) -> String {
+        let p = Path::new(path);
+        self.here
+            .as_deref()
+            .and_then(|here| p.strip_prefix(here).ok())
+            .filter(|rel| !rel.as_os_str().is_empty())
+            .map_or_else(|| path.to_owned(), |rel| rel.display().to_string())
+    }
+
+    fn print_diffs(&mut self, index: usize) {
+        let diffs = self.tools[index].1.diffs.clone();
+        self.end_line();
+        for d in &diffs {
+            let text = diff::unified(d, self.colour, diff::MAX_LINES);
+            self.out(&text);
+        }
+        self.last = Last::Other;
+    }
+
+    /// Diffs of calls that never completed (nor failed) are shown when the run ends.
+    fn flush_diffs(&mut self) {
+        for index in 0..self.tools.len() {
+            let state = &self.tools[index].1;
+            if state.diffs_shown || state.diffs.is_empty() || state.status.as_deref() == Some("failed") {
+                continue;
+            }
+            self.tools[index].1.diffs_shown = true;
+            self.print_diffs(index);
         }
     }
 
@@ -245,9 +391,8 @@ impl Renderer {
                 }
             }
             Format::Text => {
-                if !self.at_line_start {
-                    self.out("\n");
-                }
+                self.flush_diffs();
+                self.end_line();
                 let stop = stop.and_then(|s| s.as_str().map(str::to_owned)).unwrap_or_else(|| "none".into());
                 let usage = outcome.usage.as_ref().map(|u| format!(" · usage {u}")).unwrap_or_default();
                 eprintln!("pier: stop reason {stop}{usage} · {:.1}s", outcome.duration.as_secs_f64());

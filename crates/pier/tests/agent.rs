@@ -99,11 +99,20 @@ async fn a_turn_commits_whole_messages_and_ends_end_turn() {
     let types: Vec<&str> = log.iter().filter_map(|r| r["type"].as_str()).collect();
     assert_eq!(
         types,
-        ["session_started", "prompt", "model_request", "model_response", "reasoning", "message", "turn_ended"]
+        [
+            "session_started",
+            "prompt",
+            "model_request",
+            "model_response",
+            "reasoning",
+            "message",
+            "history",
+            "turn_ended"
+        ]
     );
     assert_eq!(log[3]["usage"]["total_tokens"], 7);
     assert_eq!(log[4]["text"], "let me think");
-    assert_eq!(log[6]["stop_reason"], "end_turn");
+    assert_eq!(log[7]["stop_reason"], "end_turn");
 
     // The next turn carries the history.
     f.push(Reply::text("again"));

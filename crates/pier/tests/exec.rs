@@ -439,3 +439,101 @@ async fn authentication_uses_an_env_var_method_when_its_variables_are_set() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(result(&o)["text"], "authenticated");
 }
+
+#[tokio::test]
+async fn exec_text_renders_tool_lines_diffs_once_and_the_plan() {
+    let env = Env::new(None);
+    let agent = format!("python3 {}", fixture("editor_surface_agent.py").display());
+    let o = env.run(&["exec", "--agent", &agent, "go"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // stdout is a pipe: no colour, no in-place rewriting, one line per status change.
+    let expected = "\
+pondering the edit
+plan:
+  [x] Read a.txt
+  [~] Fix line 5
+  [ ] Add notes
+· edit  Edit src/a.txt [pending]
+… edit  Edit src/a.txt [in_progress]
+✓ edit  Edit src/a.txt [completed]
+--- a/src/a.txt
++++ b/src/a.txt
+@@ -2,7 +2,7 @@
+ line 2
+ line 3
+ line 4
+-line 5
++line five
+ line 6
+ line 7
+ line 8
+✓ edit  Write notes.md [completed]
+--- /dev/null
++++ b/notes.md
+@@ -0,0 +1,2 @@
++# Notes
++new
+… execute Run ls [in_progress]
+✓ execute Run ls [completed]
+All done.
+";
+    assert_eq!(stdout(&o), expected);
+    assert!(!stdout(&o).contains('\x1b'), "no escape codes on a pipe");
+
+    // --verbose shows the command's output, once.
+    let o = env.run(&["exec", "--verbose", "--agent", &agent, "go"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("✓ execute Run ls [completed]\n  COMMAND-OUTPUT-1\n  COMMAND-OUTPUT-2\nAll done.\n"), "{out}");
+    assert_eq!(out.matches("COMMAND-OUTPUT-1").count(), 1, "{out}");
+    assert_eq!(out.matches("+line five").count(), 1, "{out}");
+
+    // --format json stays raw: the updates exactly as the agent sent them.
+    let o = env.run(&["exec", "--format", "json", "--agent", &agent, "go"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let updates: Vec<Value> =
+        lines(&o).into_iter().filter(|l| l["type"] == "session_update").map(|l| l["update"].clone()).collect();
+    assert_eq!(updates.len(), 9, "{updates:?}");
+    let diff = &updates[2]["content"][0];
+    assert_eq!(diff["type"], "diff");
+    assert_eq!(diff["path"], format!("{}/src/a.txt", env.cwd().display()));
+    assert!(diff["oldText"].as_str().is_some_and(|t| t.contains("line 5\n")), "{diff}");
+    assert!(diff["newText"].as_str().is_some_and(|t| t.contains("line five\n")), "{diff}");
+    assert_eq!(updates[5]["content"][0]["oldText"], Value::Null);
+    assert!(!stdout(&o).contains("@@"), "no rendered diff in json");
+}
+
+#[tokio::test]
+async fn exec_text_shows_the_diffs_of_pier_editor_profile() {
+    let f = fake().await;
+    f.push(Reply::Stream(vec![
+        Step::ToolCallStart { index: 0, id: "w".into(), name: "write_file".into() },
+        Step::ToolCallArgs { index: 0, fragment: r##"{"path": "notes.md", "content": "# Notes\nnew\n"}"##.into() },
+        Step::ToolCallStart { index: 1, id: "e".into(), name: "edit_file".into() },
+        Step::ToolCallArgs {
+            index: 1,
+            fragment: r#"{"path": "src/a.txt", "old_text": "two", "new_text": "2"}"#.into(),
+        },
+        Step::Finish("tool_calls".into()),
+        Step::Done,
+    ]));
+    f.push(Reply::text("Edited."));
+    let env = Env::new(Some(f.base_url()));
+    must(std::fs::create_dir_all(env.cwd().join("src")), "mkdir");
+    must(std::fs::write(env.cwd().join("src/a.txt"), "one\ntwo\nthree\n"), "write a.txt");
+    let agent = format!("{PIER} agent --profile editor");
+    let o = env.run(&["exec", "--agent", &agent, "--approve-all", "edit"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    for (diff, line) in [
+        ("--- /dev/null\n+++ b/notes.md\n@@ -0,0 +1,2 @@\n+# Notes\n+new\n", "✓ edit  Write notes.md [completed]\n"),
+        (
+            "--- a/src/a.txt\n+++ b/src/a.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+2\n three\n",
+            "✓ edit  Edit src/a.txt [completed]\n",
+        ),
+    ] {
+        assert_eq!(out.matches(diff).count(), 1, "{out}");
+        assert!(out.contains(&format!("{line}{diff}")), "the diff follows the completed line: {out}");
+    }
+    assert!(out.ends_with("Edited.\n"), "{out}");
+}

@@ -126,6 +126,11 @@ impl ModelProvider for LocalProvider {
         format!("local {}", self.inner.config.path.display())
     }
 
+    fn context_window(&self) -> Option<u64> {
+        // SmolLM2's context; another GGUF's own length is only known once it is loaded.
+        Some(8192)
+    }
+
     fn stream(&self, request: ModelRequest) -> ModelStream {
         let this = self.clone();
         Box::pin(async_stream::stream! {

@@ -27,6 +27,7 @@ pub struct PierProcess {
     stderr: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
     pub home: tempfile::TempDir,
     pub workdir: tempfile::TempDir,
+    data: PathBuf,
 }
 
 /// How to start `pier agent`.
@@ -39,6 +40,8 @@ pub struct Options {
     pub pier_toml: Option<String>,
     /// Collect stderr into [`PierProcess::stderr`] instead of passing it through.
     pub capture_stderr: bool,
+    /// `PIER_HOME`, to share sessions with an earlier process [default: a fresh one].
+    pub pier_home: Option<PathBuf>,
 }
 
 impl Options {
@@ -96,7 +99,7 @@ impl PierProcess {
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env("HOME", home.path())
-            .env("PIER_HOME", home.path().join("data"))
+            .env("PIER_HOME", opts.pier_home.clone().unwrap_or_else(|| home.path().join("data")))
             .env("RUST_LOG", "warn")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -151,7 +154,8 @@ impl PierProcess {
                 }
             }
         });
-        PierProcess { child, stdin, frames, next_id: 0, pid, stderr, home, workdir }
+        let data = opts.pier_home.clone().unwrap_or_else(|| home.path().join("data"));
+        PierProcess { child, stdin, frames, next_id: 0, pid, stderr, home, workdir, data }
     }
 
     /// What the process wrote to stderr so far (with `capture_stderr`).
@@ -164,7 +168,7 @@ impl PierProcess {
     }
 
     pub fn data_dir(&self) -> PathBuf {
-        self.home.path().join("data")
+        self.data.clone()
     }
 
     pub async fn send_raw(&mut self, bytes: &[u8]) {

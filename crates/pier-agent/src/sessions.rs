@@ -1,0 +1,308 @@
+//! The session lifecycle methods: `new`, `load`, `resume`, `list`, `close`, `delete`.
+//!
+//! Everything but `new` works across agent restarts: it reads the durable
+//! session log and summaries under `$PIER_HOME` (the engine's `SessionStore`),
+//! never this process's memory alone.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use agent_client_protocol_schema::v1::{
+    CloseSessionRequest, CloseSessionResponse, DeleteSessionRequest, DeleteSessionResponse, Error, ListSessionsRequest,
+    ListSessionsResponse, LoadSessionRequest, LoadSessionResponse, McpServer, NewSessionRequest, NewSessionResponse,
+    ResumeSessionRequest, ResumeSessionResponse, SessionInfo, SessionUpdate,
+};
+use pier_acp::RequestCx;
+use pier_acp::error::invalid_params;
+use pier_engine::log::LogRecord;
+use pier_engine::{EngineError, SessionOptions, ToolCallRecord};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::{AcpAgent, Profile, SessionEntry, engine_error, lock, mcp, profile, to_value};
+
+/// Sessions per `session/list` page (R077).
+const PAGE: usize = 50;
+
+/// What `new`, `load` and `resume` share: a checked directory set and started MCP servers.
+struct Setup {
+    options: SessionOptions,
+    mcp: Option<mcp::Servers>,
+}
+
+impl AcpAgent {
+    async fn setup(&self, cwd: PathBuf, additional: Vec<PathBuf>, servers: &[McpServer]) -> Result<Setup, Error> {
+        self.require_initialized()?;
+        if !cwd.is_absolute() {
+            return Err(invalid_params(format!("cwd must be an absolute path, got `{}`", cwd.display())));
+        }
+        if self.profile == Profile::Automation {
+            if !servers.is_empty() {
+                return Err(invalid_params("the automation profile takes no MCP servers; send `mcpServers: []`"));
+            }
+            if !additional.is_empty() {
+                return Err(invalid_params(
+                    "the automation profile takes no additionalDirectories; the session is confined to cwd",
+                ));
+            }
+        }
+        for dir in std::iter::once(&cwd).chain(additional.iter()) {
+            if !dir.is_absolute() {
+                return Err(invalid_params(format!(
+                    "additionalDirectories entries must be absolute paths, got `{}`",
+                    dir.display()
+                )));
+            }
+            match tokio::fs::metadata(dir).await {
+                Ok(m) if m.is_dir() => {}
+                _ => return Err(invalid_params(format!("`{}` is not an existing directory", dir.display()))),
+            }
+        }
+        let mut options = SessionOptions::new(cwd);
+        options.roots = additional;
+        options.mode = self.options.mode;
+        let mcp = if servers.is_empty() {
+            None
+        } else {
+            let started = mcp::Servers::start(servers, &options.cwd, self.options.mcp_timeout).await?;
+            options.tools = started.tools();
+            Some(started)
+        };
+        Ok(Setup { options, mcp })
+    }
+
+    pub(crate) async fn new_session(
+        self: Arc<Self>,
+        cancel: CancellationToken,
+        req: NewSessionRequest,
+    ) -> Result<Value, Error> {
+        let Setup { options, mcp } = self.setup(req.cwd, req.additional_directories, &req.mcp_servers).await?;
+        let session = match self.engine.create(options).await {
+            Ok(s) => s,
+            Err(e) => {
+                stop(mcp).await;
+                return Err(engine_error(&e));
+            }
+        };
+        let entry = Arc::new(SessionEntry::new(session, mcp));
+        if cancel.is_cancelled() {
+            // Lost the race with close: dispose of the handle nobody will ever see.
+            self.dispose(&entry).await;
+            return Err(Error::request_cancelled());
+        }
+        let id = entry.session.id.clone();
+        tracing::info!(session = %id, cwd = %entry.session.cwd.display(), profile = self.profile.name(), "session created");
+        let mut response = NewSessionResponse::new(id.clone());
+        if self.profile == Profile::Editor {
+            response = response.modes(self.modes(&entry)).config_options(self.config_options(&entry));
+        }
+        lock(&self.sessions).insert(id, entry);
+        to_value(&response)
+    }
+
+    pub(crate) async fn load_session(self: Arc<Self>, cx: RequestCx, req: LoadSessionRequest) -> Result<Value, Error> {
+        let id = req.session_id.0.to_string();
+        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, Some(&cx)).await?;
+        let response = LoadSessionResponse::new().modes(self.modes(&entry)).config_options(self.config_options(&entry));
+        to_value(&response)
+    }
+
+    pub(crate) async fn resume_session(
+        self: Arc<Self>,
+        _cx: RequestCx,
+        req: ResumeSessionRequest,
+    ) -> Result<Value, Error> {
+        let id = req.session_id.0.to_string();
+        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, None).await?;
+        let response =
+            ResumeSessionResponse::new().modes(self.modes(&entry)).config_options(self.config_options(&entry));
+        to_value(&response)
+    }
+
+    /// Opens a stored session with the directories and servers sent now (R058); with
+    /// `replay`, sends its whole conversation first (R047), so the answer follows the
+    /// last update (R048). A session already open here is closed and opened again.
+    async fn reopen(
+        &self,
+        id: &str,
+        cwd: PathBuf,
+        additional: Vec<PathBuf>,
+        servers: &[McpServer],
+        replay: Option<&RequestCx>,
+    ) -> Result<Arc<SessionEntry>, Error> {
+        self.require_initialized()?;
+        if !self.engine.store().exists(id) {
+            return Err(engine_error(&EngineError::UnknownSession(id.to_owned())));
+        }
+        let live = lock(&self.sessions).get(id).cloned();
+        if let Some(live) = live {
+            if live.running.try_lock().is_err() {
+                return Err(engine_error(&EngineError::Busy));
+            }
+            lock(&self.sessions).remove(id);
+            self.dispose(&live).await;
+        }
+        let Setup { options, mcp } = self.setup(cwd, additional, servers).await?;
+        let reopened = match self.engine.open(id, options).await {
+            Ok(r) => r,
+            Err(e) => {
+                stop(mcp).await;
+                return Err(engine_error(&e));
+            }
+        };
+        let entry = Arc::new(SessionEntry::new(reopened.session, mcp));
+        if let Some(name) = last_setting(&reopened.records, "model")
+            && let Some(model) = self.options.models.iter().find(|m| m.name == name)
+        {
+            entry.session.set_model(&model.name, model.provider.clone());
+            *lock(&entry.model) = Some(model.name.clone());
+        }
+        if let Some(cx) = replay {
+            for update in replay_updates(&reopened.records) {
+                Self::send_update(&cx.conn, id, update).await;
+            }
+        }
+        tracing::info!(session = %id, replayed = replay.is_some(), "session reopened");
+        lock(&self.sessions).insert(id.to_owned(), entry.clone());
+        Ok(entry)
+    }
+
+    pub(crate) async fn list_sessions(self: Arc<Self>, req: ListSessionsRequest) -> Result<Value, Error> {
+        self.require_initialized()?;
+        if let Some(cwd) = &req.cwd
+            && !cwd.is_absolute()
+        {
+            return Err(invalid_params(format!("the cwd filter must be an absolute path, got `{}`", cwd.display())));
+        }
+        let all = self.engine.store().list(req.cwd.as_deref()).await.map_err(|e| engine_error(&e))?;
+        let start = match &req.cursor {
+            None => 0,
+            Some(cursor) => {
+                let (updated, id) = decode_cursor(cursor).ok_or_else(|| {
+                    invalid_params("the cursor is not one this agent gave out; list again without a cursor")
+                })?;
+                // Keyset: the first session after the cursor's in the listing order.
+                all.iter()
+                    .position(|m| {
+                        (m.updated_at.as_str(), m.session_id.as_str()) != (updated.as_str(), id.as_str())
+                            && (m.updated_at < updated || (m.updated_at == updated && m.session_id > id))
+                    })
+                    .unwrap_or(all.len())
+            }
+        };
+        let page: Vec<_> = all.iter().skip(start).take(PAGE).collect();
+        let sessions = page
+            .iter()
+            .map(|m| {
+                SessionInfo::new(m.session_id.clone(), m.cwd.clone())
+                    .title(m.title.clone())
+                    .updated_at(m.updated_at.clone())
+            })
+            .collect();
+        let mut response = ListSessionsResponse::new(sessions);
+        if start + page.len() < all.len()
+            && let Some(last) = page.last()
+        {
+            response = response.next_cursor(encode_cursor(&last.updated_at, &last.session_id));
+        }
+        to_value(&response)
+    }
+
+    /// R056: cancels the running turn as `session/cancel` would, stops the MCP servers, frees the session.
+    pub(crate) async fn close_session(self: Arc<Self>, req: CloseSessionRequest) -> Result<Value, Error> {
+        self.require_initialized()?;
+        let id = req.session_id.0.to_string();
+        let entry = lock(&self.sessions).remove(&id);
+        let Some(entry) = entry else {
+            return Err(engine_error(&EngineError::UnknownSession(id)));
+        };
+        self.dispose(&entry).await;
+        tracing::info!(session = %id, "session closed");
+        to_value(&CloseSessionResponse::new())
+    }
+
+    /// Removes the session's log. Deleting one that does not exist succeeds (R081).
+    pub(crate) async fn delete_session(self: Arc<Self>, req: DeleteSessionRequest) -> Result<Value, Error> {
+        self.require_initialized()?;
+        let id = req.session_id.0.to_string();
+        let live = lock(&self.sessions).remove(&id);
+        if let Some(entry) = live {
+            self.dispose(&entry).await;
+        }
+        let found = self.engine.store().delete(&id).await.map_err(|e| engine_error(&e))?;
+        tracing::info!(session = %id, found, "session deleted");
+        to_value(&DeleteSessionResponse::new())
+    }
+}
+
+async fn stop(mcp: Option<mcp::Servers>) {
+    if let Some(servers) = mcp {
+        servers.shutdown().await;
+    }
+}
+
+fn last_setting<'a>(records: &'a [(u64, LogRecord)], key: &str) -> Option<&'a str> {
+    records.iter().rev().find_map(|(_, r)| match r {
+        LogRecord::Setting { id, value } if id == key => Some(value.as_str()),
+        _ => None,
+    })
+}
+
+/// The conversation as an editor shows it: prompts, thoughts, answers, each tool
+/// call once in its final state where it first appeared, and plans.
+pub(crate) fn replay_updates(records: &[(u64, LogRecord)]) -> Vec<SessionUpdate> {
+    let mut last: HashMap<&str, &ToolCallRecord> = HashMap::new();
+    for (_, r) in records {
+        if let LogRecord::ToolCall { call } = r {
+            last.insert(call.id.as_str(), call);
+        }
+    }
+    let mut shown: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for (_, r) in records {
+        match r {
+            LogRecord::Prompt { text } => out.push(profile::user_text(text)),
+            LogRecord::Reasoning { text } => out.push(profile::thought(text)),
+            LogRecord::Message { text } | LogRecord::Refusal { text } if !text.is_empty() => {
+                out.push(profile::agent_text(text))
+            }
+            LogRecord::ToolCall { call } if shown.insert(call.id.as_str()) => {
+                let fin = last.get(call.id.as_str()).copied().unwrap_or(call);
+                out.push(SessionUpdate::ToolCall(profile::full_tool_call(fin)));
+            }
+            LogRecord::Plan { entries } => out.push(profile::plan(entries)),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn encode_cursor(updated_at: &str, id: &str) -> String {
+    format!("{updated_at}|{id}").bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_cursor(cursor: &str) -> Option<(String, String)> {
+    if !cursor.len().is_multiple_of(2) || cursor.len() > 512 {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> =
+        (0..cursor.len()).step_by(2).map(|i| u8::from_str_radix(cursor.get(i..i + 2)?, 16).ok()).collect();
+    let text = String::from_utf8(bytes?).ok()?;
+    let (updated, id) = text.split_once('|')?;
+    Some((updated.to_owned(), id.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_garbage_is_refused() {
+        let c = encode_cursor("2026-12-03T10:00:00.000Z", "abc-1");
+        assert_eq!(decode_cursor(&c), Some(("2026-12-03T10:00:00.000Z".into(), "abc-1".into())));
+        for bad in ["zz", "abc", "", "00"] {
+            assert_eq!(decode_cursor(bad), None, "{bad}");
+        }
+    }
+}

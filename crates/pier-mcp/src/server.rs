@@ -1,0 +1,76 @@
+//! One connected MCP server: its rmcp client, its process (stdio) and the way it is stopped.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use rmcp::RoleClient;
+use rmcp::service::Peer;
+
+use crate::stdio::ChildProcess;
+
+/// How long a stdio server gets between SIGTERM and SIGKILL.
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// How long an http server's client gets to close its session.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A started server, shared by [`crate::McpServers`] and every tool of the server. Dropping the last
+/// owner cancels the client (rmcp's drop guard) and kills the process ([`ChildProcess`]'s drop).
+pub(crate) struct Server {
+    pub(crate) name: String,
+    pub(crate) peer: Peer<RoleClient>,
+    /// Taken by [`Server::stop`]; while it is here, the client runs.
+    service: Mutex<Option<crate::Client>>,
+    /// `None` for an http server.
+    process: Option<ChildProcess>,
+}
+
+impl Server {
+    pub(crate) fn new(name: String, service: crate::Client, process: Option<ChildProcess>) -> Server {
+        let peer = service.peer().clone();
+        Server { name, peer, service: Mutex::new(Some(service)), process }
+    }
+
+    /// Closes the client, then stops and reaps the process. Idempotent.
+    pub(crate) async fn stop(&self) {
+        let service = self.service.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(mut service) = service {
+            // A stdio server's client only closes pipes, so it cannot hang; an http one may send
+            // a DELETE to a server that does not answer.
+            let _ = service.close_with_timeout(CLOSE_TIMEOUT).await;
+        }
+        if let Some(process) = &self.process {
+            process.stop(STOP_GRACE).await;
+        }
+    }
+
+    /// Why calls to this server cannot run, when they cannot: `None` while it is up.
+    pub(crate) fn down_reason(&self) -> Option<String> {
+        if let Some(status) = self.process.as_ref().and_then(ChildProcess::exit_status) {
+            return Some(self.describe_exit(Some(status)));
+        }
+        if self.peer.is_transport_closed() {
+            return Some(self.describe_exit(None));
+        }
+        None
+    }
+
+    /// A sentence for a server whose connection is gone, with what its process left behind.
+    pub(crate) fn describe_exit(&self, status: Option<std::process::ExitStatus>) -> String {
+        let status = status.or_else(|| self.process.as_ref().and_then(ChildProcess::exit_status));
+        let mut reason = match status {
+            Some(status) => format!("its process exited ({status})"),
+            None if self.process.is_some() => "its connection closed".to_string(),
+            None => "the connection to it closed".to_string(),
+        };
+        let tail = self.stderr_tail();
+        if !tail.is_empty() {
+            reason.push_str(&format!("; its stderr ended with:\n{tail}"));
+        }
+        reason
+    }
+
+    pub(crate) fn stderr_tail(&self) -> String {
+        self.process.as_ref().map(ChildProcess::stderr_tail).unwrap_or_default()
+    }
+}

@@ -1,0 +1,207 @@
+//! A stdio MCP server's process: spawned with pipes, its stderr kept in a bounded tail, stopped
+//! and reaped exactly once.
+//!
+//! The server stays in pier's process group, so a signal to the agent's group reaches it, and it
+//! gets `PR_SET_PDEATHSIG(SIGKILL)`, so a SIGKILLed agent leaves no server behind. The parent death
+//! signal fires when the *thread* that spawned the child exits: servers must be started from a
+//! thread that lives as long as the session (a runtime worker or the main thread, never a
+//! `spawn_blocking` thread, which exits when idle).
+//!
+//! We spawn the process ourselves instead of using rmcp's `TokioChildProcess`: that transport
+//! kills from its `Drop` with `tokio::spawn` (which panics outside a runtime), waits 3 s + 3 s on
+//! shutdown, and keeps the child out of our reach, so we could neither signal it by pid without a
+//! reuse race nor guarantee it is reaped.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::path::Path;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::task::JoinHandle;
+
+/// Bytes of a server's stderr kept for error messages.
+const STDERR_TAIL_BYTES: usize = 4 * 1024;
+
+/// How long we wait for the stderr reader to drain after the process is gone.
+const STDERR_DRAIN: Duration = Duration::from_millis(500);
+
+/// What to spawn; env values are added to the inherited environment.
+pub(crate) struct Spawn<'a> {
+    pub command: &'a Path,
+    pub args: &'a [String],
+    pub env: Vec<(OsString, OsString)>,
+    pub cwd: &'a Path,
+}
+
+/// A running (or exited, not yet reaped) server process. Dropping it kills and reaps it.
+pub(crate) struct ChildProcess {
+    pid: u32,
+    /// `None` once the child has been stopped and reaped by [`ChildProcess::stop`].
+    child: Mutex<Option<Child>>,
+    stderr: Arc<StderrTail>,
+    stderr_reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl ChildProcess {
+    /// Spawns the server and hands back its stdout and stdin for the MCP transport.
+    pub(crate) fn spawn(spec: Spawn<'_>) -> std::io::Result<(ChildProcess, ChildStdout, ChildStdin)> {
+        let mut cmd = Command::new(spec.command);
+        cmd.args(spec.args)
+            .envs(spec.env)
+            .current_dir(spec.cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // The last line of defence: if every owner forgets the child, tokio still kills it.
+            .kill_on_drop(true);
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn()?;
+        let pid = child.id().ok_or_else(|| std::io::Error::other("the process exited before it could be tracked"))?;
+        let (Some(stdout), Some(stdin), Some(stderr)) = (child.stdout.take(), child.stdin.take(), child.stderr.take())
+        else {
+            return Err(std::io::Error::other("the process's pipes were not opened"));
+        };
+        let tail = Arc::new(StderrTail::default());
+        let reader = tokio::spawn(read_stderr(stderr, tail.clone()));
+        let process =
+            ChildProcess { pid, child: Mutex::new(Some(child)), stderr: tail, stderr_reader: Mutex::new(Some(reader)) };
+        Ok((process, stdout, stdin))
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The last bytes the server wrote to stderr, trimmed.
+    pub(crate) fn stderr_tail(&self) -> String {
+        self.stderr.text()
+    }
+
+    /// How the process ended, if it has; `None` while it runs.
+    pub(crate) fn exit_status(&self) -> Option<ExitStatus> {
+        let mut guard = self.child.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.as_mut().and_then(|child| child.try_wait().ok().flatten())
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`; the process is reaped before this returns. Waits
+    /// (briefly) for the stderr reader so that the tail holds the server's last words.
+    pub(crate) async fn stop(&self, grace: Duration) {
+        let child = self.child.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(mut child) = child {
+            // Signalling by pid is safe while we hold the unreaped child: the pid cannot be reused.
+            if matches!(child.try_wait(), Ok(None)) {
+                if let Ok(pid) = i32::try_from(self.pid) {
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+                }
+                if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                    let _ = child.kill().await;
+                }
+            }
+            // `try_wait` may have seen an exit without reaping on every platform; make sure.
+            let _ = child.wait().await;
+        }
+        let reader = self.stderr_reader.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(reader) = reader {
+            let abort = reader.abort_handle();
+            if tokio::time::timeout(STDERR_DRAIN, reader).await.is_err() {
+                // A grandchild may hold the pipe open; the tail we have is enough.
+                abort.abort();
+            }
+        }
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        let child = self.child.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(mut child) = child {
+            let _ = child.start_kill();
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(async move {
+                        let _ = child.wait().await;
+                    });
+                }
+                // Without a runtime, dropping the child (`kill_on_drop`) hands it to tokio's
+                // orphan queue, which reaps it the next time any runtime handles SIGCHLD.
+                Err(_) => drop(child),
+            }
+        }
+        if let Some(reader) = self.stderr_reader.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+            reader.abort();
+        }
+    }
+}
+
+/// The last [`STDERR_TAIL_BYTES`] of a stream.
+#[derive(Default)]
+struct StderrTail(Mutex<VecDeque<u8>>);
+
+impl StderrTail {
+    fn push(&self, bytes: &[u8]) {
+        let mut ring = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let bytes = &bytes[bytes.len().saturating_sub(STDERR_TAIL_BYTES)..];
+        let overflow = (ring.len() + bytes.len()).saturating_sub(STDERR_TAIL_BYTES);
+        ring.drain(..overflow);
+        ring.extend(bytes);
+    }
+
+    fn text(&self) -> String {
+        let ring = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let bytes: Vec<u8> = ring.iter().copied().collect();
+        String::from_utf8_lossy(&bytes).trim().to_string()
+    }
+}
+
+async fn read_stderr(mut stderr: tokio::process::ChildStderr, tail: Arc<StderrTail>) {
+    let mut buf = [0u8; 4096];
+    loop {
+        match stderr.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => tail.push(&buf[..n]),
+        }
+    }
+}
+
+/// Makes the kernel SIGKILL the server when pier dies, even by SIGKILL, where no destructor runs.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: prctl(2) and getppid(2) are plain system calls that neither allocate nor
+    // take locks (the error path builds an io::Error from an errno, no allocation either).
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+            // pier may have died between fork and prctl; then nobody would ever send the signal.
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::from(nix::errno::Errno::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stderr_tail_keeps_the_last_bytes() {
+        let tail = StderrTail::default();
+        tail.push(&vec![b'a'; STDERR_TAIL_BYTES - 2]);
+        tail.push(b"bcde");
+        let text = tail.text();
+        assert_eq!(text.len(), STDERR_TAIL_BYTES);
+        assert!(text.ends_with("bcde"));
+        assert!(text.starts_with("aa"));
+        tail.push(&vec![b'z'; STDERR_TAIL_BYTES * 2]);
+        assert_eq!(tail.text(), "z".repeat(STDERR_TAIL_BYTES));
+    }
+}
