@@ -57,7 +57,9 @@ pub fn resolve(
         return Ok(AgentCommand {
             name: "pier".into(),
             program: pier_exe.to_owned(),
-            args: vec!["agent".into()],
+            // The editor profile: deltas reset idle timers, tool calls and diffs reach the
+            // caller (and a host's evidence), and sessions can be continued.
+            args: vec!["agent".into(), "--profile".into(), "editor".into()],
             env: vec![],
         });
     }
@@ -111,7 +113,10 @@ mod tests {
         let exe = Path::new("/opt/pier");
         let path = Some("/usr/bin:/bin");
         let pier = resolve("pier", &BTreeMap::new(), exe, path);
-        assert_eq!(pier.ok().map(|c| (c.program, c.args)), Some((exe.to_owned(), vec!["agent".to_owned()])));
+        assert_eq!(
+            pier.ok().map(|c| (c.program, c.args)),
+            Some((exe.to_owned(), vec!["agent".to_owned(), "--profile".to_owned(), "editor".to_owned()]))
+        );
         let cmd = resolve("sh -c 'echo hi'", &BTreeMap::new(), exe, path);
         assert_eq!(cmd.ok().map(|c| c.args), Some(vec!["-c".to_owned(), "echo hi".to_owned()]));
         let missing = resolve("codex", &BTreeMap::new(), exe, Some("/nonexistent"));

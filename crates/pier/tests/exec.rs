@@ -185,9 +185,12 @@ async fn exec_json_is_ndjson_ending_with_a_result() {
     let o = env.run(&["exec", "--format", "json", "answer"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let all = lines(&o);
-    let updates: Vec<&Value> = all.iter().filter(|l| l["type"] == "session_update").collect();
-    assert_eq!(updates.len(), 1);
-    assert_eq!(updates[0]["update"]["sessionUpdate"], "agent_message_chunk");
+    let updates: Vec<&Value> = all
+        .iter()
+        .filter(|l| l["type"] == "session_update" && l["update"]["sessionUpdate"] == "agent_message_chunk")
+        .collect();
+    let streamed: String = updates.iter().filter_map(|u| u["update"]["content"]["text"].as_str()).collect();
+    assert_eq!(streamed, "42", "pier's agent streams its answer as deltas");
     assert!(updates[0]["sessionId"].is_string());
     let r = result(&o);
     assert_eq!(r["stopReason"], "end_turn");
@@ -378,9 +381,10 @@ async fn an_unsupported_protocol_version_is_refused() {
 }
 
 #[tokio::test]
-async fn pier_prompt_says_plainly_when_the_agent_cannot_continue() {
+async fn pier_prompt_continues_a_session_with_pier_s_own_agent_and_says_plainly_when_an_agent_cannot() {
     let f = fake().await;
     f.push(Reply::text("first answer"));
+    f.push(Reply::text("second answer"));
     let env = Env::new(Some(f.base_url()));
     let o = env.run(&["prompt", "-s", "work", "--format", "json", "hello"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -391,15 +395,27 @@ async fn pier_prompt_says_plainly_when_the_agent_cannot_continue() {
         (rec["name"].as_str(), rec["session_id"].as_str(), rec["turns"].as_u64()),
         (Some("work"), Some(sid.as_str()), Some(1))
     );
-    // pier's automation profile cannot load sessions: say so, never start afresh.
+    // pier's own agent (editor profile) continues the conversation in a new process.
     let o = env.run(&["prompt", "-s", "work", "--format", "json", "again"]).await;
-    assert_eq!(o.status.code(), Some(1));
-    let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
-    assert!(msg.contains("cannot continue sessions"), "{msg}");
-    assert_eq!(f.requests().len(), 1, "no new conversation was started");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(result(&o)["sessionId"], sid.as_str());
+    assert_eq!(result(&o)["text"], "second answer");
+    let second = f.requests()[1].body.to_string();
+    assert!(second.contains("hello") && second.contains("first answer"), "the history went along: {second}");
     let o = env.run(&["sessions", "rm", "work"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(stdout(&env.run(&["sessions", "list"]).await), "");
+
+    // The automation profile cannot load sessions: say so, never start afresh.
+    f.push(Reply::text("third answer"));
+    let automation = format!("{} agent --profile automation", env!("CARGO_BIN_EXE_pier"));
+    let o = env.run(&["prompt", "-s", "auto", "--agent", &automation, "--format", "json", "hello"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = env.run(&["prompt", "-s", "auto", "--agent", &automation, "--format", "json", "again"]).await;
+    assert_eq!(o.status.code(), Some(1));
+    let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(msg.contains("cannot continue sessions"), "{msg}");
+    assert_eq!(f.requests().len(), 3, "no new conversation was started");
 }
 
 #[tokio::test]

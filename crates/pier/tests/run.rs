@@ -683,3 +683,38 @@ async fn max_tokens_is_retried_only_when_the_plan_says_so() {
     let t = &h2.store().tasks(&run_of(&o))[0];
     assert_eq!((t.attempt, t.failures), (2, 1));
 }
+
+#[tokio::test]
+async fn pier_s_own_agent_reports_its_tool_calls_and_diffs_to_the_host() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::tool_call("w1", "write_file", r#"{"path": "out.txt", "content": "written by the task\n"}"#));
+    f.push(Reply::text("wrote it"));
+    let h = Host::new(Some(f.base_url()));
+    let work = h.path("work");
+    must(std::fs::create_dir(&work), "work dir");
+    let plan = h.write(
+        "plan.toml",
+        &format!(
+            "[[tasks]]\nid = \"w\"\nagent = \"pier\"\ncwd = \"{}\"\nprompt = \"write the file\"\npermissions = {{ edit = \"allow\" }}\n",
+            work.display()
+        ),
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "tools"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let events = lines(&o);
+    let call = events
+        .iter()
+        .find(|e| e["type"] == "session_update" && e["update"]["sessionUpdate"] == "tool_call" && e["task"] == "w");
+    let call = must(call.ok_or("no tool_call in the host's log"), "tool call event");
+    assert_eq!(call["update"]["kind"], "edit");
+    assert_eq!(call["update"]["content"][0]["newText"], "written by the task\n", "{call}");
+    let completed = events.iter().any(|e| {
+        e["type"] == "session_update" && e["update"]["toolCallId"] == "w1" && e["update"]["status"] == "completed"
+    });
+    assert!(completed, "the call's completion reached the log");
+    assert_eq!(must(std::fs::read_to_string(work.join("out.txt")), "out.txt"), "written by the task\n");
+    // The attempt's side effects are on record for a re-run decision.
+    use pier_host::TaskStore;
+    let evidence = must(h.store().evidence("tools", "w", 1), "evidence");
+    assert!(evidence.iter().any(|e| e["kind"] == "edit"), "{evidence:?}");
+}
