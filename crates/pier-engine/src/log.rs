@@ -111,8 +111,57 @@ pub struct SessionLog {
 }
 
 enum Sink {
-    File(BufWriter<tokio::fs::File>),
+    /// The log file, open only while there is something to write: an idle session holds
+    /// no descriptor, so a process may keep any number of sessions.
+    File {
+        path: PathBuf,
+        open: Option<BufWriter<tokio::fs::File>>,
+    },
     Other(BufWriter<Box<dyn AsyncWrite + Unpin + Send>>),
+}
+
+impl Sink {
+    async fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::File { path, open } => {
+                if open.is_none() {
+                    *open = Some(BufWriter::new(open_append(path).await?));
+                }
+                match open {
+                    Some(w) => w.write_all(bytes).await,
+                    None => Ok(()),
+                }
+            }
+            Sink::Other(w) => w.write_all(bytes).await,
+        }
+    }
+
+    /// Hands buffered bytes to the OS.
+    async fn push(&mut self) -> std::io::Result<()> {
+        match self {
+            Sink::File { open: Some(w), .. } => w.flush().await,
+            Sink::File { open: None, .. } => Ok(()),
+            Sink::Other(w) => w.flush().await,
+        }
+    }
+
+    /// Makes everything written durable, then closes the file until the next write.
+    async fn sync(&mut self) -> std::io::Result<()> {
+        match self {
+            Sink::File { open, .. } => {
+                if let Some(mut w) = open.take() {
+                    w.flush().await?;
+                    w.get_ref().sync_data().await?;
+                }
+                Ok(())
+            }
+            Sink::Other(w) => w.flush().await,
+        }
+    }
+}
+
+async fn open_append(path: &Path) -> std::io::Result<tokio::fs::File> {
+    tokio::fs::OpenOptions::new().create(true).append(true).open(path).await
 }
 
 impl SessionLog {
@@ -121,13 +170,9 @@ impl SessionLog {
         if let Some(dir) = path.parent() {
             tokio::fs::create_dir_all(dir).await.map_err(|e| EngineError::Log(format!("{}: {e}", dir.display())))?;
         }
-        let file = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .await
-            .map_err(|e| EngineError::Log(format!("{}: {e}", path.display())))?;
-        Ok(Self::spawn(Sink::File(BufWriter::new(file)), path.to_owned()))
+        // Opened once here so that a path that cannot be written fails now, not at the first turn.
+        open_append(path).await.map_err(|e| EngineError::Log(format!("{}: {e}", path.display())))?;
+        Ok(Self::spawn(Sink::File { path: path.to_owned(), open: None }, path.to_owned()))
     }
 
     /// A log over any writer; for tests that need a failing disk.
@@ -175,48 +220,29 @@ async fn run(mut sink: Sink, mut rx: mpsc::UnboundedReceiver<LogCmd>) {
         match cmd {
             LogCmd::Append(bytes) => {
                 if failed.is_none() {
-                    let result = match &mut sink {
-                        Sink::File(w) => w.write_all(&bytes).await,
-                        Sink::Other(w) => w.write_all(&bytes).await,
-                    };
+                    let mut result = sink.write_all(&bytes).await;
+                    if result.is_ok() && rx.is_empty() {
+                        // Hand what is queued to the OS so the log can be tailed live;
+                        // the fsync waits for the turn's end.
+                        result = sink.push().await;
+                    }
                     if let Err(e) = result {
                         tracing::error!(error = %e, "writing the session log failed");
                         failed = Some(e.to_string());
-                    } else if rx.is_empty() {
-                        // Hand what is queued to the OS so the log can be tailed live;
-                        // the fsync waits for the turn's end.
-                        let pushed = match &mut sink {
-                            Sink::File(w) => w.flush().await,
-                            Sink::Other(w) => w.flush().await,
-                        };
-                        if let Err(e) = pushed {
-                            tracing::error!(error = %e, "writing the session log failed");
-                            failed = Some(e.to_string());
-                        }
                     }
                 }
             }
             LogCmd::Flush(ack) => {
                 let result = match failed.take() {
                     Some(e) => Err(e),
-                    None => flush(&mut sink).await.map_err(|e| e.to_string()),
+                    None => sink.sync().await.map_err(|e| e.to_string()),
                 };
                 let _ = ack.send(result);
             }
         }
     }
     // Every handle is gone: write out what is left.
-    if let Err(e) = flush(&mut sink).await {
+    if let Err(e) = sink.sync().await {
         tracing::error!(error = %e, "flushing the session log at close failed");
-    }
-}
-
-async fn flush(sink: &mut Sink) -> std::io::Result<()> {
-    match sink {
-        Sink::File(w) => {
-            w.flush().await?;
-            w.get_ref().sync_data().await
-        }
-        Sink::Other(w) => w.flush().await,
     }
 }

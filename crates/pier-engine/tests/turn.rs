@@ -120,6 +120,65 @@ async fn a_failed_log_write_ends_the_turn_with_an_error() -> std::io::Result<()>
 }
 
 #[tokio::test]
+async fn a_turn_whose_record_is_lost_leaves_no_trace_in_the_conversation() -> std::io::Result<()> {
+    let fake = FakeModel::start().await?;
+    fake.set_fallback(|_| Reply::text("fine"));
+    let home = tempfile::tempdir()?;
+    let e = engine(&fake, home.path())?;
+    // Room for the session's start and part of a turn; the end-of-turn flush then fails.
+    let log = SessionLog::from_writer(Box::new(FillsUp { budget: 700 }), home.path().join("fills.jsonl"));
+    let session = e.create_session_with_log(home.path().to_owned(), log).await.map_err(std::io::Error::other)?;
+    let (first, _) = run(&session, "the lost prompt").await;
+    assert!(matches!(first, Err(EngineError::Log(_))), "{first:?}");
+    let _ = run(&session, "the next prompt").await;
+    let second = fake.requests().last().map(|r| r.body.to_string()).unwrap_or_default();
+    assert!(second.contains("the next prompt"), "{second}");
+    assert!(
+        !second.contains("the lost prompt") && !second.contains("fine"),
+        "a lost turn stayed in the history: {second}"
+    );
+    Ok(())
+}
+
+/// Grants every request, but only after cancelling the turn: the cancel lands between
+/// the grant and the tool's start.
+struct CancelThenAllow(CancellationToken);
+
+impl pier_engine::Approver for CancelThenAllow {
+    fn ask(
+        &self,
+        _: &pier_engine::ToolCallRecord,
+    ) -> futures::future::BoxFuture<'static, pier_engine::PermissionAnswer> {
+        self.0.cancel();
+        Box::pin(async { pier_engine::PermissionAnswer::AllowOnce })
+    }
+}
+
+#[tokio::test]
+async fn a_cancel_that_lands_with_the_grant_stops_the_tool() -> std::io::Result<()> {
+    let fake = FakeModel::start().await?;
+    fake.push(Reply::tool_call("c1", "write_file", r#"{"path": "never.txt", "content": "x"}"#));
+    let home = tempfile::tempdir()?;
+    let e = engine(&fake, home.path())?;
+    let session = e.create_session(home.path().to_owned()).await.map_err(std::io::Error::other)?;
+    let (tx, mut rx) = mpsc::channel(64);
+    let permit = session.begin_turn().map_err(std::io::Error::other)?;
+    let token = CancellationToken::new();
+    let cx = TurnContext { cancel: token.clone(), events: tx, approver: Arc::new(CancelThenAllow(token)) };
+    let stop = permit.run("write".to_owned(), cx).await.map_err(std::io::Error::other)?;
+    assert_eq!(stop, StopReason::Cancelled);
+    assert!(!home.path().join("never.txt").exists(), "the tool ran after the cancel");
+    let mut last = None;
+    while let Ok(event) = rx.try_recv() {
+        if let EventMsg::ToolCallUpdate(r) | EventMsg::ToolCall(r) = event {
+            last = Some(r.status);
+        }
+    }
+    assert_eq!(last, Some(pier_engine::ToolCallStatus::Failed));
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_busy_session_refuses_a_second_turn() -> std::io::Result<()> {
     let fake = FakeModel::start().await?;
     let home = tempfile::tempdir()?;

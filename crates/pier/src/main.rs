@@ -58,12 +58,25 @@ enum Command {
     Demo,
 }
 
+/// Sessions, agents, MCP servers and SSE clients each hold descriptors: take the whole
+/// allowance the administrator granted (the hard limit), not the conservative default.
+fn raise_descriptor_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::debug!(error = %e, soft, hard, "could not raise the descriptor limit");
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     if let Err(e) = logging::init(cli.log_file.as_deref()) {
         eprintln!("pier: {e:#}");
         std::process::exit(2);
     }
+    raise_descriptor_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -597,3 +597,20 @@ async fn cancelling_the_embedded_model_mid_generation_is_prompt() {
     let took = cancelled_at.elapsed();
     assert!(took < std::time::Duration::from_millis(500), "cancel took {took:?}");
 }
+
+#[tokio::test]
+async fn sessions_hold_no_descriptor_while_idle_so_a_low_limit_serves_many() {
+    let f = fake().await;
+    f.set_fallback(|_| Reply::text("ok"));
+    // 40 descriptors in all; before, each session kept its log open and the 30th or so failed.
+    let mut o = Options::model(f.base_url());
+    o.nofile = Some(40);
+    let mut p = PierProcess::spawn(o).await;
+    p.initialize().await;
+    for i in 0..120 {
+        let sid = p.new_session().await;
+        let id = p.prompt(&sid, &format!("prompt {i}")).await;
+        let (_, resp) = p.read_until_response(id).await;
+        assert_eq!(stop_reason(&resp), "end_turn", "session {i}: {resp}");
+    }
+}

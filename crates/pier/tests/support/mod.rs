@@ -42,6 +42,8 @@ pub struct Options {
     pub capture_stderr: bool,
     /// `PIER_HOME`, to share sessions with an earlier process [default: a fresh one].
     pub pier_home: Option<PathBuf>,
+    /// A descriptor limit (soft and hard) to run pier under.
+    pub nofile: Option<u32>,
 }
 
 impl Options {
@@ -92,7 +94,14 @@ impl PierProcess {
         if let Some(toml) = &opts.pier_toml {
             must(std::fs::write(workdir.path().join("pier.toml"), toml), "write pier.toml");
         }
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pier"));
+        let mut cmd = match opts.nofile {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c").arg(format!("ulimit -n {n} && exec \"$0\" \"$@\"")).arg(env!("CARGO_BIN_EXE_pier"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_pier")),
+        };
         cmd.arg("agent")
             .args(&opts.args)
             .current_dir(workdir.path())
