@@ -185,8 +185,20 @@ impl Encoder {
                 }
             }
             Step::Done => self.done(),
+            Step::Tokens { text, count } => {
+                let mut out = String::new();
+                for _ in 0..*count {
+                    out.push_str(&self.step(&Step::Text(text.clone())));
+                }
+                out
+            }
             Step::Hang | Step::Cut | Step::Pause(_) | Step::Gate(_) => String::new(),
         }
+    }
+
+    /// Counts `t` as streamed text without encoding it (for a delta whose bytes are reused).
+    pub(crate) fn note_text(&mut self, t: &str) {
+        self.text.push_str(t);
     }
 
     fn open_block(&mut self, text: bool, start: &Value) -> String {
@@ -362,6 +374,15 @@ mod tests {
             Step::Finish("tool_calls".into()),
             Step::Done,
         ]
+    }
+
+    #[test]
+    fn tokens_render_as_that_many_text_steps() {
+        for api in [Api::ChatCompletions, Api::Responses, Api::AnthropicMessages, Api::GeminiStream] {
+            let many: Vec<Step> = std::iter::repeat_n(Step::Text("tok ".into()), 3).chain([Step::Done]).collect();
+            let tokens = [Step::Tokens { text: "tok ".into(), count: 3 }, Step::Done];
+            assert_eq!(events(api, &tokens), events(api, &many), "{api:?}");
+        }
     }
 
     #[test]

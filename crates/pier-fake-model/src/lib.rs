@@ -15,12 +15,13 @@
 //!
 //! It is also the scripted model behind `pier demo`.
 
-pub mod encode;
+pub mod check;
+mod encode;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -58,6 +59,10 @@ pub enum Step {
     Pause(Duration),
     /// Wait until the test opens the gate ([`Gate::open`]).
     Gate(Gate),
+    /// `count` text deltas of `text` each, written back to back as fast as the client takes
+    /// them, one write per delta; the time each was written is kept ([`FakeModel::token_times`]).
+    /// For benchmarks: a long stream without a `Step` per delta.
+    Tokens { text: String, count: usize },
 }
 
 /// A point a scripted stream waits at until the test opens it.
@@ -94,6 +99,17 @@ impl Reply {
         steps.push(Step::Usage { prompt: 10, completion: text.len() as u64 / 4 + 1 });
         steps.push(Step::Done);
         Reply::Stream(steps)
+    }
+
+    /// `count` deltas of `token` written as fast as the client takes them, then `stop`,
+    /// usage and `[DONE]` (see [`Step::Tokens`]).
+    pub fn tokens(token: &str, count: usize) -> Reply {
+        Reply::Stream(vec![
+            Step::Tokens { text: token.into(), count },
+            Step::Finish("stop".into()),
+            Step::Usage { prompt: 10, completion: count as u64 },
+            Step::Done,
+        ])
     }
 
     /// One tool call with its arguments split into two fragments, finishing `tool_calls`.
@@ -134,6 +150,10 @@ struct State {
     script: VecDeque<Reply>,
     fallback: Option<Fallback>,
     requests: Vec<Recorded>,
+    /// Request bodies that broke [`check::chat_request`]; dropping the fake then fails the test.
+    violations: Vec<String>,
+    /// When each delta of the last [`Step::Tokens`] was written.
+    token_times: Vec<Instant>,
 }
 
 /// A running fake endpoint. It stops when dropped.
@@ -154,7 +174,13 @@ impl FakeModel {
     pub async fn start() -> std::io::Result<FakeModel> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(Mutex::new(State { script: VecDeque::new(), fallback: None, requests: Vec::new() }));
+        let state = Arc::new(Mutex::new(State {
+            script: VecDeque::new(),
+            fallback: None,
+            requests: Vec::new(),
+            violations: Vec::new(),
+            token_times: Vec::new(),
+        }));
         let (seen_tx, requests_seen) = watch::channel(0usize);
         let (gone_tx, disconnects) = watch::channel(0usize);
         let (seen_tx, gone_tx) = (Arc::new(seen_tx), Arc::new(gone_tx));
@@ -198,6 +224,12 @@ impl FakeModel {
         lock(&self.state).requests.clone()
     }
 
+    /// When each delta of the last [`Step::Tokens`] was written to the socket, in order
+    /// (taken when its write returned; only the deltas that were written).
+    pub fn token_times(&self) -> Vec<Instant> {
+        lock(&self.state).token_times.clone()
+    }
+
     /// Waits until at least `n` requests have been received.
     pub async fn wait_for_requests(&self, n: usize) {
         let mut rx = self.requests_seen.clone();
@@ -219,6 +251,10 @@ impl FakeModel {
 impl Drop for FakeModel {
     fn drop(&mut self) {
         self.task.abort();
+        let violations = std::mem::take(&mut lock(&self.state).violations);
+        if !violations.is_empty() && !std::thread::panicking() {
+            panic!("the client sent {} invalid request bodies:\n{}", violations.len(), violations.join("\n"));
+        }
     }
 }
 
@@ -243,10 +279,18 @@ async fn serve(
         encode::Api::AnthropicMessages => body.get("tools").and_then(Value::as_array).is_none_or(Vec::is_empty),
         _ => false,
     };
+    let invalid = match api {
+        encode::Api::ChatCompletions => check::chat_request(&body).err(),
+        _ => None,
+    };
     let reply = {
         let mut st = lock(&state);
         st.requests.push(Recorded { path: path.clone(), auxiliary, authorization, body: body.clone() });
-        if auxiliary {
+        if let Some(why) = invalid {
+            // Refused as a provider would; the test fails when the fake is dropped.
+            st.violations.push(format!("{why}: {body}"));
+            Some(Reply::status(400, &format!("fake model: invalid request body: {why}")))
+        } else if auxiliary {
             None
         } else {
             Some(match st.script.pop_front() {
@@ -295,6 +339,13 @@ async fn serve(
                         gate.0.notified().await;
                         continue;
                     }
+                    Step::Tokens { text, count } => {
+                        let mut times = Vec::with_capacity(*count);
+                        let written = write_tokens(&mut socket, &mut encoder, text, *count, &mut times).await;
+                        lock(&state).token_times = times;
+                        written?;
+                        continue;
+                    }
                     _ => {}
                 }
                 let out = encoder.step(&step);
@@ -306,6 +357,30 @@ async fn serve(
             socket.shutdown().await
         }
     }
+}
+
+/// Writes `count` deltas of `text`, one write each, noting when each write returned. Every
+/// delta after the first encodes the same (the first may open a content block), so the
+/// second's bytes are reused.
+async fn write_tokens(
+    socket: &mut TcpStream,
+    encoder: &mut encode::Encoder,
+    text: &str,
+    count: usize,
+    times: &mut Vec<Instant>,
+) -> std::io::Result<()> {
+    let step = Step::Text(text.to_owned());
+    let mut repeated = String::new();
+    for i in 0..count {
+        if i < 2 {
+            repeated = encoder.step(&step);
+        } else {
+            encoder.note_text(text);
+        }
+        socket.write_all(repeated.as_bytes()).await?;
+        times.push(Instant::now());
+    }
+    Ok(())
 }
 
 async fn hang(mut socket: TcpStream, gone: &watch::Sender<usize>) -> std::io::Result<()> {
@@ -379,4 +454,46 @@ async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String,
     }
     let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
     Ok(Some((path, authorization, body)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn post(base: &str, path: &str, body: &Value) -> String {
+        let addr = base.trim_start_matches("http://").trim_end_matches("/v1");
+        let mut socket = TcpStream::connect(addr).await.unwrap();
+        let body = body.to_string();
+        let head = format!("POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-length: {}\r\n\r\n", body.len());
+        socket.write_all(head.as_bytes()).await.unwrap();
+        socket.write_all(body.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        socket.read_to_string(&mut out).await.unwrap();
+        out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn tokens_are_served_like_text_steps_and_timed() {
+        for path in ["/v1/chat/completions", "/v1/responses", "/v1/messages"] {
+            let fake = FakeModel::start().await.unwrap();
+            fake.push(Reply::tokens("tok ", 5));
+            let body =
+                json!({"stream": true, "tools": [{"name": "t"}], "messages": [{"role": "user", "content": "go"}]});
+            let got = post(&fake.base_url(), path, &body).await;
+            let api = encode::Api::from_path(path).unwrap();
+            let mut e = encode::Encoder::new(api);
+            let mut want = e.begin();
+            let Reply::Stream(steps) = Reply::tokens("tok ", 5) else { unreachable!() };
+            for s in steps.iter().skip(1) {
+                if matches!(s, Step::Finish(_)) {
+                    for _ in 0..5 {
+                        want.push_str(&e.step(&Step::Text("tok ".into())));
+                    }
+                }
+                want.push_str(&e.step(s));
+            }
+            assert_eq!(got, want, "{path}");
+            assert_eq!(fake.token_times().len(), 5);
+        }
+    }
 }
