@@ -756,3 +756,32 @@ async fn an_mcp_server_s_tools_are_called_in_a_turn_and_the_server_stops_with_it
     assert!(p.wait_exit().await.success());
     assert!(gone(server).await, "the MCP server outlived the agent");
 }
+
+#[tokio::test]
+async fn pier_exec_s_idle_timer_sees_pier_s_deltas_so_a_slow_long_answer_is_not_cut() {
+    let f = fake().await;
+    // A generation slower than the idle timeout as a whole, but never silent for that long.
+    let mut steps = Vec::new();
+    for i in 0..6 {
+        steps.push(Step::Text(format!("part{i} ")));
+        steps.push(Step::Pause(std::time::Duration::from_millis(300)));
+    }
+    steps.extend([Step::Finish("stop".into()), Step::Done]);
+    f.push(Reply::Stream(steps));
+    let dir = must(tempfile::tempdir(), "dir");
+    let vars: Vec<(String, String)> = vec![
+        ("HOME".into(), dir.path().display().to_string()),
+        ("PIER_HOME".into(), dir.path().join("data").display().to_string()),
+        ("PATH".into(), std::env::var("PATH").unwrap_or_default()),
+        ("PIER_BASE_URL".into(), f.base_url()),
+        ("PIER_MODEL".into(), "fake-model".into()),
+    ];
+    let child = must(
+        support::pier_command(dir.path(), &vars, &["exec", "--timeout", "1", "--format", "quiet", "write at length"])
+            .spawn(),
+        "spawn pier exec",
+    );
+    let out = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "in time"), "wait");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "part0 part1 part2 part3 part4 part5");
+}
