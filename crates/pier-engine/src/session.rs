@@ -217,6 +217,51 @@ fn title_of(prompt: &str) -> Option<String> {
     Some(title)
 }
 
+/// One model message that asked for tools, and the answers to its calls. It enters the
+/// history whole, when it closes: the assistant message with every one of its calls
+/// answered (a call that never ran is answered as such). So the history never holds
+/// a tool call without its answer, whatever stopped the turn, even a dropped turn.
+struct Round {
+    message: ChatMessage,
+    answers: Vec<Option<String>>,
+}
+
+impl Round {
+    fn new(text: String, calls: Vec<ToolCall>) -> Round {
+        let mut message = ChatMessage::new(Role::Assistant, text);
+        let answers = vec![None; calls.len()];
+        message.tool_calls = calls;
+        Round { message, answers }
+    }
+
+    fn calls(&self) -> Vec<ToolCall> {
+        self.message.tool_calls.clone()
+    }
+
+    fn answer(&mut self, i: usize, text: String) {
+        if let Some(slot) = self.answers.get_mut(i) {
+            *slot = Some(text);
+        }
+    }
+
+    /// The assistant message, then one tool message per call, in the calls' order.
+    fn close(self) -> Vec<ChatMessage> {
+        let Round { message, answers } = self;
+        let tools: Vec<ChatMessage> = message
+            .tool_calls
+            .iter()
+            .zip(answers)
+            .map(|(call, answer)| {
+                let text = answer.unwrap_or_else(|| "error: not run; the turn stopped before this call".to_owned());
+                let mut m = ChatMessage::new(Role::Tool, text);
+                m.tool_call_id = Some(call.id.clone());
+                m
+            })
+            .collect();
+        std::iter::once(message).chain(tools).collect()
+    }
+}
+
 /// How a model request ended, as the loop sees it.
 enum Step {
     Stop(StopReason),
@@ -269,15 +314,18 @@ impl TurnPermit {
                 }
                 log.append(n, &LogRecord::TurnEnded { stop_reason: stop.as_str().to_owned() });
             }
-            Err(e) => {
-                self.state.history.truncate(before);
-                log.append(n, &LogRecord::TurnFailed { error: e.to_string() });
-            }
+            Err(e) => log.append(n, &LogRecord::TurnFailed { error: e.to_string() }),
         }
-        if let Err(e) = log.flush().await {
-            // The turn's record is not durable: neither is its place in the conversation.
+        let flushed = log.flush().await;
+        // The one truncation guard: a turn stays in the conversation only if it ended with a
+        // stop reason and its record is on disk.
+        let result = match (result, flushed) {
+            (Ok(stop), Ok(())) => Ok(stop),
+            (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+        };
+        if result.is_err() {
             self.state.history.truncate(before);
-            return Err(e);
+            return result;
         }
         let title = lock(&self.shared.title).clone();
         if let Err(e) = write_meta(&self.services, &self.id, &self.cwd, title).await {
@@ -409,45 +457,39 @@ impl Turn<'_> {
                 Ok(Step::Stop(StopReason::Refusal))
             }
             FinishReason::Stop | FinishReason::Other(_) | FinishReason::Length => {
-                self.commit(text, Vec::new()).await;
+                self.commit(text).await;
                 Ok(Step::Stop(if reason == FinishReason::Length { StopReason::MaxTokens } else { StopReason::EndTurn }))
             }
             FinishReason::ToolCalls => {
-                self.commit(text, tool_calls.clone()).await;
-                let mut calls = tool_calls.into_iter();
-                while let Some(call) = calls.next() {
-                    let id = call.id.clone();
-                    let (answer, stop) = self.tool_call(call).await;
-                    self.answer(id, answer);
-                    if let Some(stop) = stop {
-                        // Every call of the message gets its answer, or the next request of
-                        // this session would carry tool calls without results.
-                        for rest in calls {
-                            self.answer(rest.id, "error: not run; the turn was cancelled before this call".into());
-                        }
-                        return Ok(Step::Stop(stop));
+                self.say(&text).await;
+                let mut round = Round::new(text, tool_calls);
+                let mut stop = None;
+                for (i, call) in round.calls().into_iter().enumerate() {
+                    let (answer, stopped) = self.tool_call(call).await;
+                    round.answer(i, answer);
+                    if stopped.is_some() {
+                        stop = stopped;
+                        break;
                     }
                 }
-                Ok(Step::Continue)
+                self.permit.state.history.extend(round.close());
+                Ok(stop.map_or(Step::Continue, Step::Stop))
             }
         }
     }
 
-    fn answer(&mut self, call_id: String, text: String) {
-        let mut message = ChatMessage::new(Role::Tool, text);
-        message.tool_call_id = Some(call_id);
-        self.permit.state.history.push(message);
+    /// Records a finished assistant message and hands it to the profile.
+    async fn commit(&mut self, text: String) {
+        self.say(&text).await;
+        self.permit.state.history.push(ChatMessage::new(Role::Assistant, text));
     }
 
-    /// Records a finished assistant message and hands it to the profile.
-    async fn commit(&mut self, text: String, tool_calls: Vec<ToolCall>) {
+    /// Logs a finished assistant message and hands it to the profile.
+    async fn say(&self, text: &str) {
         if !text.is_empty() {
-            self.log(LogRecord::Message { text: text.clone() });
-            self.emit(EventMsg::MessageCommitted(text.clone())).await;
+            self.log(LogRecord::Message { text: text.to_owned() });
+            self.emit(EventMsg::MessageCommitted(text.to_owned())).await;
         }
-        let mut message = ChatMessage::new(Role::Assistant, text);
-        message.tool_calls = tool_calls;
-        self.permit.state.history.push(message);
     }
 
     /// Publishes a tool call's current state: to the profile and to the log.
