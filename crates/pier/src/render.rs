@@ -394,7 +394,7 @@ impl Renderer {
                 self.flush_diffs();
                 self.end_line();
                 let stop = stop.and_then(|s| s.as_str().map(str::to_owned)).unwrap_or_else(|| "none".into());
-                let usage = outcome.usage.as_ref().map(|u| format!(" · usage {u}")).unwrap_or_default();
+                let usage = outcome.usage.as_ref().map(|u| format!(" · {}", usage_text(u))).unwrap_or_default();
                 eprintln!("pier: stop reason {stop}{usage} · {:.1}s", outcome.duration.as_secs_f64());
                 if let Some(e) = &outcome.error {
                     eprintln!("pier: {e}");
@@ -421,4 +421,14 @@ fn error_json(outcome: &RunOutcome) -> Option<Value> {
         _ => String::new(),
     });
     Some(json!({ "kind": kind.0, "message": message, "cancelConfirmed": kind.1 }))
+}
+
+/// Usage for a person: an ACP `usage_update` as `used/size tokens`, a prompt
+/// response's token counts as `N tokens`, anything else as it came.
+fn usage_text(u: &Value) -> String {
+    match (u["used"].as_u64(), u["size"].as_u64(), u["totalTokens"].as_u64()) {
+        (Some(used), Some(size), _) => format!("{used}/{size} tokens of context"),
+        (_, _, Some(total)) => format!("{total} tokens"),
+        _ => format!("usage {u}"),
+    }
 }
