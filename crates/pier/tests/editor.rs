@@ -48,12 +48,18 @@ fn check_shapes(frames: &[Value]) {
     }
 }
 
-fn updates<'a>(frames: &'a [Value], kind: &str) -> Vec<&'a Value> {
+/// The updates that match `keep`, in order.
+fn updates_where(frames: &[Value], keep: impl Fn(&Value) -> bool) -> Vec<&Value> {
     frames
         .iter()
-        .filter(|f| f["method"] == "session/update" && f["params"]["update"]["sessionUpdate"] == kind)
+        .filter(|f| f["method"] == "session/update")
         .map(|f| &f["params"]["update"])
+        .filter(|u| keep(u))
         .collect()
+}
+
+fn updates<'a>(frames: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    updates_where(frames, |u| u["sessionUpdate"] == kind)
 }
 
 fn texts(frames: &[Value], kind: &str) -> Vec<String> {
@@ -62,11 +68,7 @@ fn texts(frames: &[Value], kind: &str) -> Vec<String> {
 
 /// The updates of one tool call, in order.
 fn call_updates<'a>(frames: &'a [Value], id: &str) -> Vec<&'a Value> {
-    frames
-        .iter()
-        .filter(|f| f["method"] == "session/update" && f["params"]["update"]["toolCallId"] == id)
-        .map(|f| &f["params"]["update"])
-        .collect()
+    updates_where(frames, |u| u["toolCallId"] == id)
 }
 
 fn last_status(frames: &[Value], id: &str) -> Option<String> {

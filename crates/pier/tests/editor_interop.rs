@@ -11,7 +11,7 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 use pier_fake_model::{FakeModel, Reply, Step};
 use serde_json::{Value, json};
@@ -100,22 +100,20 @@ impl Dirs {
 
     /// A command with exactly the environment the agent needs: the model, a temp home.
     fn command(&self, program: &Path, model: &FakeModel, path: &str) -> Command {
-        let mut cmd = Command::new(program);
-        cmd.current_dir(self.cwd())
-            .env_clear()
-            .env("PATH", path)
-            .env("HOME", self.home.path())
-            .env("PIER_HOME", self.home.path().join("data"))
-            .env("PIER_BASE_URL", model.base_url())
-            .env("PIER_MODEL", "fake-model")
-            .env("PIER_API_KEY", "sk-test")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        cmd
+        let home = self.home.path();
+        let vars: Vec<(String, String)> = [
+            ("PATH", path.to_owned()),
+            ("HOME", home.display().to_string()),
+            ("PIER_HOME", home.join("data").display().to_string()),
+            ("PIER_BASE_URL", model.base_url()),
+            ("PIER_MODEL", "fake-model".to_owned()),
+            ("PIER_API_KEY", "sk-test".to_owned()),
+            ("RUST_LOG", "warn".to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        support::command(program, &self.cwd(), &vars)
     }
 
     /// The files changed as the model asked.

@@ -293,9 +293,16 @@ fn process_exists(pid: i32) -> bool {
 /// `pier ARGS` run in `dir` with exactly `vars` for its environment, in its own
 /// process group, stdin closed, stdout and stderr piped; killed if dropped.
 pub fn pier_command(dir: &Path, vars: &[(String, String)], args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pier"));
-    cmd.args(args)
-        .current_dir(dir)
+    let mut cmd = command(Path::new(env!("CARGO_BIN_EXE_pier")), dir, vars);
+    cmd.args(args);
+    cmd
+}
+
+/// `program` run in `dir` with exactly `vars` for its environment, in its own
+/// process group, stdin closed, stdout and stderr piped; killed if dropped.
+pub fn command(program: &Path, dir: &Path, vars: &[(String, String)]) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.current_dir(dir)
         .env_clear()
         .envs(vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(Stdio::null())
