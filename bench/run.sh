@@ -5,17 +5,21 @@
 # runs every benchmark once to warm up and then ROUNDS times, prints each run as a JSON line on
 # stderr and the table of medians (min, max) on stdout. Reading the figures: docs/benchmarks.md.
 #
-#   bench/run.sh [ROUNDS] [--peers]      # default 5 rounds
+#   bench/run.sh [ROUNDS] [--peers] [--only PREFIX]   # default 5 rounds; --only B6: just those
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=5
 with_peers=0
-for a in "$@"; do
-  case "$a" in
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --peers) with_peers=1 ;;
-    *) rounds="$a" ;;
+    --only) only="$2"; shift ;;
+    *) rounds="$1" ;;
   esac
+  shift
 done
+wanted() { [[ "$1" == "$only"* ]]; }
 
 peers="${PIER_TEST_PEERS:-$PWD/target/test-peers}"
 if [ ! -f "$peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js" ]; then
@@ -45,6 +49,7 @@ pin="taskset -c 0"
 
 run() { # NAME COMMAND...: one warm-up, then $rounds measured runs
   local name="$1"; shift
+  wanted "$name" || return 0
   "$@" >/dev/null
   for i in $(seq "$rounds"); do
     local line
@@ -86,14 +91,25 @@ fi
 # B5: the host end to end, the event log, and the SSE replay of 1,000,000 events.
 run B5-host-10000-tasks    "$bench" host --tasks 10000 --concurrency 8 -- "$pier"
 run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
-"$bench" log --writers 1 --appends 1 --fill 1000000 -- "$work/replay.db" >/dev/null
-port=$((20000 + RANDOM % 20000))
-"$pier" serve --store "$work/replay.db" --listen "127.0.0.1:$port" --token bench 2>"$work/serve.log" &
-server=$!
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
-run B5-sse-replay-1M       "$bench" replay --token bench -- "http://127.0.0.1:$port"
-kill "$server"; server=""
+if wanted B5-sse; then
+  "$bench" log --writers 1 --appends 1 --fill 1000000 -- "$work/replay.db" >/dev/null
+  port=$((20000 + RANDOM % 20000))
+  "$pier" serve --store "$work/replay.db" --listen "127.0.0.1:$port" --token bench 2>"$work/serve.log" &
+  server=$!
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.1; done
+  run B5-sse-replay-1M       "$bench" replay --token bench -- "http://127.0.0.1:$port"
+  kill "$server"; server=""
+fi
+# B6: one answer of 20,000 one-token deltas streamed by the fake model (started inside
+# pier-bench) as fast as it can, through the agent to a counting client; `direct` is the
+# fake read straight over HTTP, no agent (the fake's own ceiling and loopback latency).
+run B6-direct              "$bench" stream --kind direct --tokens 20000
+run B6-pier-editor         "$bench" stream --kind pier --tokens 20000 -- "$pier" agent --profile editor
 if [ "$with_peers" = 1 ]; then
+  run B6-codex-acp         "$bench" stream --kind codex --tokens 20000 -- "$interop/node_modules/.bin/codex-acp"
+  run B6-claude-agent-acp  "$bench" stream --kind claude --tokens 20000 -- "$interop/node_modules/.bin/claude-agent-acp"
+fi
+if [ "$with_peers" = 1 ] && wanted B3-; then
   # B3 for the real agents, their models pointed at a local fake server: a warm-up, then rounds.
   target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 >/dev/null
   for i in $(seq "$rounds"); do

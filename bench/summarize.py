@@ -19,7 +19,10 @@ for line in sys.stdin:
         rows[name] = {}
         order.append(name)
     for key, value in (rec.get("result") or {}).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):
+            # A check (B6's text_ok): shown as the rounds it held in.
+            rows[name].setdefault(key, []).append(value)
+        elif isinstance(value, (int, float)):
             rows[name].setdefault(key, []).append(value)
 
 
@@ -35,4 +38,8 @@ print("| benchmark | figure | median | min | max | runs |")
 print("|---|---|---|---|---|---|")
 for name in order:
     for key, values in rows[name].items():
+        if all(isinstance(v, bool) for v in values):
+            held = f"{sum(values)}/{len(values)}"
+            print(f"| {name} | {key} | {held} | | | {len(values)} |")
+            continue
         print(f"| {name} | {key} | {fmt(statistics.median(values))} | {fmt(min(values))} | {fmt(max(values))} | {len(values)} |")

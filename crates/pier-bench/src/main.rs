@@ -13,6 +13,9 @@
 //! - `host -- PIER`: B5 end to end, `pier run` of N trivial tasks against the bench agent.
 //! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
 //! - `sessions CMD…`: opens sessions and reports the agent's RSS.
+//! - `stream --kind K CMD…`: B6, one answer of N tokens streamed by the fake model as fast as
+//!   it can, through the agent (pier, codex-acp or claude-agent-acp, each pointed at a fake
+//!   started here) to a client that counts `agent_message_chunk`s and times every token.
 
 #![allow(clippy::print_stdout)]
 
@@ -467,6 +470,377 @@ async fn sessions(args: &[String], cmd: &[String]) {
     end(child).await;
 }
 
+/// B6's counting client: what it saw of the one streamed answer.
+#[derive(Default)]
+struct StreamStats {
+    /// `agent_message_chunk` updates and the bytes of their text.
+    deltas: u64,
+    text_bytes: usize,
+    /// Bytes of chunks that are not the stream's next text, and the first of them.
+    mismatched: usize,
+    foreign: String,
+    other_updates: u64,
+    /// The chunks that carried the stream's text, and when the first and last arrived.
+    token_deltas: u64,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    /// When each whole token had arrived (the chunk that completed it), in order.
+    token_received: Vec<Instant>,
+}
+
+struct StreamCounter {
+    token: Vec<u8>,
+    stats: std::sync::Mutex<StreamStats>,
+}
+
+impl StreamCounter {
+    fn note_text(&self, text: &str, at: Instant) {
+        let mut s = self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let len = self.token.len().max(1);
+        let start = s.text_bytes;
+        s.deltas += 1;
+        if text.bytes().enumerate().any(|(i, b)| self.token.get((start + i) % len) != Some(&b)) {
+            // Not the stream's next text (an agent's own notice): counted apart.
+            s.mismatched += text.len();
+            if s.foreign.len() < 200 {
+                s.foreign.push_str(text);
+            }
+            return;
+        }
+        s.text_bytes += text.len();
+        s.token_deltas += 1;
+        s.first.get_or_insert(at);
+        s.last = Some(at);
+        let whole = s.text_bytes / len;
+        while s.token_received.len() < whole {
+            s.token_received.push(at);
+        }
+    }
+}
+
+impl Handler for StreamCounter {
+    fn request(&self, _cx: RequestCx, _m: String, _p: Value) -> BoxFuture<'static, Result<Value, Error>> {
+        Box::pin(async { Err(Error::method_not_found()) })
+    }
+    fn notification(&self, _conn: &Connection, method: &str, params: Value) {
+        let at = Instant::now();
+        if method != "session/update" {
+            return;
+        }
+        // Read into the schema type, as an editor would.
+        match serde_json::from_value::<SessionNotification>(params) {
+            Ok(SessionNotification {
+                update: SessionUpdate::AgentMessageChunk(ContentChunk { content: ContentBlock::Text(t), .. }),
+                ..
+            }) => self.note_text(&t.text, at),
+            _ => self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).other_updates += 1,
+        }
+    }
+}
+
+/// The fake model on a thread and runtime of its own, so serving the stream does not
+/// share the client's thread. Stops when `stop` is dropped.
+fn start_fake() -> (pier_fake_model::FakeModel, tokio::sync::oneshot::Sender<()>) {
+    let (fake_tx, fake_rx) = std::sync::mpsc::channel();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => panic!("fake model runtime: {e}"),
+        };
+        rt.block_on(async move {
+            let _ = fake_tx.send(pier_fake_model::FakeModel::start().await);
+            let _ = stopped.await;
+        });
+    });
+    match fake_rx.recv() {
+        Ok(Ok(fake)) => (fake, stop),
+        Ok(Err(e)) => panic!("fake model: {e}"),
+        Err(e) => panic!("fake model thread: {e}"),
+    }
+}
+
+/// How each agent is pointed at the fake model, offline (as `crates/pier/examples/interop.rs`
+/// sets them up for the interop check).
+fn stream_env(kind: &str, scratch: &std::path::Path, base: &str) -> Vec<(String, String)> {
+    let home = scratch.join("home");
+    let dir = |d: &std::path::Path| {
+        if let Err(e) = std::fs::create_dir_all(d) {
+            panic!("create {}: {e}", d.display());
+        }
+    };
+    dir(&home);
+    let mut env = vec![("HOME".to_owned(), home.display().to_string())];
+    let root = base.trim_end_matches("/v1").to_owned();
+    match kind {
+        "pier" => {
+            for (k, v) in [
+                ("PIER_HOME", scratch.join("pier-home").display().to_string()),
+                ("PIER_BASE_URL", base.to_owned()),
+                ("PIER_MODEL", "fake-model".to_owned()),
+                ("PIER_API_KEY", "fake-key".to_owned()),
+            ] {
+                env.push((k.into(), v));
+            }
+        }
+        "codex" => {
+            let codex_home = scratch.join("codex-home");
+            dir(&codex_home);
+            let config = format!(
+                "model = \"fake-model\"\nmodel_provider = \"fake\"\napproval_policy = \"untrusted\"\n\
+                 sandbox_mode = \"danger-full-access\"\n\n[model_providers.fake]\nname = \"fake\"\n\
+                 base_url = \"{base}\"\nenv_key = \"FAKE_API_KEY\"\nwire_api = \"responses\"\n"
+            );
+            if let Err(e) = std::fs::write(codex_home.join("config.toml"), config) {
+                panic!("write codex config: {e}");
+            }
+            env.push(("CODEX_HOME".into(), codex_home.display().to_string()));
+            env.push(("FAKE_API_KEY".into(), "fake-key".into()));
+        }
+        "claude" => {
+            let cfg = scratch.join("claude-config");
+            dir(&cfg);
+            for (k, v) in [
+                ("IS_SANDBOX", "1"),
+                ("ANTHROPIC_BASE_URL", root.as_str()),
+                ("ANTHROPIC_API_KEY", "fake-key"),
+                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+                ("DISABLE_TELEMETRY", "1"),
+                ("DISABLE_AUTOUPDATER", "1"),
+            ] {
+                env.push((k.into(), v.into()));
+            }
+            env.push(("CLAUDE_CONFIG_DIR".into(), cfg.display().to_string()));
+        }
+        other => panic!("unknown --kind {other}: pier, codex, claude or direct"),
+    }
+    env
+}
+
+/// The processes in process group `pgid` (the agent and everything it started).
+fn group_pids(pgid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // After the command's closing parenthesis: state, ppid, pgrp.
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(2)?.parse::<u32>().ok())
+                == Some(pgid)
+        })
+        .collect()
+}
+
+fn status_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Samples the summed RSS of a process group every 10 ms until told to stop; returns the
+/// peak sum and the most processes seen at once.
+fn sample_group(pgid: u32, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<(u64, usize)> {
+    std::thread::spawn(move || {
+        let (mut peak, mut procs) = (0u64, 0usize);
+        while !stop.load(Ordering::Relaxed) {
+            let pids = group_pids(pgid);
+            procs = procs.max(pids.len());
+            peak = peak.max(pids.iter().map(|&p| status_kb(p, "VmRSS:")).sum());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        (peak, procs)
+    })
+}
+
+fn percentile_us(sorted: &[f64], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
+}
+
+/// Send → receipt of each whole token, in µs (both instants on this process's monotonic clock).
+fn latencies(sent: &[Instant], received: &[Instant]) -> Vec<f64> {
+    let mut lat: Vec<f64> = sent
+        .iter()
+        .zip(received)
+        .map(|(s, r)| match r.checked_duration_since(*s) {
+            Some(d) => d.as_secs_f64() * 1e6,
+            None => -(s.duration_since(*r).as_secs_f64() * 1e6),
+        })
+        .collect();
+    lat.sort_by(f64::total_cmp);
+    lat
+}
+
+/// The fake model's stream read straight over HTTP (Chat Completions), no agent: the
+/// ceiling of the fake and the latency of loopback HTTP + SSE alone.
+async fn stream_direct(base: &str, token: &str) -> StreamCounter {
+    let counter = StreamCounter { token: token.as_bytes().to_vec(), stats: Default::default() };
+    let body = json!({"model": "fake-model", "stream": true, "messages": [{"role": "user", "content": "Stream."}]});
+    let mut response = match reqwest::Client::new()
+        .post(format!("{base}/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+    {
+        Ok(r) => r,
+        Err(e) => panic!("POST /chat/completions: {e}"),
+    };
+    let mut carry: Vec<u8> = Vec::new();
+    while let Ok(Some(chunk)) = response.chunk().await {
+        let at = Instant::now();
+        carry.extend_from_slice(&chunk);
+        let mut start = 0;
+        while let Some(end) = carry[start..].iter().position(|&b| b == b'\n') {
+            // The fake's chunks are known: take `"content":"…"` without a JSON parse, so
+            // this reader costs less than any agent.
+            let line = &carry[start..start + end];
+            const KEY: &[u8] = b"\"content\":\"";
+            if let Some(at_key) = line.windows(KEY.len()).position(|w| w == KEY) {
+                let text = &line[at_key + KEY.len()..];
+                let text = &text[..text.iter().position(|&b| b == b'"').unwrap_or(text.len())];
+                counter.note_text(std::str::from_utf8(text).unwrap_or(""), at);
+            }
+            start += end + 1;
+        }
+        carry.drain(..start);
+    }
+    counter
+}
+
+/// B6: one prompt answered with `--tokens` deltas streamed by the fake model as fast as it
+/// can, through the agent (`--kind pier|codex|claude`, the command after `--`), or read
+/// straight from the fake (`--kind direct`). Counts the agent's `agent_message_chunk`
+/// updates, checks their text, times the stream and each token, and reads the agent's RSS.
+async fn stream(args: &[String], cmd: &[String]) {
+    let tokens = arg(args, "--tokens", 20_000) as usize;
+    let timeout = Duration::from_secs(arg(args, "--timeout-s", 600));
+    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let kind = flag("--kind").unwrap_or_else(|| "pier".into());
+    let token = flag("--token").unwrap_or_else(|| "tok ".into());
+    let (fake, stop_fake) = start_fake();
+    fake.push(pier_fake_model::Reply::tokens(&token, tokens));
+    // Anything else the agent asks (a title, a second request) gets a short answer.
+    fake.set_fallback(|_| pier_fake_model::Reply::text("ok"));
+    let base = fake.base_url();
+    let scratch = std::env::temp_dir().join(format!("pier-bench-stream-{}", std::process::id()));
+    let work = scratch.join("work");
+    if let Err(e) = std::fs::create_dir_all(&work) {
+        panic!("create {}: {e}", work.display());
+    }
+    let mut result = json!({"kind": kind, "tokens_expected": tokens});
+    let started = Instant::now();
+    let (counter, prompt_sent, answered, rss) = if kind == "direct" {
+        let counter = stream_direct(&base, &token).await;
+        (Arc::new(counter), started, Instant::now(), None)
+    } else {
+        let Some((program, rest)) = cmd.split_first() else { panic!("give the agent command after --") };
+        // The agent runs in a scratch directory: a relative program path is resolved here.
+        let program = if program.contains('/') {
+            std::path::absolute(program).map_or(program.clone(), |p| p.display().to_string())
+        } else {
+            program.clone()
+        };
+        let stderr = std::fs::File::create(scratch.join("agent.stderr")).map(Stdio::from).unwrap_or(Stdio::null());
+        let mut child = match tokio::process::Command::new(&program)
+            .args(rest)
+            .envs(stream_env(&kind, &scratch, &base))
+            .current_dir(&work)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => panic!("spawn {program}: {e}"),
+        };
+        let pid = child.id().unwrap_or(0);
+        let counter = Arc::new(StreamCounter { token: token.as_bytes().to_vec(), stats: Default::default() });
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else { panic!("pipes") };
+        let conn = Connection::spawn(stdout, stdin, counter.clone(), ConnectionConfig::default());
+        call(&conn, "initialize", json!({"protocolVersion": 1, "clientCapabilities": {}})).await;
+        let session = call(&conn, "session/new", json!({"cwd": work.display().to_string(), "mcpServers": []})).await;
+        let sid = session["sessionId"].as_str().unwrap_or("").to_owned();
+        let stop_sampling = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = sample_group(pid, stop_sampling.clone());
+        let prompt_sent = Instant::now();
+        let prompt = json!({"sessionId": sid, "prompt": [{"type": "text", "text": "Stream your answer."}]});
+        let answer = tokio::time::timeout(timeout, conn.request_value("session/prompt", &prompt)).await;
+        let answered = Instant::now();
+        match answer {
+            Ok(Ok(v)) => result["stop_reason"] = v["stopReason"].clone(),
+            Ok(Err(e)) => result["error"] = json!(e.to_string()),
+            Err(_) => result["error"] = json!("timed out"),
+        }
+        // Peaks read before the agent ends: its own, and the sum over its process group.
+        let group = group_pids(pid);
+        let agent_hwm = status_kb(pid, "VmHWM:");
+        let group_hwm: u64 = group.iter().map(|&p| status_kb(p, "VmHWM:")).sum();
+        stop_sampling.store(true, Ordering::Relaxed);
+        let (group_rss_peak, procs) = sampler.join().unwrap_or((0, 0));
+        drop(conn);
+        end(child).await;
+        (counter, prompt_sent, answered, Some((agent_hwm, group_hwm, group_rss_peak, procs.max(group.len()))))
+    };
+    let sent = fake.token_times();
+    drop(stop_fake);
+    let s = std::mem::take(&mut *counter.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    let stream_s = match (s.first, s.last) {
+        (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
+        _ => 0.0,
+    };
+    let fake_s = match (sent.first(), sent.last()) {
+        (Some(a), Some(b)) => b.duration_since(*a).as_secs_f64(),
+        _ => 0.0,
+    };
+    let lat = latencies(&sent, &s.token_received);
+    let mean = if lat.is_empty() { 0.0 } else { lat.iter().sum::<f64>() / lat.len() as f64 };
+    let expected_bytes = tokens * token.len();
+    for (k, v) in [
+        ("deltas", json!(s.deltas)),
+        ("text_bytes", json!(s.text_bytes)),
+        ("text_bytes_expected", json!(expected_bytes)),
+        ("text_ok", json!(s.text_bytes == expected_bytes)),
+        ("extra_text_bytes", json!(s.mismatched)),
+        ("extra_text", json!(s.foreign)),
+        ("other_updates", json!(s.other_updates)),
+        ("tokens_sent", json!(sent.len())),
+        ("stream_s", json!(stream_s)),
+        ("token_deltas", json!(s.token_deltas)),
+        ("deltas_per_s", json!(s.token_deltas as f64 / stream_s.max(1e-9))),
+        ("tokens_per_s", json!((s.text_bytes / token.len().max(1)) as f64 / stream_s.max(1e-9))),
+        ("fake_write_s", json!(fake_s)),
+        ("fake_tokens_per_s", json!(sent.len() as f64 / fake_s.max(1e-9))),
+        ("prompt_to_answer_s", json!(answered.duration_since(prompt_sent).as_secs_f64())),
+        ("prompt_to_first_delta_ms", json!(s.first.map_or(0.0, |f| f.duration_since(prompt_sent).as_secs_f64() * 1e3))),
+        ("latency_p50_us", json!(percentile_us(&lat, 0.5))),
+        ("latency_p99_us", json!(percentile_us(&lat, 0.99))),
+        ("latency_max_us", json!(percentile_us(&lat, 1.0))),
+        ("latency_mean_us", json!(mean)),
+        ("client_peak_rss_kb", json!(rss_kb(std::process::id()))),
+    ] {
+        result[k] = v;
+    }
+    if let Some((agent_hwm, group_hwm, group_peak, procs)) = rss {
+        result["agent_peak_rss_kb"] = json!(agent_hwm);
+        result["group_peak_rss_sum_kb"] = json!(group_hwm);
+        result["group_rss_sampled_peak_kb"] = json!(group_peak);
+        result["group_processes"] = json!(procs);
+    }
+    if result.get("error").is_some() || result["text_ok"] != true || s.mismatched > 0 {
+        let log = std::fs::read_to_string(scratch.join("agent.stderr")).unwrap_or_default();
+        let tail: String =
+            log.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+        eprintln!("pier-bench stream ({kind}): {}\nagent stderr (tail):\n{tail}", result);
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    println!("{result}");
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -483,8 +857,9 @@ async fn main() {
         Some("echo") => echo(),
         Some("startup") => startup(opts, cmd).await,
         Some("sessions") => sessions(opts, cmd).await,
+        Some("stream") => stream(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host -- PIER | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host -- PIER | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),
     }
 }

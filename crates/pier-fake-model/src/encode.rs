@@ -56,6 +56,8 @@ pub struct Encoder {
     /// Anthropic: the open content block index and whether it is text.
     block: Option<(usize, bool)>,
     next_block: usize,
+    /// Responses: whether the message item was announced ([`Encoder::open_message`]).
+    message_open: bool,
 }
 
 fn sse(event: Option<&str>, data: &Value) -> String {
@@ -75,6 +77,7 @@ impl Encoder {
             usage: (10, 5),
             block: None,
             next_block: 0,
+            message_open: false,
         }
     }
 
@@ -186,7 +189,7 @@ impl Encoder {
             }
             Step::Done => self.done(),
             Step::Tokens { text, count } => {
-                let mut out = String::new();
+                let mut out = self.open_message();
                 for _ in 0..*count {
                     out.push_str(&self.step(&Step::Text(text.clone())));
                 }
@@ -194,6 +197,27 @@ impl Encoder {
             }
             Step::Hang | Step::Cut | Step::Pause(_) | Step::Gate(_) => String::new(),
         }
+    }
+
+    /// What announces the message a run of [`Step::Tokens`] streams into, once: OpenAI
+    /// Responses' `response.output_item.added` and `response.content_part.added` (codex drops
+    /// text deltas without them). Empty for the other dialects and after the first time.
+    pub(crate) fn open_message(&mut self) -> String {
+        if self.api != Api::Responses || self.message_open {
+            return String::new();
+        }
+        self.message_open = true;
+        let mut out = sse(
+            Some("response.output_item.added"),
+            &json!({"type": "response.output_item.added", "output_index": 0, "item": {"type": "message", "id": "msg_fake",
+                "role": "assistant", "status": "in_progress", "content": []}}),
+        );
+        out.push_str(&sse(
+            Some("response.content_part.added"),
+            &json!({"type": "response.content_part.added", "item_id": "msg_fake", "output_index": 0, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ));
+        out
     }
 
     /// Counts `t` as streamed text without encoding it (for a delta whose bytes are reused).
@@ -381,7 +405,15 @@ mod tests {
         for api in [Api::ChatCompletions, Api::Responses, Api::AnthropicMessages, Api::GeminiStream] {
             let many: Vec<Step> = std::iter::repeat_n(Step::Text("tok ".into()), 3).chain([Step::Done]).collect();
             let tokens = [Step::Tokens { text: "tok ".into(), count: 3 }, Step::Done];
-            assert_eq!(events(api, &tokens), events(api, &many), "{api:?}");
+            let mut want = events(api, &many);
+            let got = events(api, &tokens);
+            if api == Api::Responses {
+                // Tokens announce their message item first, as OpenAI does.
+                let types: Vec<&str> = got[1..3].iter().map(|e| e["type"].as_str().unwrap_or("")).collect();
+                assert_eq!(types, ["response.output_item.added", "response.content_part.added"]);
+                want.splice(1..1, got[1..3].iter().cloned());
+            }
+            assert_eq!(got, want, "{api:?}");
         }
     }
 

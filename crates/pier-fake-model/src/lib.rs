@@ -370,6 +370,10 @@ async fn write_tokens(
     times: &mut Vec<Instant>,
 ) -> std::io::Result<()> {
     let step = Step::Text(text.to_owned());
+    let opening = encoder.open_message();
+    if !opening.is_empty() {
+        socket.write_all(opening.as_bytes()).await?;
+    }
     let mut repeated = String::new();
     for i in 0..count {
         if i < 2 {
@@ -457,6 +461,7 @@ async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String,
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -483,6 +488,7 @@ mod tests {
             let api = encode::Api::from_path(path).unwrap();
             let mut e = encode::Encoder::new(api);
             let mut want = e.begin();
+            want.push_str(&e.open_message());
             let Reply::Stream(steps) = Reply::tokens("tok ", 5) else { unreachable!() };
             for s in steps.iter().skip(1) {
                 if matches!(s, Step::Finish(_)) {
