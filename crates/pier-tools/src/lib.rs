@@ -15,6 +15,7 @@ pub mod plan;
 pub mod read_file;
 pub mod search;
 pub mod toolbox;
+mod walk;
 pub mod workspace;
 pub mod write;
 
@@ -28,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use plan::{PlanEntry, PlanPriority, PlanStatus};
 pub use toolbox::Toolbox;
-pub use workspace::Workspace;
+pub use workspace::{OpenedFile, Workspace};
 
 /// What a tool does, for permission policy and for clients' icons. Mirrors ACP's
 /// tool kinds without depending on ACP.
