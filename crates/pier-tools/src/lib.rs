@@ -6,9 +6,12 @@
 //!   output capped.
 //! - one module per tool: [`read_file`], [`list_dir`], [`search`] (`grep`),
 //!   [`write`] (`write_file`, `edit_file`), [`command`] (`run_command`), [`plan`].
+//! - [`contain`]: how a command is started and ended (session, cgroup, subreaper,
+//!   Landlock) so that nothing it starts outlives it.
 //! - [`output`]: bounded capture (head and tail) and output capping.
 
 pub mod command;
+pub mod contain;
 pub mod list_dir;
 pub mod output;
 pub mod plan;
@@ -27,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+pub use contain::Confinement;
 pub use plan::{PlanEntry, PlanPriority, PlanStatus};
 pub use toolbox::Toolbox;
 pub use workspace::{OpenedFile, Workspace};
@@ -102,6 +106,8 @@ pub struct Limits {
     pub read_default_lines: usize,
     /// Entries `list_dir` reports.
     pub list_max_entries: usize,
+    /// How `run_command` confines a command (Landlock, cgroups).
+    pub confinement: contain::Confinement,
 }
 
 impl Default for Limits {
@@ -114,6 +120,7 @@ impl Default for Limits {
             grep_max_matches: 200,
             read_default_lines: 2000,
             list_max_entries: 1000,
+            confinement: contain::Confinement::default(),
         }
     }
 }
