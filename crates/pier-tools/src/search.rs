@@ -158,7 +158,6 @@ fn search(
         }
         Err(e) => return Err(ToolError::new(format!("cannot search {}: {e}", ws.display(root)))),
     }
-    drop(search_one);
     if cancelled {
         return Err(ToolError::new("cancelled"));
     }
