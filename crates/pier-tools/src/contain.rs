@@ -5,13 +5,16 @@
 //!
 //! [`spawn`] starts the command in a new session (`setsid`), so its process group
 //! and session id are its own pid, and marks its environment with a
-//! `PIER_COMMAND_ID` unique to it. pier is a child subreaper
-//! (`PR_SET_CHILD_SUBREAPER`, set once by [`init`]), so a process that detaches
-//! (`setsid -f`, a double fork) is reparented to pier, not to init. Where a cgroup
-//! v2 directory can be created next to pier's own (`/sys/fs/cgroup`, writable),
-//! the child moves itself into a fresh cgroup before it execs; cgroup membership
-//! is inherited by every fork and cannot be left without write access to the
-//! cgroup tree.
+//! `PIER_COMMAND_ID` unique to it. Where a cgroup v2 directory can be created next
+//! to pier's own (`/sys/fs/cgroup`, writable), the child moves itself into a fresh
+//! cgroup before it execs; cgroup membership is inherited by every fork and cannot
+//! be left without write access to the cgroup tree. Before the first command
+//! without a cgroup, pier makes itself a child subreaper
+//! (`PR_SET_CHILD_SUBREAPER`, once), so a process that detaches (`setsid -f`, a
+//! double fork) is reparented to pier, not to init, and can be found. (With a
+//! cgroup pier need not be a subreaper, and is not: a subreaper also adopts the
+//! orphans of pier's other children — agents, MCP servers — and would have to
+//! reap them, which it cannot tell from the children tokio waits for.)
 //!
 //! [`Contained::end`] (called when the command's shell exits, on timeout, on
 //! cancel, at a terminal's release, and by `Drop`) SIGKILLs, repeatedly until none
@@ -77,23 +80,24 @@ impl Confinement {
 pub struct Machine {
     /// The kernel's Landlock ABI, `None` where Landlock is unavailable.
     pub landlock_abi: Option<u32>,
-    /// Whether pier is a child subreaper.
-    pub subreaper: bool,
     /// The cgroup v2 directory commands' cgroups are created in, if writable.
     pub cgroup_base: Option<PathBuf>,
 }
 
-/// Makes pier a child subreaper and probes Landlock and cgroups, once; later calls return the same.
+/// Probes Landlock and cgroups, once; later calls return the same.
 pub fn init() -> &'static Machine {
     static MACHINE: OnceLock<Machine> = OnceLock::new();
-    MACHINE.get_or_init(|| Machine {
-        landlock_abi: landlock_abi(),
-        subreaper: nix::sys::prctl::set_child_subreaper(true).is_ok(),
-        cgroup_base: cgroup_base(),
-    })
+    MACHINE.get_or_init(|| Machine { landlock_abi: landlock_abi(), cgroup_base: cgroup_base() })
 }
 
-/// One line for pier's start-up log: which confinement commands get.
+/// Makes pier a child subreaper, once; whether it is one.
+pub fn become_subreaper() -> bool {
+    static SUBREAPER: OnceLock<bool> = OnceLock::new();
+    *SUBREAPER.get_or_init(|| nix::sys::prctl::set_child_subreaper(true).is_ok())
+}
+
+/// One line for pier's start-up log: which confinement commands get. Without
+/// cgroups, this makes pier a child subreaper already.
 pub fn describe(confinement: &Confinement) -> String {
     let m = init();
     let landlock = match (confinement.landlock, m.landlock_abi) {
@@ -101,12 +105,14 @@ pub fn describe(confinement: &Confinement) -> String {
         (true, Some(abi)) => format!("landlock ABI {abi}: command writes confined to the roots and the temp dir"),
         (true, None) => "landlock unavailable: commands may write anywhere the user can".to_owned(),
     };
-    let cgroup = match (&m.cgroup_base, confinement.cgroups) {
+    let ending = match (&m.cgroup_base, confinement.cgroups) {
         (Some(base), true) => format!("a cgroup per command under {}", base.display()),
-        _ => "no cgroups (session, group and process-tree kill)".to_owned(),
+        _ if become_subreaper() => "no cgroups: pier is a child subreaper and kills each command's session, group, \
+                                    descendants and marked orphans"
+            .to_owned(),
+        _ => "no cgroups and no subreaper: a command's orphans that leave its session survive it".to_owned(),
     };
-    let subreaper = if m.subreaper { "pier is a child subreaper" } else { "pier is not a subreaper" };
-    format!("{landlock}; {cgroup}; {subreaper}")
+    format!("{landlock}; {ending}")
 }
 
 /// A started command's processes, ended by [`Contained::end`] or on drop.
@@ -132,6 +138,9 @@ pub fn spawn(
         (Some(base), true) => new_cgroup(base),
         _ => None,
     };
+    if cgroup.is_none() {
+        become_subreaper();
+    }
     let procs: Option<OwnedFd> = match &cgroup {
         Some(dir) => std::fs::OpenOptions::new().write(true).open(dir.join("cgroup.procs")).ok().map(OwnedFd::from),
         None => None,

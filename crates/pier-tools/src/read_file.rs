@@ -105,7 +105,7 @@ fn next_line(reader: &mut impl BufRead, line: &mut Line, keep: bool) -> std::io:
             return Ok(any);
         }
         any = true;
-        let (chunk, done) = match buf.iter().position(|&b| b == b'\n') {
+        let (chunk, done) = match memchr::memchr(b'\n', buf) {
             Some(i) => (&buf[..i], Some(i + 1)),
             None => (buf, None),
         };

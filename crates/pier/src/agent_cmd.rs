@@ -56,7 +56,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let policy = config::resolve_policy(&files, &args.permissions)?;
     let mut limits = config::resolve_limits(&files);
     limits.confinement = config::resolve_confinement(&files, args.sandbox)?;
-    // Also makes pier a child subreaper, once, before any command runs.
+    // Without cgroups, this also makes pier a child subreaper before any command runs.
     tracing::info!(confinement = %pier_tools::contain::describe(&limits.confinement), "commands");
     // The embedded model cannot drive tool calls: it gets none, and a plain system prompt.
     let toolbox = if local {
