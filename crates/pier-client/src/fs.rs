@@ -1,6 +1,6 @@
-//! `fs/read_text_file` and `fs/write_text_file`, inside the sandbox.
-
-use std::io::Write;
+//! `fs/read_text_file` and `fs/write_text_file`, inside the sandbox: files are
+//! opened, created and renamed beneath a root's directory handle (pier-tools'
+//! confined primitives), never by path.
 
 use agent_client_protocol_schema::v1::{
     Error, ReadTextFileRequest, ReadTextFileResponse, WriteTextFileRequest, WriteTextFileResponse,
@@ -10,13 +10,18 @@ use pier_acp::error::internal;
 use crate::sandbox::Sandbox;
 
 pub async fn read_text_file(sandbox: &Sandbox, req: ReadTextFileRequest) -> Result<ReadTextFileResponse, Error> {
-    let path = sandbox.resolve(&req.path)?;
+    let (root, path) = sandbox.locate(&req.path)?;
     let uri = format!("file://{}", path.display());
-    let text = match tokio::fs::read(&path).await {
-        Ok(bytes) => {
-            String::from_utf8(bytes).map_err(|_| internal(format!("{} is not a UTF-8 text file", path.display())))?
+    let (root, target) = (root.clone(), path.clone());
+    let text = match tokio::task::spawn_blocking(move || root.read_text(&target))
+        .await
+        .map_err(|e| internal(e.to_string()))?
+    {
+        Ok(Some(text)) => text,
+        Ok(None) => return Err(Error::resource_not_found(Some(uri))),
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+            return Err(internal(format!("{} is not a UTF-8 text file", path.display())));
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::resource_not_found(Some(uri))),
         Err(e) => return Err(internal(format!("cannot read {}: {e}", path.display()))),
     };
     Ok(ReadTextFileResponse::new(slice_lines(&text, req.line, req.limit)))
@@ -34,31 +39,12 @@ pub fn slice_lines(text: &str, line: Option<u32>, limit: Option<u32>) -> String 
 
 pub async fn write_text_file(sandbox: &Sandbox, req: WriteTextFileRequest) -> Result<WriteTextFileResponse, Error> {
     let path = sandbox.resolve_write(&req.path)?;
-    let content = req.content;
-    let target = path.clone();
-    tokio::task::spawn_blocking(move || {
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent)?;
-        }
-        let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let tmp = target.with_file_name(format!(".{name}.pier-{}.tmp", std::process::id()));
-        let result = (|| {
-            let mut file = std::fs::File::create(&tmp)?;
-            file.write_all(content.as_bytes())?;
-            if let Ok(meta) = std::fs::metadata(&target) {
-                file.set_permissions(meta.permissions())?;
-            }
-            file.sync_all()?;
-            std::fs::rename(&tmp, &target)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result
-    })
-    .await
-    .map_err(|e| internal(e.to_string()))?
-    .map_err(|e| internal(format!("cannot write {}: {e}", path.display())))?;
+    let (root, _) = sandbox.locate(&path)?;
+    let (root, target, content) = (root.clone(), path.clone(), req.content);
+    tokio::task::spawn_blocking(move || root.write_atomic(&target, content.as_bytes()))
+        .await
+        .map_err(|e| internal(e.to_string()))?
+        .map_err(|e| internal(format!("cannot write {}: {e}", path.display())))?;
     Ok(WriteTextFileResponse::new())
 }
 

@@ -1,17 +1,21 @@
 //! The directories the agent's `fs/*` and `terminal/*` calls may touch: the
-//! session's cwd and any `--allow-dir`, with symlinks resolved.
+//! session's cwd and any `--allow-dir`, with symlinks resolved. Files are opened
+//! beneath a root's directory handle (`pier_tools::Workspace`'s confined
+//! primitives), and terminals are contained (`pier_tools::contain`).
 
 use std::path::{Path, PathBuf};
 
 use agent_client_protocol_schema::v1::Error;
 use pier_acp::error::invalid_params;
-use pier_tools::Workspace;
+use pier_tools::{Confinement, Workspace};
 
 #[derive(Debug, Clone)]
 pub struct Sandbox {
     roots: Vec<Workspace>,
     /// When set, writes must also land inside one of these (host-side trust).
     writable: Option<Vec<Workspace>>,
+    /// How terminals are confined.
+    confinement: Confinement,
 }
 
 impl Sandbox {
@@ -20,7 +24,22 @@ impl Sandbox {
         for dir in allow_dirs {
             roots.push(Workspace::new(dir)?);
         }
-        Ok(Sandbox { roots, writable: None })
+        Ok(Sandbox { roots, writable: None, confinement: Confinement::default() })
+    }
+
+    /// Sets how terminals are confined (`--sandbox off` turns Landlock off).
+    pub fn with_confinement(mut self, confinement: Confinement) -> Sandbox {
+        self.confinement = confinement;
+        self
+    }
+
+    pub fn confinement(&self) -> &Confinement {
+        &self.confinement
+    }
+
+    /// The directories a terminal's command may write beneath under Landlock.
+    pub fn write_roots(&self) -> Vec<PathBuf> {
+        self.writable.as_ref().unwrap_or(&self.roots).iter().map(|w| w.root().to_owned()).collect()
     }
 
     /// Restricts writes to `dirs` (each must exist).
@@ -49,6 +68,12 @@ impl Sandbox {
 
     /// The path, if it is absolute and inside a root once symlinks are resolved.
     pub fn resolve(&self, path: &Path) -> Result<PathBuf, Error> {
+        self.locate(path).map(|(_, p)| p)
+    }
+
+    /// The root `path` is inside and the resolved path: open it only through that
+    /// root's confined primitives (`Workspace::open_file`, `write_atomic`).
+    pub fn locate(&self, path: &Path) -> Result<(&Workspace, PathBuf), Error> {
         if !path.is_absolute() {
             return Err(invalid_params(format!("`{}` is not an absolute path (R010)", path.display())));
         }
@@ -58,7 +83,7 @@ impl Sandbox {
         let mut last = None;
         for root in &self.roots {
             match root.resolve(text) {
-                Ok(p) => return Ok(p),
+                Ok(p) => return Ok((root, p)),
                 Err(e) => last = Some(e),
             }
         }

@@ -1,7 +1,9 @@
-//! `terminal/*`: commands the agent runs through the client, each in its own
-//! process group, with output kept up to `outputByteLimit` (cut from the start at
-//! a character boundary, R107). Every terminal is killed at release and when the
-//! client shuts down.
+//! `terminal/*`: commands the agent runs through the client, each contained
+//! (`pier_tools::contain`: its own session and cgroup, Landlock on writes), with
+//! output kept up to `outputByteLimit` (cut from the start at a character
+//! boundary, R107). Every process a terminal's command starts, however it
+//! detaches, is killed when the command exits, at `terminal/kill`, at release and
+//! when the client shuts down.
 
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
@@ -12,9 +14,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use agent_client_protocol_schema::v1::{
     CreateTerminalRequest, CreateTerminalResponse, Error, TerminalExitStatus, TerminalOutputResponse,
 };
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use pier_acp::error::{internal, invalid_params};
+use pier_tools::contain::Contained;
 use tokio::io::AsyncRead;
 use tokio::sync::watch;
 
@@ -45,16 +47,14 @@ impl Output {
 }
 
 struct Terminal {
-    pgid: Option<Pid>,
+    contained: Arc<Mutex<Contained>>,
     output: Arc<Mutex<Output>>,
     exit: watch::Receiver<Option<TerminalExitStatus>>,
 }
 
 impl Terminal {
     fn kill(&self) {
-        if let Some(pgid) = self.pgid {
-            let _ = killpg(pgid, Signal::SIGKILL);
-        }
+        lock(&self.contained).end();
     }
 }
 
@@ -95,27 +95,31 @@ impl Terminals {
         if req.command.is_empty() {
             return Err(invalid_params("the command is empty"));
         }
-        let mut child = tokio::process::Command::new(&req.command)
-            .args(&req.args)
+        let mut cmd = tokio::process::Command::new(&req.command);
+        cmd.args(&req.args)
             .envs(req.env.iter().map(|v| (v.name.clone(), v.value.clone())))
             .current_dir(&cwd)
-            .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| internal(format!("cannot start `{}`: {e}", req.command)))?;
+            .kill_on_drop(true);
+        let (mut child, contained) =
+            pier_tools::contain::spawn(&mut cmd, sandbox.confinement(), &sandbox.write_roots())
+                .map_err(|e| internal(format!("cannot start `{}`: {e}", req.command)))?;
+        drop(cmd);
+        let contained = Arc::new(Mutex::new(contained));
         let limit = req.output_byte_limit.map_or(DEFAULT_LIMIT, |l| l as usize);
         let output = Arc::new(Mutex::new(Output { bytes: Vec::new(), truncated: false, limit }));
-        let pgid = child.id().map(|id| Pid::from_raw(id as i32));
         let (tx, exit) = watch::channel(None);
         let readers = [
             child.stdout.take().map(|r| tokio::spawn(pump(r, output.clone()))),
             child.stderr.take().map(|r| tokio::spawn(pump(r, output.clone()))),
         ];
+        let ending = contained.clone();
         tokio::spawn(async move {
             let status = child.wait().await;
+            // Nothing the command started outlives it.
+            let _ = tokio::task::spawn_blocking(move || lock(&ending).end()).await;
             for r in readers.into_iter().flatten() {
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(2), r).await;
             }
@@ -125,7 +129,7 @@ impl Terminals {
             }));
         });
         let id = format!("term-{}", self.next.fetch_add(1, Ordering::SeqCst) + 1);
-        lock(&self.live).insert(id.clone(), Arc::new(Terminal { pgid, output, exit }));
+        lock(&self.live).insert(id.clone(), Arc::new(Terminal { contained, output, exit }));
         Ok(CreateTerminalResponse::new(id))
     }
 

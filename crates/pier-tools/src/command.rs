@@ -1,10 +1,11 @@
-//! `run_command`: `sh -c <command>` in the session directory, in its own process
-//! group, with a timeout and bounded output.
+//! `run_command`: `sh -c <command>` in the session directory, contained
+//! ([`crate::contain`]: its own session and cgroup, Landlock on writes), with a
+//! timeout and bounded output.
 //!
-//! The process group is the unit of cleanup: on timeout, on cancellation, when
+//! Everything the command started is killed: on timeout, on cancellation, when
 //! the tool's future is dropped, and also after the shell exits normally (so a
-//! command cannot leave background processes behind), the whole group is killed
-//! with SIGKILL and the shell is reaped.
+//! command cannot leave background processes behind, however they detached), and
+//! the shell is reaped.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
@@ -12,8 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -81,27 +81,6 @@ impl Tool for RunCommand {
     }
 }
 
-/// Kills the process group when dropped, unless disarmed: the backstop for a
-/// tool future dropped mid-command.
-struct GroupGuard {
-    pgid: Option<Pid>,
-}
-
-impl GroupGuard {
-    fn kill(&mut self) {
-        if let Some(pgid) = self.pgid {
-            // ESRCH only means the group is already gone.
-            let _ = killpg(pgid, Signal::SIGKILL);
-        }
-    }
-}
-
-impl Drop for GroupGuard {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 enum Ending {
     Exited(std::process::ExitStatus),
     TimedOut,
@@ -109,18 +88,20 @@ enum Ending {
 }
 
 async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolOutput, ToolError> {
-    let mut child = tokio::process::Command::new("sh")
-        .arg("-c")
+    let mut cmd = tokio::process::Command::new("sh");
+    cmd.arg("-c")
         .arg(command)
         .current_dir(cx.workspace.root())
-        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
+        .kill_on_drop(true);
+    let writable: Vec<std::path::PathBuf> = cx.workspace.roots().map(std::path::Path::to_path_buf).collect();
+    // Dropped with the future: `Contained`'s drop ends every process of the command.
+    let (mut child, contained) = crate::contain::spawn(&mut cmd, &cx.limits.confinement, &writable)
         .map_err(|e| ToolError::new(format!("could not start sh: {e}")))?;
-    let mut guard = GroupGuard { pgid: child.id().map(|id| Pid::from_raw(id as i32)) };
+    drop(cmd);
+    let mut contained = Some(contained);
     let keep = cx.limits.command_capture_bytes;
     let stdout = Arc::new(Mutex::new(HeadTail::new(keep)));
     let stderr = Arc::new(Mutex::new(HeadTail::new(keep)));
@@ -137,18 +118,19 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
         _ = tokio::time::sleep(timeout) => Ending::TimedOut,
         _ = cx.cancel.cancelled() => Ending::Cancelled,
     };
-    // Whatever happened, nothing of the group may outlive the call.
-    guard.kill();
+    // Whatever happened, nothing the command started may outlive the call.
+    if let Some(mut c) = contained.take() {
+        let _ = tokio::task::spawn_blocking(move || c.end()).await;
+    }
     let status = match ending {
         Ending::Exited(s) => Some(s),
         Ending::TimedOut | Ending::Cancelled => child.wait().await.ok(),
     };
     for reader in readers.into_iter().flatten() {
         if tokio::time::timeout(DRAIN, reader).await.is_err() {
-            tracing::warn!("command output did not close after the process group was killed");
+            tracing::warn!("command output did not close after the command's processes were killed");
         }
     }
-    guard.pgid = None;
 
     let out = lock(&stdout);
     let err = lock(&stderr);
@@ -158,9 +140,9 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
     };
     let mut text = match ending {
         Ending::TimedOut => {
-            format!("timed out after {} ms; the command's process group was killed", timeout.as_millis())
+            format!("timed out after {} ms; the command's processes were killed", timeout.as_millis())
         }
-        Ending::Cancelled => "cancelled; the command's process group was killed".to_owned(),
+        Ending::Cancelled => "cancelled; the command's processes were killed".to_owned(),
         Ending::Exited(_) => match (code, signal) {
             (Some(c), _) => format!("exit code {c}"),
             (None, Some(s)) => format!("killed by signal {s} ({})", signal_name(s)),

@@ -6,15 +6,19 @@
 //!   output capped.
 //! - one module per tool: [`read_file`], [`list_dir`], [`search`] (`grep`),
 //!   [`write`] (`write_file`, `edit_file`), [`command`] (`run_command`), [`plan`].
+//! - [`contain`]: how a command is started and ended (session, cgroup, subreaper,
+//!   Landlock) so that nothing it starts outlives it.
 //! - [`output`]: bounded capture (head and tail) and output capping.
 
 pub mod command;
+pub mod contain;
 pub mod list_dir;
 pub mod output;
 pub mod plan;
 pub mod read_file;
 pub mod search;
 pub mod toolbox;
+mod walk;
 pub mod workspace;
 pub mod write;
 
@@ -26,9 +30,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+pub use contain::Confinement;
 pub use plan::{PlanEntry, PlanPriority, PlanStatus};
 pub use toolbox::Toolbox;
-pub use workspace::Workspace;
+pub use workspace::{OpenedFile, Workspace};
 
 /// What a tool does, for permission policy and for clients' icons. Mirrors ACP's
 /// tool kinds without depending on ACP.
@@ -101,6 +106,8 @@ pub struct Limits {
     pub read_default_lines: usize,
     /// Entries `list_dir` reports.
     pub list_max_entries: usize,
+    /// How `run_command` confines a command (Landlock, cgroups).
+    pub confinement: contain::Confinement,
 }
 
 impl Default for Limits {
@@ -113,6 +120,7 @@ impl Default for Limits {
             grep_max_matches: 200,
             read_default_lines: 2000,
             list_max_entries: 1000,
+            confinement: contain::Confinement::default(),
         }
     }
 }

@@ -1,9 +1,11 @@
-//! `list_dir`: one directory's entries with type and size, `.gitignore` respected.
+//! `list_dir`: one directory's entries with type and size, `.gitignore` respected,
+//! read through the directory's handle beneath its root.
 
 use futures::future::BoxFuture;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::walk::Kind;
 use crate::{Location, Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace, arg_path, blocking};
 
 pub struct ListDir;
@@ -46,7 +48,8 @@ impl Tool for ListDir {
             let shown = cx.workspace.display(&dir);
             let max = cx.limits.list_max_entries;
             let dir2 = dir.clone();
-            let entries = blocking(move || list(&dir2, &shown, max)).await?;
+            let ws = cx.workspace.clone();
+            let entries = blocking(move || list(&ws, &dir2, &shown, max)).await?;
             let mut out = ToolOutput::ok(entries.0, json!({"path": dir, "entries": entries.1}));
             out.locations = vec![Location { path: dir, line: None }];
             Ok(out)
@@ -54,36 +57,30 @@ impl Tool for ListDir {
     }
 }
 
-fn list(dir: &std::path::Path, shown: &str, max: usize) -> Result<(String, usize), ToolError> {
-    let meta = std::fs::metadata(dir).map_err(|e| ToolError::new(format!("cannot list {shown}: {e}")))?;
-    if !meta.is_dir() {
-        return Err(ToolError::new(format!("{shown} is not a directory; use read_file")));
-    }
-    let walker = ignore::WalkBuilder::new(dir)
-        .max_depth(Some(1))
-        .hidden(false)
-        .require_git(false)
-        .filter_entry(|e| e.file_name() != ".git")
-        .build();
+fn list(ws: &Workspace, dir: &std::path::Path, shown: &str, max: usize) -> Result<(String, usize), ToolError> {
+    let (handle, abs) = ws.open_dir(dir).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotADirectory => ToolError::new(format!("{shown} is not a directory; use read_file")),
+        _ => ToolError::new(format!("cannot list {shown}: {e}")),
+    })?;
     let mut rows = Vec::new();
-    for entry in walker.flatten() {
-        if entry.depth() == 0 {
-            continue;
-        }
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let row = match entry.file_type() {
-            Some(t) if t.is_symlink() => {
-                let target = std::fs::read_link(entry.path()).map(|t| t.display().to_string()).unwrap_or_default();
+    crate::walk::walk(ws, handle, &abs, Some(1), |entry| {
+        let name = entry.name.to_string_lossy().into_owned();
+        let row = match entry.kind {
+            Kind::Symlink => {
+                let target =
+                    entry.dir.read_link_contents(&entry.name).map(|t| t.display().to_string()).unwrap_or_default();
                 format!("{name} -> {target}  (symlink)")
             }
-            Some(t) if t.is_dir() => format!("{name}/  (dir)"),
-            _ => {
-                let size = entry.metadata().map(|m| m.len()).unwrap_or(0);
+            Kind::Dir => format!("{name}/  (dir)"),
+            Kind::File | Kind::Other => {
+                let size = entry.dir.symlink_metadata(&entry.name).map(|m| m.len()).unwrap_or(0);
                 format!("{name}  ({size} bytes)")
             }
         };
         rows.push(row);
-    }
+        true
+    })
+    .map_err(|e| ToolError::new(format!("cannot list {shown}: {e}")))?;
     rows.sort();
     let count = rows.len();
     if count == 0 {

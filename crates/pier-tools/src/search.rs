@@ -1,4 +1,6 @@
 //! `grep`: a regex over the tree with ripgrep's own crates, `.gitignore` respected.
+//! The tree is walked and each file opened through directory handles beneath the
+//! root (`walk`), so no search reads a file outside it.
 
 use futures::future::BoxFuture;
 use grep::regex::RegexMatcher;
@@ -7,6 +9,8 @@ use grep::searcher::{BinaryDetection, SearcherBuilder};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::walk::Kind;
+use crate::workspace::open_regular;
 use crate::{Location, Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace, blocking};
 
 pub struct Grep;
@@ -85,28 +89,23 @@ fn search(
 ) -> Result<(Vec<String>, bool, usize), ToolError> {
     let matcher =
         RegexMatcher::new_line_matcher(pattern).map_err(|e| ToolError::new(format!("invalid pattern: {e}")))?;
-    let mut builder = ignore::WalkBuilder::new(root);
-    builder.hidden(false).require_git(false).filter_entry(|e| e.file_name() != ".git");
-    if let Some(glob) = glob {
-        let mut overrides = ignore::overrides::OverrideBuilder::new(root);
-        overrides.add(glob).map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?;
-        builder.overrides(overrides.build().map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?);
-    }
+    let overrides = match glob {
+        Some(glob) => {
+            let mut overrides = ignore::overrides::OverrideBuilder::new(root);
+            overrides.add(glob).map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?;
+            Some(overrides.build().map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?)
+        }
+        None => None,
+    };
     let mut searcher =
         SearcherBuilder::new().binary_detection(BinaryDetection::quit(b'\x00')).line_number(true).build();
-    let (mut lines, mut files, mut capped) = (Vec::new(), 0usize, false);
-    for entry in builder.build().flatten() {
-        if cancel.is_cancelled() {
-            return Err(ToolError::new("cancelled"));
-        }
-        if !entry.file_type().is_some_and(|t| t.is_file()) {
-            continue;
-        }
+    let (mut lines, mut files, mut capped, mut cancelled) = (Vec::new(), 0usize, false, false);
+    let mut search_one = |file: std::fs::File, abs: &std::path::Path| {
         files += 1;
-        let shown = ws.display(entry.path());
-        let result = searcher.search_path(
+        let shown = ws.display(abs);
+        let result = searcher.search_file(
             &matcher,
-            entry.path(),
+            &file,
             UTF8(|number, line| {
                 let line = line.trim_end_matches(['\n', '\r']);
                 let line: String = if line.chars().count() > MAX_LINE_CHARS {
@@ -125,9 +124,42 @@ fn search(
         if let Err(e) = result {
             tracing::debug!(file = %shown, error = %e, "grep skipped a file");
         }
-        if capped {
-            break;
+        !capped
+    };
+    match ws.open_dir(root) {
+        Ok((dir, abs)) => {
+            crate::walk::walk(ws, dir, &abs, None, |entry| {
+                if cancel.is_cancelled() {
+                    cancelled = true;
+                    return false;
+                }
+                if entry.kind != Kind::File {
+                    return true;
+                }
+                if let Some(ov) = &overrides
+                    && ov.matched(&entry.abs, false).is_ignore()
+                {
+                    return true;
+                }
+                match open_regular(entry.dir, std::path::Path::new(&entry.name)) {
+                    Ok(file) => search_one(file, &entry.abs),
+                    Err(e) => {
+                        tracing::debug!(file = %entry.abs.display(), error = %e, "grep skipped a file");
+                        true
+                    }
+                }
+            })
+            .map_err(|e| ToolError::new(format!("cannot search {}: {e}", ws.display(root))))?;
         }
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+            let opened =
+                ws.open_file(root).map_err(|e| ToolError::new(format!("cannot search {}: {e}", ws.display(root))))?;
+            search_one(opened.file, &opened.path);
+        }
+        Err(e) => return Err(ToolError::new(format!("cannot search {}: {e}", ws.display(root)))),
+    }
+    if cancelled {
+        return Err(ToolError::new("cancelled"));
     }
     Ok((lines, capped, files))
 }

@@ -1,49 +1,90 @@
-//! The session's directory and the confinement of every path a tool touches.
+//! The session's directories and the confinement of every file a tool touches.
 //!
-//! A path is joined to the root, normalised lexically (`.` and `..`), checked to
-//! be under the root, then resolved through symlinks: the deepest part that
-//! exists is canonicalised and the rest re-attached, and the result is checked
-//! again. So `..`, absolute paths elsewhere, and symlinks that point out are all
-//! refused, including a dangling symlink a write would follow.
+//! Two layers. [`Workspace::resolve`] gives the absolute path a tool argument
+//! names, for messages, locations and previews: it is joined to the session
+//! directory, normalised lexically (`.` and `..`), checked to be under a root,
+//! resolved through symlinks and checked again, so `..`, absolute paths elsewhere
+//! and symlinks that point out are refused with a clear message.
+//!
+//! A path check on strings cannot make a later `open` safe: a directory can be
+//! swapped for a symlink between the check and the use. So every file a tool
+//! opens, creates, renames or lists goes through the second layer: the root's
+//! directory handle (`cap_std::fs::Dir`), beneath which the kernel resolves the
+//! rest of the path (`openat2` with `RESOLVE_BENEATH`, or cap-std's component-wise
+//! walk with `O_NOFOLLOW` on older kernels). A symlink is followed only while it
+//! stays inside the root. [`Workspace::open_file`], [`Workspace::read_text`],
+//! [`Workspace::write_atomic`] and [`Workspace::open_dir`] are those primitives;
+//! pier-client's `fs/*` methods use them too.
 //!
 //! A workspace has one root, the session's `cwd`, against which relative paths
 //! resolve, and may have more (ACP's `additionalDirectories`): an absolute path
-//! inside any root is accepted.
+//! is opened beneath the root it is lexically under.
 
+use std::io::{ErrorKind, Read, Write};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt};
 
 use crate::ToolError;
+
+/// One root: its canonical path and a directory handle everything beneath it is opened through.
+#[derive(Debug)]
+struct Root {
+    path: PathBuf,
+    dir: Dir,
+}
+
+impl Root {
+    fn open(path: &Path) -> std::io::Result<Root> {
+        let path =
+            path.canonicalize().map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        let dir = Dir::open_ambient_dir(&path, cap_std::ambient_authority())
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        Ok(Root { path, dir })
+    }
+}
 
 /// The roots every tool path must stay inside. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Workspace {
-    root: PathBuf,
-    extra: std::sync::Arc<[PathBuf]>,
+    /// The session directory first, then the additional ones.
+    roots: Arc<[Root]>,
 }
+
+/// A file opened beneath a root: a regular file, never a FIFO, socket or device.
+#[derive(Debug)]
+pub struct OpenedFile {
+    pub file: std::fs::File,
+    /// The absolute path it was opened by (symlinks inside the root resolved).
+    pub path: PathBuf,
+    pub len: u64,
+}
+
+/// Largest file [`Workspace::read_text`] reads whole.
+pub const READ_TEXT_MAX: u64 = 64 << 20;
 
 impl Workspace {
     /// A workspace rooted at `cwd`, which must exist.
     pub fn new(cwd: &Path) -> std::io::Result<Workspace> {
-        Ok(Workspace { root: cwd.canonicalize()?, extra: std::sync::Arc::from(Vec::new()) })
+        Workspace::with_roots(cwd, &[])
     }
 
     /// A workspace rooted at `cwd` that also admits paths inside each of `extra`; all must exist.
     pub fn with_roots(cwd: &Path, extra: &[PathBuf]) -> std::io::Result<Workspace> {
-        let extra: Vec<PathBuf> = extra
-            .iter()
-            .map(|d| d.canonicalize().map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", d.display()))))
-            .collect::<std::io::Result<_>>()?;
-        Ok(Workspace { root: cwd.canonicalize()?, extra: std::sync::Arc::from(extra) })
+        let roots: Vec<Root> =
+            std::iter::once(cwd).chain(extra.iter().map(PathBuf::as_path)).map(Root::open).collect::<Result<_, _>>()?;
+        Ok(Workspace { roots: Arc::from(roots) })
     }
 
     /// The session directory: relative paths start here.
     pub fn root(&self) -> &Path {
-        &self.root
+        &self.roots[0].path
     }
 
     /// Every root: the session directory first, then the additional ones.
     pub fn roots(&self) -> impl Iterator<Item = &Path> {
-        std::iter::once(self.root.as_path()).chain(self.extra.iter().map(PathBuf::as_path))
+        self.roots.iter().map(|r| r.path.as_path())
     }
 
     fn inside(&self, path: &Path) -> bool {
@@ -52,7 +93,7 @@ impl Workspace {
 
     /// `path` relative to the root for display, or as is when outside.
     pub fn display(&self, path: &Path) -> String {
-        match path.strip_prefix(&self.root) {
+        match path.strip_prefix(self.root()) {
             Ok(rel) if rel.as_os_str().is_empty() => ".".to_owned(),
             Ok(rel) => rel.display().to_string(),
             Err(_) => path.display().to_string(),
@@ -68,7 +109,7 @@ impl Workspace {
             return Err(ToolError::new("the path contains a NUL byte"));
         }
         let given = Path::new(path);
-        let joined = if given.is_absolute() { given.to_path_buf() } else { self.root.join(given) };
+        let joined = if given.is_absolute() { given.to_path_buf() } else { self.root().join(given) };
         let normal = normalize(&joined);
         if !self.inside(&normal) {
             return Err(self.outside(path));
@@ -92,10 +133,14 @@ impl Workspace {
             resolved.push(name);
         }
         if !self.inside(&resolved) {
+            let roots = if self.roots.len() == 1 {
+                format!("the session directory {}", self.root().display())
+            } else {
+                format!("the session's roots ({})", self.describe_roots())
+            };
             return Err(ToolError::new(format!(
-                "`{path}` resolves through a symlink to {}, outside the session's roots ({}); refused",
-                resolved.display(),
-                self.describe_roots()
+                "`{path}` resolves through a symlink to {}, outside {roots}; refused",
+                resolved.display()
             )));
         }
         Ok(resolved)
@@ -106,10 +151,10 @@ impl Workspace {
     }
 
     fn outside(&self, path: &str) -> ToolError {
-        if self.extra.is_empty() {
+        if self.roots.len() == 1 {
             return ToolError::new(format!(
                 "`{path}` is outside the session directory {}; tools may only touch paths inside it",
-                self.root.display()
+                self.root().display()
             ));
         }
         ToolError::new(format!(
@@ -117,6 +162,141 @@ impl Workspace {
             self.describe_roots()
         ))
     }
+}
+
+/// The confined primitives: every open goes through a root's directory handle.
+impl Workspace {
+    /// The root `path` is beneath and the path relative to it. `path` is resolved
+    /// first (for its message and to translate symlinks that stay inside); the
+    /// kernel then resolves the relative part again beneath the root's handle, so a
+    /// swap after the check cannot lead outside.
+    fn locate(&self, path: &Path) -> std::io::Result<(&Root, PathBuf, PathBuf)> {
+        let text =
+            path.to_str().ok_or_else(|| std::io::Error::new(ErrorKind::InvalidInput, "the path is not UTF-8"))?;
+        let resolved = self.resolve(text).map_err(|e| std::io::Error::new(ErrorKind::PermissionDenied, e.0))?;
+        // The deepest root wins when roots nest.
+        let root = self
+            .roots
+            .iter()
+            .filter(|r| resolved.starts_with(&r.path))
+            .max_by_key(|r| r.path.as_os_str().len())
+            .ok_or_else(|| std::io::Error::new(ErrorKind::PermissionDenied, self.outside(text).0))?;
+        let rel = resolved.strip_prefix(&root.path).map(Path::to_path_buf).unwrap_or_default();
+        Ok((root, rel, resolved))
+    }
+
+    /// Opens the regular file at `path` for reading, beneath its root. A directory,
+    /// FIFO, socket or device is refused at once: the open does not block
+    /// (`O_NONBLOCK`) and the type is checked on the open descriptor.
+    pub fn open_file(&self, path: &Path) -> std::io::Result<OpenedFile> {
+        let (root, rel, resolved) = self.locate(path)?;
+        let file = open_regular(&root.dir, rel_or_dot(&rel))?;
+        let len = file.metadata()?.len();
+        Ok(OpenedFile { file, path: resolved, len })
+    }
+
+    /// The text of the file at `path`, `None` if it does not exist. Refuses what
+    /// [`Workspace::open_file`] refuses, files over [`READ_TEXT_MAX`] and text that is not UTF-8.
+    pub fn read_text(&self, path: &Path) -> std::io::Result<Option<String>> {
+        let opened = match self.open_file(path) {
+            Ok(o) => o,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if opened.len > READ_TEXT_MAX {
+            return Err(std::io::Error::new(
+                ErrorKind::FileTooLarge,
+                format!("the file has {} bytes, more than the {READ_TEXT_MAX} this reads whole", opened.len),
+            ));
+        }
+        let mut bytes = Vec::with_capacity(opened.len as usize);
+        opened.file.take(READ_TEXT_MAX + 1).read_to_end(&mut bytes)?;
+        String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| std::io::Error::new(ErrorKind::InvalidData, "not a UTF-8 text file"))
+    }
+
+    /// Replaces (or creates) the file at `path` with `bytes`, atomically, beneath
+    /// its root: parent directories are created, a temporary file with a random
+    /// name is created with `O_EXCL` in the target's directory handle (it never
+    /// follows a planted symlink), synced, and renamed over the target with
+    /// `renameat` in that same handle. An existing target keeps its permissions.
+    /// Returns the absolute path written.
+    pub fn write_atomic(&self, path: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
+        let (root, rel, resolved) = self.locate(path)?;
+        let (Some(name), parent) = (rel.file_name(), rel.parent().unwrap_or(Path::new(""))) else {
+            return Err(std::io::Error::new(ErrorKind::InvalidInput, "the path names no file"));
+        };
+        let dir = if parent.as_os_str().is_empty() {
+            root.dir.try_clone()?
+        } else {
+            root.dir.create_dir_all(parent)?;
+            root.dir.open_dir(parent)?
+        };
+        let mut tmp = None;
+        for _ in 0..16 {
+            let candidate = format!(".{}.pier-{:016x}.tmp", name.to_string_lossy(), fastrand::u64(..));
+            match dir.open_with(&candidate, OpenOptions::new().write(true).create_new(true).mode(0o600)) {
+                Ok(file) => {
+                    tmp = Some((candidate, file));
+                    break;
+                }
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        let Some((tmp_name, mut file)) = tmp else {
+            return Err(std::io::Error::new(ErrorKind::AlreadyExists, "no free temporary name"));
+        };
+        let result = (|| {
+            file.write_all(bytes)?;
+            let mode = match dir.symlink_metadata(name) {
+                Ok(meta) if meta.is_file() => meta.permissions(),
+                _ => cap_std::fs::Permissions::from_std(std::os::unix::fs::PermissionsExt::from_mode(0o644)),
+            };
+            file.set_permissions(mode)?;
+            file.sync_all()?;
+            dir.rename(&tmp_name, &dir, name)
+        })();
+        if result.is_err() {
+            let _ = dir.remove_file(&tmp_name);
+        }
+        result.map(|()| resolved)
+    }
+
+    /// The directory at `path`, opened beneath its root, and its absolute path.
+    pub fn open_dir(&self, path: &Path) -> std::io::Result<(Dir, PathBuf)> {
+        let (root, rel, resolved) = self.locate(path)?;
+        Ok((root.dir.open_dir(rel_or_dot(&rel))?, resolved))
+    }
+}
+
+fn rel_or_dot(rel: &Path) -> &Path {
+    if rel.as_os_str().is_empty() { Path::new(".") } else { rel }
+}
+
+/// Opens `name` beneath `dir` for reading without blocking and refuses anything but a
+/// regular file. `name` may have several components; symlinks are followed only inside.
+pub(crate) fn open_regular(dir: &Dir, name: &Path) -> std::io::Result<std::fs::File> {
+    let file =
+        dir.open_with(name, OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY))?.into_std();
+    let kind = file.metadata()?.file_type();
+    if !kind.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let what = if kind.is_dir() {
+            return Err(std::io::Error::new(ErrorKind::IsADirectory, "it is a directory"));
+        } else if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else {
+            "not a regular file"
+        };
+        return Err(std::io::Error::new(ErrorKind::InvalidInput, format!("it is {what}; only regular files are read")));
+    }
+    Ok(file)
 }
 
 /// Resolves `.` and `..` without touching the filesystem.

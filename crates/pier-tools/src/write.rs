@@ -1,6 +1,8 @@
 //! `write_file` and `edit_file`: file changes, recorded as old and new text, and
-//! written atomically (a temporary file renamed over the target) so a crash
-//! never leaves a half-written file.
+//! written atomically through [`Workspace::write_atomic`] (a temporary file with a
+//! random name created beneath the target's directory handle, renamed over the
+//! target) so a crash never leaves a half-written file and nothing lands outside
+//! the roots.
 
 use std::path::Path;
 
@@ -44,10 +46,11 @@ fn preview(
     let path = arg_path(args).unwrap_or("?");
     let mut preview = Preview { title: format!("{verb} {path}"), locations: Vec::new(), content: Vec::new() };
     let Ok(resolved) = ws.resolve(path) else { return preview };
-    let old = match std::fs::metadata(&resolved) {
-        Ok(m) if m.is_file() && m.len() <= PREVIEW_BYTES => std::fs::read_to_string(&resolved).ok(),
+    let old = match ws.open_file(&resolved) {
+        Ok(f) if f.len <= PREVIEW_BYTES => ws.read_text(&resolved).ok().flatten(),
         Ok(_) => return preview_at(preview, resolved, None),
-        Err(_) => None,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(_) => return preview_at(preview, resolved, None),
     };
     match change(old.as_deref()) {
         Some((new_text, line)) => {
@@ -114,13 +117,10 @@ impl Tool for WriteFile {
             let shown = cx.workspace.display(&path);
             let target = path.clone();
             let content = args.content.clone();
+            let ws = cx.workspace.clone();
             let old = blocking(move || {
-                let old = read_existing(&target, &shown)?;
-                if let Some(parent) = target.parent() {
-                    std::fs::create_dir_all(parent)
-                        .map_err(|e| ToolError::new(format!("cannot create the directory of {shown}: {e}")))?;
-                }
-                write_atomic(&target, content.as_bytes(), &shown)?;
+                let old = read_existing(&ws, &target, &shown)?;
+                write_atomic(&ws, &target, content.as_bytes(), &shown)?;
                 Ok(old)
             })
             .await?;
@@ -179,8 +179,9 @@ impl Tool for EditFile {
             let path = cx.workspace.resolve(&args.path)?;
             let shown = cx.workspace.display(&path);
             let target = path.clone();
+            let ws = cx.workspace.clone();
             let (old, new, count, line) = blocking(move || {
-                let Some(old) = read_existing(&target, &shown)? else {
+                let Some(old) = read_existing(&ws, &target, &shown)? else {
                     return Err(ToolError::new(format!("{shown} does not exist; use write_file to create it")));
                 };
                 let (new, count, line) = match apply_edit(&old, &args) {
@@ -199,7 +200,7 @@ impl Tool for EditFile {
                         )));
                     }
                 };
-                write_atomic(&target, new.as_bytes(), &shown)?;
+                write_atomic(&ws, &target, new.as_bytes(), &shown)?;
                 Ok((old, new, count, line))
             })
             .await?;
@@ -215,35 +216,18 @@ impl Tool for EditFile {
     }
 }
 
-/// The current text of `path`, `None` if it does not exist; refuses directories and binary files.
-fn read_existing(path: &Path, shown: &str) -> Result<Option<String>, ToolError> {
-    match std::fs::read(path) {
-        Ok(bytes) => String::from_utf8(bytes)
-            .map(Some)
-            .map_err(|_| ToolError::new(format!("{shown} is not a UTF-8 text file; refusing to change it"))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) if path.is_dir() => Err(ToolError::new(format!("{shown} is a directory ({e})"))),
-        Err(e) => Err(ToolError::new(format!("cannot read {shown}: {e}"))),
-    }
+/// The current text of `path`, `None` if it does not exist; refuses directories,
+/// FIFOs, devices and binary files.
+fn read_existing(ws: &Workspace, path: &Path, shown: &str) -> Result<Option<String>, ToolError> {
+    ws.read_text(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            ToolError::new(format!("{shown} is not a UTF-8 text file; refusing to change it"))
+        }
+        std::io::ErrorKind::IsADirectory => ToolError::new(format!("{shown} is a directory ({e})")),
+        _ => ToolError::new(format!("cannot read {shown}: {e}")),
+    })
 }
 
-fn write_atomic(path: &Path, bytes: &[u8], shown: &str) -> Result<(), ToolError> {
-    use std::io::Write;
-    let fail = |e: std::io::Error| ToolError::new(format!("cannot write {shown}: {e}"));
-    let dir = path.parent().ok_or_else(|| ToolError::new(format!("{shown} has no parent directory")))?;
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.pier-{}.tmp", std::process::id()));
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        if let Ok(meta) = std::fs::metadata(path) {
-            file.set_permissions(meta.permissions())?;
-        }
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(fail)
+fn write_atomic(ws: &Workspace, path: &Path, bytes: &[u8], shown: &str) -> Result<(), ToolError> {
+    ws.write_atomic(path, bytes).map(|_| ()).map_err(|e| ToolError::new(format!("cannot write {shown}: {e}")))
 }

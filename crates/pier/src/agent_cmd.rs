@@ -36,6 +36,9 @@ pub struct AgentArgs {
     /// Longest accepted JSON-RPC frame in bytes
     #[arg(long, default_value_t = pier_acp::frame::DEFAULT_MAX_FRAME_BYTES)]
     max_frame_bytes: usize,
+    /// Confine commands' writes to the session's roots and the temp dir with Landlock [default: on, or `sandbox` in pier.toml]
+    #[arg(long, value_enum)]
+    sandbox: Option<config::SandboxArg>,
 }
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
@@ -51,6 +54,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     engine_config.system_prompt = files.system_prompt.clone();
     let policy = config::resolve_policy(&files, &args.permissions)?;
+    let mut limits = config::resolve_limits(&files);
+    limits.confinement = config::resolve_confinement(&files, args.sandbox)?;
+    // Without cgroups, this also makes pier a child subreaper before any command runs.
+    tracing::info!(confinement = %pier_tools::contain::describe(&limits.confinement), "commands");
     // The embedded model cannot drive tool calls: it gets none, and a plain system prompt.
     let toolbox = if local {
         if engine_config.system_prompt.is_none() {
@@ -59,7 +66,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
         Arc::new(Toolbox::empty())
     } else {
-        Arc::new(Toolbox::builtin(config::resolve_limits(&files)))
+        Arc::new(Toolbox::builtin(limits))
     };
     let engine = Engine::new(engine_config, model, toolbox, policy);
     let profile = match (args.profile, files.profile.as_deref()) {

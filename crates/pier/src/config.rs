@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use pier_engine::{Decision, PermissionPolicy};
 use pier_model::{ModelConfig, Secret};
-use pier_tools::{Limits, ToolKind};
+use pier_tools::{Confinement, Limits, ToolKind};
 use serde::Deserialize;
 
 /// One configuration file.
@@ -33,6 +33,8 @@ pub struct FileConfig {
     /// `[tools]`: limits of the built-in tools.
     #[serde(default)]
     pub tools: ToolsTable,
+    /// `sandbox = "off"`: commands run without Landlock (they still end with their turn).
+    pub sandbox: Option<String>,
     /// `[agents.NAME]`: agents for `pier exec --agent NAME`.
     #[serde(default)]
     pub agents: BTreeMap<String, pier_client::AgentDef>,
@@ -100,6 +102,7 @@ impl FileConfig {
         self.local_model = over.local_model.or(self.local_model);
         self.profile = over.profile.or(self.profile);
         self.mode = over.mode.or(self.mode);
+        self.sandbox = over.sandbox.or(self.sandbox);
         self.permissions.extend(over.permissions);
         self.agents.extend(over.agents);
         self.client.permissions.extend(over.client.permissions);
@@ -165,6 +168,24 @@ pub fn resolve_policy(files: &FileConfig, flags: &PermissionFlags) -> anyhow::Re
         }
     }
     Ok(policy)
+}
+
+/// `--sandbox`: whether commands' writes are confined with Landlock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SandboxArg {
+    On,
+    Off,
+}
+
+/// How commands are confined, from the files (`sandbox = "on" | "off"`) and the flag, which wins.
+pub fn resolve_confinement(files: &FileConfig, flag: Option<SandboxArg>) -> anyhow::Result<Confinement> {
+    let on = match (flag, files.sandbox.as_deref()) {
+        (Some(flag), _) => flag == SandboxArg::On,
+        (None, None | Some("on")) => true,
+        (None, Some("off")) => false,
+        (None, Some(other)) => anyhow::bail!("sandbox = \"{other}\" in pier.toml; expected \"on\" or \"off\""),
+    };
+    Ok(if on { Confinement::default() } else { Confinement::off() })
 }
 
 /// Tool limits from the files.
