@@ -478,4 +478,54 @@ prompt = "dup"
         assert!(parse("tasks = [", &ok).is_err());
         assert!(parse("", &ok).is_err_and(|e| e.to_string().contains("no [[tasks]]")));
     }
+
+    #[test]
+    fn bad_numbers_are_refused_with_their_lines() {
+        let text = "[defaults]\nmax_time = inf\n\n[[tasks]]\nid = \"a\"\nprompt = \"x\"\ntimeout = -1.0\n\n\
+                    [[tasks]]\nid = \"b\"\nprompt = \"y\"\ntimeout = 1e300\nmax_attempts = 0\n\n\
+                    [[tasks]]\nid = \"c\"\nprompt = \"z\"\nmax_time = nan\n";
+        let err = parse(text, &ok).err().unwrap_or_else(|| panic!("accepted"));
+        let got: Vec<String> = err.0.iter().map(ToString::to_string).collect();
+        for (line, wanted) in [
+            (1, "[defaults]: max_time = inf"),
+            (4, "task `a`: timeout = -1"),
+            (9, "task `b`: timeout = 1000000"),
+            (9, "task `b`: max_attempts = 0"),
+            (15, "task `c`: max_time = NaN"),
+        ] {
+            assert!(got.iter().any(|p| p.starts_with(&format!("line {line}: {wanted}"))), "{wanted}: {got:#?}");
+        }
+        let negative = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\nmax_attempts = -3\n", &ok).err();
+        assert_eq!(negative.map(|e| e.0[0].line), Some(4));
+    }
+
+    #[test]
+    fn a_chain_and_a_cycle_of_20_000_tasks_are_checked_without_recursion() {
+        // 100,000 go through `pier serve` in crates/pier/tests/hardening_host.rs.
+        const N: usize = 20_000;
+        let chain = |cycle: bool| {
+            let mut text = String::with_capacity(N * 64);
+            for i in 0..N {
+                let dep = if i + 1 < N { format!("t{}", i + 1) } else if cycle { "t0".into() } else { String::new() };
+                text.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"p\"\n"));
+                if !dep.is_empty() {
+                    text.push_str(&format!("depends_on = [\"{dep}\"]\n"));
+                }
+            }
+            text
+        };
+        // Run on a small stack, as a server's worker thread has: recursion would overflow it.
+        let checked = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || (parse(&chain(false), &ok).map(|p| p.tasks.len()), parse(&chain(true), &ok).err()))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .join()
+            .unwrap_or_else(|_| panic!("the check overflowed its stack"));
+        assert_eq!(checked.0.ok(), Some(N));
+        let problems = checked.1.unwrap_or_else(|| panic!("the cycle was accepted")).0;
+        assert_eq!(problems.len(), 1, "{:?}", problems.first());
+        assert!(problems[0].message.starts_with("dependency cycle: t0 -> t1 -> "), "{}", problems[0]);
+        assert!(problems[0].message.ends_with("-> t19999 -> t0 (20000 tasks)"), "{}", problems[0]);
+        assert_eq!(problems[0].line, 1);
+    }
 }
