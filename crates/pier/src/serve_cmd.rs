@@ -36,6 +36,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store_path = args.store.clone().unwrap_or_else(|| home.join("pier.db"));
     let store =
         Arc::new(SqliteStore::open(&store_path).with_context(|| format!("cannot open {}", store_path.display()))?);
+    if args.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        anyhow::bail!("--token is empty: give a token, or leave --token out to use the token file");
+    }
     let token = match args.token.clone().or_else(|| std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty())) {
         Some(t) => t,
         None => {
@@ -72,20 +75,34 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     eprintln!("pier serve: listening on http://{addr}");
     let shutdown_app = app.clone();
+    let fatal = Arc::new(std::sync::Mutex::new(None));
+    let fatal_seen = fatal.clone();
     axum::serve(listener, pier_server::router(app))
         .with_graceful_shutdown(async move {
             use tokio::signal::unix::{SignalKind, signal};
-            if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
+            let signals = async {
+                if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+                {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
+                } else {
+                    std::future::pending::<()>().await;
                 }
-            } else {
-                std::future::pending::<()>().await;
+            };
+            tokio::select! {
+                _ = signals => {}
+                e = shutdown_app.failed() => {
+                    *fatal_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                }
             }
             shutdown_app.shutdown();
         })
         .await?;
+    if let Some(e) = fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+        return Err(anyhow::Error::new(e).context("pier serve stopped"));
+    }
     Ok(())
 }
 
