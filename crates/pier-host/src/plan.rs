@@ -506,7 +506,13 @@ prompt = "dup"
         let chain = |cycle: bool| {
             let mut text = String::with_capacity(N * 64);
             for i in 0..N {
-                let dep = if i + 1 < N { format!("t{}", i + 1) } else if cycle { "t0".into() } else { String::new() };
+                let dep = if i + 1 < N {
+                    format!("t{}", i + 1)
+                } else if cycle {
+                    "t0".into()
+                } else {
+                    String::new()
+                };
                 text.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"p\"\n"));
                 if !dep.is_empty() {
                     text.push_str(&format!("depends_on = [\"{dep}\"]\n"));
