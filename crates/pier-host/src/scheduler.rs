@@ -754,7 +754,13 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
 async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::Receiver<ClientEvent>) {
     let mut kinds: HashMap<String, String> = HashMap::new();
     let mut effects_seen: HashSet<String> = HashSet::new();
+    // After the store refused a batch (a full disk), the rest is drained unwritten so
+    // the turn never blocks on a full queue; the attempt's ending reports the error.
+    let mut failed = false;
     while let Some(first) = rx.recv().await {
+        if failed {
+            continue;
+        }
         let mut batch = vec![first];
         while let Ok(more) = rx.try_recv() {
             batch.push(more);
@@ -820,7 +826,8 @@ async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::Receiver<
         })
         .await;
         if let Err(e) = result {
-            tracing::error!(error = %e, "recording task events failed");
+            tracing::error!(error = %e, task = %row.id, "recording task events failed; the attempt's later events are not recorded");
+            failed = true;
         }
     }
 }
