@@ -140,6 +140,37 @@ async fn serve_checks_a_100_000_task_chain_and_cycle_and_stays_up() {
     assert_eq!(run["tasks"].as_array().map(Vec::len), Some(100_000));
 }
 
+/// Waits for `child` (bounded); if it does not exit, kills its group and fails with what it wrote.
+async fn finished_or_tell(mut child: Child, limit: Duration) -> Output {
+    let pid = child.id().unwrap_or(0) as i32;
+    let (mut out, mut err) = (child.stdout.take(), child.stderr.take());
+    let collect = async move {
+        use tokio::io::AsyncReadExt;
+        let (mut o, mut e) = (Vec::new(), Vec::new());
+        if let Some(s) = out.as_mut() {
+            let _ = s.read_to_end(&mut o).await;
+        }
+        if let Some(s) = err.as_mut() {
+            let _ = s.read_to_end(&mut e).await;
+        }
+        (o, e)
+    };
+    let collecting = tokio::spawn(collect);
+    match tokio::time::timeout(limit, child.wait()).await {
+        Ok(status) => {
+            let (stdout, stderr) = must(collecting.await, "output");
+            Output { status: must(status, "wait"), stdout, stderr }
+        }
+        Err(_) => {
+            let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = child.wait().await;
+            let (stdout, stderr) = must(collecting.await, "output");
+            let tail = |b: &[u8]| String::from_utf8_lossy(&b[b.len().saturating_sub(3000)..]).into_owned();
+            panic!("did not exit in {limit:?}\nstdout: {}\nstderr: {}", tail(&stdout), tail(&stderr));
+        }
+    }
+}
+
 async fn finished(child: Child, limit: Duration) -> Output {
     must(must(tokio::time::timeout(limit, child.wait_with_output()).await, "finished in time"), "wait")
 }
@@ -317,4 +348,104 @@ async fn a_task_row_with_corrupt_json_fails_the_command_and_leaves_the_file_unto
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("task `victim` of run `r`"), "{stderr}");
     assert_eq!(must(std::fs::read(&db), "read"), bytes, "pier serve changed the file");
+}
+
+/// A small tmpfs, unmounted when dropped. Mounting needs root: where it cannot be
+/// mounted the test fails with the reason rather than skip.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = must(tempfile::tempdir(), "dir");
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run mount (the full-disk test needs root to mount a tmpfs): {e}"));
+        assert!(
+            out.status.success(),
+            "cannot mount a {size} tmpfs for the full-disk test (it needs root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs { dir }
+    }
+
+    fn resize(&self, size: &str) {
+        let status = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(self.dir.path())
+            .status();
+        assert!(status.is_ok_and(|s| s.success()), "cannot grow the tmpfs");
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_stops_pier_run_plainly_and_resume_completes_the_run() {
+    use pier_host::TaskStore;
+    const TASKS: usize = 20;
+    let home = must(tempfile::tempdir(), "dir");
+    let disk = Tmpfs::mount("3m");
+    let data = disk.dir.path().join("data");
+    let fake = must(pier_fake_model::FakeModel::start().await, "fake");
+    // Every answer is 20 KB (which the session logs and the store keep several times
+    // over): 3 MB fill within a few tasks.
+    fake.set_fallback(|_| pier_fake_model::Reply::text(&"all work and no play ".repeat(1_000)));
+    let mut plan = String::new();
+    for i in 0..TASKS {
+        plan.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"task {i}\"\nmax_attempts = 2\n\n"));
+    }
+    must(std::fs::write(home.path().join("plan.toml"), plan), "write");
+    let run = |args: &[&str]| {
+        let mut cmd = pier(home.path(), args);
+        cmd.env("PIER_HOME", &data).env("PIER_BASE_URL", fake.base_url()).env("PIER_MODEL", "fake-model");
+        cmd
+    };
+    let first = finished_or_tell(
+        must(run(&["run", "plan.toml", "--run-id", "full", "--format", "json", "--concurrency", "1"]).spawn(), "spawn"),
+        LIMIT * 3,
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&first.stderr);
+    assert_eq!(first.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("disk is full") && stderr.contains(&data.display().to_string()), "{stderr}");
+    // What was announced as completed before the disk filled.
+    let announced: Vec<String> = String::from_utf8_lossy(&first.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["type"] == "transition" && v["to"] == "completed")
+        .filter_map(|v| v["task"].as_str().map(str::to_owned))
+        .collect();
+    disk.resize("64m");
+    let second =
+        finished(must(run(&["run", "--resume", "full", "--concurrency", "1"]).spawn(), "spawn"), LIMIT * 6).await;
+    let df = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("df -h {0}; du -a {0} | sort -n | tail -5", data.display()))
+        .output();
+    assert_eq!(
+        second.status.code(),
+        Some(0),
+        "{}\n{:?}",
+        String::from_utf8_lossy(&second.stderr).chars().take(3000).collect::<String>(),
+        df.map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+    );
+    let store = must(pier_host::SqliteStore::open(&data.join("pier.db")), "open");
+    let tasks = must(store.tasks("full"), "tasks");
+    assert_eq!(tasks.len(), TASKS);
+    assert!(announced.len() < TASKS, "the disk did not fill during the first run");
+    for t in &tasks {
+        assert_eq!(t.state, pier_host::TaskState::Completed, "{t:?}");
+        if announced.contains(&t.id) {
+            assert_eq!(t.attempt, 1, "{} was announced completed and ran again", t.id);
+        }
+    }
+    drop(store);
 }
