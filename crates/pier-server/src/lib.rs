@@ -33,6 +33,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use pier_host::scheduler::{HostConfig, Scheduler, is_worker_task};
 use pier_host::{StoreError, TaskState, TaskStore, Transition};
 use serde::Deserialize;
@@ -89,6 +90,22 @@ pub struct App {
     /// disk, a corrupt row), once there is one; `failed` fires with it.
     fatal: Mutex<Option<StoreError>>,
     failed: CancellationToken,
+    sse: SseLimits,
+}
+
+/// What one `/events` client may hold: at most `buffer` events queued for it, and a
+/// client that takes none of them for `patience` is cut with an SSE comment naming
+/// the `Last-Event-ID` to resume from.
+#[derive(Debug, Clone, Copy)]
+pub struct SseLimits {
+    pub buffer: usize,
+    pub patience: Duration,
+}
+
+impl Default for SseLimits {
+    fn default() -> Self {
+        SseLimits { buffer: 1024, patience: Duration::from_secs(30) }
+    }
 }
 
 type Shared = Arc<App>;
@@ -114,7 +131,17 @@ impl App {
             shutdown: CancellationToken::new(),
             fatal: Mutex::new(None),
             failed: CancellationToken::new(),
+            sse: SseLimits::default(),
         })
+    }
+
+    /// `new` with the limits of each `/events` client.
+    pub fn with_sse_limits(store: Arc<dyn TaskStore>, config: HostConfig, token: String, sse: SseLimits) -> Shared {
+        let mut app = App::new(store, config, token);
+        if let Some(a) = Arc::get_mut(&mut app) {
+            a.sse = sse;
+        }
+        app
     }
 
     /// Resolves with the store error that stopped the service's work, once one does:
@@ -585,11 +612,11 @@ async fn events(
         tokio::task::spawn_blocking(move || store.events_after(run.as_deref(), after, EVENT_BATCH))
     };
     let state = Replay { store, run, after, buffer: std::collections::VecDeque::new(), next: None };
-    let stream = futures::stream::unfold(state, move |mut st| async move {
+    let replay = futures::stream::unfold(state, move |mut st| async move {
         loop {
             if let Some(e) = st.buffer.pop_front() {
                 st.after = e.seq;
-                return Some((Ok(sse_event(e)), st));
+                return Some((e, st));
             }
             let prefetched = match st.next.take() {
                 Some(next) => next.await.ok().and_then(Result::ok).unwrap_or_default(),
@@ -618,7 +645,38 @@ async fn events(
             st.buffer = events.into();
         }
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+    // The replay feeds a bounded queue the response takes from. A client that takes
+    // nothing for `patience` while the queue is full is cut: the queue ends, and the
+    // last thing it is sent is a comment naming where to resume.
+    let limits = app.sse;
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(limits.buffer.max(1));
+    let (cut_tx, cut_rx) = tokio::sync::oneshot::channel::<i64>();
+    tokio::spawn(async move {
+        futures::pin_mut!(replay);
+        let mut sent = after;
+        while let Some(e) = replay.next().await {
+            let seq = e.seq;
+            match tokio::time::timeout(limits.patience, tx.send(sse_event(e))).await {
+                Ok(Ok(())) => sent = seq,
+                // The client is gone.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::warn!(after = sent, "cut a slow /events client");
+                    let _ = cut_tx.send(sent);
+                    return;
+                }
+            }
+        }
+    });
+    let queued = futures::stream::unfold((rx, Some(cut_rx)), |(mut rx, cut)| async move {
+        if let Some(e) = rx.recv().await {
+            return Some((Ok(e), (rx, cut)));
+        }
+        let seq = cut?.await.ok()?;
+        let note = SseEvent::default().comment(format!("too slow; reconnect with Last-Event-ID {seq}"));
+        Some((Ok(note), (rx, None)))
+    });
+    Ok(Sse::new(queued).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
 
 /// Reads the token file, or creates it (mode 0600) and says so once. A token file

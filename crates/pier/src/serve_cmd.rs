@@ -26,6 +26,12 @@ pub struct ServeArgs {
     concurrency: usize,
     #[arg(long)]
     store: Option<PathBuf>,
+    /// Events queued at most for one /events client
+    #[arg(long, default_value_t = 1024, hide = true)]
+    sse_buffer: usize,
+    /// How long a client whose queue is full may take nothing before it is cut (it can resume)
+    #[arg(long, default_value_t = 30_000, hide = true)]
+    sse_patience_ms: u64,
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -62,7 +68,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cancel_grace: Duration::from_secs(5),
         default_idle_timeout: Duration::from_secs(600),
     };
-    let app = App::new(store.clone(), config, token);
+    let sse = pier_server::SseLimits {
+        buffer: args.sse_buffer.max(1),
+        patience: Duration::from_millis(args.sse_patience_ms),
+    };
+    let app = App::with_sse_limits(store.clone(), config, token, sse);
     // Runs left unfinished by an earlier host go on.
     for run in store.run_ids()? {
         if store.tasks(&run)?.iter().any(|t| !t.state.is_terminal()) {
