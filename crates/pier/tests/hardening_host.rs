@@ -62,11 +62,20 @@ struct Server {
     child: Child,
     base: String,
     http: reqwest::Client,
+    /// The server's stderr, line by line.
+    log: tokio::sync::mpsc::UnboundedReceiver<String>,
 }
 
 /// Starts `pier serve` in `home` and waits (bounded) for its address.
 async fn serve(home: &Path, args: &[&str]) -> Server {
-    let mut child = must(serve_command(home, &[&["--listen", "127.0.0.1:0"], args].concat()).spawn(), "spawn");
+    serve_logging(home, args, "error").await
+}
+
+/// `serve` with `RUST_LOG=level`.
+async fn serve_logging(home: &Path, args: &[&str], level: &str) -> Server {
+    let mut cmd = serve_command(home, &[&["--listen", "127.0.0.1:0"], args].concat());
+    cmd.env("RUST_LOG", level);
+    let mut child = must(cmd.spawn(), "spawn");
     let stderr = child.stderr.take().unwrap_or_else(|| panic!("stderr"));
     let mut lines = tokio::io::BufReader::new(stderr).lines();
     let base = loop {
@@ -76,8 +85,13 @@ async fn serve(home: &Path, args: &[&str]) -> Server {
             break url.to_owned();
         }
     };
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Server { child, base, http: reqwest::Client::new() }
+    let (log_tx, log) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            let _ = log_tx.send(line);
+        }
+    });
+    Server { child, base, http: reqwest::Client::new(), log }
 }
 
 impl Server {
@@ -448,4 +462,70 @@ async fn a_full_disk_stops_pier_run_plainly_and_resume_completes_the_run() {
         }
     }
     drop(store);
+}
+
+/// The body of a chunked HTTP/1.1 response, after its headers.
+fn dechunk(raw: &[u8]) -> Vec<u8> {
+    let start = raw.windows(4).position(|w| w == b"\r\n\r\n").map_or(raw.len(), |p| p + 4);
+    let (mut rest, mut body) = (&raw[start..], Vec::new());
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&rest[..eol]).trim(), 16).unwrap_or(0);
+        if size == 0 || rest.len() < eol + 2 + size {
+            break;
+        }
+        body.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+        rest = &rest[(eol + 4 + size).min(rest.len())..];
+    }
+    body
+}
+
+/// The `id:` lines of an SSE text, in order.
+fn sse_ids(text: &str) -> Vec<i64> {
+    text.lines().filter_map(|l| l.strip_prefix("id: ")).filter_map(|n| n.trim().parse().ok()).collect()
+}
+
+#[tokio::test]
+async fn an_events_client_that_stops_reading_is_cut_with_a_note_and_resumes_exactly() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let home = must(tempfile::tempdir(), "dir");
+    let args = ["--token", TOKEN, "--sse-buffer", "16", "--sse-patience-ms", "300"];
+    let mut s = serve_logging(home.path(), &args, "warn").await;
+    // 2,000 task_created events of 10 KB each: far more than the socket buffers hold.
+    let mut plan = String::from("[defaults]\nagent = \"worker\"\n");
+    let pad = "x".repeat(10_000);
+    for i in 0..2_000 {
+        plan.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"p\"\nmetadata = {{ pad = \"{pad}\" }}\n"));
+    }
+    assert_eq!(s.submit(json!({"plan": plan, "run_id": "r"}), LIMIT * 3).await.0, 201);
+    let total = 2_001;
+    // A client with a small receive window that reads nothing.
+    let addr: std::net::SocketAddr = must(s.base.trim_start_matches("http://").parse(), "address");
+    let socket = must(tokio::net::TcpSocket::new_v4(), "socket");
+    must(socket.set_recv_buffer_size(4096), "rcvbuf");
+    let mut slow = must(socket.connect(addr).await, "connect");
+    let request = format!(
+        "GET /events?follow=false HTTP/1.1\r\nHost: pier\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+    );
+    must(slow.write_all(request.as_bytes()).await, "request");
+    // The server says when it cuts the client (bounded wait on its log, not a sleep).
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, s.log.recv()).await, "the slow client was cut");
+        if line.unwrap_or_else(|| panic!("pier serve exited")).contains("cut a slow /events client") {
+            break;
+        }
+    }
+    let mut raw = Vec::new();
+    must(must(tokio::time::timeout(LIMIT, slow.read_to_end(&mut raw)).await, "read in time"), "read");
+    let text = String::from_utf8_lossy(&dechunk(&raw)).into_owned();
+    let ids = sse_ids(&text);
+    let note = text.lines().find_map(|l| l.strip_prefix(": too slow; reconnect with Last-Event-ID "));
+    let resume: i64 = note.and_then(|n| n.trim().parse().ok()).unwrap_or_else(|| panic!("no cut note"));
+    assert!(resume < total, "the whole log was sent: {resume}");
+    assert_eq!(ids, (1..=resume).collect::<Vec<_>>(), "the slow client got a gap or a repeat");
+    // Resuming from the note delivers exactly the rest.
+    let req = s.http.get(format!("{}/events?follow=false", s.base)).header("Last-Event-ID", resume.to_string());
+    let resp = must(must(tokio::time::timeout(LIMIT, req.bearer_auth(TOKEN).send()).await, "resume"), "send");
+    let rest = sse_ids(&must(resp.text().await, "text"));
+    assert_eq!(rest, ((resume + 1)..=total).collect::<Vec<_>>());
+    assert!(s.alive());
 }
