@@ -161,7 +161,7 @@ pub fn check_seconds(field: &str, value: f64) -> Result<(), String> {
     if value.is_finite() && value > 0.0 && value <= MAX_SECONDS {
         Ok(())
     } else {
-        Err(format!("{field} = {value}: give a number of seconds above 0 and at most {MAX_SECONDS} (30 days)"))
+        Err(format!("{field} = {value:?}: give a number of seconds above 0 and at most {MAX_SECONDS} (30 days)"))
     }
 }
 
@@ -489,7 +489,7 @@ prompt = "dup"
         for (line, wanted) in [
             (1, "[defaults]: max_time = inf"),
             (4, "task `a`: timeout = -1"),
-            (9, "task `b`: timeout = 1000000"),
+            (9, "task `b`: timeout = 1e300"),
             (9, "task `b`: max_attempts = 0"),
             (15, "task `c`: max_time = NaN"),
         ] {
