@@ -109,34 +109,123 @@ impl std::fmt::Display for Problem {
 #[error("the plan was refused:\n{}", .0.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
 pub struct PlanError(pub Vec<Problem>);
 
-/// The line of the `[[tasks]]` header that opens the table starting near `offset`.
-fn header_line(text: &str, offset: usize) -> usize {
-    let end = (offset + 9).min(text.len());
-    let end = (0..=end).rev().find(|i| text.is_char_boundary(*i)).unwrap_or(0);
-    match text[..end].rfind("[[tasks]]") {
-        Some(at) => line_of(text, at),
-        None => line_of(text, offset),
+/// Line numbers of a plan's text, found by binary search (a plan of 100,000 tasks
+/// is mapped in one pass, not one pass per task).
+struct Lines {
+    /// The offset of every `\n`.
+    newlines: Vec<usize>,
+    /// The offset of every `[[tasks]]`.
+    headers: Vec<usize>,
+}
+
+impl Lines {
+    fn new(text: &str) -> Lines {
+        let newlines = text.match_indices('\n').map(|(i, _)| i).collect();
+        let headers = text.match_indices("[[tasks]]").map(|(i, _)| i).collect();
+        Lines { newlines, headers }
+    }
+
+    /// The 1-based line of `offset`.
+    fn of(&self, offset: usize) -> usize {
+        self.newlines.partition_point(|&n| n < offset) + 1
+    }
+
+    /// The line of the `[[tasks]]` header that opens the table starting near `offset`.
+    fn header(&self, offset: usize) -> usize {
+        match self.headers.partition_point(|&h| h <= offset) {
+            0 => self.of(offset),
+            n => self.of(self.headers[n - 1]),
+        }
     }
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())].matches('\n').count() + 1
+/// Why a run id cannot address a run, if it cannot: it is empty, blank, or has a
+/// `/` or a control character (it is a path segment of every route).
+pub fn check_run_id(id: &str) -> Result<(), String> {
+    if id.trim().is_empty() {
+        Err("the run id is empty; give one with letters or digits, or leave it out".into())
+    } else if id.contains('/') || id.chars().any(char::is_control) {
+        Err(format!("the run id {id:?} has a `/` or a control character"))
+    } else {
+        Ok(())
+    }
+}
+
+/// The longest time a plan may give in seconds (`timeout`, `max_time`): 30 days.
+pub const MAX_SECONDS: f64 = 30.0 * 24.0 * 3600.0;
+/// The most attempts a plan may give a task.
+pub const MAX_ATTEMPTS: u32 = 1000;
+
+/// Why a number of seconds is unusable, if it is: not a finite positive number of at most [`MAX_SECONDS`].
+pub fn check_seconds(field: &str, value: f64) -> Result<(), String> {
+    if value.is_finite() && value > 0.0 && value <= MAX_SECONDS {
+        Ok(())
+    } else {
+        Err(format!("{field} = {value:?}: give a number of seconds above 0 and at most {MAX_SECONDS} (30 days)"))
+    }
+}
+
+/// Why a number of attempts is unusable, if it is.
+pub fn check_attempts(value: u32) -> Result<(), String> {
+    if (1..=MAX_ATTEMPTS).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("max_attempts = {value}: give a whole number from 1 to {MAX_ATTEMPTS}"))
+    }
+}
+
+/// Every problem of the numbers a task (or the defaults) gives.
+fn number_problems(timeout: Option<f64>, max_time: Option<f64>, max_attempts: Option<u32>) -> Vec<String> {
+    let mut out = Vec::new();
+    for (field, value) in [("timeout", timeout), ("max_time", max_time)] {
+        if let Some(Err(why)) = value.map(|v| check_seconds(field, v)) {
+            out.push(why);
+        }
+    }
+    if let Some(Err(why)) = max_attempts.map(check_attempts) {
+        out.push(why);
+    }
+    out
+}
+
+/// The names of a cycle, shortened when long: the first ids, how many were left out, the last.
+fn cycle_text(cycle: &[String]) -> String {
+    const SHOWN: usize = 10;
+    if cycle.len() <= 2 * SHOWN {
+        return format!("{} -> {}", cycle.join(" -> "), cycle[0]);
+    }
+    format!(
+        "{} -> ... ({} more) -> {} -> {} ({} tasks)",
+        cycle[..SHOWN].join(" -> "),
+        cycle.len() - 2 * SHOWN,
+        cycle[cycle.len() - SHOWN..].join(" -> "),
+        cycle[0],
+        cycle.len()
+    )
 }
 
 /// Parses and checks a plan. `agent_known` says whether an agent name or command resolves.
 pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Result<Plan, PlanError> {
     let file: PlanFile = toml::from_str(text).map_err(|e| {
-        let line = e.span().map_or(0, |s| line_of(text, s.start));
+        let line = e.span().map_or(0, |s| Lines::new(text).of(s.start));
         PlanError(vec![Problem { line, message: e.message().to_owned() }])
     })?;
     let d = file.defaults;
+    let index = Lines::new(text);
     let mut problems = Vec::new();
+    let defaults_line = text.find("[defaults]").map_or(0, |at| index.of(at));
+    for why in number_problems(d.timeout, d.max_time, d.max_attempts) {
+        problems.push(Problem { line: defaults_line, message: format!("[defaults]: {why}") });
+    }
     let mut tasks = Vec::new();
     let mut lines = HashMap::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for spanned in file.tasks {
-        let line = header_line(text, spanned.span().start);
+        let line = index.header(spanned.span().start);
         let t = spanned.into_inner();
+        for why in number_problems(t.timeout, t.max_time, t.max_attempts) {
+            problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
+        }
         if t.id.trim().is_empty() {
             problems.push(Problem { line, message: "a task has an empty id".into() });
         }
@@ -160,7 +249,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
             cwd: t.cwd.or_else(|| d.cwd.clone()),
             timeout: t.timeout.or(d.timeout),
             max_time: t.max_time.or(d.max_time),
-            max_attempts: t.max_attempts.or(d.max_attempts).unwrap_or(3).max(1),
+            max_attempts: t.max_attempts.or(d.max_attempts).unwrap_or(3),
             retry_on: t.retry_on.or_else(|| d.retry_on.clone()).unwrap_or_default(),
             idempotent: t.idempotent.or(d.idempotent).unwrap_or(false),
             fresh_agent: t.fresh_agent.or(d.fresh_agent).unwrap_or(false),
@@ -208,7 +297,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
     }
     for cycle in cycles(&tasks) {
         let line = lines.get(&cycle[0]).copied().unwrap_or(0);
-        problems.push(Problem { line, message: format!("dependency cycle: {} -> {}", cycle.join(" -> "), cycle[0]) });
+        problems.push(Problem { line, message: format!("dependency cycle: {}", cycle_text(&cycle)) });
     }
     if problems.is_empty() { Ok(Plan { tasks }) } else { Err(PlanError(problems)) }
 }
@@ -262,7 +351,8 @@ pub fn offered_option(request: &serde_json::Value, wanted: &str) -> Result<Strin
         })
 }
 
-/// Each dependency cycle once, as the ids along it.
+/// Each dependency cycle once, as the ids along it. Iterative (an explicit stack),
+/// so a plan of any depth cannot overflow the thread's stack.
 fn cycles(tasks: &[TaskSpec]) -> Vec<Vec<String>> {
     let mut deps: HashMap<&str, Vec<&str>> = HashMap::new();
     for t in tasks {
@@ -271,40 +361,43 @@ fn cycles(tasks: &[TaskSpec]) -> Vec<Vec<String>> {
     }
     #[derive(Clone, Copy, PartialEq)]
     enum Mark {
-        Active,
+        /// On the current path, at this position of `path`.
+        Active(usize),
         Done,
     }
     let mut marks: HashMap<&str, Mark> = HashMap::new();
     let mut found = Vec::new();
-    fn visit<'a>(
-        id: &'a str,
-        deps: &HashMap<&'a str, Vec<&'a str>>,
-        marks: &mut HashMap<&'a str, Mark>,
-        stack: &mut Vec<&'a str>,
-        found: &mut Vec<Vec<String>>,
-    ) {
-        marks.insert(id, Mark::Active);
-        stack.push(id);
-        for &dep in deps.get(id).map(Vec::as_slice).unwrap_or(&[]) {
+    // The current path, and for each of its ids the index of the next dependency to look at.
+    let mut path: Vec<&str> = Vec::new();
+    let mut next: Vec<usize> = Vec::new();
+    for t in tasks {
+        if marks.contains_key(t.id.as_str()) {
+            continue;
+        }
+        marks.insert(&t.id, Mark::Active(0));
+        path.push(&t.id);
+        next.push(0);
+        while let (Some(&id), Some(i)) = (path.last(), next.last_mut()) {
+            let edges = deps.get(id).map(Vec::as_slice).unwrap_or(&[]);
+            let Some(&dep) = edges.get(*i) else {
+                marks.insert(id, Mark::Done);
+                path.pop();
+                next.pop();
+                continue;
+            };
+            *i += 1;
             if !deps.contains_key(dep) || dep == id {
                 continue;
             }
             match marks.get(dep) {
-                Some(Mark::Active) => {
-                    if let Some(pos) = stack.iter().position(|s| *s == dep) {
-                        found.push(stack[pos..].iter().map(|s| (*s).to_owned()).collect());
-                    }
-                }
+                Some(Mark::Active(pos)) => found.push(path[*pos..].iter().map(|s| (*s).to_owned()).collect()),
                 Some(Mark::Done) => {}
-                None => visit(dep, deps, marks, stack, found),
+                None => {
+                    marks.insert(dep, Mark::Active(path.len()));
+                    path.push(dep);
+                    next.push(0);
+                }
             }
-        }
-        stack.pop();
-        marks.insert(id, Mark::Done);
-    }
-    for t in tasks {
-        if !marks.contains_key(t.id.as_str()) {
-            visit(&t.id, &deps, &mut marks, &mut Vec::new(), &mut found);
         }
     }
     found
@@ -384,5 +477,61 @@ prompt = "dup"
         assert_eq!(err.0[0].line, 4, "{err}");
         assert!(parse("tasks = [", &ok).is_err());
         assert!(parse("", &ok).is_err_and(|e| e.to_string().contains("no [[tasks]]")));
+    }
+
+    #[test]
+    fn bad_numbers_are_refused_with_their_lines() {
+        let text = "[defaults]\nmax_time = inf\n\n[[tasks]]\nid = \"a\"\nprompt = \"x\"\ntimeout = -1.0\n\n\
+                    [[tasks]]\nid = \"b\"\nprompt = \"y\"\ntimeout = 1e300\nmax_attempts = 0\n\n\
+                    [[tasks]]\nid = \"c\"\nprompt = \"z\"\nmax_time = nan\n";
+        let err = parse(text, &ok).err().unwrap_or_else(|| panic!("accepted"));
+        let got: Vec<String> = err.0.iter().map(ToString::to_string).collect();
+        for (line, wanted) in [
+            (1, "[defaults]: max_time = inf"),
+            (4, "task `a`: timeout = -1"),
+            (9, "task `b`: timeout = 1e300"),
+            (9, "task `b`: max_attempts = 0"),
+            (15, "task `c`: max_time = NaN"),
+        ] {
+            assert!(got.iter().any(|p| p.starts_with(&format!("line {line}: {wanted}"))), "{wanted}: {got:#?}");
+        }
+        let negative = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\nmax_attempts = -3\n", &ok).err();
+        assert_eq!(negative.map(|e| e.0[0].line), Some(4));
+    }
+
+    #[test]
+    fn a_chain_and_a_cycle_of_20_000_tasks_are_checked_without_recursion() {
+        // 100,000 go through `pier serve` in crates/pier/tests/hardening_host.rs.
+        const N: usize = 20_000;
+        let chain = |cycle: bool| {
+            let mut text = String::with_capacity(N * 64);
+            for i in 0..N {
+                let dep = if i + 1 < N {
+                    format!("t{}", i + 1)
+                } else if cycle {
+                    "t0".into()
+                } else {
+                    String::new()
+                };
+                text.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"p\"\n"));
+                if !dep.is_empty() {
+                    text.push_str(&format!("depends_on = [\"{dep}\"]\n"));
+                }
+            }
+            text
+        };
+        // Run on a small stack, as a server's worker thread has: recursion would overflow it.
+        let checked = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || (parse(&chain(false), &ok).map(|p| p.tasks.len()), parse(&chain(true), &ok).err()))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .join()
+            .unwrap_or_else(|_| panic!("the check overflowed its stack"));
+        assert_eq!(checked.0.ok(), Some(N));
+        let problems = checked.1.unwrap_or_else(|| panic!("the cycle was accepted")).0;
+        assert_eq!(problems.len(), 1, "{:?}", problems.first());
+        assert!(problems[0].message.starts_with("dependency cycle: t0 -> t1 -> "), "{}", problems[0]);
+        assert!(problems[0].message.ends_with("-> t19999 -> t0 (20000 tasks)"), "{}", problems[0]);
+        assert_eq!(problems[0].line, 1);
     }
 }

@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::plan::render;
+use crate::plan::{TaskSpec, render};
 use crate::pool::AgentPool;
 use crate::state::TaskState;
 use crate::store::{StoreError, TaskRow, TaskStore, Transition, now_ms};
@@ -113,7 +113,10 @@ impl Scheduler {
         view: &mut View,
         pool: &Arc<AgentPool>,
     ) -> Result<Summary, StoreError> {
-        let mut workers: JoinSet<String> = JoinSet::new();
+        let mut workers: JoinSet<(String, Option<StoreError>)> = JoinSet::new();
+        // A store error a worker hit that no task can get past (a full disk, a corrupt
+        // row) ends the run at once, named, instead of waiting for leases to expire.
+        let mut fatal: Option<StoreError> = None;
         let mut active: HashMap<String, CancellationToken> = HashMap::new();
         loop {
             view.refresh(&self.store).await?;
@@ -141,26 +144,23 @@ impl Scheduler {
                     changed |= self.lost(&fresh, &format!("the attempt was lost: {why}")).await?;
                 }
             }
-            // A failed or cancelled dependency cancels its pending dependents.
-            for t in view.rows.iter().filter(|t| t.state == TaskState::Pending) {
-                if let Some(dep) =
-                    t.spec.depends_on.iter().find_map(|d| {
-                        view.get(d).filter(|d| matches!(d.state, TaskState::Failed | TaskState::Cancelled))
-                    })
-                {
-                    let reason = format!("dependency `{}` ended {}", dep.id, dep.state.as_str());
-                    changed |=
-                        self.transition(t, TaskState::Cancelled, "cancel:dependency", &reason, |_| {}).await?.is_some();
-                }
+            // A failed or cancelled dependency cancels its pending dependents, and theirs, in one pass.
+            for (i, reason) in view.doomed() {
+                let t = view.rows[i].clone();
+                changed |=
+                    self.transition(&t, TaskState::Cancelled, "cancel:dependency", &reason, |_| {}).await?.is_some();
             }
-            if stop.is_cancelled() {
+            if stop.is_cancelled() || fatal.is_some() {
                 for token in active.values() {
                     token.cancel();
                 }
                 while let Some(done) = workers.join_next().await {
-                    if let Ok(id) = done {
+                    if let Ok((id, _)) = done {
                         active.remove(&id);
                     }
+                }
+                if let Some(e) = fatal {
+                    return Err(e);
                 }
                 break;
             }
@@ -203,10 +203,14 @@ impl Scheduler {
                 };
                 workers.spawn(async move {
                     let id = worker.row.id.clone();
-                    if let Err(e) = worker.run(token).await {
-                        tracing::error!(task = %id, error = %e, "a task worker failed");
+                    match worker.run(token).await {
+                        Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => (id, Some(e)),
+                        Err(e) => {
+                            tracing::error!(task = %id, error = %e, "a task worker failed");
+                            (id, None)
+                        }
+                        Ok(()) => (id, None),
                     }
-                    id
                 });
             }
             for t in view.rows.iter().filter(|t| t.state == TaskState::Running && !active.contains_key(&t.id)) {
@@ -223,13 +227,15 @@ impl Scheduler {
             let sleep_ms = next_wake.map_or(3_600_000, |w| (w - now_ms()).clamp(1, 3_600_000)) as u64;
             tokio::select! {
                 done = workers.join_next(), if !workers.is_empty() => {
-                    if let Some(Ok(id)) = done {
+                    if let Some(Ok((id, e))) = done {
                         active.remove(&id);
+                        fatal = fatal.or(e);
                     }
                     // Every worker that has ended by now is taken in this one pass.
                     while let Some(done) = workers.try_join_next() {
-                        if let Ok(id) = done {
+                        if let Ok((id, e)) = done {
                             active.remove(&id);
+                            fatal = fatal.or(e);
                         }
                     }
                 }
@@ -347,6 +353,40 @@ impl View {
     fn get(&self, id: &str) -> Option<&TaskRow> {
         self.index.get(id).and_then(|&i| self.rows.get(i))
     }
+
+    /// The pending tasks a failed or cancelled dependency dooms, directly or through
+    /// other doomed tasks, each with the reason naming its own dependency; found
+    /// breadth-first with a queue (no recursion), so a chain of any length is one pass.
+    fn doomed(&self) -> Vec<(usize, String)> {
+        let mut dependents: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, t) in self.rows.iter().enumerate().filter(|(_, t)| t.state == TaskState::Pending) {
+            for d in &t.spec.depends_on {
+                dependents.entry(d.as_str()).or_default().push(i);
+            }
+        }
+        if dependents.is_empty() {
+            return Vec::new();
+        }
+        let mut queue: std::collections::VecDeque<(usize, &'static str)> = self
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| matches!(t.state, TaskState::Failed | TaskState::Cancelled))
+            .map(|(i, t)| (i, t.state.as_str()))
+            .collect();
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        while let Some((i, ended)) = queue.pop_front() {
+            let id = self.rows[i].id.as_str();
+            for &j in dependents.get(id).map(Vec::as_slice).unwrap_or(&[]) {
+                if seen.insert(j) {
+                    out.push((j, format!("dependency `{id}` ended {ended}")));
+                    queue.push_back((j, TaskState::Cancelled.as_str()));
+                }
+            }
+        }
+        out
+    }
 }
 
 struct Worker {
@@ -401,6 +441,8 @@ impl Worker {
             })
         };
 
+        // Numbers no attempt can run with (from a store an older pier wrote) fail the task at once.
+        let unusable = attempt_limits(&spec, self.config.default_idle_timeout).err();
         let prepared = self.options();
         let (events_tx, events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
         let (int_tx, int_rx) = mpsc::unbounded_channel();
@@ -473,6 +515,12 @@ impl Worker {
             }
         };
         match outcome {
+            Err(e) if unusable.is_some() => {
+                tr.to = Some(TaskState::Failed);
+                tr.count_failure = true;
+                tr.reason = "the task cannot start; it is not retried".into();
+                tr.error = Some(format!("task `{}` cannot start: {e}", claimed.id));
+            }
             Err(e) => failed_attempt(&mut tr, e),
             Ok(o) => {
                 let error = o.error.as_ref().map(ToString::to_string);
@@ -562,48 +610,70 @@ impl Worker {
     }
 
     fn options(&self) -> Result<RunOptions, String> {
-        let spec = &self.row.spec;
-        let path = std::env::var("PATH").ok();
-        let agent = registry::resolve(&spec.agent, &self.config.agents, &self.config.pier_exe, path.as_deref())
-            .map_err(|e| e.to_string())?;
-        let cwd = match &spec.cwd {
-            Some(c) if c.is_absolute() => c.clone(),
-            Some(c) => self.config.base_dir.join(c),
-            None => self.config.base_dir.clone(),
-        };
-        let roots =
-            spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { self.config.base_dir.join(r) }).collect();
-        let mut policy = ClientPolicy::default();
-        for (kind, rule) in &spec.permissions {
-            if let (Ok(k), Ok(r)) = (kind.parse(), rule.parse()) {
-                policy.set(k, r);
-            }
-        }
-        policy.non_interactive = pier_client::NonInteractive::Fail;
-        Ok(RunOptions {
-            agent,
-            cwd,
-            allow_dirs: roots,
-            fs: true,
-            terminal: true,
-            policy,
-            interactive: false,
-            echo_stderr: false,
-            idle_timeout: Some(spec.timeout.map_or(self.config.default_idle_timeout, Duration::from_secs_f64)),
-            max_time: spec.max_time.map(Duration::from_secs_f64),
-            cancel_grace: self.config.cancel_grace,
-            setup_timeout: Duration::from_secs(60),
-            writable: spec.writable.as_ref().map(|w| {
-                w.iter().map(|p| if p.is_absolute() { p.clone() } else { self.config.base_dir.join(p) }).collect()
-            }),
-            asker: Some(Arc::new(HostAsker {
-                store: self.store.clone(),
-                run: self.row.run_id.clone(),
-                task: self.row.id.clone(),
-                attempt: self.row.attempt + 1,
-            })),
-        })
+        let mut opts = attempt_options(&self.row.spec, &self.config)?;
+        opts.asker = Some(Arc::new(HostAsker {
+            store: self.store.clone(),
+            run: self.row.run_id.clone(),
+            task: self.row.id.clone(),
+            attempt: self.row.attempt + 1,
+        }));
+        Ok(opts)
     }
+}
+
+/// The limits of an attempt of `spec`, checked: a store written by an older pier may
+/// hold numbers the plan check now refuses, and none of them may reach a panic
+/// (`Duration::from_secs_f64` panics on a negative, NaN or huge number).
+pub fn attempt_limits(spec: &TaskSpec, default_idle: Duration) -> Result<(Duration, Option<Duration>), String> {
+    let seconds = |field: &str, value: f64| {
+        crate::plan::check_seconds(field, value)?;
+        Duration::try_from_secs_f64(value).map_err(|e| format!("{field} = {value}: {e}"))
+    };
+    let idle = spec.timeout.map(|t| seconds("timeout", t)).transpose()?.unwrap_or(default_idle);
+    let max_time = spec.max_time.map(|t| seconds("max_time", t)).transpose()?;
+    crate::plan::check_attempts(spec.max_attempts)?;
+    Ok((idle, max_time))
+}
+
+/// What an attempt of `spec` runs with (without the asker, which needs the attempt):
+/// the function between a stored task and a running attempt. Never panics.
+pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOptions, String> {
+    let (idle_timeout, max_time) = attempt_limits(spec, config.default_idle_timeout)?;
+    let path = std::env::var("PATH").ok();
+    let agent =
+        registry::resolve(&spec.agent, &config.agents, &config.pier_exe, path.as_deref()).map_err(|e| e.to_string())?;
+    let cwd = match &spec.cwd {
+        Some(c) if c.is_absolute() => c.clone(),
+        Some(c) => config.base_dir.join(c),
+        None => config.base_dir.clone(),
+    };
+    let roots = spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { config.base_dir.join(r) }).collect();
+    let mut policy = ClientPolicy::default();
+    for (kind, rule) in &spec.permissions {
+        if let (Ok(k), Ok(r)) = (kind.parse(), rule.parse()) {
+            policy.set(k, r);
+        }
+    }
+    policy.non_interactive = pier_client::NonInteractive::Fail;
+    Ok(RunOptions {
+        agent,
+        cwd,
+        allow_dirs: roots,
+        fs: true,
+        terminal: true,
+        policy,
+        interactive: false,
+        echo_stderr: false,
+        idle_timeout: Some(idle_timeout),
+        max_time,
+        cancel_grace: config.cancel_grace,
+        setup_timeout: Duration::from_secs(60),
+        writable: spec
+            .writable
+            .as_ref()
+            .map(|w| w.iter().map(|p| if p.is_absolute() { p.clone() } else { config.base_dir.join(p) }).collect()),
+        asker: None,
+    })
 }
 
 /// Puts a permission request the policy leaves to a person on the task
@@ -684,7 +754,13 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
 async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::Receiver<ClientEvent>) {
     let mut kinds: HashMap<String, String> = HashMap::new();
     let mut effects_seen: HashSet<String> = HashSet::new();
+    // After the store refused a batch (a full disk), the rest is drained unwritten so
+    // the turn never blocks on a full queue; the attempt's ending reports the error.
+    let mut failed = false;
     while let Some(first) = rx.recv().await {
+        if failed {
+            continue;
+        }
         let mut batch = vec![first];
         while let Ok(more) = rx.try_recv() {
             batch.push(more);
@@ -750,7 +826,8 @@ async fn record(store: Arc<dyn TaskStore>, row: TaskRow, mut rx: mpsc::Receiver<
         })
         .await;
         if let Err(e) = result {
-            tracing::error!(error = %e, "recording task events failed");
+            tracing::error!(error = %e, task = %row.id, "recording task events failed; the attempt's later events are not recorded");
+            failed = true;
         }
     }
 }

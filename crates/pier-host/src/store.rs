@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::mpsc::TryRecvError;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -41,6 +42,12 @@ pub enum StoreError {
     UnknownRun(String),
     #[error("run `{0}` already exists")]
     RunExists(String),
+    /// A row that does not decode: the store was damaged or edited; nothing is written.
+    #[error("the store is corrupt: task `{task}` of run `{run}`: {what}")]
+    Corrupt { run: String, task: String, what: String },
+    /// The disk (or file system) holding the store is full; nothing of the failed write was kept.
+    #[error("the disk is full: cannot write the store {path}; free some space and resume")]
+    Full { path: String },
     #[error("the store failed: {0}")]
     Db(String),
 }
@@ -53,6 +60,8 @@ impl StoreError {
             StoreError::UnknownTask(_) => "unknown_task",
             StoreError::UnknownRun(_) => "unknown_run",
             StoreError::RunExists(_) => "run_exists",
+            StoreError::Corrupt { .. } => "store_corrupt",
+            StoreError::Full { .. } => "disk_full",
             StoreError::Db(_) => "store",
         }
     }
@@ -184,12 +193,15 @@ pub struct SqliteStore {
     /// For reads, which never wait for a commit.
     reader: Mutex<Connection>,
     seq_tx: watch::Sender<i64>,
+    /// The store's file, for messages.
+    path: String,
 }
 
-/// A queued write: runs against the open transaction (or, given none, does not run)
-/// and returns the highest event sequence it wrote (0 for none) and how to hand its
-/// answer over once the commit is known (`Err` if the commit failed).
-type Job = Box<dyn FnOnce(Option<&Connection>) -> (i64, Finish) + Send>;
+/// A queued write: runs against the open transaction (or, given why there is none,
+/// does not run) and returns the highest event sequence it wrote (0 for none) or
+/// its error, and how to hand its answer over once the commit is known (`Err` if
+/// the commit failed).
+type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, StoreError>, Finish) + Send>;
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 const MIGRATIONS: &[&str] = &[
@@ -268,7 +280,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 const TASK_COLUMNS: &str = "run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms, \
                             not_before_ms, result, usage, error, spec";
 
-fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
+/// A task row as read, before its JSON columns are decoded by [`decode`].
+type RawTask = (TaskRow, String, Option<String>, String);
+
+fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawTask> {
     let state: String = r.get(2)?;
     let spec: String = r.get(12)?;
     let usage: Option<String> = r.get(10)?;
@@ -284,7 +299,7 @@ fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
             lease_expires_at_ms: r.get(7)?,
             not_before_ms: r.get(8)?,
             result: r.get(9)?,
-            usage: usage.and_then(|u| serde_json::from_str(&u).ok()),
+            usage: None,
             error: r.get(11)?,
             spec: TaskSpec {
                 id: String::new(),
@@ -305,7 +320,25 @@ fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<(TaskRow, String)> {
             },
         },
         spec,
+        usage,
+        state,
     ))
+}
+
+/// Decodes a row's JSON columns and state; a row that does not decode fails the
+/// read with its run and task named, so nothing is written on top of it.
+fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, StoreError> {
+    let corrupt = |what: String| StoreError::Corrupt { run: row.run_id.clone(), task: row.id.clone(), what };
+    row.spec = serde_json::from_str(&spec).map_err(|e| corrupt(format!("its spec is not a valid task ({e})")))?;
+    row.usage = usage
+        .map(|u| serde_json::from_str(&u))
+        .transpose()
+        .map_err(|e| corrupt(format!("its usage is not valid JSON ({e})")))?;
+    row.state = TaskState::parse(&state).ok_or_else(|| corrupt(format!("unknown state `{state}`")))?;
+    if row.spec.id != row.id {
+        return Err(corrupt(format!("its spec names task `{}`", row.spec.id)));
+    }
+    Ok(row)
 }
 
 fn load_task(c: &Connection, run: &str, task: &str) -> Result<TaskRow, StoreError> {
@@ -313,9 +346,7 @@ fn load_task(c: &Connection, run: &str, task: &str) -> Result<TaskRow, StoreErro
         .prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 AND id = ?2"))?
         .query_row(params![run, task], row_to_task)
         .optional()?;
-    let (mut row, spec) = found.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
-    row.spec = serde_json::from_str(&spec)?;
-    Ok(row)
+    decode(found.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?)
 }
 
 fn insert_event(c: &Connection, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
@@ -324,14 +355,8 @@ fn insert_event(c: &Connection, run: &str, task: Option<&str>, kind: &str, data:
     Ok(c.last_insert_rowid())
 }
 
-fn collect_tasks(rows: impl Iterator<Item = rusqlite::Result<(TaskRow, String)>>) -> Result<Vec<TaskRow>, StoreError> {
-    let mut out = Vec::new();
-    for r in rows {
-        let (mut row, spec) = r?;
-        row.spec = serde_json::from_str(&spec)?;
-        out.push(row);
-    }
-    Ok(out)
+fn collect_tasks(rows: impl Iterator<Item = rusqlite::Result<RawTask>>) -> Result<Vec<TaskRow>, StoreError> {
+    rows.map(|r| decode(r?)).collect()
 }
 
 /// Runs `work` in a savepoint: kept if it succeeds, undone if it fails.
@@ -355,17 +380,32 @@ fn savepoint<T>(
 impl SqliteStore {
     /// Opens (and migrates) the store at `path`.
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open_inner(path).map_err(|e| match e {
+            StoreError::Db(m) if is_full(&m) => StoreError::Full { path: path.display().to_string() },
+            e => e,
+        })
+    }
+
+    fn open_inner(path: &Path) -> Result<SqliteStore, StoreError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| StoreError::Db(format!("{}: {e}", dir.display())))?;
         }
         let conn = Connection::open(path)?;
+        // A store from a newer pier is refused before anything is written to it.
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version > MIGRATIONS.len() as i64 {
+            return Err(StoreError::Db(format!(
+                "{} was written by a newer pier (store version {version}; this pier knows versions up to {}); upgrade pier",
+                path.display(),
+                MIGRATIONS.len()
+            )));
+        }
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         // Statements are reused by every commit; the default cache of 16 is too small.
         conn.set_prepared_statement_cache_capacity(64);
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
         for (i, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
             let tx = conn.unchecked_transaction()?;
             tx.execute_batch(migration)?;
@@ -377,7 +417,13 @@ impl SqliteStore {
         let reader = Connection::open(path)?;
         reader.busy_timeout(std::time::Duration::from_secs(10))?;
         reader.set_prepared_statement_cache_capacity(64);
-        Ok(SqliteStore { conn: Mutex::new(conn), queue: Mutex::new(Vec::new()), reader: Mutex::new(reader), seq_tx })
+        Ok(SqliteStore {
+            conn: Mutex::new(conn),
+            queue: Mutex::new(Vec::new()),
+            reader: Mutex::new(reader),
+            seq_tx,
+            path: path.display().to_string(),
+        })
     }
 
     /// Runs `work` atomically in the next group commit and returns its answer once
@@ -388,12 +434,12 @@ impl SqliteStore {
         work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T, StoreError>>(1);
-        let job: Job = Box::new(move |c: Option<&Connection>| {
+        let job: Job = Box::new(move |c: Result<&Connection, &StoreError>| {
             let outcome = match c {
-                Some(c) => savepoint(c, work),
-                None => Err(StoreError::Db("the store could not begin a transaction".into())),
+                Ok(c) => savepoint(c, work),
+                Err(e) => Err(e.clone()),
             };
-            let seq = outcome.as_ref().map_or(0, |(_, seq)| *seq);
+            let seq = outcome.as_ref().map(|(_, seq)| *seq).map_err(Clone::clone);
             let finish: Finish = Box::new(move |committed: Result<(), StoreError>| {
                 let _ = tx.send(committed.and(outcome.map(|(answer, _)| answer)));
             });
@@ -404,8 +450,14 @@ impl SqliteStore {
             // The previous committer may have taken this work: its answer is handed
             // over before the write connection is released.
             let conn = lock(&self.conn);
-            if let Ok(answer) = rx.try_recv() {
-                return answer;
+            match rx.try_recv() {
+                Ok(answer) => return answer.map_err(|e| self.named(e)),
+                // The committer that took this work died before answering (a panic):
+                // say so rather than wait for an answer that will never come.
+                Err(TryRecvError::Disconnected) => {
+                    return Err(StoreError::Db("the store's committing thread failed before answering".into()));
+                }
+                Err(TryRecvError::Empty) => {}
             }
             let jobs = std::mem::take(&mut *lock(&self.queue));
             if jobs.is_empty() {
@@ -414,24 +466,42 @@ impl SqliteStore {
             self.commit(&conn, jobs);
             drop(conn);
             if let Ok(answer) = rx.try_recv() {
-                return answer;
+                return answer.map_err(|e| self.named(e));
             }
         }
     }
 
+    /// A SQLite error as a store error: a full disk says so, with the store's path.
+    fn named(&self, e: StoreError) -> StoreError {
+        match e {
+            StoreError::Db(m) if is_full(&m) => StoreError::Full { path: self.path.clone() },
+            e => e,
+        }
+    }
+
     /// One group commit: every job in one transaction, one fsync, then the answers.
+    ///
+    /// SQLite may roll the whole transaction back on its own when a statement fails
+    /// (a full disk, an I/O error): then the savepoint is gone, the jobs before it
+    /// were undone too, and a later `SAVEPOINT` would silently open (and commit) a
+    /// transaction of its own. So after each job the transaction is checked; once it
+    /// is lost, no later job runs and every writer of the group hears the error.
     fn commit(&self, conn: &Connection, jobs: Vec<Job>) {
-        let begun = conn.execute_batch("BEGIN IMMEDIATE").map_err(StoreError::from);
+        let mut state: Result<(), StoreError> = conn.execute_batch("BEGIN IMMEDIATE").map_err(|e| self.named(e.into()));
         let mut finishes = Vec::with_capacity(jobs.len());
         let mut last = 0;
         for job in jobs {
             // Without a transaction nothing runs, and every writer hears why.
-            let (seq, finish) = job(begun.as_ref().ok().map(|()| conn));
-            last = last.max(seq);
+            let (outcome, finish) = job(state.as_ref().map(|()| conn));
+            if state.is_ok() && conn.is_autocommit() {
+                let why = outcome.as_ref().err().map_or_else(|| "no reason given".to_owned(), ToString::to_string);
+                state = Err(self.named(StoreError::Db(format!("SQLite rolled the transaction back: {why}"))));
+            }
+            last = last.max(outcome.unwrap_or(0));
             finishes.push(finish);
         }
-        let committed = begun.and_then(|()| conn.execute_batch("COMMIT").map_err(StoreError::from));
-        if committed.is_err() {
+        let committed = state.and_then(|()| conn.execute_batch("COMMIT").map_err(|e| self.named(e.into())));
+        if committed.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
         }
         for finish in finishes {
@@ -452,6 +522,11 @@ impl SqliteStore {
             }
         });
     }
+}
+
+/// Whether a SQLite error message is a full disk (`SQLITE_FULL`, or `ENOSPC` under an I/O error).
+fn is_full(message: &str) -> bool {
+    message.contains("database or disk is full") || message.contains("No space left")
 }
 
 fn create_run(tx: &Connection, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {

@@ -33,6 +33,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use pier_host::scheduler::{HostConfig, Scheduler, is_worker_task};
 use pier_host::{StoreError, TaskState, TaskStore, Transition};
 use serde::Deserialize;
@@ -70,7 +71,8 @@ impl From<StoreError> for ApiError {
                 StatusCode::CONFLICT
             }
             StoreError::UnknownRun(_) | StoreError::UnknownTask(_) => StatusCode::NOT_FOUND,
-            StoreError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            StoreError::Full { .. } => StatusCode::INSUFFICIENT_STORAGE,
+            StoreError::Corrupt { .. } | StoreError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, e.code(), e.to_string())
     }
@@ -84,6 +86,26 @@ pub struct App {
     /// The scheduler task of each run being driven, by run id.
     schedulers: Mutex<HashMap<String, CancellationToken>>,
     shutdown: CancellationToken,
+    /// The store error that stopped a scheduler and makes serving pointless (a full
+    /// disk, a corrupt row), once there is one; `failed` fires with it.
+    fatal: Mutex<Option<StoreError>>,
+    failed: CancellationToken,
+    sse: SseLimits,
+}
+
+/// What one `/events` client may hold: at most `buffer` events queued for it, and a
+/// client that takes none of them for `patience` is cut with an SSE comment naming
+/// the `Last-Event-ID` to resume from.
+#[derive(Debug, Clone, Copy)]
+pub struct SseLimits {
+    pub buffer: usize,
+    pub patience: Duration,
+}
+
+impl Default for SseLimits {
+    fn default() -> Self {
+        SseLimits { buffer: 1024, patience: Duration::from_secs(30) }
+    }
 }
 
 type Shared = Arc<App>;
@@ -107,7 +129,30 @@ impl App {
             token,
             schedulers: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
+            fatal: Mutex::new(None),
+            failed: CancellationToken::new(),
+            sse: SseLimits::default(),
         })
+    }
+
+    /// `new` with the limits of each `/events` client.
+    pub fn with_sse_limits(store: Arc<dyn TaskStore>, config: HostConfig, token: String, sse: SseLimits) -> Shared {
+        let mut app = App::new(store, config, token);
+        if let Some(a) = Arc::get_mut(&mut app) {
+            a.sse = sse;
+        }
+        app
+    }
+
+    /// Resolves with the store error that stopped the service's work, once one does:
+    /// `pier serve` then says what happened and exits non-zero.
+    pub async fn failed(&self) -> StoreError {
+        self.failed.cancelled().await;
+        self.fatal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .unwrap_or_else(|| StoreError::Db("the service failed".into()))
     }
 
     /// Drives `run` with a scheduler unless one already does.
@@ -123,8 +168,14 @@ impl App {
         let run = run.to_owned();
         tokio::spawn(async move {
             let scheduler = Scheduler::new(app.store.clone(), app.config.clone());
-            if let Err(e) = scheduler.run(&run, stop).await {
-                tracing::error!(run = %run, error = %e, "the scheduler stopped");
+            match scheduler.run(&run, stop).await {
+                Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => {
+                    tracing::error!(run = %run, error = %e, "the scheduler stopped");
+                    app.fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(e);
+                    app.failed.cancel();
+                }
+                Err(e) => tracing::error!(run = %run, error = %e, "the scheduler stopped"),
+                Ok(_) => {}
             }
             app.schedulers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&run);
         });
@@ -136,11 +187,15 @@ impl App {
     }
 }
 
+/// The largest plan `POST /runs` takes, in bytes.
+pub const MAX_PLAN_BYTES: usize = 64 << 20;
+
 /// The router, with the token check on every route.
 pub fn router(app: Shared) -> Router {
     Router::new()
         .route("/health", get(|| async { Json(json!({"ok": true})) }))
-        .route("/runs", post(submit).get(list_runs))
+        // A plan of 100,000 tasks is several megabytes of TOML.
+        .route("/runs", post(submit).layer(axum::extract::DefaultBodyLimit::max(MAX_PLAN_BYTES)).get(list_runs))
         .route("/runs/{run}", get(show_run))
         .route("/runs/{run}/cancel", post(cancel_run))
         .route("/runs/{run}/tasks/{task}", get(show_task))
@@ -194,6 +249,9 @@ async fn submit(State(app): State<Shared>, Json(body): Json<SubmitBody>) -> Resu
         err.extra = Some(serde_json::to_value(&e.0).unwrap_or(Value::Null));
         err
     })?;
+    if let Some(id) = &body.run_id {
+        pier_host::plan::check_run_id(id).map_err(|why| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", why))?;
+    }
     let run = body.run_id.unwrap_or_else(|| format!("run-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
     let r = run.clone();
     blocking(&app, move |s| s.create_run(&r, &plan, "http")).await?;
@@ -475,12 +533,25 @@ async fn update(
     Ok(Json(json!({"task": row})))
 }
 
+/// Read as text and checked by [`events`], so a malformed value is answered with
+/// the JSON error envelope rather than axum's plain-text rejection.
 #[derive(Deserialize)]
 struct EventsQuery {
-    after: Option<i64>,
+    after: Option<String>,
     run: Option<String>,
     /// `false` ends the stream once it has caught up.
-    follow: Option<bool>,
+    follow: Option<String>,
+}
+
+/// A sequence number given by a client: a whole number, 0 or more.
+fn sequence(what: &str, text: &str) -> Result<i64, ApiError> {
+    text.trim().parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("{what} must be an event sequence number (a whole number, 0 or more), not {text:?}"),
+        )
+    })
 }
 
 /// Events read from the store at a time for `/events`.
@@ -515,24 +586,37 @@ async fn events(
     State(app): State<Shared>,
     headers: HeaderMap,
     Query(q): Query<EventsQuery>,
-) -> Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>> {
-    let from_header =
-        headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<i64>().ok());
-    let after = from_header.or(q.after).unwrap_or(0);
+) -> Result<Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let from_header = match headers.get("last-event-id") {
+        Some(v) => Some(sequence("Last-Event-ID", &String::from_utf8_lossy(v.as_bytes()))?),
+        None => None,
+    };
+    let from_query = q.after.as_deref().map(|a| sequence("after", a)).transpose()?;
+    let after = from_header.or(from_query).unwrap_or(0);
     let store = app.store.clone();
     let run = q.run;
-    let follow = q.follow.unwrap_or(true);
+    let follow = match q.follow.as_deref() {
+        None | Some("true") => true,
+        Some("false") => false,
+        Some(other) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("follow must be true or false, not {other:?}"),
+            ));
+        }
+    };
     // While one batch is being sent, the next is read (a blocking thread reads and
     // decodes while the runtime encodes and writes): a replay uses both cores.
     let fetch = move |store: Arc<dyn TaskStore>, run: Option<String>, after: i64| {
         tokio::task::spawn_blocking(move || store.events_after(run.as_deref(), after, EVENT_BATCH))
     };
     let state = Replay { store, run, after, buffer: std::collections::VecDeque::new(), next: None };
-    let stream = futures::stream::unfold(state, move |mut st| async move {
+    let replay = futures::stream::unfold(state, move |mut st| async move {
         loop {
             if let Some(e) = st.buffer.pop_front() {
                 st.after = e.seq;
-                return Some((Ok(sse_event(e)), st));
+                return Some((e, st));
             }
             let prefetched = match st.next.take() {
                 Some(next) => next.await.ok().and_then(Result::ok).unwrap_or_default(),
@@ -561,11 +645,57 @@ async fn events(
             st.buffer = events.into();
         }
     });
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    // The replay feeds a bounded queue the response takes from. A client that takes
+    // nothing for `patience` while the queue is full is cut: the queue ends, and the
+    // last thing it is sent is a comment naming where to resume.
+    let limits = app.sse;
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(limits.buffer.max(1));
+    let (cut_tx, cut_rx) = tokio::sync::oneshot::channel::<i64>();
+    tokio::spawn(async move {
+        futures::pin_mut!(replay);
+        let mut sent = after;
+        while let Some(e) = replay.next().await {
+            let seq = e.seq;
+            match tokio::time::timeout(limits.patience, tx.send(sse_event(e))).await {
+                Ok(Ok(())) => sent = seq,
+                // The client is gone.
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::warn!(after = sent, "cut a slow /events client");
+                    let _ = cut_tx.send(sent);
+                    return;
+                }
+            }
+        }
+    });
+    let queued = futures::stream::unfold((rx, Some(cut_rx)), |(mut rx, cut)| async move {
+        if let Some(e) = rx.recv().await {
+            return Some((Ok(e), (rx, cut)));
+        }
+        let seq = cut?.await.ok()?;
+        let note = SseEvent::default().comment(format!("too slow; reconnect with Last-Event-ID {seq}"));
+        Some((Ok(note), (rx, None)))
+    });
+    Ok(Sse::new(queued).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
 
-/// Reads the token file, or creates it (mode 0600) and says so once.
+/// Reads the token file, or creates it (mode 0600) and says so once. A token file
+/// others can read is refused with the fix named.
 pub fn load_or_create_token(path: &std::path::Path) -> std::io::Result<(String, bool)> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the token file {} can be read by others (mode {:o}); run `chmod 600 {}`",
+                path.display(),
+                meta.permissions().mode() & 0o777,
+                path.display()
+            ),
+        ));
+    }
     match std::fs::read_to_string(path) {
         Ok(t) if !t.trim().is_empty() => Ok((t.trim().to_owned(), false)),
         _ => {

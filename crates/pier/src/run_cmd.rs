@@ -217,6 +217,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let here = std::env::current_dir()?;
     let files = config::load_files(&env, &here)?;
     let pier_exe = std::env::current_exe()?;
+    if let Some(Err(why)) = args.run_id.as_deref().map(pier_host::plan::check_run_id) {
+        anyhow::bail!("--run-id: {why}");
+    }
     // A plan is checked before the store is touched: a refused plan leaves nothing behind.
     let checked = match (&args.resume, &args.plan) {
         (None, Some(plan_path)) => {

@@ -26,6 +26,12 @@ pub struct ServeArgs {
     concurrency: usize,
     #[arg(long)]
     store: Option<PathBuf>,
+    /// Events queued at most for one /events client
+    #[arg(long, default_value_t = 1024, hide = true)]
+    sse_buffer: usize,
+    /// How long a client whose queue is full may take nothing before it is cut (it can resume)
+    #[arg(long, default_value_t = 30_000, hide = true)]
+    sse_patience_ms: u64,
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -36,6 +42,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store_path = args.store.clone().unwrap_or_else(|| home.join("pier.db"));
     let store =
         Arc::new(SqliteStore::open(&store_path).with_context(|| format!("cannot open {}", store_path.display()))?);
+    if args.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        anyhow::bail!("--token is empty: give a token, or leave --token out to use the token file");
+    }
     let token = match args.token.clone().or_else(|| std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty())) {
         Some(t) => t,
         None => {
@@ -59,7 +68,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cancel_grace: Duration::from_secs(5),
         default_idle_timeout: Duration::from_secs(600),
     };
-    let app = App::new(store.clone(), config, token);
+    let sse = pier_server::SseLimits {
+        buffer: args.sse_buffer.max(1),
+        patience: Duration::from_millis(args.sse_patience_ms),
+    };
+    let app = App::with_sse_limits(store.clone(), config, token, sse);
     // Runs left unfinished by an earlier host go on.
     for run in store.run_ids()? {
         if store.tasks(&run)?.iter().any(|t| !t.state.is_terminal()) {
@@ -72,20 +85,34 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     eprintln!("pier serve: listening on http://{addr}");
     let shutdown_app = app.clone();
+    let fatal = Arc::new(std::sync::Mutex::new(None));
+    let fatal_seen = fatal.clone();
     axum::serve(listener, pier_server::router(app))
         .with_graceful_shutdown(async move {
             use tokio::signal::unix::{SignalKind, signal};
-            if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
+            let signals = async {
+                if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+                {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
+                } else {
+                    std::future::pending::<()>().await;
                 }
-            } else {
-                std::future::pending::<()>().await;
+            };
+            tokio::select! {
+                _ = signals => {}
+                e = shutdown_app.failed() => {
+                    *fatal_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                }
             }
             shutdown_app.shutdown();
         })
         .await?;
+    if let Some(e) = fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+        return Err(anyhow::Error::new(e).context("pier serve stopped"));
+    }
     Ok(())
 }
 

@@ -1,0 +1,169 @@
+//! Issue #16: the store refuses what it cannot trust (a newer pier's file, a corrupt
+//! row) without writing to it, and a full disk reaches every writer of a group
+//! commit, named, without losing anything acknowledged.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use pier_host::plan::{Plan, parse};
+use pier_host::{SqliteStore, StoreError, TaskStore};
+
+fn plan(text: &str) -> Plan {
+    parse(text, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn two_tasks() -> Plan {
+    plan("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"victim\"\nprompt = \"y\"\n")
+}
+
+/// The bytes of the store and of its WAL and index files, to show nothing was written.
+fn snapshot(db: &Path) -> Vec<(PathBuf, Option<Vec<u8>>)> {
+    ["", "-wal", "-shm"]
+        .iter()
+        .map(|suffix| {
+            let p = PathBuf::from(format!("{}{suffix}", db.display()));
+            let bytes = std::fs::read(&p).ok();
+            (p, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn a_store_written_by_a_newer_pier_is_refused_and_left_untouched() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let db = dir.path().join("pier.db");
+    drop(SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}")));
+    {
+        let c = rusqlite::Connection::open(&db).unwrap_or_else(|e| panic!("{e}"));
+        c.pragma_update(None, "user_version", 99).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let before = snapshot(&db);
+    let err = SqliteStore::open(&db).err().unwrap_or_else(|| panic!("a store from a newer pier was opened"));
+    let message = err.to_string();
+    assert!(message.contains("written by a newer pier"), "{message}");
+    assert!(message.contains("99") && message.contains("up to 3"), "both versions are named: {message}");
+    assert!(message.contains("upgrade"), "{message}");
+    assert!(message.contains(&db.display().to_string()), "the file is named: {message}");
+    assert_eq!(snapshot(&db), before, "the file was touched");
+}
+
+#[test]
+fn a_task_row_with_corrupt_json_fails_every_read_naming_run_and_task() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let db = dir.path().join("pier.db");
+    {
+        let s = SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("r1", &two_tasks(), "test").unwrap_or_else(|e| panic!("{e}"));
+    }
+    {
+        let c = rusqlite::Connection::open(&db).unwrap_or_else(|e| panic!("{e}"));
+        c.execute("UPDATE tasks SET spec = '{\"id\": \"victim\", \"prompt\": ' WHERE id = 'victim'", [])
+            .unwrap_or_else(|e| panic!("{e}"));
+        c.execute("UPDATE tasks SET usage = 'not json' WHERE id = 'a'", []).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let before = snapshot(&db);
+    let s = SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}"));
+    for got in [s.tasks("r1").map(|_| ()), s.task("r1", "victim").map(|_| ()), s.pending_tasks().map(|_| ())] {
+        match got {
+            Err(e @ StoreError::Corrupt { .. }) => {
+                let m = e.to_string();
+                assert!(m.contains("run `r1`") && (m.contains("task `victim`") || m.contains("task `a`")), "{m}");
+                assert_eq!(e.code(), "store_corrupt");
+            }
+            other => panic!("a corrupt row was read without complaint: {other:?}"),
+        }
+    }
+    match s.task("r1", "a") {
+        Err(e @ StoreError::Corrupt { .. }) => assert!(e.to_string().contains("usage"), "{e}"),
+        other => panic!("corrupt usage was read without complaint: {other:?}"),
+    }
+    drop(s);
+    assert_eq!(snapshot(&db), before, "the file was touched");
+}
+
+/// A small tmpfs, unmounted when dropped. Mounting needs root: a test that cannot
+/// mount one fails with the reason rather than skip.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run mount (this test needs root and a tmpfs): {e}"));
+        assert!(
+            out.status.success(),
+            "cannot mount a {size} tmpfs for the full-disk test (it needs root): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+#[test]
+fn a_full_disk_reaches_every_writer_of_a_group_commit_and_loses_nothing_acknowledged() {
+    let fs = Tmpfs::mount("1m");
+    let db = fs.path().join("pier.db");
+    let store = Arc::new(SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}")));
+    let big = "x".repeat(20_000);
+    // Eight writers append until the disk is full; each keeps the sequence numbers acknowledged to it.
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let (store, big) = (store.clone(), big.clone());
+            std::thread::spawn(move || {
+                let mut acknowledged = Vec::new();
+                for i in 0..1_000 {
+                    let event = ("r".to_owned(), None, format!("w{w}"), serde_json::json!({"i": i, "pad": big}));
+                    match store.append_events(&[event]) {
+                        Ok(seq) => acknowledged.push(seq),
+                        Err(e) => return (acknowledged, Some(e)),
+                    }
+                }
+                (acknowledged, None)
+            })
+        })
+        .collect();
+    let mut acknowledged = Vec::new();
+    for w in writers {
+        let (acks, err) = w.join().unwrap_or_else(|_| panic!("a writer panicked"));
+        acknowledged.extend(acks);
+        match err {
+            Some(e @ StoreError::Full { .. }) => {
+                let m = e.to_string();
+                assert!(m.contains("disk is full") && m.contains(&db.display().to_string()), "{m}");
+            }
+            other => panic!("a writer did not hear that the disk is full: {other:?}"),
+        }
+    }
+    assert!(!acknowledged.is_empty(), "nothing was written before the disk filled");
+    drop(store);
+    // Space comes back: every acknowledged write is there, and the store takes writes again.
+    let store = SqliteStore::open(&db).unwrap_or_else(|e| panic!("reopen after the disk filled: {e}"));
+    let events = store.events_after(None, 0, 100_000).unwrap_or_else(|e| panic!("{e}"));
+    let kept: std::collections::HashSet<i64> = events.iter().map(|e| e.seq).collect();
+    for seq in &acknowledged {
+        assert!(kept.contains(seq), "acknowledged event {seq} was lost");
+    }
+    let mut seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    seqs.sort_unstable();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "the log has gaps");
+    // The file system is still full: a write is refused plainly, and nothing hangs.
+    if let Err(e) = store.create_run("after", &two_tasks(), "test") {
+        assert!(matches!(e, StoreError::Full { .. }), "{e}");
+    }
+}
