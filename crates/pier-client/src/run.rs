@@ -194,10 +194,8 @@ impl Transcript {
     fn see(&mut self, params: &Value) {
         let update = &params["update"];
         match update["sessionUpdate"].as_str() {
-            Some("tool_call") => {
-                if !self.current.is_empty() {
-                    self.last = std::mem::take(&mut self.current);
-                }
+            Some("tool_call") if !self.current.is_empty() => {
+                self.last = std::mem::take(&mut self.current);
             }
             Some("usage_update") => self.usage = Some(update.clone()),
             Some("agent_message_chunk") if update["content"]["type"] == "text" => {
