@@ -63,6 +63,10 @@ pub struct ClientState {
     pub replaying: AtomicBool,
     /// Tool kinds by tool call id, from updates, for permission requests that omit the kind.
     kinds: Mutex<HashMap<String, ToolKind>>,
+    /// Tool calls of this turn whose permission request was granted and that have not
+    /// ended yet, with their kinds: while one runs, a client method of its kind is the
+    /// work that was granted (an agent edits through `fs/write_text_file` after asking).
+    granted: Mutex<HashMap<String, ToolKind>>,
     /// Answers *ask* when set, instead of the terminal or the non-interactive rule.
     /// Per turn: an agent that serves several turns answers each turn's asker.
     asker: Mutex<Option<Arc<dyn Asker>>>,
@@ -175,6 +179,7 @@ impl ClientState {
             terminals: Terminals::default(),
             replaying: AtomicBool::new(false),
             kinds: Mutex::new(HashMap::new()),
+            granted: Mutex::new(HashMap::new()),
             asker: Mutex::new(None),
         }
     }
@@ -184,6 +189,7 @@ impl ClientState {
     pub fn begin_turn(&self, asker: Option<Arc<dyn Asker>>) {
         *self.asker.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = asker;
         self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+        lock(&self.granted).clear();
     }
 
     fn emit(&self, event: ClientEvent) {
@@ -193,6 +199,11 @@ impl ClientState {
     fn remember_kind(&self, params: &Value) {
         let update = &params["update"];
         let is_call = matches!(update["sessionUpdate"].as_str(), Some("tool_call" | "tool_call_update"));
+        if let (true, Some(id), Some("completed" | "failed")) =
+            (is_call, update["toolCallId"].as_str(), update["status"].as_str())
+        {
+            lock(&self.granted).remove(id);
+        }
         if let (true, Some(id), Some(kind)) = (is_call, update["toolCallId"].as_str(), update.get("kind"))
             && let Ok(kind) = serde_json::from_value::<agent_client_protocol_schema::v1::ToolKind>(kind.clone())
         {
@@ -203,19 +214,47 @@ impl ClientState {
         }
     }
 
+    /// Answers a permission request. Whatever decided it, one rule has the last word:
+    /// once the turn is being cancelled, the answer is `cancelled` (R088).
     async fn permission(self: Arc<Self>, req: RequestPermissionRequest) -> Result<Value, Error> {
         let id = req.tool_call.tool_call_id.0.to_string();
         let kind = match &req.tool_call.fields.kind {
             Some(k) => kind_of(Some(k)),
-            None => self
-                .kinds
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .get(&id)
-                .copied()
-                .unwrap_or(ToolKind::Other),
+            None => lock(&self.kinds).get(&id).copied().unwrap_or(ToolKind::Other),
         };
+        let (mut choice, rule, mut reason) = if self.cancelling.is_cancelled() {
+            (Choice::Cancelled, Value::Null, String::new())
+        } else {
+            self.decide(&req, kind).await
+        };
+        if self.cancelling.is_cancelled() {
+            (choice, reason) = (Choice::Cancelled, "the turn is being cancelled (R088)".to_owned());
+        }
+        let outcome = match &choice {
+            Choice::Select { option_id, .. } => {
+                RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option_id.clone()))
+            }
+            Choice::Cancelled => RequestPermissionOutcome::Cancelled,
+        };
+        let response = RequestPermissionResponse::new(outcome);
+        let value = serde_json::to_value(&response).map_err(|e| internal(e.to_string()))?;
+        self.note_grant(&id, kind, &choice);
+        tracing::info!(tool_call = %id, ?choice, %reason, "permission decided");
+        self.emit(ClientEvent::Permission {
+            request: serde_json::to_value(&req).unwrap_or(Value::Null),
+            outcome: value["outcome"].clone(),
+            rule,
+            reason,
+        });
+        Ok(value)
+    }
+
+    /// The choice for a permission request by the policy, the host's asker or the
+    /// person at the terminal, with the rule applied (as JSON) and the reason.
+    async fn decide(&self, req: &RequestPermissionRequest, kind: ToolKind) -> (Choice, Value, String) {
+        let id = req.tool_call.tool_call_id.0.to_string();
         let title = req.tool_call.fields.title.clone().unwrap_or_else(|| id.clone());
+        let rule_json = |r: Rule| serde_json::to_value(r).unwrap_or(Value::Null);
         // Host-side trust: an edit of a path outside the writable paths is never granted,
         // whatever the agent claims about it.
         let outside: Vec<String> = req
@@ -228,111 +267,131 @@ impl ClientState {
             .map(|l| l.path.display().to_string())
             .collect();
         let writes = matches!(kind, ToolKind::Edit | ToolKind::Delete | ToolKind::Move);
-        let (choice, rule, reason) = if writes && !outside.is_empty() && !self.cancelling.is_cancelled() {
+        if writes && !outside.is_empty() {
             let (c, why) = choose(Rule::Deny, &req.options);
-            (c, Some(Rule::Deny), format!("{} is outside the paths this task may write{why}", outside.join(", ")))
-        } else if self.cancelling.is_cancelled() {
-            (Choice::Cancelled, None, "the turn is being cancelled (R088)".to_owned())
-        } else {
-            let mut rule = self.policy.rule(kind);
-            let mut reason = format!("policy for {} tools: {rule:?}", kind.as_str());
-            let asker = self.asker.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-            if rule == Rule::Ask
-                && let Some(asker) = asker
-            {
-                let answer = tokio::select! {
-                    answer = asker.ask(&req) => answer,
-                    _ = self.cancelling.cancelled() => AskAnswer::Nobody,
-                };
-                let choice = match answer {
-                    AskAnswer::Option(id) if req.options.iter().any(|o| o.option_id.0.as_ref() == id) => {
-                        let kind = req.options.iter().find(|o| o.option_id.0.as_ref() == id).map(|o| o.kind);
-                        kind.map(|kind| Choice::Select { option_id: id.clone(), kind })
-                    }
-                    _ => None,
-                };
-                let (choice, reason) = match choice {
-                    Some(c) => (c, "answered by a person through the host".to_owned()),
-                    None => {
-                        let (c, why) = choose(Rule::Deny, &req.options);
-                        (c, format!("nobody answered the question; rejected {why}"))
-                    }
-                };
-                let outcome = match &choice {
-                    Choice::Select { option_id, .. } => {
-                        RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option_id.clone()))
-                    }
-                    Choice::Cancelled => RequestPermissionOutcome::Cancelled,
-                };
-                let value = serde_json::to_value(RequestPermissionResponse::new(outcome))
-                    .map_err(|e| internal(e.to_string()))?;
-                self.emit(ClientEvent::Permission {
-                    request: serde_json::to_value(&req).unwrap_or(Value::Null),
-                    outcome: value["outcome"].clone(),
-                    rule: json!("ask"),
-                    reason,
-                });
-                return Ok(value);
-            }
-            if rule == Rule::Ask {
-                if self.interactive {
-                    let asked = tokio::select! {
-                        answer = ask_on_terminal(title.clone(), kind) => answer,
-                        _ = self.cancelling.cancelled() => None,
-                    };
-                    match asked {
-                        Some(true) => (rule, reason) = (Rule::Allow, "allowed at the terminal".to_owned()),
-                        Some(false) => (rule, reason) = (Rule::Deny, "rejected at the terminal".to_owned()),
-                        None => {}
-                    }
-                } else {
-                    rule = Rule::Deny;
-                    reason = match self.policy.non_interactive {
-                        NonInteractive::Deny => {
-                            format!("{} tools ask and nobody can be asked: --non-interactive deny", kind.as_str())
-                        }
-                        NonInteractive::Fail => {
-                            self.permission_failed.cancel();
-                            format!("{} tools ask and nobody can be asked: --non-interactive fail", kind.as_str())
-                        }
-                    };
+            return (
+                c,
+                rule_json(Rule::Deny),
+                format!("{} is outside the paths this task may write{why}", outside.join(", ")),
+            );
+        }
+        let mut rule = self.policy.rule(kind);
+        let mut reason = format!("policy for {} tools: {rule:?}", kind.as_str());
+        let asker = lock(&self.asker).clone();
+        if rule == Rule::Ask
+            && let Some(asker) = asker
+        {
+            let answer = tokio::select! {
+                answer = asker.ask(req) => answer,
+                _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+            };
+            let choice = match answer {
+                AskAnswer::Option(id) => req
+                    .options
+                    .iter()
+                    .find(|o| o.option_id.0.as_ref() == id)
+                    .map(|o| Choice::Select { option_id: id.clone(), kind: o.kind }),
+                AskAnswer::Nobody => None,
+            };
+            return match choice {
+                Some(c) => (c, json!("ask"), "answered by a person through the host".to_owned()),
+                None => {
+                    let (c, why) = choose(Rule::Deny, &req.options);
+                    (c, json!("ask"), format!("nobody answered the question; rejected {why}"))
                 }
-            }
-            if self.permission_failed.is_cancelled() {
-                // The run is about to cancel the turn: grant nothing, deterministically.
-                (Choice::Cancelled, Some(rule), reason)
-            } else if self.cancelling.is_cancelled() {
-                (Choice::Cancelled, Some(rule), "the turn is being cancelled (R088)".to_owned())
+            };
+        }
+        if rule == Rule::Ask {
+            if self.interactive {
+                let asked = tokio::select! {
+                    answer = ask_on_terminal(title, kind) => answer,
+                    _ = self.cancelling.cancelled() => None,
+                };
+                match asked {
+                    Some(true) => (rule, reason) = (Rule::Allow, "allowed at the terminal".to_owned()),
+                    Some(false) => (rule, reason) = (Rule::Deny, "rejected at the terminal".to_owned()),
+                    None => {}
+                }
             } else {
-                let (choice, why) = choose(rule, &req.options);
-                let reason = if why.is_empty() { reason } else { format!("{reason}; {why}") };
-                (choice, Some(rule), reason)
+                rule = Rule::Deny;
+                reason = match self.policy.non_interactive {
+                    NonInteractive::Deny => {
+                        format!("{} tools ask and nobody can be asked: --non-interactive deny", kind.as_str())
+                    }
+                    NonInteractive::Fail => {
+                        self.permission_failed.cancel();
+                        format!("{} tools ask and nobody can be asked: --non-interactive fail", kind.as_str())
+                    }
+                };
             }
-        };
-        let outcome = match &choice {
-            Choice::Select { option_id, .. } => {
-                RequestPermissionOutcome::Selected(SelectedPermissionOutcome::new(option_id.clone()))
-            }
-            Choice::Cancelled => RequestPermissionOutcome::Cancelled,
-        };
-        let response = RequestPermissionResponse::new(outcome);
-        let value = serde_json::to_value(&response).map_err(|e| internal(e.to_string()))?;
-        tracing::info!(tool_call = %id, ?choice, %reason, "permission decided");
-        self.emit(ClientEvent::Permission {
-            request: serde_json::to_value(&req).unwrap_or(Value::Null),
-            outcome: value["outcome"].clone(),
-            rule: rule.map(|r| serde_json::to_value(r).unwrap_or(Value::Null)).unwrap_or(Value::Null),
-            reason,
-        });
-        Ok(value)
+        }
+        if self.permission_failed.is_cancelled() {
+            // The run is about to cancel the turn: grant nothing, deterministically.
+            return (Choice::Cancelled, rule_json(rule), reason);
+        }
+        let (choice, why) = choose(rule, &req.options);
+        let reason = if why.is_empty() { reason } else { format!("{reason}; {why}") };
+        (choice, rule_json(rule), reason)
     }
 
-    fn denied(&self, kind: ToolKind, method: &str) -> Result<(), Error> {
+    /// Remembers a granted tool call until an update says it ended.
+    fn note_grant(&self, id: &str, kind: ToolKind, choice: &Choice) {
+        use agent_client_protocol_schema::v1::PermissionOptionKind as K;
+        if matches!(choice, Choice::Select { kind: K::AllowOnce | K::AllowAlways, .. }) {
+            lock(&self.granted).insert(id.to_owned(), kind);
+        }
+    }
+
+    /// Whether a client method of `kind` may be served: the same rule as a tool call of
+    /// that kind (`fs/read_text_file` = read, `fs/write_text_file` = edit,
+    /// `terminal/create` = execute). *Ask* is answered by a granted tool call of the kind
+    /// that is still running, else by the person (the host's asker or the terminal);
+    /// with nobody to ask it is refused, and the error says which setting allows it.
+    async fn admit(&self, kind: ToolKind, method: &str, session_id: &str, target: &str) -> Result<(), Error> {
+        let name = kind.as_str();
         match self.policy.rule(kind) {
+            Rule::Allow | Rule::AllowAlways => return Ok(()),
             Rule::Deny | Rule::DenyAlways => {
-                Err(internal(format!("{method} is refused: pier's policy denies {} tools", kind.as_str())))
+                return Err(internal(format!("{method} is refused: pier's policy denies {name} tools")));
             }
-            _ => Ok(()),
+            Rule::Ask => {}
+        }
+        if lock(&self.granted).values().any(|k| *k == kind) {
+            return Ok(());
+        }
+        if self.cancelling.is_cancelled() {
+            return Err(internal(format!("{method} is refused: the turn is being cancelled and nobody is asked")));
+        }
+        let title = format!("{method} {target}");
+        let asker = lock(&self.asker).clone();
+        let answer = if let Some(asker) = asker {
+            let request = client_method_question(session_id, &title, kind)?;
+            let answer = tokio::select! {
+                answer = asker.ask(&request) => answer,
+                _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+            };
+            Some(answer == AskAnswer::Option(ALLOW_ONCE.to_owned()))
+        } else if self.interactive {
+            tokio::select! {
+                answer = ask_on_terminal(title, kind) => answer,
+                _ = self.cancelling.cancelled() => None,
+            }
+        } else {
+            None
+        };
+        match answer {
+            Some(true) => Ok(()),
+            Some(false) => Err(internal(format!("{method} is refused: a person rejected it"))),
+            None => {
+                if self.policy.non_interactive == NonInteractive::Fail {
+                    self.permission_failed.cancel();
+                }
+                Err(internal(format!(
+                    "{method} is refused: it is a tool call of kind {name}, pier's policy asks before {name} \
+                     tools and nobody can be asked; --approve-all, or `{name} = \"allow\"` under \
+                     [client.permissions], allows it"
+                )))
+            }
         }
     }
 
@@ -341,21 +400,21 @@ impl ClientState {
         let result: Result<Value, Error> = match request {
             AgentRequest::ReadTextFileRequest(r) if self.fs => {
                 target = r.path.display().to_string();
-                match self.denied(ToolKind::Read, &method) {
+                match self.admit(ToolKind::Read, &method, &r.session_id.0, &target).await {
                     Err(e) => Err(e),
                     Ok(()) => fs::read_text_file(&self.sandbox, r).await.and_then(|v| to_value(&v)),
                 }
             }
             AgentRequest::WriteTextFileRequest(r) if self.fs => {
                 target = r.path.display().to_string();
-                match self.denied(ToolKind::Edit, &method) {
+                match self.admit(ToolKind::Edit, &method, &r.session_id.0, &target).await {
                     Err(e) => Err(e),
                     Ok(()) => fs::write_text_file(&self.sandbox, r).await.and_then(|v| to_value(&v)),
                 }
             }
             AgentRequest::CreateTerminalRequest(r) if self.terminal => {
                 target = std::iter::once(r.command.clone()).chain(r.args.iter().cloned()).collect::<Vec<_>>().join(" ");
-                match self.denied(ToolKind::Execute, &method) {
+                match self.admit(ToolKind::Execute, &method, &r.session_id.0, &target).await {
                     Err(e) => Err(e),
                     Ok(()) => self.terminals.create(&self.sandbox, &self.cwd, r).await.and_then(|v| to_value(&v)),
                 }
@@ -392,6 +451,26 @@ impl ClientState {
         });
         result
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The option a person picks to let a client method through.
+const ALLOW_ONCE: &str = "allow-once";
+
+/// A client method put to the host's asker as a permission request of its kind.
+fn client_method_question(session_id: &str, title: &str, kind: ToolKind) -> Result<RequestPermissionRequest, Error> {
+    serde_json::from_value(json!({
+        "sessionId": session_id,
+        "toolCall": { "toolCallId": format!("client-method-{title}"), "title": title, "kind": kind.as_str() },
+        "options": [
+            { "optionId": ALLOW_ONCE, "name": "Allow once", "kind": "allow_once" },
+            { "optionId": "reject-once", "name": "Reject", "kind": "reject_once" },
+        ],
+    }))
+    .map_err(|e| internal(e.to_string()))
 }
 
 fn to_value<T: Serialize>(v: &T) -> Result<Value, Error> {

@@ -5,8 +5,17 @@
 //! seed 000: send `session/cancel`, answer every permission request `cancelled`
 //! from then on (R088), keep taking updates, and wait for the `cancelled` stop
 //! reason up to the grace period; an agent that does not confirm is killed. A
-//! second interrupt kills at once. Whatever the ending, teardown kills every
-//! terminal and the agent's whole process group.
+//! second interrupt kills at once. Before the turn runs (the handshake, the
+//! session's setup) there is nothing to cancel: an interrupt, `--timeout` or
+//! `--max-time` kills the agent's group at once. Whatever the ending, teardown kills
+//! every terminal and the agent's whole process group.
+//!
+//! State by lifetime: [`RunOptions`] is the agent spec (what to start and how to
+//! serve it), [`LiveAgent`] the connection state (the process, the connection, the
+//! capabilities it announced), and `Turn` the state of one turn (its session, the
+//! answer kept so far and its `Phase`). Each setup request waits in one place
+//! (`LiveAgent::setup_raw`), the turn in one loop over a closed `Wake` enum, and a
+//! cancel starts in one place (`Turn::cancel`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,13 +26,15 @@ use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
     ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
     LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
-    SessionNotification, SessionUpdate, StopReason,
+    StopReason,
 };
 use pier_acp::{Connection, ConnectionConfig, RequestError};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::handler::{ClientHandler, ClientState, EventReceiver, event_channel, message_text};
+use crate::handler::{ClientHandler, ClientState, EventReceiver, event_channel};
 use crate::policy::ClientPolicy;
 use crate::process::AgentProcess;
 use crate::registry::AgentCommand;
@@ -120,66 +131,147 @@ impl RunOutcome {
     }
 }
 
+/// The most text of one assistant message a run keeps for its outcome. The updates
+/// themselves (and so `--format json`) carry every chunk; only the kept copy is bounded.
+pub const MAX_TEXT: usize = 1 << 20;
+
+/// The tail of one assistant message, at most [`MAX_TEXT`] once rendered, and how
+/// many bytes were cut from its start.
+#[derive(Debug, Default, Clone)]
+struct Kept {
+    text: String,
+    cut: usize,
+}
+
+impl Kept {
+    fn push(&mut self, s: &str) {
+        self.text.push_str(s);
+        // Trim in batches: each byte is moved at most once more.
+        if self.text.len() > 2 * MAX_TEXT {
+            self.trim();
+        }
+    }
+
+    fn trim(&mut self) {
+        if self.text.len() <= MAX_TEXT {
+            return;
+        }
+        let mut at = self.text.len() - MAX_TEXT;
+        while !self.text.is_char_boundary(at) {
+            at += 1;
+        }
+        self.text.drain(..at);
+        self.cut += at;
+    }
+
+    fn is_empty(&self) -> bool {
+        self.text.is_empty() && self.cut == 0
+    }
+
+    fn render(&self) -> String {
+        let mut kept = self.clone();
+        kept.trim();
+        if kept.cut == 0 {
+            return kept.text;
+        }
+        format!(
+            "[pier: the first {} bytes of this message were cut; the session's updates carry all of it]\n{}",
+            kept.cut, kept.text
+        )
+    }
+}
+
 /// Builds the final assistant message from updates: a tool call starts a new message.
 #[derive(Default)]
 struct Transcript {
-    current: String,
-    last: String,
+    current: Kept,
+    last: Kept,
     usage: Option<Value>,
 }
 
 impl Transcript {
+    /// Takes one `session/update` (already checked against the schema by the handler).
     fn see(&mut self, params: &Value) {
-        let Ok(note) = serde_json::from_value::<SessionNotification>(params.clone()) else { return };
-        match &note.update {
-            SessionUpdate::ToolCall(_) => {
-                if !self.current.is_empty() {
-                    self.last = std::mem::take(&mut self.current);
+        let update = &params["update"];
+        match update["sessionUpdate"].as_str() {
+            Some("tool_call") if !self.current.is_empty() => {
+                self.last = std::mem::take(&mut self.current);
+            }
+            Some("usage_update") => self.usage = Some(update.clone()),
+            Some("agent_message_chunk") if update["content"]["type"] == "text" => {
+                if let Some(text) = update["content"]["text"].as_str() {
+                    self.current.push(text);
                 }
             }
-            SessionUpdate::UsageUpdate(_) => self.usage = Some(params["update"].clone()),
-            update => {
-                if let Some(text) = message_text(update) {
-                    self.current.push_str(text);
-                }
-            }
+            _ => {}
         }
     }
 
     fn text(&self) -> String {
-        if self.current.is_empty() { self.last.clone() } else { self.current.clone() }
+        if self.current.is_empty() { self.last.render() } else { self.current.render() }
     }
 }
 
 /// How many events may wait between a turn and whoever consumes its `events`.
 pub const EVENT_QUEUE: usize = 1024;
 
+/// Ctrl-C and SIGTERM (or the host's stop), once each.
+pub type Interrupts = mpsc::UnboundedReceiver<()>;
+
 /// Runs one prompt on a fresh agent process, then tears it down. `events` receives
-/// everything that happens; `interrupts` yields once per Ctrl-C or SIGTERM.
+/// everything that happens; `interrupts` yields once per Ctrl-C or SIGTERM, and one
+/// ends the run at any phase: during the handshake it kills the agent's group, during
+/// the turn it starts the cancel handshake.
 pub async fn run(
     opts: RunOptions,
     target: SessionTarget,
     prompt: Vec<ContentBlock>,
     events: mpsc::Sender<ClientEvent>,
-    mut interrupts: mpsc::UnboundedReceiver<()>,
+    mut interrupts: Interrupts,
 ) -> RunOutcome {
     let started = Instant::now();
-    let mut outcome = match LiveAgent::start(&opts, &events).await {
+    let mut outcome = match LiveAgent::start_interruptible(&opts, &events, &mut interrupts).await {
         Ok(mut agent) => {
             let outcome = agent.turn(&opts, target, prompt, &events, &mut interrupts).await;
             agent.shutdown(&events).await;
             outcome
         }
-        Err(error) => RunOutcome::failed(Some(error)),
+        Err(stopped) => stopped.into_outcome(None),
     };
     outcome.duration = started.elapsed();
     outcome
 }
 
-/// An agent process that has answered `initialize`. It serves one turn at a time,
-/// each in a session of its own, and can serve another as long as every turn so far
-/// ended cleanly ([`LiveAgent::reusable`]): a task host keeps such agents warm
-/// instead of paying a process start per task.
+/// Why a run stopped before an answer: how it ended and what to say.
+struct Stopped {
+    ending: Ending,
+    error: ClientError,
+}
+
+impl Stopped {
+    fn failed(error: ClientError) -> Stopped {
+        Stopped { ending: Ending::Failed, error }
+    }
+
+    fn into_outcome(self, base: Option<RunOutcome>) -> RunOutcome {
+        let mut outcome = base.unwrap_or_else(|| RunOutcome::failed(None));
+        outcome.ending = self.ending;
+        outcome.error = Some(self.error);
+        outcome
+    }
+}
+
+/// The latest instant a setup request (handshake, session) may be answered by.
+fn setup_deadline(opts: &RunOptions, from: Instant) -> Instant {
+    let bound = opts.max_time.map_or(opts.setup_timeout, |m| m.min(opts.setup_timeout));
+    from + bound
+}
+
+/// An agent process that has answered `initialize`: the connection's state, which
+/// lives as long as the process. It serves one turn at a time, each in a session of
+/// its own, and can serve another as long as every turn so far ended cleanly
+/// ([`LiveAgent::reusable`]): a task host keeps such agents warm instead of paying a
+/// process start per task.
 pub struct LiveAgent {
     process: AgentProcess,
     conn: Connection,
@@ -196,14 +288,26 @@ pub struct LiveAgent {
 impl LiveAgent {
     /// Spawns the agent and runs the handshake. On failure the agent is already torn down.
     pub async fn start(opts: &RunOptions, events: &mpsc::Sender<ClientEvent>) -> Result<LiveAgent, ClientError> {
+        // Nobody interrupts: a receiver whose sender is gone never yields.
+        let (_, mut none) = mpsc::unbounded_channel();
+        LiveAgent::start_interruptible(opts, events, &mut none).await.map_err(|s| s.error)
+    }
+
+    /// [`LiveAgent::start`], ended by an interrupt: the agent's group is killed at once.
+    async fn start_interruptible(
+        opts: &RunOptions,
+        events: &mpsc::Sender<ClientEvent>,
+        interrupts: &mut Interrupts,
+    ) -> Result<LiveAgent, Stopped> {
+        let deadline = setup_deadline(opts, Instant::now());
         let sandbox = Sandbox::new(&opts.cwd, &opts.allow_dirs)
             .and_then(|s| match &opts.writable {
                 Some(w) => s.with_writable(w),
                 None => Ok(s),
             })
-            .map_err(|e| ClientError::usage(format!("cannot use the directories to serve: {e}")))?;
-        let (process, pipes) = AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr)?;
-        // The handler reports to `inner`; a turn forwards to its `events` and learns from it.
+            .map_err(|e| Stopped::failed(ClientError::usage(format!("cannot use the directories to serve: {e}"))))?;
+        let (process, pipes) =
+            AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr).map_err(Stopped::failed)?;
         let (inner_tx, inner_rx) = event_channel();
         let state = Arc::new(ClientState::new(
             sandbox,
@@ -232,7 +336,7 @@ impl LiveAgent {
             resume_session: false,
             clean: true,
         };
-        match agent.handshake(opts).await {
+        match agent.handshake(opts, deadline, interrupts).await {
             Ok(()) => Ok(agent),
             Err(e) => {
                 agent.shutdown(events).await;
@@ -241,25 +345,30 @@ impl LiveAgent {
         }
     }
 
-    async fn handshake(&mut self, opts: &RunOptions) -> Result<(), ClientError> {
-        let (agent, conn, state) = (&mut self.process, &self.conn, &self.state);
+    async fn handshake(
+        &mut self,
+        opts: &RunOptions,
+        deadline: Instant,
+        interrupts: &mut Interrupts,
+    ) -> Result<(), Stopped> {
         let caps = ClientCapabilities::new()
             .fs(FileSystemCapabilities::new().read_text_file(opts.fs).write_text_file(opts.fs))
             .terminal(opts.terminal);
         let init = InitializeRequest::new(ProtocolVersion::V1)
             .client_capabilities(caps)
             .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));
-        let init: Value = setup(agent, opts, state, "initialize", conn.request("initialize", &init)).await?;
-        let init_response: InitializeResponse = serde_json::from_value(init.clone())
-            .map_err(|e| agent_error(agent, format!("its initialize response is malformed: {e}")))?;
+        let init: Value = self.setup("initialize", &init, deadline, interrupts).await?;
+        let init_response: InitializeResponse = serde_json::from_value(init.clone()).map_err(|e| {
+            Stopped::failed(agent_error(&mut self.process, format!("its initialize response is malformed: {e}")))
+        })?;
         if init_response.protocol_version != ProtocolVersion::V1 {
-            return Err(agent_error(
-                agent,
+            return Err(Stopped::failed(agent_error(
+                &mut self.process,
                 format!(
                     "it speaks ACP protocol version {}, and pier speaks only version 1 (R028)",
                     init_response.protocol_version
                 ),
-            ));
+            )));
         }
         self.info = init_response.agent_info.clone();
         self.load_session = init_response.agent_capabilities.load_session;
@@ -282,7 +391,7 @@ impl LiveAgent {
         target: SessionTarget,
         prompt: Vec<ContentBlock>,
         events: &mpsc::Sender<ClientEvent>,
-        interrupts: &mut mpsc::UnboundedReceiver<()>,
+        interrupts: &mut Interrupts,
     ) -> RunOutcome {
         let started = Instant::now();
         let mut outcome = RunOutcome::failed(None);
@@ -294,24 +403,27 @@ impl LiveAgent {
             return outcome;
         }
         self.state.begin_turn(opts.asker.clone());
-        let result = drive(
-            opts,
-            target,
-            prompt,
-            &self.conn,
-            &self.state,
-            &mut self.process,
-            &self.init,
-            &mut self.inner_rx,
-            events,
-            interrupts,
-            &mut outcome,
-        )
-        .await;
-        if let Err(e) = result {
-            // A cancel that ended in a kill has set its own ending already.
-            outcome.error = Some(e);
-        }
+        let mut outcome = match self.open_session(opts, target, setup_deadline(opts, started), interrupts).await {
+            Ok(session_id) => {
+                outcome.session_id = Some(session_id.clone());
+                let mut turn = Turn::new(opts, session_id, started);
+                let answer = turn.drive(self, prompt, events, interrupts).await;
+                outcome.text = turn.transcript.text();
+                outcome.usage = turn.transcript.usage.clone();
+                match answer {
+                    Ok(response) => {
+                        if let Some(usage) = response.usage {
+                            outcome.usage = Some(usage);
+                        }
+                        outcome.stop_reason = Some(response.stop_reason);
+                        outcome.ending = turn.phase.ending(response.stop_reason == StopReason::Cancelled);
+                        outcome
+                    }
+                    Err(stopped) => stopped.into_outcome(Some(outcome)),
+                }
+            }
+            Err(stopped) => stopped.into_outcome(Some(outcome)),
+        };
         if outcome.ending != Ending::Answered || outcome.error.is_some() {
             self.clean = false;
         }
@@ -330,6 +442,333 @@ impl LiveAgent {
         self.process.shutdown(Duration::from_secs(2)).await;
         while let Ok(event) = self.inner_rx.try_recv() {
             let _ = events.send(event).await;
+        }
+    }
+
+    /// The session the turn runs in: a new one (authenticating first if the agent
+    /// asks for it), or an earlier one resumed or loaded.
+    async fn open_session(
+        &mut self,
+        opts: &RunOptions,
+        target: SessionTarget,
+        deadline: Instant,
+        interrupts: &mut Interrupts,
+    ) -> Result<String, Stopped> {
+        let session_id = match target {
+            SessionTarget::New => {
+                let request = NewSessionRequest::new(opts.cwd.clone());
+                let first = self.setup_raw::<NewSessionResponse>("session/new", &request, deadline, interrupts).await?;
+                let response = match first {
+                    Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {
+                        self.authenticate(deadline, interrupts).await?;
+                        self.setup::<NewSessionResponse>("session/new", &request, deadline, interrupts).await?
+                    }
+                    other => self.settle("session/new", other).await?,
+                };
+                response.session_id.0.to_string()
+            }
+            SessionTarget::Continue { session_id } => {
+                if self.resume_session {
+                    let request = ResumeSessionRequest::new(session_id.clone(), opts.cwd.clone());
+                    self.setup::<Value>("session/resume", &request, deadline, interrupts).await?;
+                } else if self.load_session {
+                    self.state.replaying.store(true, Ordering::SeqCst);
+                    let request = LoadSessionRequest::new(session_id.clone(), opts.cwd.clone());
+                    let loaded = self.setup::<Value>("session/load", &request, deadline, interrupts).await;
+                    self.state.replaying.store(false, Ordering::SeqCst);
+                    loaded?;
+                } else {
+                    return Err(Stopped::failed(ClientError::Agent {
+                        agent: self.process.name.clone(),
+                        message: "it cannot continue sessions (it offers neither session/resume nor session/load); \
+                                  start a new session instead"
+                            .into(),
+                    }));
+                }
+                session_id
+            }
+        };
+        Ok(session_id)
+    }
+
+    /// Authenticates with the first env-var method whose variables are all set.
+    async fn authenticate(&mut self, deadline: Instant, interrupts: &mut Interrupts) -> Result<(), Stopped> {
+        let methods = self.init["authMethods"].as_array().cloned().unwrap_or_default();
+        let usable = methods.iter().find(|m| {
+            let vars: Vec<&str> =
+                match (m.get("vars").and_then(Value::as_array), m.get("varName").and_then(Value::as_str)) {
+                    (Some(vars), _) => {
+                        vars.iter().filter_map(|v| v.get("name").and_then(Value::as_str).or(v.as_str())).collect()
+                    }
+                    (None, Some(name)) => vec![name],
+                    _ => Vec::new(),
+                };
+            m["type"] == "env_var" && !vars.is_empty() && vars.iter().all(|v| std::env::var_os(v).is_some())
+        });
+        let Some(method) = usable else {
+            let names: Vec<String> = methods
+                .iter()
+                .map(|m| format!("{} ({})", m["id"].as_str().unwrap_or("?"), m["name"].as_str().unwrap_or("")))
+                .collect();
+            return Err(Stopped::failed(ClientError::Agent {
+                agent: self.process.name.clone(),
+                message: format!(
+                    "it requires authentication and none of its methods can be used unattended; its methods: {}",
+                    if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+                ),
+            }));
+        };
+        let params = json!({ "methodId": method["id"].clone() });
+        self.setup::<Value>("authenticate", &params, deadline, interrupts).await?;
+        Ok(())
+    }
+
+    /// One setup request, answered or failed.
+    async fn setup<T: DeserializeOwned>(
+        &mut self,
+        what: &str,
+        params: &impl Serialize,
+        deadline: Instant,
+        interrupts: &mut Interrupts,
+    ) -> Result<T, Stopped> {
+        let answer = self.setup_raw(what, params, deadline, interrupts).await?;
+        self.settle(what, answer).await
+    }
+
+    /// The one place a setup request (handshake, authentication, session) waits: for
+    /// its answer, bounded by `deadline` (`--timeout`, `--max-time`), a protocol breach
+    /// or an interrupt. A timeout or an interrupt kills the agent's group at once.
+    async fn setup_raw<T: DeserializeOwned>(
+        &mut self,
+        what: &str,
+        params: &impl Serialize,
+        deadline: Instant,
+        interrupts: &mut Interrupts,
+    ) -> Result<Result<T, RequestError>, Stopped> {
+        enum Wake<T> {
+            Answered(Result<T, RequestError>),
+            TimedOut,
+            Broken,
+            Interrupted,
+        }
+        let wake = tokio::select! {
+            answer = self.conn.request::<_, T>(what, params) => Wake::Answered(answer),
+            _ = tokio::time::sleep_until(deadline.into()) => Wake::TimedOut,
+            _ = self.state.protocol_broken.cancelled() => Wake::Broken,
+            Some(()) = interrupts.recv() => Wake::Interrupted,
+        };
+        match wake {
+            Wake::Answered(answer) => Ok(answer),
+            Wake::Broken => Err(Stopped::failed(protocol_error(&mut self.process, &self.state))),
+            Wake::TimedOut => {
+                self.process.kill().await;
+                let error = agent_error(
+                    &mut self.process,
+                    format!("it did not answer {what} in time (--timeout, --max-time); it was killed"),
+                );
+                Err(Stopped { ending: Ending::TimedOut { confirmed: false }, error })
+            }
+            Wake::Interrupted => {
+                self.process.kill().await;
+                let error = agent_error(&mut self.process, format!("interrupted during {what}; the agent was killed"));
+                Err(Stopped { ending: Ending::Interrupted { confirmed: false }, error })
+            }
+        }
+    }
+
+    /// A request's answer, or the agent failure it means.
+    async fn settle<T>(&mut self, what: &str, r: Result<T, RequestError>) -> Result<T, Stopped> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                if matches!(e, RequestError::Closed) {
+                    // The agent went away: let it finish exiting so the error can say how.
+                    self.process.settle_exit(Duration::from_secs(1)).await;
+                }
+                Err(Stopped::failed(request_error(&mut self.process, what, e)))
+            }
+        }
+    }
+}
+
+/// Where a turn is, once its session is open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// The prompt is out; updates are taken until its answer.
+    Prompting,
+    /// `session/cancel` went out at `since`: every permission request is answered
+    /// `cancelled` (R088) and the agent has the grace period to confirm.
+    Cancelling { since: Instant, cause: Cause },
+}
+
+/// Why a turn is being cancelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// `--timeout` or `--max-time`.
+    Timeout,
+    /// Ctrl-C, SIGTERM or the host's stop.
+    Interrupt,
+    /// `--non-interactive fail` met an *ask*.
+    Permission,
+}
+
+impl Phase {
+    /// How the turn ended, given whether the agent confirmed a cancel.
+    fn ending(self, confirmed: bool) -> Ending {
+        match self {
+            Phase::Prompting => Ending::Answered,
+            Phase::Cancelling { cause: Cause::Timeout, .. } => Ending::TimedOut { confirmed },
+            Phase::Cancelling { cause: Cause::Interrupt, .. } => Ending::Interrupted { confirmed },
+            Phase::Cancelling { cause: Cause::Permission, .. } => Ending::PermissionRequired,
+        }
+    }
+}
+
+/// The agent's answer to the prompt.
+struct Answer {
+    stop_reason: StopReason,
+    usage: Option<Value>,
+}
+
+/// What woke the turn's loop.
+enum Wake {
+    Answered(Result<Value, RequestError>),
+    Event(ClientEvent),
+    TimedOut,
+    PermissionRequired,
+    Interrupted,
+    GraceOver,
+}
+
+/// The state of one turn: its session, what it kept of the answer, and its phase.
+struct Turn<'a> {
+    opts: &'a RunOptions,
+    session_id: String,
+    started: Instant,
+    last_activity: Instant,
+    transcript: Transcript,
+    phase: Phase,
+}
+
+impl<'a> Turn<'a> {
+    fn new(opts: &'a RunOptions, session_id: String, started: Instant) -> Turn<'a> {
+        Turn {
+            opts,
+            session_id,
+            started,
+            last_activity: Instant::now(),
+            transcript: Transcript::default(),
+            phase: Phase::Prompting,
+        }
+    }
+
+    /// The first of `--timeout` (since the last update) and `--max-time` (since the turn began).
+    fn timeout_at(&self) -> Instant {
+        let far = self.started + Duration::from_secs(365 * 24 * 3600);
+        let idle = self.opts.idle_timeout.map_or(far, |t| self.last_activity + t);
+        let max = self.opts.max_time.map_or(far, |t| self.started + t);
+        idle.min(max)
+    }
+
+    fn grace_over_at(&self) -> Instant {
+        match self.phase {
+            Phase::Cancelling { since, .. } => since + self.opts.cancel_grace,
+            Phase::Prompting => self.started + Duration::from_secs(365 * 24 * 3600),
+        }
+    }
+
+    /// Sends the prompt and follows the turn to its answer, or to the kill that ends a
+    /// cancel the agent did not confirm.
+    async fn drive(
+        &mut self,
+        agent: &mut LiveAgent,
+        prompt: Vec<ContentBlock>,
+        events: &mpsc::Sender<ClientEvent>,
+        interrupts: &mut Interrupts,
+    ) -> Result<Answer, Stopped> {
+        let request = PromptRequest::new(self.session_id.clone(), prompt);
+        let conn = agent.conn.clone();
+        let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
+        tokio::pin!(prompt_fut);
+        loop {
+            let prompting = self.phase == Phase::Prompting;
+            let wake = tokio::select! {
+                answer = &mut prompt_fut => Wake::Answered(answer),
+                Some(event) = agent.inner_rx.recv() => Wake::Event(event),
+                _ = tokio::time::sleep_until(self.timeout_at().into()), if prompting => Wake::TimedOut,
+                _ = agent.state.permission_failed.cancelled(), if prompting => Wake::PermissionRequired,
+                Some(()) = interrupts.recv() => Wake::Interrupted,
+                _ = tokio::time::sleep_until(self.grace_over_at().into()), if !prompting => Wake::GraceOver,
+            };
+            match wake {
+                Wake::Answered(answer) => {
+                    // Updates that raced the answer are still part of the turn.
+                    while let Ok(event) = agent.inner_rx.try_recv() {
+                        self.take(agent, event, events).await?;
+                    }
+                    let answer = agent.settle("session/prompt", answer).await?;
+                    let usage = answer.get("usage").cloned();
+                    let response: PromptResponse = serde_json::from_value(answer).map_err(|e| {
+                        let message = format!("its session/prompt response is malformed: {e}");
+                        Stopped::failed(agent_error(&mut agent.process, message))
+                    })?;
+                    return Ok(Answer { stop_reason: response.stop_reason, usage });
+                }
+                Wake::Event(event) => {
+                    self.last_activity = Instant::now();
+                    self.take(agent, event, events).await?;
+                }
+                Wake::TimedOut => self.cancel(agent, Cause::Timeout).await,
+                Wake::PermissionRequired => self.cancel(agent, Cause::Permission).await,
+                Wake::Interrupted if prompting => self.cancel(agent, Cause::Interrupt).await,
+                Wake::Interrupted => {
+                    agent.process.kill().await;
+                    let error = agent_error(&mut agent.process, "interrupted twice; the agent was killed".into());
+                    return Err(Stopped { ending: Ending::Interrupted { confirmed: false }, error });
+                }
+                Wake::GraceOver => {
+                    agent.process.kill().await;
+                    let error = agent_error(
+                        &mut agent.process,
+                        format!("it did not confirm the cancel within {:?}; it was killed", self.opts.cancel_grace),
+                    );
+                    return Err(Stopped { ending: self.phase.ending(false), error });
+                }
+            }
+        }
+    }
+
+    /// Passes one event of this turn's session on. A bounded queue: while its consumer
+    /// is behind, this waits, the handler's backlog grows, and the connection stops
+    /// reading (see `event_channel`).
+    async fn take(
+        &mut self,
+        agent: &mut LiveAgent,
+        event: ClientEvent,
+        events: &mpsc::Sender<ClientEvent>,
+    ) -> Result<(), Stopped> {
+        if !of_session(&event, &self.session_id) {
+            return Ok(());
+        }
+        match &event {
+            ClientEvent::Update(params) => self.transcript.see(params),
+            ClientEvent::ProtocolError(_) => {
+                let _ = events.send(event).await;
+                return Err(Stopped::failed(protocol_error(&mut agent.process, &agent.state)));
+            }
+            _ => {}
+        }
+        let _ = events.send(event).await;
+        Ok(())
+    }
+
+    /// The one place a turn starts cancelling: from here on every permission request
+    /// is answered `cancelled` (R088), and the agent is told with `session/cancel`.
+    async fn cancel(&mut self, agent: &LiveAgent, cause: Cause) {
+        self.phase = Phase::Cancelling { since: Instant::now(), cause };
+        agent.state.cancelling.cancel();
+        if let Err(e) = agent.conn.notify("session/cancel", &json!({ "sessionId": self.session_id })).await {
+            tracing::warn!(error = %e, "could not send session/cancel");
         }
     }
 }
@@ -360,174 +799,6 @@ fn request_error(agent: &mut AgentProcess, what: &str, e: RequestError) -> Clien
     agent_error(agent, message)
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn drive(
-    opts: &RunOptions,
-    target: SessionTarget,
-    prompt: Vec<ContentBlock>,
-    conn: &Connection,
-    state: &Arc<ClientState>,
-    agent: &mut AgentProcess,
-    init: &Value,
-    inner_rx: &mut EventReceiver,
-    events: &mpsc::Sender<ClientEvent>,
-    interrupts: &mut mpsc::UnboundedReceiver<()>,
-    outcome: &mut RunOutcome,
-) -> Result<(), ClientError> {
-    // Session.
-    let session_id = match target {
-        SessionTarget::New => {
-            let request = NewSessionRequest::new(opts.cwd.clone());
-            let first = guard(
-                agent,
-                opts,
-                state,
-                "session/new",
-                conn.request::<_, NewSessionResponse>("session/new", &request),
-            )
-            .await?;
-            let response = match first {
-                Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {
-                    authenticate(agent, opts, state, conn, init).await?;
-                    setup(
-                        agent,
-                        opts,
-                        state,
-                        "session/new",
-                        conn.request::<_, NewSessionResponse>("session/new", &request),
-                    )
-                    .await?
-                }
-                other => settle(agent, "session/new", other).await?,
-            };
-            response.session_id.0.to_string()
-        }
-        SessionTarget::Continue { session_id } => {
-            if outcome.resume_session {
-                let request = ResumeSessionRequest::new(session_id.clone(), opts.cwd.clone());
-                setup(agent, opts, state, "session/resume", conn.request::<_, Value>("session/resume", &request))
-                    .await?;
-            } else if outcome.load_session {
-                state.replaying.store(true, Ordering::SeqCst);
-                let request = LoadSessionRequest::new(session_id.clone(), opts.cwd.clone());
-                let loaded =
-                    setup(agent, opts, state, "session/load", conn.request::<_, Value>("session/load", &request)).await;
-                state.replaying.store(false, Ordering::SeqCst);
-                loaded?;
-            } else {
-                return Err(ClientError::Agent {
-                    agent: agent.name.clone(),
-                    message: "it cannot continue sessions (it offers neither session/resume nor session/load); \
-                              start a new session instead"
-                        .into(),
-                });
-            }
-            session_id
-        }
-    };
-    outcome.session_id = Some(session_id.clone());
-
-    // The turn.
-    let request = PromptRequest::new(session_id.clone(), prompt);
-    let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
-    tokio::pin!(prompt_fut);
-    let started = Instant::now();
-    let mut last_activity = Instant::now();
-    let mut cancel: Option<(Instant, Ending)> = None;
-    let mut transcript = Transcript::default();
-    let far = Duration::from_secs(365 * 24 * 3600);
-    let response = loop {
-        let idle_deadline = opts.idle_timeout.map_or(started + far, |t| last_activity + t);
-        let max_deadline = opts.max_time.map_or(started + far, |t| started + t);
-        let grace_deadline = cancel.map_or(started + far, |(at, _)| at + opts.cancel_grace);
-        tokio::select! {
-            response = &mut prompt_fut => break response,
-            Some(event) = inner_rx.recv() => {
-                last_activity = Instant::now();
-                if !of_session(&event, &session_id) {
-                    continue;
-                }
-                match &event {
-                    ClientEvent::Update(params) => transcript.see(params),
-                    ClientEvent::ProtocolError(_) => {
-                        let _ = events.send(event.clone()).await;
-                        outcome.text = transcript.text();
-                        return Err(protocol_error(agent, state));
-                    }
-                    _ => {}
-                }
-                // A bounded queue: while its consumer is behind, this waits, the handler's
-                // backlog grows, and the connection stops reading (see `event_channel`).
-                let _ = events.send(event).await;
-            }
-            _ = tokio::time::sleep_until(idle_deadline.into()), if cancel.is_none() => {
-                start_cancel(conn, state, &session_id).await;
-                cancel = Some((Instant::now(), Ending::TimedOut { confirmed: true }));
-            }
-            _ = tokio::time::sleep_until(max_deadline.into()), if cancel.is_none() => {
-                start_cancel(conn, state, &session_id).await;
-                cancel = Some((Instant::now(), Ending::TimedOut { confirmed: true }));
-            }
-            _ = state.permission_failed.cancelled(), if cancel.is_none() => {
-                start_cancel(conn, state, &session_id).await;
-                cancel = Some((Instant::now(), Ending::PermissionRequired));
-            }
-            Some(()) = interrupts.recv() => {
-                if cancel.is_some() {
-                    agent.kill().await;
-                    outcome.ending = Ending::Interrupted { confirmed: false };
-                    outcome.text = transcript.text();
-                    return Err(agent_error(agent, "interrupted twice; the agent was killed".into()));
-                }
-                start_cancel(conn, state, &session_id).await;
-                cancel = Some((Instant::now(), Ending::Interrupted { confirmed: true }));
-            }
-            _ = tokio::time::sleep_until(grace_deadline.into()), if cancel.is_some() => {
-                agent.kill().await;
-                let ending = match cancel.map(|c| c.1) {
-                    Some(Ending::TimedOut { .. }) => Ending::TimedOut { confirmed: false },
-                    Some(Ending::PermissionRequired) => Ending::PermissionRequired,
-                    _ => Ending::Interrupted { confirmed: false },
-                };
-                outcome.ending = ending;
-                outcome.text = transcript.text();
-                return Err(agent_error(
-                    agent,
-                    format!("it did not confirm the cancel within {:?}; it was killed", opts.cancel_grace),
-                ));
-            }
-        }
-    };
-    // Updates that raced the response are still part of the turn.
-    while let Ok(event) = inner_rx.try_recv() {
-        if !of_session(&event, &session_id) {
-            continue;
-        }
-        if let ClientEvent::Update(params) = &event {
-            transcript.see(params);
-        }
-        let _ = events.send(event).await;
-    }
-    outcome.text = transcript.text();
-    outcome.usage = transcript.usage.clone();
-    let response = settle(agent, "session/prompt", response).await?;
-    if let Some(usage) = response.get("usage") {
-        outcome.usage = Some(usage.clone());
-    }
-    let prompt_response: PromptResponse = serde_json::from_value(response)
-        .map_err(|e| agent_error(agent, format!("its session/prompt response is malformed: {e}")))?;
-    outcome.stop_reason = Some(prompt_response.stop_reason);
-    outcome.ending = match cancel {
-        None => Ending::Answered,
-        Some((_, Ending::TimedOut { .. })) => {
-            Ending::TimedOut { confirmed: prompt_response.stop_reason == StopReason::Cancelled }
-        }
-        Some((_, Ending::PermissionRequired)) => Ending::PermissionRequired,
-        Some(_) => Ending::Interrupted { confirmed: prompt_response.stop_reason == StopReason::Cancelled },
-    };
-    Ok(())
-}
-
 /// Whether an event belongs to this turn's session. An agent that serves several
 /// turns may still send an update for an earlier session; it is not this turn's.
 fn of_session(event: &ClientEvent, session_id: &str) -> bool {
@@ -543,95 +814,8 @@ fn of_session(event: &ClientEvent, session_id: &str) -> bool {
     }
 }
 
-async fn start_cancel(conn: &Connection, state: &ClientState, session_id: &str) {
-    state.cancelling.cancel();
-    if let Err(e) = conn.notify("session/cancel", &json!({ "sessionId": session_id })).await {
-        tracing::warn!(error = %e, "could not send session/cancel");
-    }
-}
-
-async fn settle<T>(agent: &mut AgentProcess, what: &str, r: Result<T, RequestError>) -> Result<T, ClientError> {
-    match r {
-        Ok(v) => Ok(v),
-        Err(e) => {
-            if matches!(e, RequestError::Closed) {
-                // The agent went away: let it finish exiting so the error can say how.
-                agent.settle_exit(Duration::from_secs(1)).await;
-            }
-            Err(request_error(agent, what, e))
-        }
-    }
-}
-
-async fn setup<T>(
-    agent: &mut AgentProcess,
-    opts: &RunOptions,
-    state: &ClientState,
-    what: &str,
-    fut: impl std::future::Future<Output = Result<T, RequestError>>,
-) -> Result<T, ClientError> {
-    let r = guard(agent, opts, state, what, fut).await?;
-    settle(agent, what, r).await
-}
-
-/// Bounds a setup request by the setup timeout and a protocol breach.
-async fn guard<T>(
-    agent: &mut AgentProcess,
-    opts: &RunOptions,
-    state: &ClientState,
-    what: &str,
-    fut: impl std::future::Future<Output = Result<T, RequestError>>,
-) -> Result<Result<T, RequestError>, ClientError> {
-    tokio::select! {
-        r = tokio::time::timeout(opts.setup_timeout, fut) => match r {
-            Ok(r) => Ok(r),
-            Err(_) => Err(agent_error(agent, format!("it did not answer {what} within {:?}", opts.setup_timeout))),
-        },
-        _ = state.protocol_broken.cancelled() => Err(protocol_error(agent, state)),
-    }
-}
-
 fn protocol_error(agent: &mut AgentProcess, state: &ClientState) -> ClientError {
     let what =
         state.protocol_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone().unwrap_or_default();
     agent_error(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}"))
-}
-
-/// Authenticates with the first env-var method whose variables are all set.
-async fn authenticate(
-    agent: &mut AgentProcess,
-    opts: &RunOptions,
-    state: &ClientState,
-    conn: &Connection,
-    init: &Value,
-) -> Result<(), ClientError> {
-    let methods = init["authMethods"].as_array().cloned().unwrap_or_default();
-    let usable = methods.iter().find(|m| {
-        let vars: Vec<&str> = match (m.get("vars").and_then(Value::as_array), m.get("varName").and_then(Value::as_str))
-        {
-            (Some(vars), _) => {
-                vars.iter().filter_map(|v| v.get("name").and_then(Value::as_str).or(v.as_str())).collect()
-            }
-            (None, Some(name)) => vec![name],
-            _ => Vec::new(),
-        };
-        m["type"] == "env_var" && !vars.is_empty() && vars.iter().all(|v| std::env::var_os(v).is_some())
-    });
-    let Some(method) = usable else {
-        let names: Vec<String> = methods
-            .iter()
-            .map(|m| format!("{} ({})", m["id"].as_str().unwrap_or("?"), m["name"].as_str().unwrap_or("")))
-            .collect();
-        return Err(ClientError::Agent {
-            agent: agent.name.clone(),
-            message: format!(
-                "it requires authentication and none of its methods can be used unattended; its methods: {}",
-                if names.is_empty() { "none".to_owned() } else { names.join(", ") }
-            ),
-        });
-    };
-    let id = method["id"].clone();
-    setup(agent, opts, state, "authenticate", conn.request::<_, Value>("authenticate", &json!({ "methodId": id })))
-        .await?;
-    Ok(())
 }

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use pier_acp::schema::Error;
+use pier_acp::schema::RequestPermissionRequest;
 use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx, RequestError};
-use pier_client::handler::{ClientHandler, ClientState, EventReceiver, event_channel};
+use pier_client::handler::{AskAnswer, Asker, ClientHandler, ClientState, EventReceiver, event_channel};
 use pier_client::sandbox::Sandbox;
 use pier_client::{ClientEvent, ClientPolicy};
 use serde_json::{Value, json};
@@ -46,6 +47,12 @@ fn setup_with(policy: ClientPolicy, fs: bool, terminal: bool) -> Setup {
 
 fn setup() -> Setup {
     setup_with(ClientPolicy::default(), true, true)
+}
+
+fn approving() -> Setup {
+    let mut p = ClientPolicy::default();
+    p.approve_all();
+    setup_with(p, true, true)
 }
 
 impl Setup {
@@ -114,15 +121,7 @@ async fn read_text_file_serves_lines_inside_the_sandbox_only() {
 
 #[tokio::test]
 async fn write_text_file_creates_files_inside_and_nothing_outside() {
-    let mut s = setup_with(
-        {
-            let mut p = ClientPolicy::default();
-            p.approve_all();
-            p
-        },
-        true,
-        true,
-    );
+    let mut s = approving();
     let target = s.root().join("new/dir/f.txt");
     let r = s.call("fs/write_text_file", json!({"sessionId": "s", "path": target, "content": "hello"})).await;
     assert_eq!(r.ok(), Some(json!({})));
@@ -170,7 +169,7 @@ fn group_alive(pgid: i64) -> bool {
 
 #[tokio::test]
 async fn terminals_run_report_truncate_kill_and_release() {
-    let s = setup();
+    let s = approving();
     let create = |cmd: &str, limit: Option<u64>| json!({"sessionId": "s", "command": "sh", "args": ["-c", cmd], "outputByteLimit": limit});
     let id = s
         .call("terminal/create", create("echo out; echo err >&2; exit 7", None))
@@ -285,4 +284,89 @@ async fn writes_and_edit_permissions_are_fenced_to_the_writable_paths() {
     let outside: Value =
         agent.request("session/request_permission", &ask(PathBuf::from("/etc/hosts"))).await.unwrap_or_default();
     assert_eq!(outside["outcome"]["optionId"], "n", "approve-all does not reach past the writable paths");
+}
+
+/// Answers the permission requests of real tool calls `allow-once` (as a person through
+/// the host would) and never answers a client method's own question; each question is
+/// reported on `asked`.
+struct Person {
+    asked: tokio::sync::mpsc::UnboundedSender<String>,
+}
+
+impl Asker for Person {
+    fn ask(&self, request: &RequestPermissionRequest) -> BoxFuture<'static, AskAnswer> {
+        let id = request.tool_call.tool_call_id.0.to_string();
+        let _ = self.asked.send(id.clone());
+        Box::pin(async move {
+            if id.starts_with("client-method-") {
+                std::future::pending::<()>().await;
+            }
+            AskAnswer::Option("yes".to_owned())
+        })
+    }
+}
+
+fn permission_request(id: &str, kind: &str) -> Value {
+    json!({
+        "sessionId": "s",
+        "toolCall": {"toolCallId": id, "title": "run it", "kind": kind},
+        "options": [
+            {"optionId": "yes", "name": "Yes", "kind": "allow_once"},
+            {"optionId": "no", "name": "No", "kind": "reject_once"},
+        ],
+    })
+}
+
+#[tokio::test]
+async fn a_client_method_that_asks_is_served_while_a_granted_call_of_its_kind_runs() {
+    let s = setup();
+    let (asked_tx, mut asked) = tokio::sync::mpsc::unbounded_channel();
+    s.state.begin_turn(Some(Arc::new(Person { asked: asked_tx })));
+    let create = json!({"sessionId": "s", "command": "true"});
+    let r = s.call("session/request_permission", permission_request("t1", "execute")).await.unwrap_or_default();
+    assert_eq!(r["outcome"]["optionId"], "yes");
+    assert!(s.call("terminal/create", create.clone()).await.is_ok(), "the granted call runs its command");
+    // An edit was not granted: fs/write_text_file goes to the person, who is asked and
+    // has not answered when the turn is cancelled.
+    let write = json!({"sessionId": "s", "path": s.root().join("w.txt"), "content": "x"});
+    let agent = s.agent.clone();
+    let pending = tokio::spawn(async move { agent.request::<_, Value>("fs/write_text_file", &write).await });
+    loop {
+        let id = asked.recv().await.unwrap_or_default();
+        if id.starts_with("client-method-fs/write_text_file") {
+            break;
+        }
+    }
+    s.state.cancelling.cancel();
+    let refused = must_join(pending).await;
+    assert!(matches!(refused, Err(RequestError::Remote(ref e)) if e.message.contains("is refused")), "{refused:?}");
+    assert!(!s.root().join("w.txt").exists());
+    // Once the granted call ends, its kind asks again (and, cancelling, nobody is asked).
+    let done = json!({"sessionId": "s", "update": {"sessionUpdate": "tool_call_update", "toolCallId": "t1", "status": "completed"}});
+    s.agent.notify("session/update", &done).await.unwrap_or_else(|e| panic!("{e}"));
+    let refused = s.call("terminal/create", create).await;
+    assert!(refused.is_err_and(|e| e.message.contains("is refused")));
+}
+
+#[tokio::test]
+async fn a_question_pending_with_the_host_is_answered_cancelled_once_cancelling_r088() {
+    let s = setup();
+    let (asked_tx, mut asked) = tokio::sync::mpsc::unbounded_channel();
+    s.state.begin_turn(Some(Arc::new(Person { asked: asked_tx })));
+    // A client method's question is never answered by `Person`: use its id for a tool call.
+    let agent = s.agent.clone();
+    let request = permission_request("client-method-pending", "edit");
+    let pending = tokio::spawn(async move { agent.request::<_, Value>("session/request_permission", &request).await });
+    assert_eq!(asked.recv().await.as_deref(), Some("client-method-pending"));
+    s.state.cancelling.cancel();
+    let answer = must_join(pending).await.unwrap_or_default();
+    assert_eq!(answer["outcome"], json!({"outcome": "cancelled"}), "not a rejection: R088");
+}
+
+async fn must_join<T>(task: tokio::task::JoinHandle<T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(20), task).await {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => panic!("{e}"),
+        Err(_) => panic!("no answer"),
+    }
 }

@@ -56,7 +56,8 @@ pub struct ClientArgs {
     /// Do not serve terminal/*
     #[arg(long)]
     no_terminal: bool,
-    /// Cancel the turn after this many seconds without any update from the agent [default: 600]
+    /// Cancel the turn after this many seconds without any update from the agent, and
+    /// give up on an agent that takes longer to start or open the session [default: 600; start: 60]
     #[arg(long, value_name = "SECS")]
     timeout: Option<f64>,
     /// Cancel the turn after this many seconds in all
@@ -157,32 +158,45 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, String), ClientError> {
         idle_timeout: Some(secs(args.timeout.unwrap_or(600.0))?),
         max_time: args.max_time.map(secs).transpose()?,
         cancel_grace: secs(args.cancel_grace)?,
-        setup_timeout: Duration::from_secs(60),
+        setup_timeout: args.timeout.map_or(Ok(Duration::from_secs(60)), secs)?,
         asker: None,
         writable: None,
     };
     Ok((opts, prompt))
 }
 
-/// Runs one prompt with Ctrl-C and SIGTERM wired to the cancel handshake.
+/// Which signal interrupted a run first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Signalled {
+    Interrupt,
+    Terminate,
+}
+
+/// Runs one prompt with Ctrl-C and SIGTERM wired to the run: each is one interrupt
+/// (the cancel handshake during a turn, a kill before it). Also says which signal came first.
 async fn run_with_signals(
     opts: RunOptions,
     target: SessionTarget,
     prompt: String,
     renderer: &mut Renderer,
-) -> RunOutcome {
+) -> (RunOutcome, Option<Signalled>) {
     let (events_tx, mut events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
     let (int_tx, int_rx) = mpsc::unbounded_channel();
+    let first = std::sync::Arc::new(std::sync::OnceLock::new());
+    let seen = first.clone();
+    // Installed before the agent starts, so no signal finds the default action.
+    use tokio::signal::unix::{SignalKind, signal};
+    let handlers = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
     let signals = tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = handlers else {
             return;
         };
         loop {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
+            let which = tokio::select! {
+                _ = term.recv() => Signalled::Terminate,
+                _ = int.recv() => Signalled::Interrupt,
+            };
+            let _ = seen.set(which);
             if int_tx.send(()).is_err() {
                 return;
             }
@@ -201,7 +215,17 @@ async fn run_with_signals(
         renderer.event(&event);
     }
     signals.abort();
-    outcome
+    (outcome, first.get().copied())
+}
+
+/// The exit code: 143 for a run that SIGTERM ended, as for any process it ends.
+fn exit_code(outcome: &RunOutcome, signalled: Option<Signalled>) -> i32 {
+    let code = render::exit_code(outcome);
+    if code == render::exit::CANCELLED && signalled == Some(Signalled::Terminate) {
+        render::exit::TERMINATED
+    } else {
+        code
+    }
 }
 
 fn format_of(args: &ClientArgs) -> Format {
@@ -211,11 +235,11 @@ fn format_of(args: &ClientArgs) -> Format {
 /// `pier exec`: returns the exit code.
 pub async fn exec(args: ClientArgs) -> i32 {
     let mut renderer = Renderer::new(format_of(&args), args.verbose);
-    let outcome = match options(&args) {
+    let (outcome, signalled) = match options(&args) {
         Ok((opts, prompt)) => run_with_signals(opts, SessionTarget::New, prompt, &mut renderer).await,
-        Err(e) => RunOutcome::failed(Some(e)),
+        Err(e) => (RunOutcome::failed(Some(e)), None),
     };
-    let code = render::exit_code(&outcome);
+    let code = exit_code(&outcome, signalled);
     renderer.finish(&outcome, code);
     code
 }
@@ -227,16 +251,19 @@ fn now_ms() -> u128 {
 /// `pier prompt -s NAME`: returns the exit code.
 pub async fn prompt(args: PromptArgs) -> i32 {
     let mut renderer = Renderer::new(format_of(&args.client), args.client.verbose);
-    let outcome = match prompt_inner(&args, &mut renderer).await {
+    let (outcome, signalled) = match prompt_inner(&args, &mut renderer).await {
         Ok(o) => o,
-        Err(e) => RunOutcome::failed(Some(e)),
+        Err(e) => (RunOutcome::failed(Some(e)), None),
     };
-    let code = render::exit_code(&outcome);
+    let code = exit_code(&outcome, signalled);
     renderer.finish(&outcome, code);
     code
 }
 
-async fn prompt_inner(args: &PromptArgs, renderer: &mut Renderer) -> Result<RunOutcome, ClientError> {
+async fn prompt_inner(
+    args: &PromptArgs,
+    renderer: &mut Renderer,
+) -> Result<(RunOutcome, Option<Signalled>), ClientError> {
     let (opts, prompt) = options(&args.client)?;
     let home = config::pier_home(&ProcessEnv).map_err(|e| ClientError::usage(format!("{e:#}")))?;
     let store = SessionStore::new(&home);
@@ -249,7 +276,7 @@ async fn prompt_inner(args: &PromptArgs, renderer: &mut Renderer) -> Result<RunO
         Some(r) => SessionTarget::Continue { session_id: r.session_id.clone() },
         None => SessionTarget::New,
     };
-    let outcome = run_with_signals(opts, target, prompt, renderer).await;
+    let (outcome, signalled) = run_with_signals(opts, target, prompt, renderer).await;
     if let Some(session_id) = &outcome.session_id {
         let now = now_ms();
         let record = SessionRecord {
@@ -270,7 +297,7 @@ async fn prompt_inner(args: &PromptArgs, renderer: &mut Renderer) -> Result<RunO
             return Err(ClientError::usage(format!("the turn ran, but its session record could not be saved: {e}")));
         }
     }
-    Ok(outcome)
+    Ok((outcome, signalled))
 }
 
 /// `pier sessions`.

@@ -48,6 +48,8 @@ pub mod exit {
     pub const PERMISSION: i32 = 6;
     pub const TIMEOUT: i32 = 124;
     pub const CANCELLED: i32 = 130;
+    /// Cancelled by SIGTERM.
+    pub const TERMINATED: i32 = 143;
 }
 
 pub fn exit_code(outcome: &RunOutcome) -> i32 {
