@@ -28,20 +28,27 @@ use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt};
 
 use crate::ToolError;
 
-/// One root: its canonical path and a directory handle everything beneath it is opened through.
+/// One root: its canonical path, whose directory handle everything beneath it is opened
+/// through. The handle is opened for each operation and closed after it, so an idle
+/// session holds no descriptor (a process may keep any number of sessions); what is
+/// beneath the root is still resolved in the kernel, beneath that handle.
 #[derive(Debug)]
 struct Root {
     path: PathBuf,
-    dir: Dir,
 }
 
 impl Root {
     fn open(path: &Path) -> std::io::Result<Root> {
         let path =
             path.canonicalize().map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-        let dir = Dir::open_ambient_dir(&path, cap_std::ambient_authority())
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-        Ok(Root { path, dir })
+        let root = Root { path };
+        root.dir()?;
+        Ok(root)
+    }
+
+    fn dir(&self) -> std::io::Result<Dir> {
+        Dir::open_ambient_dir(&self.path, cap_std::ambient_authority())
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display())))
     }
 }
 
@@ -190,7 +197,7 @@ impl Workspace {
     /// (`O_NONBLOCK`) and the type is checked on the open descriptor.
     pub fn open_file(&self, path: &Path) -> std::io::Result<OpenedFile> {
         let (root, rel, resolved) = self.locate(path)?;
-        let file = open_regular(&root.dir, rel_or_dot(&rel))?;
+        let file = open_regular(&root.dir()?, rel_or_dot(&rel))?;
         let len = file.metadata()?.len();
         Ok(OpenedFile { file, path: resolved, len })
     }
@@ -227,11 +234,12 @@ impl Workspace {
         let (Some(name), parent) = (rel.file_name(), rel.parent().unwrap_or(Path::new(""))) else {
             return Err(std::io::Error::new(ErrorKind::InvalidInput, "the path names no file"));
         };
+        let base = root.dir()?;
         let dir = if parent.as_os_str().is_empty() {
-            root.dir.try_clone()?
+            base
         } else {
-            root.dir.create_dir_all(parent)?;
-            root.dir.open_dir(parent)?
+            base.create_dir_all(parent)?;
+            base.open_dir(parent)?
         };
         let mut tmp = None;
         for _ in 0..16 {
@@ -267,7 +275,7 @@ impl Workspace {
     /// The directory at `path`, opened beneath its root, and its absolute path.
     pub fn open_dir(&self, path: &Path) -> std::io::Result<(Dir, PathBuf)> {
         let (root, rel, resolved) = self.locate(path)?;
-        Ok((root.dir.open_dir(rel_or_dot(&rel))?, resolved))
+        Ok((root.dir()?.open_dir(rel_or_dot(&rel))?, resolved))
     }
 }
 
