@@ -184,10 +184,7 @@ impl AcpAgent {
                 })?;
                 // Keyset: the first session after the cursor's in the listing order.
                 all.iter()
-                    .position(|m| {
-                        (m.updated_at.as_str(), m.session_id.as_str()) != (updated.as_str(), id.as_str())
-                            && (m.updated_at < updated || (m.updated_at == updated && m.session_id > id))
-                    })
+                    .position(|m| m.updated_at < updated || (m.updated_at == updated && m.session_id > id))
                     .unwrap_or(all.len())
             }
         };

@@ -56,6 +56,13 @@ struct Shared {
     tools: Vec<Arc<dyn Tool>>,
 }
 
+impl Shared {
+    /// The session's chosen model, else the engine's.
+    fn model(&self, services: &Services) -> Arc<dyn ModelProvider> {
+        lock(&self.model).clone().unwrap_or_else(|| services.model.clone())
+    }
+}
+
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -160,7 +167,7 @@ impl Session {
 
     /// The model this session's requests go to.
     pub fn model(&self) -> Arc<dyn ModelProvider> {
-        lock(&self.shared.model).clone().unwrap_or_else(|| self.services.model.clone())
+        self.shared.model(&self.services)
     }
 
     pub fn title(&self) -> Option<String> {
@@ -335,7 +342,7 @@ impl TurnPermit {
     }
 
     fn model(&self) -> Arc<dyn ModelProvider> {
-        lock(&self.shared.model).clone().unwrap_or_else(|| self.services.model.clone())
+        self.shared.model(&self.services)
     }
 
     fn tool(&self, name: &str) -> Option<Arc<dyn Tool>> {

@@ -461,31 +461,30 @@ async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String,
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     async fn post(base: &str, path: &str, body: &Value) -> String {
         let addr = base.trim_start_matches("http://").trim_end_matches("/v1");
-        let mut socket = TcpStream::connect(addr).await.unwrap();
+        let mut socket = TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("{e}"));
         let body = body.to_string();
         let head = format!("POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-length: {}\r\n\r\n", body.len());
-        socket.write_all(head.as_bytes()).await.unwrap();
-        socket.write_all(body.as_bytes()).await.unwrap();
+        socket.write_all(head.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
+        socket.write_all(body.as_bytes()).await.unwrap_or_else(|e| panic!("{e}"));
         let mut out = String::new();
-        socket.read_to_string(&mut out).await.unwrap();
-        out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap()
+        socket.read_to_string(&mut out).await.unwrap_or_else(|e| panic!("{e}"));
+        out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_else(|| panic!("no body in {out:?}"))
     }
 
     #[tokio::test]
     async fn tokens_are_served_like_text_steps_and_timed() {
         for path in ["/v1/chat/completions", "/v1/responses", "/v1/messages"] {
-            let fake = FakeModel::start().await.unwrap();
+            let fake = FakeModel::start().await.unwrap_or_else(|e| panic!("{e}"));
             fake.push(Reply::tokens("tok ", 5));
             let body =
                 json!({"stream": true, "tools": [{"name": "t"}], "messages": [{"role": "user", "content": "go"}]});
             let got = post(&fake.base_url(), path, &body).await;
-            let api = encode::Api::from_path(path).unwrap();
+            let api = encode::Api::from_path(path).unwrap_or_else(|| panic!("no api for {path}"));
             let mut e = encode::Encoder::new(api);
             let mut want = e.begin();
             want.push_str(&e.open_message());

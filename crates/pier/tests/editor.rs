@@ -787,3 +787,24 @@ async fn pier_exec_s_idle_timer_sees_pier_s_deltas_so_a_slow_long_answer_is_not_
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "part0 part1 part2 part3 part4 part5");
 }
+
+#[tokio::test]
+async fn with_two_providers_a_model_select_switches_the_session_s_model() {
+    let f = fake().await;
+    let toml = format!(
+        "profile = \"editor\"\nprovider = \"first\"\n[providers.first]\nbase_url = \"{u}\"\nmodel = \"model-a\"\nmax_retries = 0\n[providers.second]\nbase_url = \"{u}\"\nmodel = \"model-b\"\nmax_retries = 0\n",
+        u = f.base_url()
+    );
+    let (mut p, sid) = start_with(Options { pier_toml: Some(toml), ..Options::default() }).await;
+    let r = p.call("session/set_config_option", json!({"sessionId": sid, "configId": "model", "value": "nope"})).await;
+    assert_eq!(error_code(&r), -32602, "{r}");
+    let r =
+        p.call("session/set_config_option", json!({"sessionId": sid, "configId": "model", "value": "second"})).await;
+    let options = r["result"]["configOptions"].as_array().cloned().unwrap_or_default();
+    let model = options.iter().find(|o| o["id"] == "model").cloned().unwrap_or_default();
+    assert_eq!((model["category"].as_str(), model["currentValue"].as_str()), (Some("model"), Some("second")), "{r}");
+    f.push(Reply::text("from b"));
+    let (_, resp, _) = turn(&mut p, &sid, "hi").await;
+    assert_eq!(stop_reason(&resp), "end_turn");
+    assert_eq!(f.requests().last().map(|r| r.body["model"].clone()), Some(json!("model-b")));
+}
