@@ -14,6 +14,9 @@ pub(crate) const STOP_GRACE: Duration = Duration::from_secs(2);
 /// How long an http server's client gets to close its session.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a call that found the connection gone waits for the process's exit and last stderr.
+const SETTLE: Duration = Duration::from_secs(2);
+
 /// A started server, shared by [`crate::McpServers`] and every tool of the server. Dropping the last
 /// owner cancels the client (rmcp's drop guard) and kills the process ([`ChildProcess`]'s drop).
 pub(crate) struct Server {
@@ -45,19 +48,20 @@ impl Server {
     }
 
     /// Why calls to this server cannot run, when they cannot: `None` while it is up.
-    pub(crate) fn down_reason(&self) -> Option<String> {
-        if let Some(status) = self.process.as_ref().and_then(ChildProcess::exit_status) {
-            return Some(self.describe_exit(Some(status)));
-        }
-        if self.peer.is_transport_closed() {
-            return Some(self.describe_exit(None));
+    pub(crate) async fn down_reason(&self) -> Option<String> {
+        let exited = self.process.as_ref().and_then(ChildProcess::exit_status).is_some();
+        if exited || self.peer.is_transport_closed() {
+            return Some(self.describe_exit().await);
         }
         None
     }
 
     /// A sentence for a server whose connection is gone, with what its process left behind.
-    pub(crate) fn describe_exit(&self, status: Option<std::process::ExitStatus>) -> String {
-        let status = status.or_else(|| self.process.as_ref().and_then(ChildProcess::exit_status));
+    pub(crate) async fn describe_exit(&self) -> String {
+        let status = match &self.process {
+            Some(process) => process.settle(SETTLE).await,
+            None => None,
+        };
         let mut reason = match status {
             Some(status) => format!("its process exited ({status})"),
             None if self.process.is_some() => "its connection closed".to_string(),

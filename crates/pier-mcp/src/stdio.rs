@@ -42,8 +42,9 @@ pub(crate) struct Spawn<'a> {
 /// A running (or exited, not yet reaped) server process. Dropping it kills and reaps it.
 pub(crate) struct ChildProcess {
     pid: u32,
-    /// `None` once the child has been stopped and reaped by [`ChildProcess::stop`].
-    child: Mutex<Option<Child>>,
+    /// `None` once the child has been stopped and reaped by [`ChildProcess::stop`]. An async
+    /// lock, because [`ChildProcess::settle`] awaits the exit while holding it.
+    child: tokio::sync::Mutex<Option<Child>>,
     stderr: Arc<StderrTail>,
     stderr_reader: Mutex<Option<JoinHandle<()>>>,
 }
@@ -69,8 +70,12 @@ impl ChildProcess {
         };
         let tail = Arc::new(StderrTail::default());
         let reader = tokio::spawn(read_stderr(stderr, tail.clone()));
-        let process =
-            ChildProcess { pid, child: Mutex::new(Some(child)), stderr: tail, stderr_reader: Mutex::new(Some(reader)) };
+        let process = ChildProcess {
+            pid,
+            child: tokio::sync::Mutex::new(Some(child)),
+            stderr: tail,
+            stderr_reader: Mutex::new(Some(reader)),
+        };
         Ok((process, stdout, stdin))
     }
 
@@ -83,16 +88,34 @@ impl ChildProcess {
         self.stderr.text()
     }
 
-    /// How the process ended, if it has; `None` while it runs.
+    /// How the process ended, if it has; `None` while it runs (or while another caller holds it).
     pub(crate) fn exit_status(&self) -> Option<ExitStatus> {
-        let mut guard = self.child.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = self.child.try_lock().ok()?;
         guard.as_mut().and_then(|child| child.try_wait().ok().flatten())
+    }
+
+    /// For a server whose connection is gone: waits (at most `wait`) for its process to exit and
+    /// its stderr to reach end of file, so that the reason we give names the exit status and the
+    /// server's last words. A server closes stdout an instant before it exits; without this, which
+    /// of the two an error message saw depended on the scheduler.
+    pub(crate) async fn settle(&self, wait: Duration) -> Option<ExitStatus> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let status = {
+            let mut guard = self.child.lock().await;
+            match guard.as_mut() {
+                Some(child) => tokio::time::timeout_at(deadline, child.wait()).await.ok().and_then(Result::ok),
+                None => None,
+            }
+        };
+        let mut closed = self.stderr.closed.subscribe();
+        let _ = tokio::time::timeout_at(deadline, closed.wait_for(|closed| *closed)).await;
+        status
     }
 
     /// SIGTERM, then SIGKILL after `grace`; the process is reaped before this returns. Waits
     /// (briefly) for the stderr reader so that the tail holds the server's last words.
     pub(crate) async fn stop(&self, grace: Duration) {
-        let child = self.child.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let child = self.child.lock().await.take();
         if let Some(mut child) = child {
             // Signalling by pid is safe while we hold the unreaped child: the pid cannot be reused.
             if matches!(child.try_wait(), Ok(None)) {
@@ -119,7 +142,7 @@ impl ChildProcess {
 
 impl Drop for ChildProcess {
     fn drop(&mut self) {
-        let child = self.child.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        let child = self.child.get_mut().take();
         if let Some(mut child) = child {
             let _ = child.start_kill();
             match tokio::runtime::Handle::try_current() {
@@ -139,13 +162,21 @@ impl Drop for ChildProcess {
     }
 }
 
-/// The last [`STDERR_TAIL_BYTES`] of a stream.
-#[derive(Default)]
-struct StderrTail(Mutex<VecDeque<u8>>);
+/// The last [`STDERR_TAIL_BYTES`] of a stream, and whether the stream has ended.
+struct StderrTail {
+    ring: Mutex<VecDeque<u8>>,
+    closed: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for StderrTail {
+    fn default() -> Self {
+        StderrTail { ring: Mutex::default(), closed: tokio::sync::watch::Sender::new(false) }
+    }
+}
 
 impl StderrTail {
     fn push(&self, bytes: &[u8]) {
-        let mut ring = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
         let bytes = &bytes[bytes.len().saturating_sub(STDERR_TAIL_BYTES)..];
         let overflow = (ring.len() + bytes.len()).saturating_sub(STDERR_TAIL_BYTES);
         ring.drain(..overflow);
@@ -153,7 +184,7 @@ impl StderrTail {
     }
 
     fn text(&self) -> String {
-        let ring = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let ring = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
         let bytes: Vec<u8> = ring.iter().copied().collect();
         String::from_utf8_lossy(&bytes).trim().to_string()
     }
@@ -163,10 +194,11 @@ async fn read_stderr(mut stderr: tokio::process::ChildStderr, tail: Arc<StderrTa
     let mut buf = [0u8; 4096];
     loop {
         match stderr.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => break,
             Ok(n) => tail.push(&buf[..n]),
         }
     }
+    tail.closed.send_replace(true);
 }
 
 /// Makes the kernel SIGKILL the server when pier dies, even by SIGKILL, where no destructor runs.

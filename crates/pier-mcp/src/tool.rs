@@ -85,7 +85,7 @@ async fn call(server: &Server, tool: String, args: Value, cx: ToolContext) -> Re
             return Err(ToolError::new(format!("the arguments of {} must be a JSON object, not {other}", server.name)));
         }
     }
-    if let Some(reason) = server.down_reason() {
+    if let Some(reason) = server.down_reason().await {
         return Err(not_running(server, &reason));
     }
     let result = tokio::select! {
@@ -97,7 +97,7 @@ async fn call(server: &Server, tool: String, args: Value, cx: ToolContext) -> Re
     let result = match result {
         Ok(result) => result,
         Err(ServiceError::TransportClosed | ServiceError::TransportSend(_)) => {
-            return Err(not_running(server, &server.describe_exit(None)));
+            return Err(not_running(server, &server.describe_exit().await));
         }
         Err(e) => {
             let reason = crate::describe(&e);
