@@ -70,6 +70,26 @@ pub struct ClientState {
     /// Answers *ask* when set, instead of the terminal or the non-interactive rule.
     /// Per turn: an agent that serves several turns answers each turn's asker.
     asker: Mutex<Option<Arc<dyn Asker>>>,
+    /// How many questions wait for a person right now (the host's asker or the terminal).
+    /// Waiting for a person is not idleness: the turn's idle timer stops while this is
+    /// above zero and starts afresh when it drops to zero.
+    pub asking: tokio::sync::watch::Sender<usize>,
+}
+
+/// Counts one question to a person for as long as it lives (see [`ClientState::asking`]).
+struct Asking<'a>(&'a tokio::sync::watch::Sender<usize>);
+
+impl<'a> Asking<'a> {
+    fn start(count: &'a tokio::sync::watch::Sender<usize>) -> Asking<'a> {
+        count.send_modify(|n| *n += 1);
+        Asking(count)
+    }
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 /// The handler's events on their way to the turn, counted: an agent can write
@@ -181,6 +201,7 @@ impl ClientState {
             kinds: Mutex::new(HashMap::new()),
             granted: Mutex::new(HashMap::new()),
             asker: Mutex::new(None),
+            asking: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -281,6 +302,7 @@ impl ClientState {
         if rule == Rule::Ask
             && let Some(asker) = asker
         {
+            let _asking = Asking::start(&self.asking);
             let answer = tokio::select! {
                 answer = asker.ask(req) => answer,
                 _ = self.cancelling.cancelled() => AskAnswer::Nobody,
@@ -303,6 +325,7 @@ impl ClientState {
         }
         if rule == Rule::Ask {
             if self.interactive {
+                let _asking = Asking::start(&self.asking);
                 let asked = tokio::select! {
                     answer = ask_on_terminal(title, kind) => answer,
                     _ = self.cancelling.cancelled() => None,
@@ -364,6 +387,7 @@ impl ClientState {
         }
         let title = format!("{method} {target}");
         let asker = lock(&self.asker).clone();
+        let _asking = Asking::start(&self.asking);
         let answer = if let Some(asker) = asker {
             let request = client_method_question(session_id, &title, kind)?;
             let answer = tokio::select! {

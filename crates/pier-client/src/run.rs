@@ -634,6 +634,7 @@ struct Answer {
 enum Wake {
     Answered(Result<Value, RequestError>),
     Event(ClientEvent),
+    Asking,
     TimedOut,
     PermissionRequired,
     Interrupted,
@@ -663,9 +664,14 @@ impl<'a> Turn<'a> {
     }
 
     /// The first of `--timeout` (since the last update) and `--max-time` (since the turn began).
-    fn timeout_at(&self) -> Instant {
+    /// While a person is being asked, only `--max-time` runs: waiting for a person is not
+    /// idleness.
+    fn timeout_at(&self, asking: bool) -> Instant {
         let far = self.started + Duration::from_secs(365 * 24 * 3600);
-        let idle = self.opts.idle_timeout.map_or(far, |t| self.last_activity + t);
+        let idle = match self.opts.idle_timeout {
+            Some(t) if !asking => self.last_activity + t,
+            _ => far,
+        };
         let max = self.opts.max_time.map_or(far, |t| self.started + t);
         idle.min(max)
     }
@@ -690,12 +696,15 @@ impl<'a> Turn<'a> {
         let conn = agent.conn.clone();
         let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
         tokio::pin!(prompt_fut);
+        let mut asking = agent.state.asking.subscribe();
         loop {
             let prompting = self.phase == Phase::Prompting;
+            let asked = *asking.borrow_and_update() > 0;
             let wake = tokio::select! {
                 answer = &mut prompt_fut => Wake::Answered(answer),
                 Some(event) = agent.inner_rx.recv() => Wake::Event(event),
-                _ = tokio::time::sleep_until(self.timeout_at().into()), if prompting => Wake::TimedOut,
+                Ok(()) = asking.changed() => Wake::Asking,
+                _ = tokio::time::sleep_until(self.timeout_at(asked).into()), if prompting => Wake::TimedOut,
                 _ = agent.state.permission_failed.cancelled(), if prompting => Wake::PermissionRequired,
                 Some(()) = interrupts.recv() => Wake::Interrupted,
                 _ = tokio::time::sleep_until(self.grace_over_at().into()), if !prompting => Wake::GraceOver,
@@ -718,6 +727,8 @@ impl<'a> Turn<'a> {
                     self.last_activity = Instant::now();
                     self.take(agent, event, events).await?;
                 }
+                // A question opened or closed: the idle timer starts afresh either way.
+                Wake::Asking => self.last_activity = Instant::now(),
                 Wake::TimedOut => self.cancel(agent, Cause::Timeout).await,
                 Wake::PermissionRequired => self.cancel(agent, Cause::Permission).await,
                 Wake::Interrupted if prompting => self.cancel(agent, Cause::Interrupt).await,

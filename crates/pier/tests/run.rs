@@ -718,3 +718,67 @@ async fn pier_s_own_agent_reports_its_tool_calls_and_diffs_to_the_host() {
     let evidence = must(h.store().evidence("tools", "w", 1), "evidence");
     assert!(evidence.iter().any(|e| e["kind"] == "edit"), "{evidence:?}");
 }
+
+/// Starts `pier run` on one task of the SDK example agent, which asks before its edit, and
+/// reads events until the question: (the child, its event reader).
+async fn run_until_question(
+    h: &Host,
+    extra: &str,
+) -> (tokio::process::Child, tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>) {
+    let agent = sdk_agent();
+    let plan = h.write(
+        "p.toml",
+        &format!("[[tasks]]\nid = \"cfg\"\nagent = \"{agent}\"\nprompt = \"fix the config\"\n{extra}"),
+    );
+    let mut child = must(
+        h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "q"]).spawn(),
+        "spawn",
+    );
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, reader.next_line()).await, "events in time");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier run ended before asking"));
+        let v: Value = must(serde_json::from_str(&line), "json");
+        if v["type"] == "question" {
+            return (child, reader);
+        }
+    }
+}
+
+#[tokio::test]
+async fn waiting_for_a_person_is_not_idleness() {
+    let h = Host::new(None);
+    // An idle timeout of two seconds (the agent pauses one second between its steps); the
+    // person takes five.
+    let (child, mut reader) = run_until_question(&h, "timeout = 2\n").await;
+    // The time that must pass without a timeout is what this test is about.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let answered = h.run(&["approve", "cfg"]).await;
+    assert_eq!(answered.status.code(), Some(0), "{}", stderr(&answered));
+    let mut rest = Vec::new();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
+        rest.push(line);
+    }
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}\n{rest:#?}", stderr(&o));
+    let t = &h.store().tasks("q")[0];
+    assert_eq!((t.state, t.failures), (pier_host::TaskState::Completed, 0), "{rest:#?}");
+}
+
+#[tokio::test]
+async fn a_question_open_when_the_host_stops_is_answered_cancelled() {
+    let h = Host::new(None);
+    let (child, mut reader) = run_until_question(&h, "").await;
+    let pid = child.id().map_or(0, |p| p as i32);
+    must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGINT), "SIGINT");
+    let mut rest = Vec::new();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
+        rest.push(must(serde_json::from_str::<Value>(&line), "json"));
+    }
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let answer =
+        rest.iter().find(|e| e["type"] == "permission").unwrap_or_else(|| panic!("no permission in {rest:#?}"));
+    assert_eq!(answer["outcome"]["outcome"], "cancelled", "R088: {answer}");
+}
