@@ -48,13 +48,25 @@ pub enum ClientError {
     /// The agent could not be started.
     #[error("could not start agent `{agent}`: {message}")]
     Spawn { agent: String, message: String },
-    /// The agent failed, broke the protocol, or went away.
+    /// The agent failed or went away: a crash, a model outage, a tool failure. Worth
+    /// another attempt.
     #[error("agent `{agent}`: {message}")]
     Agent { agent: String, message: String },
+    /// The agent broke the protocol: garbage on stdout, a malformed or refused handshake,
+    /// -32700/-32600/-32601/-32602 for a request pier sent correctly. A bug, so another
+    /// attempt would meet it again (seed 001 §5.2).
+    #[error("agent `{agent}` broke the protocol: {message}")]
+    Protocol { agent: String, message: String },
 }
 
 impl ClientError {
     pub fn usage(msg: impl Into<String>) -> ClientError {
         ClientError::Usage(msg.into())
+    }
+
+    /// Whether another attempt could succeed: false for a protocol error, a usage error
+    /// or an agent that cannot be started, which would meet the same fault again.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, ClientError::Agent { .. })
     }
 }

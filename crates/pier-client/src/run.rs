@@ -359,10 +359,10 @@ impl LiveAgent {
             .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));
         let init: Value = self.setup("initialize", &init, deadline, interrupts).await?;
         let init_response: InitializeResponse = serde_json::from_value(init.clone()).map_err(|e| {
-            Stopped::failed(agent_error(&mut self.process, format!("its initialize response is malformed: {e}")))
+            Stopped::failed(protocol_fault(&mut self.process, format!("its initialize response is malformed: {e}")))
         })?;
         if init_response.protocol_version != ProtocolVersion::V1 {
-            return Err(Stopped::failed(agent_error(
+            return Err(Stopped::failed(protocol_fault(
                 &mut self.process,
                 format!(
                     "it speaks ACP protocol version {}, and pier speaks only version 1 (R028)",
@@ -719,7 +719,7 @@ impl<'a> Turn<'a> {
                     let usage = answer.get("usage").cloned();
                     let response: PromptResponse = serde_json::from_value(answer).map_err(|e| {
                         let message = format!("its session/prompt response is malformed: {e}");
-                        Stopped::failed(agent_error(&mut agent.process, message))
+                        Stopped::failed(protocol_fault(&mut agent.process, message))
                     })?;
                     return Ok(Answer { stop_reason: response.stop_reason, usage });
                 }
@@ -798,16 +798,29 @@ fn agent_error(agent: &mut AgentProcess, message: String) -> ClientError {
     ClientError::Agent { agent: agent.name.clone(), message }
 }
 
+/// The same failure as [`agent_error`], classed as a broken protocol (not retried).
+fn protocol_fault(agent: &mut AgentProcess, message: String) -> ClientError {
+    match agent_error(agent, message) {
+        ClientError::Agent { agent, message } => ClientError::Protocol { agent, message },
+        other => other,
+    }
+}
+
+/// JSON-RPC codes that say the request itself was wrong: pier sends well-formed requests
+/// of methods the agent advertised, so from an agent they mean it broke the protocol.
+const PROTOCOL_CODES: [i32; 4] = [-32700, -32600, -32601, -32602];
+
 fn request_error(agent: &mut AgentProcess, what: &str, e: RequestError) -> ClientError {
-    let message = match e {
-        RequestError::Closed => format!("it closed the connection during {what}"),
+    let (message, protocol) = match e {
+        RequestError::Closed => (format!("it closed the connection during {what}"), false),
         RequestError::Remote(err) => {
+            let code = i32::from(err.code);
             let data = err.data.map(|d| format!(" ({d})")).unwrap_or_default();
-            format!("{what} failed: {} {}{data}", i32::from(err.code), err.message)
+            (format!("{what} failed: {code} {}{data}", err.message), PROTOCOL_CODES.contains(&code))
         }
-        other => format!("{what} failed: {other}"),
+        other => (format!("{what} failed: {other}"), false),
     };
-    agent_error(agent, message)
+    if protocol { protocol_fault(agent, message) } else { agent_error(agent, message) }
 }
 
 /// Whether an event belongs to this turn's session. An agent that serves several
@@ -828,5 +841,5 @@ fn of_session(event: &ClientEvent, session_id: &str) -> bool {
 fn protocol_error(agent: &mut AgentProcess, state: &ClientState) -> ClientError {
     let what =
         state.protocol_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone().unwrap_or_default();
-    agent_error(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}"))
+    protocol_fault(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}"))
 }

@@ -414,6 +414,7 @@ fn error_json(outcome: &RunOutcome) -> Option<Value> {
         (Some(ClientError::Usage(_)), _) => Some(("usage", true)),
         (Some(ClientError::Spawn { .. }), _) => Some(("spawn", true)),
         (Some(ClientError::Agent { .. }), _) => Some(("agent", true)),
+        (Some(ClientError::Protocol { .. }), _) => Some(("protocol", true)),
         (None, _) => None,
     }?;
     let message = outcome.error.as_ref().map(ToString::to_string).unwrap_or_else(|| match kind.0 {
