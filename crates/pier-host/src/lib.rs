@@ -1,13 +1,20 @@
-//! The durable task host behind `pier run`: plans, the task state machine, the
-//! SQLite store with leases and a gap-free event log, and the scheduler that hands
-//! tasks to ACP agents through `pier-client`.
+//! The durable task host behind `pier run` and `pier serve`: plans, the task state
+//! machine, the store (named fenced operations over attempt tokens, a gap-free event
+//! log), the decision of what an attempt's end means, and the [`Host`] that hands tasks
+//! to ACP agents through `pier-client`.
 
+pub mod attempt;
+pub mod decide;
+pub mod host;
+pub mod person;
 pub mod plan;
 pub mod pool;
-pub mod scheduler;
 pub mod state;
 pub mod store;
 
+pub use host::{Host, HostConfig, Scope};
 pub use plan::{Plan, PlanError, TaskSpec};
 pub use state::TaskState;
-pub use store::{Event, SqliteStore, StoreError, TaskRow, TaskStore, Transition};
+pub use store::{
+    Attempt, Ending, ErrorClass, Event, Held, Idem, Question, SqliteStore, StoreError, TaskRow, TaskStore,
+};

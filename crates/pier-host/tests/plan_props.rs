@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use pier_host::HostConfig;
+use pier_host::attempt::{attempt_limits, attempt_options};
 use pier_host::plan::{TaskSpec, parse};
-use pier_host::scheduler::{HostConfig, attempt_limits, attempt_options};
 use proptest::prelude::*;
 
 /// Any TOML value, numbers favoured.

@@ -2,9 +2,10 @@
 //!
 //! Every route needs `Authorization: Bearer TOKEN`. Errors are JSON,
 //! `{"error": {"code", "message"}}`, with stable codes that keep protocol errors
-//! (`bad_plan`, `bad_transition`, `version_conflict`, `unknown_run`,
-//! `unknown_task`, `unauthorized`, `bad_request`) apart from task failures, which
-//! are task states, not HTTP errors.
+//! (`bad_plan`, `bad_transition`, `lease_lost`, `idempotency_conflict`,
+//! `not_a_worker_task`, `unknown_run`, `unknown_task`, `unauthorized`, `bad_request`)
+//! apart from task failures, which are task states, not HTTP errors. A body that is not
+//! JSON or not the right shape is `bad_request` in the same envelope.
 //!
 //! | route | does |
 //! |---|---|
@@ -18,7 +19,10 @@
 //! | `GET /events?after=SEQ&run=ID&follow=BOOL` | SSE; `Last-Event-ID` resumes exactly after that seq; `follow=false` ends when caught up |
 //! | `POST /lease` `{worker, capabilities, ttl_ms}` | a pull worker claims a runnable task |
 //! | `POST /runs/{run}/tasks/{task}/heartbeat` `{worker, attempt, ttl_ms}` | renew the lease |
-//! | `POST /runs/{run}/tasks/{task}/update` `{status, version, idempotency_key, attempt, result?, error?}` | report |
+//! | `POST /runs/{run}/tasks/{task}/update` `{worker, attempt, status, idempotency_key, result?, error?, class?}` | a worker's report: only the holder of the live lease ends its task; the same key with another body is `idempotency_conflict` |
+//!
+//! The server claims nothing itself: one [`Host`] drives every run of the store, and the
+//! routes call the same functions as the CLI ([`pier_host::person`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -34,8 +38,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
-use pier_host::scheduler::{HostConfig, Scheduler, is_worker_task};
-use pier_host::{StoreError, TaskState, TaskStore, Transition};
+use pier_host::host::is_worker_task;
+use pier_host::person::{ActionError, Answered, Report};
+use pier_host::{Attempt, Host, HostConfig, Scope, StoreError, TaskState, TaskStore};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -67,9 +72,11 @@ impl IntoResponse for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         let status = match &e {
-            StoreError::Conflict { .. } | StoreError::IllegalTransition { .. } | StoreError::RunExists(_) => {
-                StatusCode::CONFLICT
-            }
+            StoreError::Conflict { .. }
+            | StoreError::IllegalTransition { .. }
+            | StoreError::RunExists(_)
+            | StoreError::LeaseLost { .. }
+            | StoreError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
             StoreError::UnknownRun(_) | StoreError::UnknownTask(_) => StatusCode::NOT_FOUND,
             StoreError::Full { .. } => StatusCode::INSUFFICIENT_STORAGE,
             StoreError::Corrupt { .. } | StoreError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -78,13 +85,41 @@ impl From<StoreError> for ApiError {
     }
 }
 
+impl From<ActionError> for ApiError {
+    fn from(e: ActionError) -> Self {
+        match e {
+            ActionError::Store(e) => e.into(),
+            ActionError::BadOption(m) => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m),
+            ActionError::Refused { code, message } => {
+                let status = if code == "bad_request" { StatusCode::BAD_REQUEST } else { StatusCode::CONFLICT };
+                ApiError::new(status, code, message)
+            }
+        }
+    }
+}
+
+/// A JSON body whose rejection (not JSON, the wrong shape, the wrong content type) is the
+/// JSON error envelope with code `bad_request`, never axum's plain text.
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(Body(value)),
+            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text())),
+        }
+    }
+}
+
 /// What the service shares between requests.
 pub struct App {
     store: Arc<dyn TaskStore>,
     config: HostConfig,
     token: String,
-    /// The scheduler task of each run being driven, by run id.
-    schedulers: Mutex<HashMap<String, CancellationToken>>,
+    /// The host that drives every run of the store; started by [`App::start`].
+    host: Arc<Host>,
     shutdown: CancellationToken,
     /// The store error that stopped a scheduler and makes serving pointless (a full
     /// disk, a corrupt row), once there is one; `failed` fires with it.
@@ -124,10 +159,10 @@ async fn blocking<T: Send + 'static>(
 impl App {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig, token: String) -> Shared {
         Arc::new(App {
+            host: Arc::new(Host::new(store.clone(), config.clone())),
             store,
             config,
             token,
-            schedulers: Mutex::new(HashMap::new()),
             shutdown: CancellationToken::new(),
             fatal: Mutex::new(None),
             failed: CancellationToken::new(),
@@ -155,33 +190,20 @@ impl App {
             .unwrap_or_else(|| StoreError::Db("the service failed".into()))
     }
 
-    /// Drives `run` with a scheduler unless one already does.
-    pub fn ensure_running(self: &Arc<Self>, run: &str) {
-        let mut map = self.schedulers.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if map.contains_key(run) {
-            return;
-        }
-        let stop = self.shutdown.child_token();
-        map.insert(run.to_owned(), stop.clone());
-        drop(map);
+    /// Starts the host, which drives every unfinished run of the store (an earlier
+    /// process's too) and every run submitted later, until [`App::shutdown`].
+    pub fn start(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let app = self.clone();
-        let run = run.to_owned();
         tokio::spawn(async move {
-            let scheduler = Scheduler::new(app.store.clone(), app.config.clone());
-            match scheduler.run(&run, stop).await {
-                Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => {
-                    tracing::error!(run = %run, error = %e, "the scheduler stopped");
-                    app.fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(e);
-                    app.failed.cancel();
-                }
-                Err(e) => tracing::error!(run = %run, error = %e, "the scheduler stopped"),
-                Ok(_) => {}
+            if let Err(e) = app.host.drive(Scope::All, app.shutdown.clone()).await {
+                tracing::error!(error = %e, "the host stopped");
+                app.fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(e);
+                app.failed.cancel();
             }
-            app.schedulers.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&run);
-        });
+        })
     }
 
-    /// Stops every scheduler (running tasks are cancelled through the ACP handshake).
+    /// Stops the host (running tasks are cancelled through the ACP handshake).
     pub fn shutdown(&self) {
         self.shutdown.cancel();
     }
@@ -234,7 +256,7 @@ struct SubmitBody {
     run_id: Option<String>,
 }
 
-async fn submit(State(app): State<Shared>, Json(body): Json<SubmitBody>) -> Result<Response, ApiError> {
+async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Result<Response, ApiError> {
     let agents = app.config.agents.clone();
     let exe = app.config.pier_exe.clone();
     let path = std::env::var("PATH").ok();
@@ -255,7 +277,6 @@ async fn submit(State(app): State<Shared>, Json(body): Json<SubmitBody>) -> Resu
     let run = body.run_id.unwrap_or_else(|| format!("run-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
     let r = run.clone();
     blocking(&app, move |s| s.create_run(&r, &plan, "http")).await?;
-    app.ensure_running(&run);
     Ok((StatusCode::CREATED, Json(json!({"run": run}))).into_response())
 }
 
@@ -318,33 +339,17 @@ async fn show_task(
     Ok(Json(json!({"task": row, "evidence": evidence})))
 }
 
-async fn move_task(
-    app: &Shared,
-    row: &pier_host::TaskRow,
-    to: TaskState,
-    key: String,
-    reason: &str,
-) -> Result<pier_host::TaskRow, ApiError> {
-    let tr = Transition {
-        run: row.run_id.clone(),
-        task: row.id.clone(),
-        expected_version: row.version,
-        to: Some(to),
-        key,
-        reason: reason.to_owned(),
-        ..Transition::default()
-    };
-    blocking(app, move |s| s.transition(&tr)).await
-}
-
 async fn cancel_task(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    let row = find_task(&app, &run, &task).await?;
-    let row =
-        move_task(&app, &row, TaskState::Cancelled, format!("cancel:{}", row.version), "cancelled over HTTP").await?;
-    app.ensure_running(&run);
+    find_task(&app, &run, &task).await?;
+    let (r, t) = (run.clone(), task.clone());
+    let moved = blocking(&app, move |s| s.cancel(&r, &t, "cancelled over HTTP")).await?;
+    let row = match moved {
+        Some(row) => row,
+        None => find_task(&app, &run, &task).await?,
+    };
     Ok(Json(json!({"task": row})))
 }
 
@@ -352,10 +357,8 @@ async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Resul
     let tasks = run_tasks(&app, &run).await?;
     let mut cancelled = 0;
     for t in tasks.iter().filter(|t| !t.state.is_terminal()) {
-        if move_task(&app, t, TaskState::Cancelled, format!("cancel:{}", t.version), "run cancelled over HTTP")
-            .await
-            .is_ok()
-        {
+        let (r, id) = (run.clone(), t.id.clone());
+        if blocking(&app, move |s| s.cancel(&r, &id, "run cancelled over HTTP")).await?.is_some() {
             cancelled += 1;
         }
     }
@@ -371,43 +374,18 @@ struct AnswerBody {
 async fn answer(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
-    Json(body): Json<AnswerBody>,
+    Body(body): Body<AnswerBody>,
 ) -> Result<Json<Value>, ApiError> {
-    let row = find_task(&app, &run, &task).await?;
-    if row.state != TaskState::AwaitingInput {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "bad_transition",
-            format!("task `{task}` is {}, not awaiting_input", row.state.as_str()),
-        ));
-    }
-    let (r, t) = (run.clone(), task.clone());
-    let open = blocking(&app, move |s| s.open_question(&r, &t)).await?;
-    match open {
-        Some((attempt, n, request)) => {
-            let wanted = match (&body.option, body.allow) {
-                (Some(o), _) => o.clone(),
-                (None, true) => "allow_once".into(),
-                (None, false) => "reject_once".into(),
-            };
-            let chosen = pier_host::plan::offered_option(&request, &wanted)
-                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e))?;
-            let (r, t, c) = (run.clone(), task.clone(), chosen.clone());
-            let ok = blocking(&app, move |s| s.answer(&r, &t, attempt, n, &c, "http")).await?;
-            if !ok {
-                return Err(ApiError::new(StatusCode::CONFLICT, "bad_transition", "the question was answered already"));
-            }
-            Ok(Json(json!({"answered": chosen})))
-        }
-        None => {
-            let to = if body.allow { TaskState::Pending } else { TaskState::Cancelled };
-            let row =
-                move_task(&app, &row, to, format!("answer:{}:{}", row.attempt, row.version), "answered over HTTP")
-                    .await?;
-            app.ensure_running(&run);
-            Ok(Json(json!({"task": row})))
-        }
-    }
+    let store = app.store.clone();
+    let answered = tokio::task::spawn_blocking(move || {
+        pier_host::person::answer(store.as_ref(), &run, &task, body.allow, body.option.as_deref(), "http")
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+    Ok(Json(match answered {
+        Answered::Option(chosen) => json!({"answered": chosen}),
+        Answered::Rerun(row) => json!({"task": row}),
+    }))
 }
 
 #[derive(Deserialize)]
@@ -418,7 +396,7 @@ struct LeaseBody {
     ttl_ms: Option<i64>,
 }
 
-async fn lease(State(app): State<Shared>, Json(body): Json<LeaseBody>) -> Result<Response, ApiError> {
+async fn lease(State(app): State<Shared>, Body(body): Body<LeaseBody>) -> Result<Response, ApiError> {
     let ttl = body.ttl_ms.unwrap_or(30_000).clamp(1_000, 3_600_000);
     let claimed = blocking(&app, move |s| {
         for t in s.pending_tasks()? {
@@ -435,21 +413,9 @@ async fn lease(State(app): State<Shared>, Json(body): Json<LeaseBody>) -> Result
             if !ready {
                 continue;
             }
-            let tr = Transition {
-                run: t.run_id.clone(),
-                task: t.id.clone(),
-                expected_version: t.version,
-                to: Some(TaskState::Running),
-                key: format!("lease:{}:{}", t.attempt + 1, body.worker),
-                reason: format!("leased by worker {}", body.worker),
-                start_attempt: true,
-                lease: Some((body.worker.clone(), pier_host::store::now_ms() + ttl)),
-                ..Transition::default()
-            };
-            match s.transition(&tr) {
-                Ok(row) => return Ok(Some(row)),
-                Err(StoreError::Conflict { .. } | StoreError::IllegalTransition { .. }) => continue,
-                Err(e) => return Err(e),
+            let until = pier_host::store::now_ms() + ttl;
+            if let Some((_, row)) = s.claim(&t.run_id, &t.id, &body.worker, until)? {
+                return Ok(Some(row));
             }
         }
         Ok(None)
@@ -485,10 +451,11 @@ struct HeartbeatBody {
 async fn heartbeat(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
-    Json(body): Json<HeartbeatBody>,
+    Body(body): Body<HeartbeatBody>,
 ) -> Result<Json<Value>, ApiError> {
     let expires = pier_host::store::now_ms() + body.ttl_ms.unwrap_or(30_000).clamp(1_000, 3_600_000);
-    let ok = blocking(&app, move |s| s.heartbeat(&run, &task, body.attempt, &body.worker, expires)).await?;
+    let attempt = Attempt { run, task, n: body.attempt, owner: body.worker };
+    let ok = blocking(&app, move |s| s.heartbeat(&attempt, expires)).await?;
     if !ok {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -499,37 +466,19 @@ async fn heartbeat(
     Ok(Json(json!({"lease_expires_at_ms": expires})))
 }
 
-#[derive(Deserialize)]
-struct UpdateBody {
-    status: String,
-    version: i64,
-    idempotency_key: String,
-    attempt: i64,
-    result: Option<String>,
-    error: Option<String>,
-}
-
 async fn update(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
-    Json(body): Json<UpdateBody>,
+    Body(body): Body<Value>,
 ) -> Result<Json<Value>, ApiError> {
-    let to = TaskState::parse(&body.status).ok_or_else(|| {
-        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("unknown status `{}`", body.status))
-    })?;
-    let tr = Transition {
-        run: run.clone(),
-        task: task.clone(),
-        expected_version: body.version,
-        to: Some(to),
-        key: format!("worker:{}:{}", body.attempt, body.idempotency_key),
-        reason: "reported by a worker".into(),
-        result: body.result,
-        error: body.error,
-        ..Transition::default()
-    };
-    let row = blocking(&app, move |s| s.transition(&tr)).await?;
-    app.ensure_running(&run);
+    let report: Report = serde_json::from_value(body.clone())
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("the report is not valid: {e}")))?;
+    let (store, retry_base) = (app.store.clone(), app.config.retry_base);
+    let row = tokio::task::spawn_blocking(move || {
+        pier_host::person::report(store.as_ref(), &run, &task, &report, &body, retry_base)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
     Ok(Json(json!({"task": row})))
 }
 

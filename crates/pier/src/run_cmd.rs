@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use pier_host::scheduler::{HostConfig, Scheduler};
 use pier_host::{Event, SqliteStore, TaskStore};
+use pier_host::{Host, HostConfig, Scope};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -346,7 +346,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if args.format == EventFormat::Text {
         eprintln!("pier: run {run_id}");
     }
-    let summary = Scheduler::new(store.clone(), config).run(&run_id, stop.clone()).await?;
+    let summary = Host::new(store.clone(), config).drive(Scope::Run(run_id.clone()), stop.clone()).await?;
     printer.1.cancel();
     let _ = printer.0.await;
     signals.abort();
@@ -416,10 +416,9 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
         if !args.follow {
             return Ok(());
         }
-        // Another process commits to the same file: wake up on our own commits, or poll the file.
-        tokio::select! {
-            _ = rx.changed() => {}
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        // The store's watch carries the commits of the process that runs the tasks.
+        if rx.changed().await.is_err() {
+            return Ok(());
         }
     }
 }
@@ -461,32 +460,16 @@ pub fn answer(args: AnswerArgs, allow: bool) -> anyhow::Result<()> {
         task.state.as_str()
     );
     let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
-    if let Some((attempt, n, request)) = store.open_question(&run, &task.id)? {
-        let wanted = match (&args.option, allow) {
-            (Some(o), true) => o.clone(),
-            (None, true) => "allow_once".to_owned(),
-            (_, false) => "reject_once".to_owned(),
-        };
-        let chosen = pier_host::plan::offered_option(&request, &wanted).map_err(|e| anyhow::anyhow!(e))?;
-        anyhow::ensure!(store.answer(&run, &task.id, attempt, n, &chosen, &who)?, "the question was answered already");
-        println!("answered `{chosen}` for task `{}` of run `{run}`", task.id);
-    } else {
-        let to = if allow { pier_host::TaskState::Pending } else { pier_host::TaskState::Cancelled };
-        let reason = if allow { "a person approved running it again" } else { "a person denied running it again" };
-        store.transition(&pier_host::Transition {
-            run: run.clone(),
-            task: task.id.clone(),
-            expected_version: task.version,
-            to: Some(to),
-            key: format!("answer:{}:{}", task.attempt, task.version),
-            reason: format!("{reason} ({who})"),
-            ..pier_host::Transition::default()
-        })?;
-        println!(
+    let answered = pier_host::person::answer(store.as_ref(), &run, &task.id, allow, args.option.as_deref(), &who)?;
+    match answered {
+        pier_host::person::Answered::Option(chosen) => {
+            println!("answered `{chosen}` for task `{}` of run `{run}`", task.id);
+        }
+        pier_host::person::Answered::Rerun(row) => println!(
             "task `{}` of run `{run}` is now {}; resume the run with `pier run --resume {run}`",
             task.id,
-            to.as_str()
-        );
+            row.state.as_str()
+        ),
     }
     Ok(())
 }

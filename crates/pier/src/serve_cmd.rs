@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use pier_host::scheduler::HostConfig;
-use pier_host::{SqliteStore, TaskStore};
+use pier_host::HostConfig;
+use pier_host::SqliteStore;
 use pier_server::App;
 use serde_json::{Value, json};
 
@@ -73,12 +73,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         patience: Duration::from_millis(args.sse_patience_ms),
     };
     let app = App::with_sse_limits(store.clone(), config, token, sse);
-    // Runs left unfinished by an earlier host go on.
-    for run in store.run_ids()? {
-        if store.tasks(&run)?.iter().any(|t| !t.state.is_terminal()) {
-            app.ensure_running(&run);
-        }
-    }
+    // Runs left unfinished by an earlier host go on, with every run submitted later.
+    let host = app.start();
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -110,6 +106,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             shutdown_app.shutdown();
         })
         .await?;
+    // Running attempts are cancelled through the handshake before the process ends.
+    let _ = host.await;
     if let Some(e) = fatal.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
         return Err(anyhow::Error::new(e).context("pier serve stopped"));
     }

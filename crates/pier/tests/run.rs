@@ -58,22 +58,12 @@ impl Host {
 
     /// Stores run `run` of one task `t`, claimed (attempt 1) by another host `owner`
     /// whose lease ends at `expires_ms`, as if that host had crashed or gone silent.
-    fn claimed_elsewhere(&self, run: &str, owner: String, expires_ms: i64) -> pier_host::TaskRow {
+    fn claimed_elsewhere(&self, run: &str, owner: String, expires_ms: i64) -> pier_host::Attempt {
         let plan = must(pier_host::plan::parse("[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n", &|_| Ok(())), "plan");
         let store = self.store();
         must(pier_host::TaskStore::create_run(&store, run, &plan, "test"), "create");
-        let row = store.tasks(run)[0].clone();
-        let claim = pier_host::Transition {
-            run: run.into(),
-            task: "t".into(),
-            expected_version: row.version,
-            to: Some(pier_host::TaskState::Running),
-            key: "claim:1".into(),
-            start_attempt: true,
-            lease: Some((owner, expires_ms)),
-            ..Default::default()
-        };
-        must(pier_host::TaskStore::transition(&store, &claim), "claim by another host")
+        let claimed = must(pier_host::TaskStore::claim(&store, run, "t", &owner, expires_ms), "claim by another host");
+        claimed.unwrap_or_else(|| panic!("the task was not claimable")).0
     }
 }
 
@@ -366,21 +356,12 @@ async fn a_question_of_a_dead_host_is_void_and_a_person_decides_the_rerun() {
     let h = Host::new(Some(f.base_url()));
     {
         // A host (long dead) claimed t, its agent edited a file, then asked a person.
-        let row = h.claimed_elsewhere("r1", dead_owner(), i64::MAX);
+        let attempt = h.claimed_elsewhere("r1", dead_owner(), i64::MAX);
         let store = h.store();
         let effect = serde_json::json!({"toolCallId": "e1", "kind": "edit", "status": "completed"});
-        must(pier_host::TaskStore::add_evidence(&store, "r1", "t", 1, &effect), "evidence");
+        must(pier_host::TaskStore::record(&store, &attempt, &[], &[effect]), "evidence");
         let ask = serde_json::json!({"options": [{"optionId": "allow_once", "kind": "allow_once", "name": "Allow"}]});
-        must(pier_host::TaskStore::ask(&store, "r1", "t", 1, &ask), "ask");
-        let wait = pier_host::Transition {
-            run: "r1".into(),
-            task: "t".into(),
-            expected_version: row.version,
-            to: Some(pier_host::TaskState::AwaitingInput),
-            key: "wait:1".into(),
-            ..Default::default()
-        };
-        must(pier_host::TaskStore::transition(&store, &wait), "awaiting input");
+        must(pier_host::TaskStore::park(&store, &attempt, &ask), "ask, waiting for a person");
     }
     let o = h.run(&["run", "--resume", "r1", "--format", "json"]).await;
     assert_ne!(o.status.code(), Some(0), "the task still waits for a person");

@@ -77,8 +77,10 @@ impl Server {
         let mut stream = resp.bytes_stream();
         let mut sse = SseDecoder::new(1 << 20);
         let mut out = Vec::new();
+        // One deadline for the whole wait: keep-alive comments must not extend it.
+        let deadline = tokio::time::Instant::now() + LIMIT;
         loop {
-            let chunk = must(tokio::time::timeout(LIMIT, stream.next()).await, "events in time");
+            let chunk = must(tokio::time::timeout_at(deadline, stream.next()).await, "events in time");
             let chunk = must(chunk.unwrap_or_else(|| panic!("stream ended")), "chunk");
             for data in sse.push(&chunk).unwrap_or_default() {
                 let v: Value = must(serde_json::from_str(&data), "event json");
@@ -239,28 +241,26 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
     assert_eq!(s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/heartbeat", Some(hb("wk-1"))).await.0, 200);
     let (code, lost) = s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/heartbeat", Some(hb("intruder"))).await;
     assert_eq!((code, lost["error"]["code"].clone()), (409, json!("lease_lost")));
-    let update = |status: &str, v: i64, key: &str| json!({"status": status, "version": v, "idempotency_key": key, "attempt": attempt, "result": "echo me"});
+    let update = |status: &str, n: i64, key: &str| json!({"worker": "wk-1", "status": status, "version": version, "idempotency_key": key, "attempt": n, "result": "echo me"});
     let (code, stale) =
-        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version - 1, "k1"))).await;
-    assert_eq!((code, stale["error"]["code"].clone()), (409, json!("version_conflict")));
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", attempt - 1, "k0"))).await;
+    assert_eq!((code, stale["error"]["code"].clone()), (409, json!("lease_lost")), "another attempt's report");
     let (code, done) =
-        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version, "k1"))).await;
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", attempt, "k1"))).await;
     assert_eq!((code, done["task"]["state"].clone()), (200, json!("completed")));
     let (code, replay) =
-        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", version, "k1"))).await;
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("completed", attempt, "k1"))).await;
     assert_eq!((code, replay), (200, done.clone()), "a replayed update returns the first answer");
     let (code, next) =
         s.call(reqwest::Method::POST, "/lease", Some(json!({"worker": "wk-1", "capabilities": ["echo"]}))).await;
     assert_eq!((code, next["task"]["id"].clone(), next["prompt"].clone()), (200, json!("w3"), json!("after echo me")));
     let (code, illegal) =
-        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("running", version + 1, "k2"))).await;
+        s.call(reqwest::Method::POST, "/runs/pull/tasks/w1/update", Some(update("running", attempt, "k2"))).await;
     assert_eq!((code, illegal["error"]["code"].clone()), (409, json!("bad_transition")));
-    // A worker cannot jump a pending task to completed.
-    let (_, run) = s.call(reqwest::Method::GET, "/runs/pull", None).await;
-    let w2 = run["tasks"].as_array().and_then(|t| t.iter().find(|t| t["id"] == "w2")).cloned().unwrap_or_default();
-    let jump = json!({"status": "completed", "version": w2["version"], "idempotency_key": "j", "attempt": 0});
+    // A worker cannot end a task it does not hold, pending or not.
+    let jump = json!({"worker": "wk-1", "status": "completed", "idempotency_key": "j", "attempt": 0});
     let (code, jumped) = s.call(reqwest::Method::POST, "/runs/pull/tasks/w2/update", Some(jump)).await;
-    assert_eq!((code, jumped["error"]["code"].clone()), (409, json!("bad_transition")));
+    assert_eq!((code, jumped["error"]["code"].clone()), (409, json!("lease_lost")));
     let (code, shown) = s.call(reqwest::Method::GET, "/runs/pull/tasks/w1", None).await;
     assert_eq!((code, shown["task"]["result"].clone()), (200, json!("echo me")));
     let (code, missing) = s.call(reqwest::Method::GET, "/runs/pull/tasks/zz", None).await;
@@ -312,4 +312,133 @@ async fn submit_status_events_and_cancel_talk_to_the_server() {
     let o = Command::new(PIER).args(["status"]).env("PIER_TOKEN", "wrong").env("PIER_SERVER", &s.base).output().await;
     let o = must(o, "status");
     assert!(String::from_utf8_lossy(&o.stderr).contains("unauthorized"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Leases the next task for `worker` (capability `echo`) with a lease of `ttl_ms`.
+async fn lease(s: &Server, worker: &str, ttl_ms: i64) -> Value {
+    let body = json!({"worker": worker, "capabilities": ["echo"], "ttl_ms": ttl_ms});
+    let (code, leased) = s.call(reqwest::Method::POST, "/lease", Some(body)).await;
+    assert_eq!(code, 200, "{leased}");
+    leased
+}
+
+fn report(leased: &Value, worker: &str, status: &str, key: &str, extra: Value) -> Value {
+    let mut body = json!({
+        "worker": worker, "attempt": leased["task"]["attempt"], "version": leased["task"]["version"],
+        "status": status, "idempotency_key": key,
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    body
+}
+
+#[tokio::test]
+async fn only_the_holder_of_the_live_lease_ends_a_task() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(pier_fake_model::Reply::Stream(vec![pier_fake_model::Step::Hang]));
+    let s = server(Some(f.base_url())).await;
+    let plan =
+        "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n\n[[tasks]]\nid = \"own\"\nprompt = \"p\"\n";
+    let (code, _) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "f"}))).await;
+    assert_eq!(code, 201);
+    let leased = lease(&s, "wk-1", 60_000).await;
+    let url = "/runs/f/tasks/w/update";
+    let (code, refused) = s
+        .call(
+            reqwest::Method::POST,
+            url,
+            Some(report(&leased, "intruder", "completed", "k", json!({"result": "mine"}))),
+        )
+        .await;
+    assert_eq!((code, refused["error"]["code"].clone()), (409, json!("lease_lost")), "{refused}");
+    // pier's own agent runs `own`: nobody completes it over HTTP, whatever they read.
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await, "own started");
+    let (_, own) = s.call(reqwest::Method::GET, "/runs/f/tasks/own", None).await;
+    let forged = json!({
+        "worker": own["task"]["lease_owner"], "attempt": own["task"]["attempt"], "version": own["task"]["version"],
+        "status": "completed", "idempotency_key": "forged", "result": "forged",
+    });
+    let (code, refused) = s.call(reqwest::Method::POST, "/runs/f/tasks/own/update", Some(forged)).await;
+    assert_eq!((code, refused["error"]["code"].clone()), (409, json!("not_a_worker_task")), "{refused}");
+    let (_, own) = s.call(reqwest::Method::GET, "/runs/f/tasks/own", None).await;
+    assert_eq!(own["task"]["state"], "running");
+    let (code, done) = s
+        .call(reqwest::Method::POST, url, Some(report(&leased, "wk-1", "completed", "k", json!({"result": "ok"}))))
+        .await;
+    assert_eq!((code, done["task"]["state"].clone()), (200, json!("completed")), "{done}");
+}
+
+#[tokio::test]
+async fn an_idempotency_key_reused_with_another_body_is_refused() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "i"}))).await.0, 201);
+    let leased = lease(&s, "wk-1", 60_000).await;
+    let url = "/runs/i/tasks/w/update";
+    let first = report(&leased, "wk-1", "completed", "k1", json!({"result": "one"}));
+    let (code, done) = s.call(reqwest::Method::POST, url, Some(first.clone())).await;
+    assert_eq!(code, 200, "{done}");
+    assert_eq!(s.call(reqwest::Method::POST, url, Some(first)).await, (200, done), "the same body replays");
+    let other = report(&leased, "wk-1", "completed", "k1", json!({"result": "two"}));
+    let (code, refused) = s.call(reqwest::Method::POST, url, Some(other)).await;
+    assert_eq!((code, refused["error"]["code"].clone()), (409, json!("idempotency_conflict")), "{refused}");
+    let (_, shown) = s.call(reqwest::Method::GET, "/runs/i/tasks/w", None).await;
+    assert_eq!(shown["task"]["result"], "one");
+}
+
+#[tokio::test]
+async fn a_dead_workers_lease_is_taken_back_within_the_lease_time() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "d"}))).await.0, 201);
+    let leased = lease(&s, "wk-dead", 1_000).await;
+    let from = leased["task"]["version"].as_i64();
+    // The worker never heartbeats: the host must act on the expiry by itself.
+    let events = s
+        .events_until(Some(0), |e| {
+            e["type"] == "transition" && e["task"] == "w" && e["to"] == "pending" && e["from"] == "running"
+        })
+        .await;
+    let back = events.last().cloned().unwrap_or_default();
+    assert!(
+        back["reason"].as_str().is_some_and(|r| r.contains("lease expired")),
+        "{back} (leased at version {from:?})"
+    );
+    let again = lease(&s, "wk-2", 60_000).await;
+    assert_eq!(again["task"]["attempt"], 2);
+}
+
+#[tokio::test]
+async fn worker_failures_are_retried_by_class_and_bad_bodies_get_json_errors() {
+    let s = server(None).await;
+    let plan = "[defaults]\nmax_attempts = 3\n\n[[tasks]]\nid = \"p\"\nagent = \"worker:echo\"\nprompt = \"p\"\n\n\
+                [[tasks]]\nid = \"b\"\nagent = \"worker:echo\"\nprompt = \"b\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "c"}))).await.0, 201);
+    let first = lease(&s, "wk", 60_000).await;
+    let second = lease(&s, "wk", 60_000).await;
+    let (protocol, business) = if first["task"]["id"] == "p" { (first, second) } else { (second, first) };
+    let url = |t: &str| format!("/runs/c/tasks/{t}/update");
+    let body = report(&protocol, "wk", "failed", "x", json!({"error": "the agent wrote garbage", "class": "protocol"}));
+    let (code, failed) = s.call(reqwest::Method::POST, &url("p"), Some(body)).await;
+    assert_eq!((code, failed["task"]["state"].clone()), (200, json!("failed")), "a protocol error is a bug: {failed}");
+    let body = report(&business, "wk", "failed", "y", json!({"error": "the model is down", "class": "business"}));
+    let (code, retried) = s.call(reqwest::Method::POST, &url("b"), Some(body)).await;
+    assert_eq!((code, retried["task"]["state"].clone()), (200, json!("pending")), "retried with backoff: {retried}");
+    // A body that is not JSON, or not the right shape, gets the JSON error envelope.
+    let resp = must(
+        s.http
+            .post(format!("{}{}", s.base, url("b")))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body("{not json")
+            .send()
+            .await,
+        "send",
+    );
+    assert_eq!(resp.status().as_u16(), 400);
+    let v: Value = must(serde_json::from_str(&must(resp.text().await, "text")), "a JSON error body");
+    assert_eq!(v["error"]["code"], "bad_request", "{v}");
+    let (code, v) = s.call(reqwest::Method::POST, &url("b"), Some(json!({"status": 7}))).await;
+    assert_eq!((code, v["error"]["code"].clone()), (400, json!("bad_request")), "{v}");
 }

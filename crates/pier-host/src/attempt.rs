@@ -1,0 +1,371 @@
+//! One attempt of one task: the agent's turn (on a warm agent from the pool or a new
+//! one), its lease kept alive, its events and side effects recorded, its questions put
+//! to a person, and its ending decided by [`crate::decide::decide`] and applied with
+//! [`TaskStore::finish`], fenced on the attempt's token.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pier_client::policy::ClientPolicy;
+use pier_client::run::{LiveAgent, RunOutcome};
+use pier_client::{ClientEvent, Ending as ClientEnding, RunOptions, SessionTarget, registry};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::decide::{Context, Outcome, decide};
+use crate::host::{HostConfig, blocking};
+use crate::plan::{TaskSpec, render};
+use crate::pool::AgentPool;
+use crate::store::{Attempt, ErrorClass, StoreError, TaskRow, TaskStore, now_ms};
+
+/// Tool kinds whose activity counts as a side effect.
+fn effectful(kind: &str) -> bool {
+    matches!(kind, "edit" | "delete" | "move" | "execute")
+}
+
+/// A claimed attempt, ready to run.
+pub(crate) struct Run {
+    pub store: Arc<dyn TaskStore>,
+    pub pool: Arc<AgentPool>,
+    pub config: HostConfig,
+    pub attempt: Attempt,
+    pub row: TaskRow,
+    /// The results of the task's dependencies, for its prompt.
+    pub results: HashMap<String, String>,
+}
+
+impl Run {
+    pub(crate) async fn run(self, stop: CancellationToken) -> Result<(), StoreError> {
+        let spec = self.row.spec.clone();
+        let attempt = self.attempt.clone();
+        let ttl = self.config.lease_ttl.as_millis() as i64;
+
+        // The lease lives while the agent does; losing it stops the attempt.
+        let lease_lost = CancellationToken::new();
+        let heartbeat = {
+            let (store, a, lost) = (self.store.clone(), attempt.clone(), lease_lost.clone());
+            let every = self.config.lease_ttl / 3;
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let a2 = a.clone();
+                    match blocking(&store, move |s| s.heartbeat(&a2, now_ms() + ttl)).await {
+                        Ok(true) => {}
+                        Ok(false) | Err(_) => {
+                            lost.cancel();
+                            return;
+                        }
+                    }
+                }
+            })
+        };
+
+        // Numbers no attempt can run with (from a store an older pier wrote) fail the task at once.
+        let prepared = self.options();
+        let (events_tx, events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
+        let (int_tx, int_rx) = mpsc::unbounded_channel();
+        let recorder = tokio::spawn(record(self.store.clone(), attempt.clone(), events_rx));
+        let outcome = match prepared {
+            Ok(opts) => {
+                let prompt = render(&spec.prompt, &self.results);
+                let blocks = vec![agent_client_protocol_schema::v1::ContentBlock::Text(
+                    agent_client_protocol_schema::v1::TextContent::new(prompt),
+                )];
+                let run = self.turn(opts, blocks, events_tx, int_rx);
+                tokio::pin!(run);
+                let mut interrupted = false;
+                let outcome = loop {
+                    tokio::select! {
+                        outcome = &mut run => break outcome,
+                        _ = stop.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
+                        _ = lease_lost.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
+                    }
+                };
+                outcome_of(&outcome)
+            }
+            Err(error) => {
+                drop(events_tx);
+                Outcome::Unusable { error: format!("task `{}` cannot start: {error}", attempt.task) }
+            }
+        };
+        heartbeat.abort();
+        let _ = recorder.await;
+        if lease_lost.is_cancelled() {
+            // Someone else owns the task now (or it was cancelled); our ending would be refused anyway.
+            return Ok(());
+        }
+        let (run, id, n) = (attempt.run.clone(), attempt.task.clone(), attempt.n);
+        let evidence = blocking(&self.store, move |s| s.evidence(&run, &id, n)).await?;
+        let cx = Context {
+            spec: &spec,
+            attempt: attempt.n,
+            failures: self.row.failures,
+            evidence: &evidence,
+            retry_delay: backoff(self.config.retry_base, self.row.failures as u32),
+            now_ms: now_ms(),
+        };
+        let ending = decide(&outcome, &cx);
+        match blocking(&self.store, move |s| s.finish(&attempt, &ending, None)).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_race() => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One turn on a warm agent from the pool, or on a new one; the agent goes back
+    /// to the pool only if the turn ended cleanly.
+    async fn turn(
+        &self,
+        opts: RunOptions,
+        prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
+        events: mpsc::Sender<ClientEvent>,
+        mut interrupts: mpsc::UnboundedReceiver<()>,
+    ) -> RunOutcome {
+        let started = std::time::Instant::now();
+        let key = AgentPool::key(&opts);
+        let fresh = self.row.spec.fresh_agent;
+        let warm = if fresh { None } else { self.pool.take(&key).await };
+        let agent = match warm {
+            Some(agent) => Ok(agent),
+            None => LiveAgent::start(&opts, &events).await,
+        };
+        let mut outcome = match agent {
+            Ok(mut agent) => {
+                let outcome = agent.turn(&opts, SessionTarget::New, prompt, &events, &mut interrupts).await;
+                if fresh {
+                    agent.shutdown(&events).await;
+                } else {
+                    self.pool.give_back(key, agent).await;
+                }
+                outcome
+            }
+            Err(e) => RunOutcome::failed(Some(e)),
+        };
+        outcome.duration = started.elapsed();
+        outcome
+    }
+
+    fn options(&self) -> Result<RunOptions, String> {
+        let mut opts = attempt_options(&self.row.spec, &self.config)?;
+        opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone() }));
+        Ok(opts)
+    }
+}
+
+/// What the client's run outcome means, before the decision.
+fn outcome_of(o: &RunOutcome) -> Outcome {
+    let error = o.error.as_ref().map(ToString::to_string);
+    let class = match &o.error {
+        Some(e) if !e.is_retryable() => ErrorClass::Protocol,
+        _ => ErrorClass::Business,
+    };
+    match (o.ending, o.stop_reason) {
+        (ClientEnding::Answered, Some(stop_reason)) => {
+            Outcome::Answered { stop_reason, text: o.text.clone(), usage: o.usage.clone() }
+        }
+        (ClientEnding::Interrupted { .. }, _) => Outcome::Interrupted { why: "the host stopped the attempt".into() },
+        (ClientEnding::PermissionRequired, _) => Outcome::Failed {
+            error: error.unwrap_or_else(|| "a permission request needed a person and none could be asked".into()),
+            class: ErrorClass::Business,
+        },
+        (ClientEnding::TimedOut { .. }, _) => Outcome::Failed {
+            error: error.unwrap_or_else(|| "the attempt timed out".into()),
+            class: ErrorClass::Business,
+        },
+        _ => Outcome::Failed { error: error.unwrap_or_else(|| "the agent failed".into()), class },
+    }
+}
+
+/// The limits of an attempt of `spec`, checked: a store written by an older pier may
+/// hold numbers the plan check now refuses, and none of them may reach a panic
+/// (`Duration::from_secs_f64` panics on a negative, NaN or huge number).
+pub fn attempt_limits(spec: &TaskSpec, default_idle: Duration) -> Result<(Duration, Option<Duration>), String> {
+    let seconds = |field: &str, value: f64| {
+        crate::plan::check_seconds(field, value)?;
+        Duration::try_from_secs_f64(value).map_err(|e| format!("{field} = {value}: {e}"))
+    };
+    let idle = spec.timeout.map(|t| seconds("timeout", t)).transpose()?.unwrap_or(default_idle);
+    let max_time = spec.max_time.map(|t| seconds("max_time", t)).transpose()?;
+    crate::plan::check_attempts(spec.max_attempts)?;
+    Ok((idle, max_time))
+}
+
+/// What an attempt of `spec` runs with (without the asker, which needs the attempt):
+/// the function between a stored task and a running attempt. Never panics.
+pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOptions, String> {
+    let (idle_timeout, max_time) = attempt_limits(spec, config.default_idle_timeout)?;
+    let path = std::env::var("PATH").ok();
+    let agent =
+        registry::resolve(&spec.agent, &config.agents, &config.pier_exe, path.as_deref()).map_err(|e| e.to_string())?;
+    let cwd = match &spec.cwd {
+        Some(c) if c.is_absolute() => c.clone(),
+        Some(c) => config.base_dir.join(c),
+        None => config.base_dir.clone(),
+    };
+    let roots = spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { config.base_dir.join(r) }).collect();
+    let mut policy = ClientPolicy::default();
+    for (kind, rule) in &spec.permissions {
+        if let (Ok(k), Ok(r)) = (kind.parse(), rule.parse()) {
+            policy.set(k, r);
+        }
+    }
+    policy.non_interactive = pier_client::NonInteractive::Fail;
+    Ok(RunOptions {
+        agent,
+        cwd,
+        allow_dirs: roots,
+        fs: true,
+        terminal: true,
+        policy,
+        interactive: false,
+        echo_stderr: false,
+        idle_timeout: Some(idle_timeout),
+        max_time,
+        cancel_grace: config.cancel_grace,
+        setup_timeout: Duration::from_secs(60),
+        writable: spec
+            .writable
+            .as_ref()
+            .map(|w| w.iter().map(|p| if p.is_absolute() { p.clone() } else { config.base_dir.join(p) }).collect()),
+        asker: None,
+    })
+}
+
+/// Puts a permission request the policy leaves to a person on the task
+/// (`running → awaiting_input`), waits for `pier approve`/`pier deny` (or the HTTP
+/// API) to answer it, and resumes (`awaiting_input → running`). It waits on the store's
+/// commit watch, which also carries other processes' commits.
+struct HostAsker {
+    store: Arc<dyn TaskStore>,
+    attempt: Attempt,
+}
+
+impl pier_client::handler::Asker for HostAsker {
+    fn ask(
+        &self,
+        request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
+    ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
+        use pier_client::handler::AskAnswer;
+        let (store, attempt) = (self.store.clone(), self.attempt.clone());
+        let request = serde_json::to_value(request).unwrap_or(Value::Null);
+        Box::pin(async move {
+            let mut commits = store.subscribe();
+            let a = attempt.clone();
+            let Ok(n) = blocking(&store, move |s| s.park(&a, &request)).await else { return AskAnswer::Nobody };
+            let answer = loop {
+                let a = attempt.clone();
+                match blocking(&store, move |s| s.answer_of(&a, n)).await {
+                    Ok(Some(option)) if !option.is_empty() => break option,
+                    // Voided: the attempt or the task ended while it waited.
+                    Ok(Some(_)) | Err(_) => return AskAnswer::Nobody,
+                    Ok(None) => {
+                        if commits.changed().await.is_err() {
+                            return AskAnswer::Nobody;
+                        }
+                    }
+                }
+            };
+            let a = attempt.clone();
+            let _ = blocking(&store, move |s| s.resume(&a)).await;
+            AskAnswer::Option(answer)
+        })
+    }
+}
+
+/// Jittered exponential backoff: base × 2^failures, ±50 %, at most a minute.
+pub fn backoff(base: Duration, failures: u32) -> Duration {
+    let exp = base.saturating_mul(1u32 << failures.min(16)).min(Duration::from_secs(60));
+    exp.mul_f64(0.5 + fastrand::f64())
+}
+
+/// Writes a task's events to the log in batches and its side effects as evidence.
+async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Receiver<ClientEvent>) {
+    let mut kinds: HashMap<String, String> = HashMap::new();
+    let mut effects_seen: HashSet<String> = HashSet::new();
+    // After the store refused a batch (a full disk), the rest is drained unwritten so
+    // the turn never blocks on a full queue; the attempt's ending reports the error.
+    let mut failed = false;
+    while let Some(first) = rx.recv().await {
+        if failed {
+            continue;
+        }
+        let mut batch = vec![first];
+        while let Ok(more) = rx.try_recv() {
+            batch.push(more);
+            if batch.len() >= 256 {
+                break;
+            }
+        }
+        let mut rows = Vec::new();
+        let mut evidence = Vec::new();
+        for event in batch {
+            let (kind, data) = match event {
+                ClientEvent::Update(params) => {
+                    let u = &params["update"];
+                    if let (Some(id), Some(k)) = (u["toolCallId"].as_str(), u["kind"].as_str()) {
+                        kinds.insert(id.to_owned(), k.to_owned());
+                    }
+                    if let Some(id) = u["toolCallId"].as_str() {
+                        let kind = kinds.get(id).cloned().unwrap_or_default();
+                        let status = u["status"].as_str().unwrap_or("");
+                        if effectful(&kind)
+                            && matches!(status, "in_progress" | "completed")
+                            && effects_seen.insert(id.to_owned())
+                        {
+                            evidence
+                                .push(json!({"toolCallId": id, "kind": kind, "status": status, "title": u["title"]}));
+                        }
+                    }
+                    ("session_update", params)
+                }
+                ClientEvent::Permission { request, outcome, rule, reason } => {
+                    if outcome["outcome"] == "selected" {
+                        let chosen = outcome["optionId"].clone();
+                        let granted = request["options"]
+                            .as_array()
+                            .and_then(|o| o.iter().find(|o| o["optionId"] == chosen))
+                            .is_some_and(|o| o["kind"].as_str().is_some_and(|k| k.starts_with("allow")));
+                        if granted {
+                            evidence.push(
+                                json!({"permission": "granted", "toolCall": request["toolCall"], "option": chosen}),
+                            );
+                        }
+                    }
+                    ("permission", json!({"request": request, "outcome": outcome, "rule": rule, "reason": reason}))
+                }
+                ClientEvent::ClientCall { method, target, error } => {
+                    if error.is_none() && matches!(method.as_str(), "fs/write_text_file" | "terminal/create") {
+                        evidence.push(json!({"clientCall": method, "target": target}));
+                    }
+                    ("client_call", json!({"method": method, "target": target, "ok": error.is_none(), "error": error}))
+                }
+                ClientEvent::ProtocolError(message) => ("protocol_error", json!({"message": message})),
+            };
+            rows.push((kind.to_owned(), data));
+        }
+        let a = attempt.clone();
+        let result = blocking(&store, move |s| s.record(&a, &rows, &evidence)).await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, task = %attempt.task, "recording task events failed; the attempt's later events are not recorded");
+            failed = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_with_jitter_and_a_cap() {
+        let base = Duration::from_millis(100);
+        for f in 0..5 {
+            let d = backoff(base, f);
+            let nominal = base * (1 << f);
+            assert!(d >= nominal / 2 && d <= nominal * 3 / 2, "{f}: {d:?}");
+        }
+        assert!(backoff(base, 30) <= Duration::from_secs(90));
+    }
+}

@@ -1,0 +1,517 @@
+//! The host: one per store and process, an actor that drives tasks to their ends. It
+//! owns the agent pool and the global concurrency limit, and wakes on a closed set of
+//! [`HostEvent`]s (a commit published by the store, an attempt that ended, a timer for a
+//! retry or a lease falling due, a stop), never on a poll.
+//!
+//! Each pass brings its [`View`] current with the tasks the commits touched, takes back
+//! attempts whose holders lost them ([`TaskStore::release_lost`], fenced on the lease it
+//! saw), cancels the dependents of failed tasks, and claims runnable tasks up to the
+//! limit ([`TaskStore::claim`]: of several hosts racing for a task, exactly one wins).
+//! Each claimed attempt runs in [`crate::attempt`] with its token.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pier_client::AgentDef;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::attempt::Run;
+use crate::decide::{Context, Outcome, decide};
+use crate::pool::AgentPool;
+use crate::state::TaskState;
+use crate::store::{StoreError, TaskRow, TaskStore, now_ms};
+
+/// How the host runs tasks.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    pub pier_exe: PathBuf,
+    pub agents: BTreeMap<String, AgentDef>,
+    /// Relative task `cwd`s are resolved against it (the plan's directory).
+    pub base_dir: PathBuf,
+    pub concurrency: usize,
+    /// This host's identity in leases: `HOST:PID:RANDOM`.
+    pub owner: String,
+    pub lease_ttl: Duration,
+    pub retry_base: Duration,
+    pub cancel_grace: Duration,
+    pub default_idle_timeout: Duration,
+}
+
+impl HostConfig {
+    pub fn owner_id() -> String {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}:{}:{}", host.trim(), std::process::id(), uuid::Uuid::new_v4().simple())
+    }
+}
+
+/// Whether a lease owner is a process of this machine that no longer exists.
+fn owner_dead(owner: &str) -> bool {
+    let mut parts = owner.split(':');
+    let (Some(host), Some(pid)) = (parts.next(), parts.next()) else { return false };
+    let here = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    host == here.trim() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+}
+
+/// Counts by state at the end of a run.
+pub type Summary = BTreeMap<&'static str, usize>;
+
+pub(crate) async fn blocking<T: Send + 'static>(
+    store: &Arc<dyn TaskStore>,
+    f: impl FnOnce(&dyn TaskStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || f(store.as_ref()))
+        .await
+        .map_err(|e| StoreError::Db(format!("store worker: {e}")))?
+}
+
+/// Tasks with agent `worker` or `worker:CAPABILITY` are claimed by pull workers over HTTP.
+pub fn is_worker_task(t: &TaskRow) -> bool {
+    t.spec.agent == "worker" || t.spec.agent.starts_with("worker:")
+}
+
+/// Which tasks a host drives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// One run, until no task of it can make progress (`pier run`).
+    Run(String),
+    /// Every run of the store, until stopped (`pier serve`).
+    All,
+}
+
+/// What wakes the host.
+enum HostEvent {
+    /// The store published a commit (this process's or another's).
+    Commit,
+    /// An attempt ended; a store error no task can get past (a full disk, a corrupt row) is fatal.
+    AttemptEnded {
+        key: (String, String),
+        fatal: Option<StoreError>,
+    },
+    /// A retry's `not_before` or a lease's expiry is due.
+    Due,
+    Stop,
+}
+
+pub struct Host {
+    store: Arc<dyn TaskStore>,
+    config: HostConfig,
+    pool: Arc<AgentPool>,
+}
+
+type Key = (String, String);
+
+impl Host {
+    pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Host {
+        let pool = Arc::new(AgentPool::new(config.concurrency.max(1)));
+        Host { store, config, pool }
+    }
+
+    pub fn store(&self) -> &Arc<dyn TaskStore> {
+        &self.store
+    }
+
+    pub fn config(&self) -> &HostConfig {
+        &self.config
+    }
+
+    /// Drives the tasks in `scope` until `stop` fires (running attempts are then cancelled
+    /// through the ACP handshake and go back to the queue) or, for one run, until none of
+    /// its tasks can make progress. Returns the counts by state of the run (empty for all).
+    pub async fn drive(&self, scope: Scope, stop: CancellationToken) -> Result<Summary, StoreError> {
+        let result = self.schedule(&scope, &stop).await;
+        // Whatever the ending, no agent outlives the host's work.
+        self.pool.drain().await;
+        result
+    }
+
+    async fn schedule(&self, scope: &Scope, stop: &CancellationToken) -> Result<Summary, StoreError> {
+        let mut commits = self.store.subscribe();
+        commits.borrow_and_update();
+        let mut view = View::load(&self.store, scope).await?;
+        let mut attempts: JoinSet<(Key, Option<StoreError>)> = JoinSet::new();
+        let mut active: HashMap<Key, CancellationToken> = HashMap::new();
+        let mut fatal: Option<StoreError> = None;
+        let mut dirty = true;
+        loop {
+            dirty |= view.refresh(&self.store).await?;
+            if stop.is_cancelled() || fatal.is_some() {
+                for token in active.values() {
+                    token.cancel();
+                }
+                while let Some(done) = attempts.join_next().await {
+                    if let Ok((key, _)) = done {
+                        active.remove(&key);
+                    }
+                }
+                if let Some(e) = fatal {
+                    return Err(e);
+                }
+                break;
+            }
+            let now = now_ms();
+            if dirty || view.due(now, &active) {
+                dirty = false;
+                // A change (which may cascade) is read afresh before anything starts.
+                if self.take_back_lost(&mut view, &active, now).await? | self.cancel_doomed(&view).await? {
+                    dirty = true;
+                    continue;
+                }
+                self.start_runnable(&mut view, &mut active, &mut attempts, stop, now).await?;
+            }
+            let next_wake = view.next_wake(now, &active);
+            if let Scope::Run(_) = scope
+                && active.is_empty()
+                && next_wake.is_none()
+            {
+                break;
+            }
+            let sleep = next_wake.map_or(Duration::from_secs(3600), |w| {
+                Duration::from_millis((w - now_ms()).clamp(1, 3_600_000) as u64)
+            });
+            let event = tokio::select! {
+                changed = commits.changed() => match changed {
+                    Ok(()) => HostEvent::Commit,
+                    Err(_) => HostEvent::Stop,
+                },
+                Some(done) = attempts.join_next(), if !attempts.is_empty() => match done {
+                    Ok((key, fatal)) => HostEvent::AttemptEnded { key, fatal },
+                    Err(e) => HostEvent::AttemptEnded { key: (String::new(), String::new()), fatal: Some(StoreError::Db(format!("an attempt failed: {e}"))) },
+                },
+                _ = tokio::time::sleep(sleep) => HostEvent::Due,
+                _ = stop.cancelled() => HostEvent::Stop,
+            };
+            match event {
+                HostEvent::Commit => {
+                    commits.borrow_and_update();
+                }
+                HostEvent::AttemptEnded { key, fatal: f } => {
+                    active.remove(&key);
+                    fatal = fatal.or(f);
+                    dirty = true;
+                    // Every attempt that has ended by now is taken in this one pass.
+                    while let Some(done) = attempts.try_join_next() {
+                        if let Ok((key, f)) = done {
+                            active.remove(&key);
+                            fatal = fatal.or(f);
+                        }
+                    }
+                }
+                HostEvent::Due => dirty = true,
+                HostEvent::Stop => {}
+            }
+        }
+        view.refresh(&self.store).await?;
+        let mut summary = Summary::new();
+        if let Scope::Run(run) = scope {
+            let r = run.clone();
+            for t in blocking(&self.store, move |s| s.tasks(&r)).await? {
+                *summary.entry(t.state.as_str()).or_default() += 1;
+            }
+        }
+        Ok(summary)
+    }
+
+    /// Attempts held by someone else whose lease expired or whose host died go through the
+    /// safe re-run decision. True if a task moved.
+    async fn take_back_lost(
+        &self,
+        view: &mut View,
+        active: &HashMap<Key, CancellationToken>,
+        now: i64,
+    ) -> Result<bool, StoreError> {
+        let suspects: Vec<Key> = view
+            .rows
+            .iter()
+            .filter(|(k, t)| !active.contains_key(*k) && lost_by(t, now).is_some())
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut moved = false;
+        for key in suspects {
+            // Heartbeats write no event, so the view's lease may be stale: look again, and
+            // keep what we saw, so the next wake is at the renewed expiry (no spinning).
+            let (r, id) = key.clone();
+            let Some(fresh) = blocking(&self.store, move |s| s.task(&r, &id)).await? else { continue };
+            view.put(fresh.clone());
+            let (Some(why), Some(held)) = (lost_by(&fresh, now), fresh.held()) else { continue };
+            let (r, id, n) = (fresh.run_id.clone(), fresh.id.clone(), fresh.attempt);
+            let evidence = blocking(&self.store, move |s| s.evidence(&r, &id, n)).await?;
+            let cx = Context {
+                spec: &fresh.spec,
+                attempt: fresh.attempt,
+                failures: fresh.failures,
+                evidence: &evidence,
+                retry_delay: Duration::ZERO,
+                now_ms: now,
+            };
+            let ending = decide(&Outcome::Interrupted { why: format!("the attempt was lost: {why}") }, &cx);
+            moved |= blocking(&self.store, move |s| s.release_lost(&held, &ending)).await?.is_some();
+        }
+        Ok(moved)
+    }
+
+    /// A failed or cancelled dependency cancels its pending dependents, and theirs.
+    async fn cancel_doomed(&self, view: &View) -> Result<bool, StoreError> {
+        let mut moved = false;
+        for ((run, task), reason) in view.doomed() {
+            moved |= blocking(&self.store, move |s| s.cancel(&run, &task, &reason)).await?.is_some();
+        }
+        Ok(moved)
+    }
+
+    async fn start_runnable(
+        &self,
+        view: &mut View,
+        active: &mut HashMap<Key, CancellationToken>,
+        attempts: &mut JoinSet<(Key, Option<StoreError>)>,
+        stop: &CancellationToken,
+        now: i64,
+    ) -> Result<(), StoreError> {
+        let limit = self.config.concurrency.max(1);
+        for key in view.runnable(now, active) {
+            if active.len() >= limit {
+                break;
+            }
+            let (run, task) = key.clone();
+            let (owner, until) = (self.config.owner.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
+            let Some((attempt, row)) = blocking(&self.store, move |s| s.claim(&run, &task, &owner, until)).await?
+            else {
+                continue;
+            };
+            view.put(row.clone());
+            let token = stop.child_token();
+            active.insert(key.clone(), token.clone());
+            let results = row
+                .spec
+                .depends_on
+                .iter()
+                .filter_map(|d| view.get(&row.run_id, d))
+                .map(|d| (d.id.clone(), d.result.clone().unwrap_or_default()))
+                .collect();
+            let run = Run {
+                store: self.store.clone(),
+                pool: self.pool.clone(),
+                config: self.config.clone(),
+                attempt,
+                row,
+                results,
+            };
+            attempts.spawn(async move {
+                match run.run(token).await {
+                    Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => (key, Some(e)),
+                    Err(e) => {
+                        tracing::error!(task = %key.1, error = %e, "a task attempt failed");
+                        (key, None)
+                    }
+                    Ok(()) => (key, None),
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why an attempt held by someone else is lost, if it is.
+fn lost_by(t: &TaskRow, now: i64) -> Option<&'static str> {
+    let held = t.held()?;
+    if owner_dead(&held.attempt.owner) {
+        Some("its host died")
+    } else if held.expires_at_ms < now {
+        Some("its lease expired")
+    } else {
+        None
+    }
+}
+
+/// The host's picture of the runs it drives: every task of each run (dependencies need
+/// their done neighbours), kept current by re-reading only the tasks an event touched.
+struct View {
+    scope: Scope,
+    rows: HashMap<Key, TaskRow>,
+    /// Task ids in plan order, by run: runs start in their own order.
+    order: BTreeMap<String, Vec<String>>,
+    /// The event sequence the rows are current to.
+    seq: i64,
+}
+
+impl View {
+    async fn load(store: &Arc<dyn TaskStore>, scope: &Scope) -> Result<View, StoreError> {
+        let s2 = scope.clone();
+        // The sequence is read before the tasks: whatever lands in between is read twice, never missed.
+        let (runs, seq) = blocking(store, move |s| {
+            let seq = s.last_seq()?;
+            let runs: Vec<String> = match &s2 {
+                Scope::Run(r) => vec![r.clone()],
+                Scope::All => {
+                    let mut seen = Vec::new();
+                    for t in s.unfinished_tasks()? {
+                        if !seen.contains(&t.run_id) {
+                            seen.push(t.run_id);
+                        }
+                    }
+                    seen
+                }
+            };
+            let mut out = Vec::new();
+            for r in runs {
+                out.push(s.tasks(&r)?);
+            }
+            Ok((out, seq))
+        })
+        .await?;
+        let mut view = View { scope: scope.clone(), rows: HashMap::new(), order: BTreeMap::new(), seq };
+        for tasks in runs {
+            view.add_run(tasks);
+        }
+        Ok(view)
+    }
+
+    fn add_run(&mut self, tasks: Vec<TaskRow>) {
+        for t in tasks {
+            self.put(t);
+        }
+    }
+
+    fn put(&mut self, row: TaskRow) {
+        let key = (row.run_id.clone(), row.id.clone());
+        if !self.rows.contains_key(&key) {
+            self.order.entry(row.run_id.clone()).or_default().push(row.id.clone());
+        }
+        self.rows.insert(key, row);
+    }
+
+    fn get(&self, run: &str, task: &str) -> Option<&TaskRow> {
+        self.rows.get(&(run.to_owned(), task.to_owned()))
+    }
+
+    /// Brings the view current; true if a task moved (a version changed) or a run appeared.
+    async fn refresh(&mut self, store: &Arc<dyn TaskStore>) -> Result<bool, StoreError> {
+        let after = self.seq;
+        let (changed, seq) = blocking(store, move |s| s.tasks_changed(after)).await?;
+        self.seq = seq;
+        let mut moved = false;
+        let mut new_runs = HashSet::new();
+        for row in changed {
+            let in_scope = match &self.scope {
+                Scope::Run(r) => *r == row.run_id,
+                Scope::All => true,
+            };
+            if !in_scope {
+                continue;
+            }
+            if !self.order.contains_key(&row.run_id) {
+                new_runs.insert(row.run_id.clone());
+                continue;
+            }
+            let same = self.get(&row.run_id, &row.id).is_some_and(|old| old.version == row.version);
+            if !same {
+                moved = true;
+                self.put(row);
+            }
+        }
+        for run in new_runs {
+            let r = run.clone();
+            let tasks = blocking(store, move |s| s.tasks(&r)).await?;
+            self.add_run(tasks);
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Tasks ready to claim now, in run and plan order.
+    fn runnable(&self, now: i64, active: &HashMap<Key, CancellationToken>) -> Vec<Key> {
+        let mut out = Vec::new();
+        for (run, ids) in &self.order {
+            for id in ids {
+                let Some(t) = self.get(run, id) else { continue };
+                let key = (run.clone(), id.clone());
+                if t.state == TaskState::Pending
+                    && !active.contains_key(&key)
+                    && !is_worker_task(t)
+                    && t.not_before_ms <= now
+                    && self.ready(t)
+                {
+                    out.push(key);
+                }
+            }
+        }
+        out
+    }
+
+    fn ready(&self, t: &TaskRow) -> bool {
+        t.spec.depends_on.iter().all(|d| self.get(&t.run_id, d).is_some_and(|d| d.state == TaskState::Completed))
+    }
+
+    /// The next time something is due: a ready task's `not_before`, or the expiry of a
+    /// lease held elsewhere.
+    fn next_wake(&self, now: i64, active: &HashMap<Key, CancellationToken>) -> Option<i64> {
+        let mut next: Option<i64> = None;
+        for (key, t) in &self.rows {
+            let due = match t.state {
+                TaskState::Pending if t.not_before_ms > now && !is_worker_task(t) && self.ready(t) => {
+                    Some(t.not_before_ms)
+                }
+                TaskState::Running | TaskState::AwaitingInput if !active.contains_key(key) => t.lease_expires_at_ms,
+                _ => None,
+            };
+            if let Some(d) = due {
+                next = Some(next.map_or(d, |n| n.min(d)));
+            }
+        }
+        next
+    }
+
+    /// Whether a timer is due now.
+    fn due(&self, now: i64, active: &HashMap<Key, CancellationToken>) -> bool {
+        self.next_wake(now.saturating_sub(1), active).is_some_and(|w| w <= now)
+    }
+
+    /// The pending tasks a failed or cancelled dependency dooms, directly or through
+    /// other doomed tasks, each with the reason naming its own dependency; found
+    /// breadth-first with a queue (no recursion), so a chain of any length is one pass.
+    fn doomed(&self) -> Vec<(Key, String)> {
+        // Dependents by (run, dependency id), of pending tasks only.
+        let mut dependents: HashMap<(&str, &str), Vec<&str>> = HashMap::new();
+        for t in self.rows.values().filter(|t| t.state == TaskState::Pending) {
+            for d in &t.spec.depends_on {
+                dependents.entry((t.run_id.as_str(), d.as_str())).or_default().push(t.id.as_str());
+            }
+        }
+        if dependents.is_empty() {
+            return Vec::new();
+        }
+        let mut queue: std::collections::VecDeque<(&str, &str, &'static str)> = self
+            .rows
+            .values()
+            .filter(|t| matches!(t.state, TaskState::Failed | TaskState::Cancelled))
+            .map(|t| (t.run_id.as_str(), t.id.as_str(), t.state.as_str()))
+            .collect();
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        while let Some((run, id, ended)) = queue.pop_front() {
+            for &j in dependents.get(&(run, id)).map(Vec::as_slice).unwrap_or(&[]) {
+                if seen.insert((run, j)) {
+                    out.push(((run.to_owned(), j.to_owned()), format!("dependency `{id}` ended {ended}")));
+                    queue.push_back((run, j, TaskState::Cancelled.as_str()));
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_owners_are_recognised() {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        assert!(!owner_dead(&format!("{}:{}:x", host.trim(), std::process::id())));
+        assert!(owner_dead(&format!("{}:{}:x", host.trim(), u32::MAX - 7)));
+        assert!(!owner_dead("other-host:1:x"));
+    }
+}

@@ -1,0 +1,160 @@
+//! What people and pull workers do to tasks from outside the host: answer a question,
+//! decide a re-run, report a leased attempt. One function each, shared by the CLI
+//! (`pier approve`/`pier deny`) and the HTTP routes, so the two cannot disagree.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::decide::{Context, Outcome, decide};
+use crate::host::is_worker_task;
+use crate::state::TaskState;
+use crate::store::{Attempt, Ending, ErrorClass, Idem, StoreError, TaskRow, TaskStore, now_ms};
+
+/// Why an outside action was refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ActionError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The option asked for is not among those the agent offered.
+    #[error("{0}")]
+    BadOption(String),
+    /// The request is malformed (an unknown status, a report on a task no worker runs).
+    #[error("{message}")]
+    Refused { code: &'static str, message: String },
+}
+
+impl ActionError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            ActionError::Store(e) => e.code(),
+            ActionError::BadOption(_) => "bad_request",
+            ActionError::Refused { code, .. } => code,
+        }
+    }
+}
+
+/// What an answer did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answered {
+    /// The open question got this option; the waiting attempt goes on.
+    Option(String),
+    /// The task had no live attempt: a person decided whether it runs again.
+    Rerun(Box<TaskRow>),
+}
+
+/// A person's answer to a task in `awaiting_input`: the open question if there is one
+/// (`option`, else allow_once/reject_once), else the re-run decision.
+pub fn answer(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    allow: bool,
+    option: Option<&str>,
+    by: &str,
+) -> Result<Answered, ActionError> {
+    if !store.run_exists(run)? {
+        return Err(StoreError::UnknownRun(run.to_owned()).into());
+    }
+    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    if row.state != TaskState::AwaitingInput {
+        return Err(ActionError::Refused {
+            code: "bad_transition",
+            message: format!("task `{task}` of run `{run}` is {}, not awaiting_input", row.state.as_str()),
+        });
+    }
+    match store.open_question(run, task)? {
+        Some(question) => {
+            let wanted = match (option, allow) {
+                (Some(o), true) => o.to_owned(),
+                (None, true) => "allow_once".to_owned(),
+                (_, false) => "reject_once".to_owned(),
+            };
+            let chosen = crate::plan::offered_option(&question.request, &wanted).map_err(ActionError::BadOption)?;
+            if !store.answer(run, task, &question, &chosen, by)? {
+                return Err(ActionError::Refused {
+                    code: "bad_transition",
+                    message: "the question was answered already".into(),
+                });
+            }
+            Ok(Answered::Option(chosen))
+        }
+        None => Ok(Answered::Rerun(Box::new(store.decide_rerun(run, task, allow, by)?))),
+    }
+}
+
+/// A pull worker's report on the attempt it leased.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    pub worker: String,
+    pub attempt: i64,
+    /// `completed`, `failed` or `cancelled`.
+    pub status: String,
+    pub idempotency_key: String,
+    /// Accepted for older workers; the lease, not the version, fences a report.
+    #[serde(default)]
+    pub version: Option<i64>,
+    #[serde(default)]
+    pub result: Option<String>,
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Of a failure: `protocol` (not retried) or `business` (retried) [default: business].
+    #[serde(default)]
+    pub class: Option<ErrorClass>,
+}
+
+/// Applies a worker's report: only the holder of the live lease ends a task, only a
+/// worker task is ended this way, and the ending is decided by the same rule as the
+/// host's own attempts. A repeat of a report (same key, same body) gets the first answer.
+pub fn report(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    report: &Report,
+    body: &Value,
+    retry_base: std::time::Duration,
+) -> Result<TaskRow, ActionError> {
+    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    if !is_worker_task(&row) {
+        return Err(ActionError::Refused {
+            code: "not_a_worker_task",
+            message: format!(
+                "task `{task}` is run by agent `{}`, not by a pull worker; only its host ends it",
+                row.spec.agent
+            ),
+        });
+    }
+    let attempt =
+        Attempt { run: run.to_owned(), task: task.to_owned(), n: report.attempt, owner: report.worker.clone() };
+    let outcome = match report.status.as_str() {
+        "completed" => None,
+        "failed" => Some(Outcome::Failed {
+            error: report.error.clone().unwrap_or_else(|| "the worker reported a failure".into()),
+            class: report.class.unwrap_or(ErrorClass::Business),
+        }),
+        "cancelled" => None,
+        other => {
+            return Err(ActionError::Refused {
+                code: "bad_transition",
+                message: format!("a worker reports completed, failed or cancelled, not `{other}`"),
+            });
+        }
+    };
+    let ending = match (report.status.as_str(), outcome) {
+        ("completed", _) => Ending::Completed { result: report.result.clone().unwrap_or_default(), usage: None },
+        (_, Some(outcome)) => {
+            let cx = Context {
+                spec: &row.spec,
+                attempt: report.attempt,
+                failures: row.failures,
+                evidence: &[],
+                retry_delay: crate::attempt::backoff(retry_base, row.failures as u32),
+                now_ms: now_ms(),
+            };
+            decide(&outcome, &cx)
+        }
+        _ => Ending::Cancelled { reason: format!("worker {} cancelled it", report.worker) },
+    };
+    let idem = Idem::worker_report(&attempt, &report.idempotency_key, body);
+    Ok(store.finish(&attempt, &ending, Some(&idem))?)
+}

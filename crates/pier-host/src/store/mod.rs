@@ -1,0 +1,318 @@
+//! The durable store: runs, tasks, attempts, questions and the gap-free event log.
+//!
+//! Writes are *named operations*, each fenced in its own SQL, never a generic "move this
+//! task" with a bag of flags. An attempt is held through an [`Attempt`] token that only
+//! [`TaskStore::claim`] hands out; every operation of a running attempt (`heartbeat`,
+//! `park`, `resume`, `finish`) names it and changes nothing unless the task is still on
+//! that attempt under that owner, so a stale or foreign holder is refused by construction.
+//! A lost attempt is taken back by [`TaskStore::release_lost`], fenced on what the caller
+//! saw (attempt, owner and lease expiry): a heartbeat in between makes it a no-op.
+//!
+//! Idempotency: an operation that a remote caller may repeat (a pull worker's update)
+//! carries an [`Idem`] built in one place from typed parts; the first answer is kept with
+//! the request's body, a repeat with the same body gets that answer back and changes
+//! nothing, and a repeat with another body is refused (`idempotency_conflict`).
+
+mod ops;
+mod sqlite;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::watch;
+
+use crate::plan::{Plan, TaskSpec};
+use crate::state::TaskState;
+
+pub use sqlite::SqliteStore;
+
+/// Why a store operation was refused or failed. `code()` is stable.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("version conflict on task `{task}`: the update read version {expected}, the task is at {actual}")]
+    Conflict { task: String, expected: i64, actual: i64 },
+    #[error("illegal transition of task `{task}`: {from} -> {to}")]
+    IllegalTransition { task: String, from: &'static str, to: &'static str },
+    /// The attempt named is not the one holding the task (any more): another owner, a
+    /// later attempt, an expired lease, or a task that ended.
+    #[error("task `{task}` is not held by attempt {attempt} of `{owner}` (any more); stop working on it")]
+    LeaseLost { task: String, attempt: i64, owner: String },
+    #[error("idempotency key `{key}` was used before with another request; use a new key for a new request")]
+    IdempotencyConflict { key: String },
+    #[error("unknown task `{0}`")]
+    UnknownTask(String),
+    #[error("unknown run `{0}`")]
+    UnknownRun(String),
+    #[error("run `{0}` already exists")]
+    RunExists(String),
+    /// A row that does not decode: the store was damaged or edited; nothing is written.
+    #[error("the store is corrupt: task `{task}` of run `{run}`: {what}")]
+    Corrupt { run: String, task: String, what: String },
+    /// The disk (or file system) holding the store is full; nothing of the failed write was kept.
+    #[error("the disk is full: cannot write the store {path}; free some space and resume")]
+    Full { path: String },
+    #[error("the store failed: {0}")]
+    Db(String),
+}
+
+impl StoreError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            StoreError::Conflict { .. } => "version_conflict",
+            StoreError::IllegalTransition { .. } => "bad_transition",
+            StoreError::LeaseLost { .. } => "lease_lost",
+            StoreError::IdempotencyConflict { .. } => "idempotency_conflict",
+            StoreError::UnknownTask(_) => "unknown_task",
+            StoreError::UnknownRun(_) => "unknown_run",
+            StoreError::RunExists(_) => "run_exists",
+            StoreError::Corrupt { .. } => "store_corrupt",
+            StoreError::Full { .. } => "disk_full",
+            StoreError::Db(_) => "store",
+        }
+    }
+
+    /// Whether the operation lost a race (another writer moved the task first): the caller
+    /// re-reads and decides again; nothing is wrong with the store.
+    pub fn is_race(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Conflict { .. } | StoreError::IllegalTransition { .. } | StoreError::LeaseLost { .. }
+        )
+    }
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// A task as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRow {
+    pub run_id: String,
+    pub id: String,
+    pub state: TaskState,
+    pub version: i64,
+    /// Attempts started so far.
+    pub attempt: i64,
+    /// Attempts that failed (crash, timeout, garbage); retries stop at `max_attempts`.
+    pub failures: i64,
+    pub lease_owner: Option<String>,
+    pub lease_expires_at_ms: Option<i64>,
+    pub not_before_ms: i64,
+    pub result: Option<String>,
+    pub usage: Option<Value>,
+    pub error: Option<String>,
+    pub spec: TaskSpec,
+}
+
+impl TaskRow {
+    /// The attempt holding the task, as the row says: for `release_lost`, which fences on it.
+    pub fn held(&self) -> Option<Held> {
+        let live = matches!(self.state, TaskState::Running | TaskState::AwaitingInput);
+        match (&self.lease_owner, self.lease_expires_at_ms) {
+            (Some(owner), Some(expires_at_ms)) if live => Some(Held {
+                attempt: Attempt {
+                    run: self.run_id.clone(),
+                    task: self.id.clone(),
+                    n: self.attempt,
+                    owner: owner.clone(),
+                },
+                expires_at_ms,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// One event of the log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub seq: i64,
+    pub run: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub at_ms: i64,
+    pub data: Value,
+}
+
+/// The token of a live attempt: attempt `n` of a task, held by `owner`. Only
+/// [`TaskStore::claim`] makes one; every operation of the attempt is fenced on it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Attempt {
+    pub run: String,
+    pub task: String,
+    pub n: i64,
+    pub owner: String,
+}
+
+/// An attempt as another party saw it, with the lease expiry it saw: what
+/// [`TaskStore::release_lost`] fences on, so a renewal in between wins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub attempt: Attempt,
+    pub expires_at_ms: i64,
+}
+
+/// Whether a failure is worth another attempt (seed 001 §5.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// The agent broke the protocol (garbage, a broken handshake, -32601/-32602): a bug,
+    /// which another attempt would meet again. Not retried.
+    Protocol,
+    /// A model outage, a tool failure, a timeout, a crash: retried with backoff.
+    Business,
+}
+
+/// What the end of an attempt does to its task. Made by [`crate::decide::decide`] (or a
+/// person's or a worker's report); applied by [`TaskStore::finish`] and
+/// [`TaskStore::release_lost`]. The lease is released whatever the ending.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "to", rename_all = "snake_case")]
+pub enum Ending {
+    /// `completed`, with the answer.
+    Completed { result: String, usage: Option<Value> },
+    /// `failed` for good.
+    Failed { error: String, class: ErrorClass, reason: String, failure: bool },
+    /// `cancelled`.
+    Cancelled { reason: String },
+    /// `pending` again, not before `not_before_ms`; `failure` counts it against `max_attempts`.
+    Retry { error: Option<String>, reason: String, not_before_ms: i64, failure: bool },
+    /// `awaiting_input`: a person decides whether to run the task again (it reported
+    /// side effects that another attempt would repeat).
+    AskPerson { error: Option<String>, reason: String, failure: bool, evidence: Vec<Value> },
+}
+
+impl Ending {
+    pub fn state(&self) -> TaskState {
+        match self {
+            Ending::Completed { .. } => TaskState::Completed,
+            Ending::Failed { .. } => TaskState::Failed,
+            Ending::Cancelled { .. } => TaskState::Cancelled,
+            Ending::Retry { .. } => TaskState::Pending,
+            Ending::AskPerson { .. } => TaskState::AwaitingInput,
+        }
+    }
+
+    pub fn reason(&self) -> &str {
+        match self {
+            Ending::Completed { .. } => "end_turn",
+            Ending::Failed { reason, .. }
+            | Ending::Cancelled { reason }
+            | Ending::Retry { reason, .. }
+            | Ending::AskPerson { reason, .. } => reason,
+        }
+    }
+
+    /// Whether the ending counts against `max_attempts`.
+    pub fn is_failure(&self) -> bool {
+        match self {
+            Ending::Failed { failure, .. } | Ending::Retry { failure, .. } | Ending::AskPerson { failure, .. } => {
+                *failure
+            }
+            Ending::Completed { .. } | Ending::Cancelled { .. } => false,
+        }
+    }
+}
+
+/// An idempotency key and the request it stands for. Built here, from typed parts only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idem {
+    key: String,
+    request: String,
+}
+
+impl Idem {
+    /// A pull worker's report on its attempt: the worker's own key, scoped to the attempt
+    /// (so keys of different attempts never meet), with the report's body.
+    pub fn worker_report(attempt: &Attempt, client_key: &str, body: &Value) -> Idem {
+        Idem { key: format!("report:{}:{}:{client_key}", attempt.n, attempt.owner), request: body.to_string() }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn request(&self) -> &str {
+        &self.request
+    }
+}
+
+/// A question for a person, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Question {
+    pub attempt: i64,
+    pub n: i64,
+    pub request: Value,
+}
+
+/// What the host needs from a store. Every backend passes the conformance suite
+/// (`tests/conformance.rs`), which is written against this trait only.
+pub trait TaskStore: Send + Sync + 'static {
+    fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError>;
+    fn run_exists(&self, run: &str) -> Result<bool, StoreError>;
+    fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
+    /// One task, or `None` if the run has no such task.
+    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
+    /// Every pending task of every run, oldest run first, in plan order.
+    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
+    /// Every task of every run that has not ended, oldest run first, in plan order.
+    fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
+    /// The tasks (of any run) touched by an event after sequence `after`, and the
+    /// sequence they are current to (pass it back next time).
+    fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError>;
+
+    /// Starts the next attempt of a pending task whose `not_before` has passed, for
+    /// `owner`, with a lease until `lease_until_ms`. `None` if the task is not claimable
+    /// (another claimer won, or it moved on): exactly one of many racing claimers wins.
+    fn claim(
+        &self,
+        run: &str,
+        task: &str,
+        owner: &str,
+        lease_until_ms: i64,
+    ) -> Result<Option<(Attempt, TaskRow)>, StoreError>;
+    /// Renews the lease; false if the attempt does not hold the task any more.
+    fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError>;
+    /// Puts a question for a person on the task (`running → awaiting_input`) and returns its
+    /// number within the attempt. The lease stays: the agent is alive and waiting.
+    fn park(&self, attempt: &Attempt, request: &Value) -> Result<i64, StoreError>;
+    /// `awaiting_input → running` once the question is answered; false if not held.
+    fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError>;
+    /// Ends the attempt: the task moves as `ending` says, the lease is released and the
+    /// attempt's unanswered questions are void. Refused (`lease_lost`) unless `attempt`
+    /// holds the task with a live lease. With `idem`, a repeat gets the first answer.
+    fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError>;
+    /// Ends an attempt its holder lost (lease expired, host dead), if the task is still as
+    /// `held` describes it (same attempt, owner and expiry); `None` if it moved on.
+    fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError>;
+    /// Appends an attempt's events to the log and its side effects to its evidence.
+    fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError>;
+
+    /// Cancels a task that has not ended (a person's or a dependency's cancel); a running
+    /// attempt finds out through its fence. `None` if it had ended already.
+    fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError>;
+    /// A person's decision on a task that waits for one with no attempt alive: run it
+    /// again (`pending`) or not (`cancelled`).
+    fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError>;
+    /// Answers an open question; false if it was answered (or voided) already.
+    fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError>;
+    /// The answer to a question, once there is one.
+    fn answer_of(&self, attempt: &Attempt, n: i64) -> Result<Option<String>, StoreError>;
+    /// The open question of a task, if any.
+    fn open_question(&self, run: &str, task: &str) -> Result<Option<Question>, StoreError>;
+
+    /// Appends events that belong to no attempt (notes, benchmarks).
+    fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError>;
+    fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError>;
+    fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError>;
+    fn last_seq(&self) -> Result<i64, StoreError>;
+    /// The runs that have a task with this id, newest first.
+    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
+    /// Every run id, oldest first.
+    fn run_ids(&self) -> Result<Vec<String>, StoreError>;
+    /// The last committed event sequence, changed on every commit: this process's at once,
+    /// other processes' (sharing the store) within the backend's watch interval.
+    fn subscribe(&self) -> watch::Receiver<i64>;
+}

@@ -1,0 +1,595 @@
+//! The SQLite backend (WAL, `synchronous = FULL`: a commit is on disk before it returns).
+//!
+//! Every write is atomic: its own savepoint inside a *group commit*. Writers queue
+//! their work; whoever holds the write connection runs everything queued in one
+//! transaction, commits once (one fsync for all of them) and only then hands each
+//! writer its answer, so nothing is announced before it is on disk. Under load,
+//! eight workers' updates cost one fsync instead of eight. Reads use a connection
+//! of their own and see committed data only. Events get their sequence number
+//! from `INTEGER PRIMARY KEY` inside the writing transaction, so the log is
+//! gap-free and strictly increasing in commit order. The operations' SQL is in
+//! [`super::ops`]; this file is the machinery around it.
+//!
+//! Commits of other processes sharing the file (a second `pier serve`, `pier approve`)
+//! reach [`TaskStore::subscribe`] through a watcher thread that asks SQLite's
+//! `PRAGMA data_version` (one read of a page header, no query of the data) every
+//! [`WATCH_INTERVAL`]; this process's commits are published at once.
+
+use std::path::Path;
+use std::sync::mpsc::TryRecvError;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde_json::Value;
+use tokio::sync::watch;
+
+use super::ops::{self, TASK_COLUMNS, collect_tasks, insert_event, load_task, row_to_task};
+use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore};
+use crate::plan::Plan;
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        StoreError::Db(e.to_string())
+    }
+}
+
+impl From<serde_json::Error> for StoreError {
+    fn from(e: serde_json::Error) -> Self {
+        StoreError::Db(format!("corrupt JSON in the store: {e}"))
+    }
+}
+
+/// The SQLite store.
+pub struct SqliteStore {
+    /// The write connection; whoever holds it commits the queued writes.
+    conn: Mutex<Connection>,
+    /// Writes waiting for the next group commit.
+    queue: Mutex<Vec<Job>>,
+    /// For reads, which never wait for a commit.
+    reader: Mutex<Connection>,
+    /// Shared with the watcher thread, which holds it weakly and ends with the store.
+    seq_tx: Arc<watch::Sender<i64>>,
+    /// Whether the watcher of other processes' commits runs (started by the first subscriber).
+    watching: std::sync::Once,
+    /// The store's file, for messages.
+    path: String,
+}
+
+/// A queued write: runs against the open transaction (or, given why there is none,
+/// does not run) and returns the highest event sequence it wrote (0 for none) or
+/// its error, and how to hand its answer over once the commit is known (`Err` if
+/// the commit failed).
+type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, StoreError>, Finish) + Send>;
+type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+
+const MIGRATIONS: &[&str] = &[
+    r#"
+CREATE TABLE runs (
+    id TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    created_at_ms INTEGER NOT NULL
+);
+CREATE TABLE tasks (
+    run_id TEXT NOT NULL REFERENCES runs(id),
+    id TEXT NOT NULL,
+    ord INTEGER NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('pending','running','awaiting_input','completed','failed','cancelled')),
+    version INTEGER NOT NULL,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    failures INTEGER NOT NULL DEFAULT 0,
+    lease_owner TEXT,
+    lease_expires_at_ms INTEGER,
+    not_before_ms INTEGER NOT NULL DEFAULT 0,
+    result TEXT,
+    usage TEXT,
+    error TEXT,
+    spec TEXT NOT NULL,
+    PRIMARY KEY (run_id, id)
+);
+CREATE TABLE attempts (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    evidence TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (run_id, task_id, attempt)
+);
+CREATE TABLE updates (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    answer TEXT NOT NULL,
+    PRIMARY KEY (run_id, task_id, key)
+);
+CREATE TABLE events (
+    seq INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    task_id TEXT,
+    type TEXT NOT NULL,
+    at_ms INTEGER NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX events_by_run ON events(run_id, seq);
+"#,
+    r#"
+CREATE TABLE questions (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    request TEXT NOT NULL,
+    answer TEXT,
+    answered_by TEXT,
+    PRIMARY KEY (run_id, task_id, attempt, n)
+);
+"#,
+    // Pending tasks across all runs, for handing worker tasks out without reading every run.
+    r#"
+CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending';
+"#,
+    // The body an idempotency key first came with (a repeat with another body is refused),
+    // and the tasks a host drives.
+    r#"
+ALTER TABLE updates ADD COLUMN request TEXT;
+CREATE INDEX tasks_unfinished ON tasks(run_id, ord) WHERE state IN ('pending', 'running', 'awaiting_input');
+"#,
+];
+
+/// How often the watcher asks SQLite whether another process committed.
+pub const WATCH_INTERVAL: Duration = Duration::from_millis(100);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Runs `work` in a savepoint: kept if it succeeds, undone if it fails.
+fn savepoint<T>(
+    c: &Connection,
+    work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError>,
+) -> Result<(T, i64), StoreError> {
+    c.execute_batch("SAVEPOINT job")?;
+    match work(c) {
+        Ok(done) => {
+            c.execute_batch("RELEASE job")?;
+            Ok(done)
+        }
+        Err(e) => {
+            let _ = c.execute_batch("ROLLBACK TO job; RELEASE job");
+            Err(e)
+        }
+    }
+}
+
+impl SqliteStore {
+    /// Opens (and migrates) the store at `path`.
+    pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open_inner(path).map_err(|e| match e {
+            StoreError::Db(m) if is_full(&m) => StoreError::Full { path: path.display().to_string() },
+            e => e,
+        })
+    }
+
+    fn open_inner(path: &Path) -> Result<SqliteStore, StoreError> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| StoreError::Db(format!("{}: {e}", dir.display())))?;
+        }
+        let conn = Connection::open(path)?;
+        // A store from a newer pier is refused before anything is written to it.
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        if version > MIGRATIONS.len() as i64 {
+            return Err(StoreError::Db(format!(
+                "{} was written by a newer pier (store version {version}; this pier knows versions up to {}); upgrade pier",
+                path.display(),
+                MIGRATIONS.len()
+            )));
+        }
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        // Statements are reused by every commit; the default cache of 16 is too small.
+        conn.set_prepared_statement_cache_capacity(64);
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        for (i, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let tx = conn.unchecked_transaction()?;
+            tx.execute_batch(migration)?;
+            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+            tx.commit()?;
+        }
+        let last: i64 = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?;
+        let seq_tx = Arc::new(watch::Sender::new(last));
+        let reader = Connection::open(path)?;
+        reader.busy_timeout(std::time::Duration::from_secs(10))?;
+        reader.set_prepared_statement_cache_capacity(64);
+        Ok(SqliteStore {
+            conn: Mutex::new(conn),
+            queue: Mutex::new(Vec::new()),
+            reader: Mutex::new(reader),
+            seq_tx,
+            watching: std::sync::Once::new(),
+            path: path.display().to_string(),
+        })
+    }
+
+    /// Runs `work` atomically in the next group commit and returns its answer once
+    /// the commit is on disk. `work` returns its answer and the highest event
+    /// sequence it wrote (0 for none); an error undoes only this work.
+    fn write<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T, StoreError>>(1);
+        let job: Job = Box::new(move |c: Result<&Connection, &StoreError>| {
+            let outcome = match c {
+                Ok(c) => savepoint(c, work),
+                Err(e) => Err(e.clone()),
+            };
+            let seq = outcome.as_ref().map(|(_, seq)| *seq).map_err(Clone::clone);
+            let finish: Finish = Box::new(move |committed: Result<(), StoreError>| {
+                let _ = tx.send(committed.and(outcome.map(|(answer, _)| answer)));
+            });
+            (seq, finish)
+        });
+        lock(&self.queue).push(job);
+        loop {
+            // The previous committer may have taken this work: its answer is handed
+            // over before the write connection is released.
+            let conn = lock(&self.conn);
+            match rx.try_recv() {
+                Ok(answer) => return answer.map_err(|e| self.named(e)),
+                // The committer that took this work died before answering (a panic):
+                // say so rather than wait for an answer that will never come.
+                Err(TryRecvError::Disconnected) => {
+                    return Err(StoreError::Db("the store's committing thread failed before answering".into()));
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            let jobs = std::mem::take(&mut *lock(&self.queue));
+            if jobs.is_empty() {
+                continue;
+            }
+            self.commit(&conn, jobs);
+            drop(conn);
+            if let Ok(answer) = rx.try_recv() {
+                return answer.map_err(|e| self.named(e));
+            }
+        }
+    }
+
+    /// A SQLite error as a store error: a full disk says so, with the store's path.
+    fn named(&self, e: StoreError) -> StoreError {
+        match e {
+            StoreError::Db(m) if is_full(&m) => StoreError::Full { path: self.path.clone() },
+            e => e,
+        }
+    }
+
+    /// One group commit: every job in one transaction, one fsync, then the answers.
+    ///
+    /// SQLite may roll the whole transaction back on its own when a statement fails
+    /// (a full disk, an I/O error): then the savepoint is gone, the jobs before it
+    /// were undone too, and a later `SAVEPOINT` would silently open (and commit) a
+    /// transaction of its own. So after each job the transaction is checked; once it
+    /// is lost, no later job runs and every writer of the group hears the error.
+    fn commit(&self, conn: &Connection, jobs: Vec<Job>) {
+        let mut state: Result<(), StoreError> = conn.execute_batch("BEGIN IMMEDIATE").map_err(|e| self.named(e.into()));
+        let mut finishes = Vec::with_capacity(jobs.len());
+        let mut last = 0;
+        for job in jobs {
+            // Without a transaction nothing runs, and every writer hears why.
+            let (outcome, finish) = job(state.as_ref().map(|()| conn));
+            if state.is_ok() && conn.is_autocommit() {
+                let why = outcome.as_ref().err().map_or_else(|| "no reason given".to_owned(), ToString::to_string);
+                state = Err(self.named(StoreError::Db(format!("SQLite rolled the transaction back: {why}"))));
+            }
+            last = last.max(outcome.unwrap_or(0));
+            finishes.push(finish);
+        }
+        let committed = state.and_then(|()| conn.execute_batch("COMMIT").map_err(|e| self.named(e.into())));
+        if committed.is_err() && !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        for finish in finishes {
+            finish(committed.clone());
+        }
+        if committed.is_ok() && last > 0 {
+            self.published(last);
+        }
+    }
+
+    fn published(&self, seq: i64) {
+        publish(&self.seq_tx, seq);
+    }
+
+    /// Starts the thread that publishes other processes' commits. It has a connection of
+    /// its own and ends when the store is dropped (it holds the sender weakly).
+    fn watch_others(&self) {
+        let Ok(conn) = Connection::open(&self.path) else {
+            tracing::warn!(path = %self.path, "cannot watch the store for other processes' commits");
+            return;
+        };
+        let seq_tx = Arc::downgrade(&self.seq_tx);
+        let spawned =
+            std::thread::Builder::new().name("pier-store-watch".into()).spawn(move || watch_loop(&conn, &seq_tx));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot watch the store for other processes' commits");
+        }
+    }
+}
+
+fn publish(seq_tx: &watch::Sender<i64>, seq: i64) {
+    seq_tx.send_if_modified(|s| {
+        if seq > *s {
+            *s = seq;
+            true
+        } else {
+            false
+        }
+    });
+}
+
+/// `data_version` changes when another connection commits to the file; only then is the
+/// last sequence read and published.
+fn watch_loop(conn: &Connection, seq_tx: &Weak<watch::Sender<i64>>) {
+    let version = |c: &Connection| c.pragma_query_value(None, "data_version", |r| r.get::<_, i64>(0)).ok();
+    let mut seen = version(conn);
+    loop {
+        std::thread::sleep(WATCH_INTERVAL);
+        let Some(tx) = seq_tx.upgrade() else { return };
+        let now = version(conn);
+        if now != seen {
+            seen = now;
+            if let Ok(last) = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get::<_, i64>(0)) {
+                publish(&tx, last);
+            }
+        }
+    }
+}
+
+/// Whether a SQLite error message is a full disk (`SQLITE_FULL`, or `ENOSPC` under an I/O error).
+fn is_full(message: &str) -> bool {
+    message.contains("database or disk is full") || message.contains("No space left")
+}
+
+impl SqliteStore {
+    fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        f(&lock(&self.reader))
+    }
+}
+
+impl TaskStore for SqliteStore {
+    fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
+        let (run, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
+        self.write(move |tx| ops::create_run(tx, &run, &plan, &source).map(|seq| ((), seq)))
+    }
+
+    fn run_exists(&self, run: &str) -> Result<bool, StoreError> {
+        self.read(|c| {
+            Ok(c.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0)
+        })
+    }
+
+    fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError> {
+        self.read(|c| {
+            let mut stmt =
+                c.prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 ORDER BY ord"))?;
+            let rows = stmt.query_map(params![run], row_to_task)?;
+            collect_tasks(rows)
+        })
+    }
+
+    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
+        match self.read(|c| load_task(c, run, task)) {
+            Ok(row) => Ok(Some(row)),
+            Err(StoreError::UnknownTask(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(&format!(
+                "SELECT {} FROM tasks t INDEXED BY tasks_pending JOIN runs r ON r.id = t.run_id
+                 WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord",
+                qualified("t")
+            ))?;
+            let rows = stmt.query_map([], row_to_task)?;
+            collect_tasks(rows)
+        })
+    }
+
+    fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(&format!(
+                "SELECT {} FROM tasks t INDEXED BY tasks_unfinished JOIN runs r ON r.id = t.run_id
+                 WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord",
+                qualified("t")
+            ))?;
+            let rows = stmt.query_map([], row_to_task)?;
+            collect_tasks(rows)
+        })
+    }
+
+    fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
+        self.read(|c| {
+            // The bound is read first: a change that lands after it is reported again next time.
+            let upto: i64 =
+                c.prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events")?.query_row([], |r| r.get(0))?;
+            if upto <= after {
+                return Ok((Vec::new(), after));
+            }
+            let mut stmt = c.prepare_cached(&format!(
+                "SELECT {TASK_COLUMNS} FROM tasks WHERE (run_id, id) IN
+                     (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= ?2 AND task_id IS NOT NULL)"
+            ))?;
+            let rows = stmt.query_map(params![after, upto], row_to_task)?;
+            Ok((collect_tasks(rows)?, upto))
+        })
+    }
+
+    fn claim(
+        &self,
+        run: &str,
+        task: &str,
+        owner: &str,
+        lease_until_ms: i64,
+    ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
+        let (run, task, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
+        self.write(move |tx| ops::claim(tx, &run, &task, &owner, lease_until_ms))
+    }
+
+    fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
+        let a = attempt.clone();
+        self.write(move |tx| ops::heartbeat(tx, &a, lease_until_ms))
+    }
+
+    fn park(&self, attempt: &Attempt, request: &Value) -> Result<i64, StoreError> {
+        let (a, request) = (attempt.clone(), request.clone());
+        self.write(move |tx| ops::park(tx, &a, &request))
+    }
+
+    fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError> {
+        let a = attempt.clone();
+        self.write(move |tx| ops::resume(tx, &a))
+    }
+
+    fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError> {
+        let (a, ending, idem) = (attempt.clone(), ending.clone(), idem.cloned());
+        self.write(move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
+    }
+
+    fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
+        let (held, ending) = (held.clone(), ending.clone());
+        self.write(move |tx| ops::release_lost(tx, &held, &ending))
+    }
+
+    fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError> {
+        let (a, events, evidence) = (attempt.clone(), events.to_vec(), evidence.to_vec());
+        self.write(move |tx| ops::record(tx, &a, &events, &evidence))
+    }
+
+    fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
+        let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
+        self.write(move |tx| ops::cancel(tx, &run, &task, &reason))
+    }
+
+    fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.write(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))
+    }
+
+    fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError> {
+        let (run, task, q, option, by) =
+            (run.to_owned(), task.to_owned(), question.clone(), option.to_owned(), by.to_owned());
+        self.write(move |tx| ops::answer(tx, &run, &task, &q, &option, &by))
+    }
+
+    fn answer_of(&self, a: &Attempt, n: i64) -> Result<Option<String>, StoreError> {
+        self.read(|c| {
+            Ok(c.query_row(
+                "SELECT answer FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4",
+                params![a.run, a.task, a.n, n],
+                |r| r.get::<_, Option<String>>(0),
+            )
+            .optional()?
+            .flatten())
+        })
+    }
+
+    fn open_question(&self, run: &str, task: &str) -> Result<Option<Question>, StoreError> {
+        let row: Option<(i64, i64, String)> = self.read(|c| {
+            Ok(c.query_row(
+                "SELECT attempt, n, request FROM questions WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL
+                 ORDER BY attempt DESC, n DESC LIMIT 1",
+                params![run, task],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()?)
+        })?;
+        Ok(row.map(|(attempt, n, req)| Question {
+            attempt,
+            n,
+            request: serde_json::from_str(&req).unwrap_or(Value::Null),
+        }))
+    }
+
+    fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError> {
+        if events.is_empty() {
+            return self.last_seq();
+        }
+        let events = events.to_vec();
+        self.write(move |tx| {
+            let mut last = 0;
+            for (run, task, kind, data) in &events {
+                last = insert_event(tx, run, task.as_deref(), kind, data)?;
+            }
+            Ok((last, last))
+        })
+    }
+
+    fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
+        let text: Option<String> = self.read(|c| {
+            Ok(c.query_row(
+                "SELECT evidence FROM attempts WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+                params![run, task, attempt],
+                |r| r.get(0),
+            )
+            .optional()?)
+        })?;
+        Ok(text.map(|t| serde_json::from_str(&t)).transpose()?.unwrap_or_default())
+    }
+
+    fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+                 WHERE seq > ?1 AND (?2 IS NULL OR run_id = ?2) ORDER BY seq LIMIT ?3",
+            )?;
+            let rows = stmt.query_map(params![after, run, limit as i64], |r| {
+                let data: String = r.get(5)?;
+                Ok(Event {
+                    seq: r.get(0)?,
+                    run: r.get(1)?,
+                    task: r.get(2)?,
+                    kind: r.get(3)?,
+                    at_ms: r.get(4)?,
+                    data: serde_json::from_str(&data).unwrap_or(Value::Null),
+                })
+            })?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
+    fn last_seq(&self) -> Result<i64, StoreError> {
+        self.read(|c| Ok(c.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?))
+    }
+
+    fn subscribe(&self) -> watch::Receiver<i64> {
+        self.watching.call_once(|| self.watch_others());
+        self.seq_tx.subscribe()
+    }
+
+    fn run_ids(&self) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached("SELECT id FROM runs ORDER BY created_at_ms, id")?;
+            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
+    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = ?1
+                 ORDER BY r.created_at_ms DESC",
+            )?;
+            let rows = stmt.query_map(params![task], |r| r.get::<_, String>(0))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+}
+
+/// [`TASK_COLUMNS`] qualified by a table alias.
+fn qualified(alias: &str) -> String {
+    TASK_COLUMNS.split(", ").map(|c| format!("{alias}.{}", c.trim())).collect::<Vec<_>>().join(", ")
+}

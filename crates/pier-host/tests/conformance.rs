@@ -1,0 +1,261 @@
+//! The store conformance suite: written against the `TaskStore` trait only, run for
+//! every backend (today SQLite; a new backend adds its factory to `backends()` and must
+//! pass unchanged). Claim races, the fencing of every attempt operation, idempotent
+//! replays and conflicts, the state machine of endings, and a gap-free event log under
+//! concurrent writers.
+
+use std::sync::Arc;
+
+use pier_host::plan::parse;
+use pier_host::{Attempt, Ending, ErrorClass, Idem, SqliteStore, StoreError, TaskState, TaskStore};
+use serde_json::json;
+
+type Factory = fn() -> (tempfile::TempDir, Arc<dyn TaskStore>);
+
+fn sqlite() -> (tempfile::TempDir, Arc<dyn TaskStore>) {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let store = SqliteStore::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
+    (dir, Arc::new(store))
+}
+
+fn backends() -> Vec<(&'static str, Factory)> {
+    vec![("sqlite", sqlite as Factory)]
+}
+
+/// Runs `check` on a fresh store of every backend, with run `r` of tasks a and b.
+fn each(check: impl Fn(&str, &Arc<dyn TaskStore>)) {
+    for (name, make) in backends() {
+        let (_dir, store) = make();
+        let plan =
+            parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\n", &|_| Ok(()))
+                .unwrap_or_else(|e| panic!("{e}"));
+        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        check(name, &store);
+    }
+}
+
+const FAR: i64 = i64::MAX / 2;
+
+fn claim(s: &Arc<dyn TaskStore>, task: &str, owner: &str) -> Attempt {
+    match s.claim("r", task, owner, FAR) {
+        Ok(Some((a, row))) => {
+            assert_eq!((row.state, row.lease_owner.as_deref()), (TaskState::Running, Some(owner)));
+            a
+        }
+        other => panic!("claim of {task} by {owner}: {other:?}"),
+    }
+}
+
+fn state(s: &Arc<dyn TaskStore>, task: &str) -> TaskState {
+    s.task("r", task).ok().flatten().map(|t| t.state).unwrap_or_else(|| panic!("no task {task}"))
+}
+
+fn done() -> Ending {
+    Ending::Completed { result: "ok".into(), usage: None }
+}
+
+#[test]
+fn of_many_racing_claimers_exactly_one_wins() {
+    each(|name, s| {
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let s = s.clone();
+                std::thread::spawn(move || s.claim("r", "a", &format!("host-{i}"), FAR))
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
+        let winners: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok().and_then(Option::as_ref)).collect();
+        assert_eq!(winners.len(), 1, "{name}: {results:?}");
+        assert!(results.iter().all(Result::is_ok), "{name}: losers are told, not failed: {results:?}");
+        let row = s.task("r", "a").ok().flatten().unwrap_or_else(|| panic!("a"));
+        assert_eq!((row.attempt, row.lease_owner.as_ref()), (1, Some(&winners[0].0.owner)), "{name}");
+    });
+}
+
+#[test]
+fn every_attempt_operation_is_fenced_on_attempt_and_owner() {
+    each(|name, s| {
+        let a = claim(s, "a", "owner-1");
+        let foreign = Attempt { owner: "owner-2".into(), ..a.clone() };
+        let stale = Attempt { n: a.n + 1, ..a.clone() };
+        for other in [&foreign, &stale] {
+            assert!(!s.heartbeat(other, FAR).unwrap_or(true), "{name}: heartbeat of {other:?}");
+            assert!(matches!(s.park(other, &json!({})), Err(StoreError::LeaseLost { .. })), "{name}: park");
+            assert!(!s.resume(other).unwrap_or(true), "{name}: resume");
+            let refused = s.finish(other, &done(), None);
+            assert!(matches!(&refused, Err(e) if e.code() == "lease_lost"), "{name}: finish {refused:?}");
+        }
+        assert_eq!(state(s, "a"), TaskState::Running, "{name}: nothing moved");
+        assert!(s.heartbeat(&a, FAR - 1).unwrap_or(false), "{name}");
+        let row = s.finish(&a, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((row.state, row.lease_owner, row.result.as_deref()), (TaskState::Completed, None, Some("ok")));
+        // Once ended, even the holder is refused.
+        assert!(matches!(s.finish(&a, &done(), None), Err(StoreError::LeaseLost { .. })), "{name}");
+        assert!(!s.heartbeat(&a, FAR).unwrap_or(true), "{name}");
+    });
+}
+
+#[test]
+fn an_expired_lease_ends_nothing_and_is_released_only_as_seen() {
+    each(|name, s| {
+        let (a, _) = s.claim("r", "a", "owner-1", 1).ok().flatten().unwrap_or_else(|| panic!("claim"));
+        assert!(matches!(s.finish(&a, &done(), None), Err(StoreError::LeaseLost { .. })), "{name}: expired");
+        let seen = s.task("r", "a").ok().flatten().and_then(|t| t.held()).unwrap_or_else(|| panic!("held"));
+        // The holder renews before the release lands: the release changes nothing.
+        assert!(s.heartbeat(&a, 2).unwrap_or(false), "{name}");
+        let retry = Ending::Retry { error: None, reason: "lost".into(), not_before_ms: 0, failure: false };
+        assert_eq!(s.release_lost(&seen, &retry).unwrap_or_else(|e| panic!("{e}")), None, "{name}");
+        let seen = s.task("r", "a").ok().flatten().and_then(|t| t.held()).unwrap_or_else(|| panic!("held"));
+        let row = s.release_lost(&seen, &retry).unwrap_or_else(|e| panic!("{e}")).unwrap_or_else(|| panic!("released"));
+        assert_eq!((row.state, row.lease_owner, row.failures), (TaskState::Pending, None, 0), "{name}");
+        let again = claim(s, "a", "owner-2");
+        assert_eq!(again.n, 2, "{name}");
+    });
+}
+
+#[test]
+fn a_question_parks_and_resumes_and_an_ending_voids_it() {
+    each(|name, s| {
+        let a = claim(s, "a", "owner-1");
+        let n = s.park(&a, &json!({"options": []})).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((n, state(s, "a")), (1, TaskState::AwaitingInput), "{name}");
+        let q = s.open_question("r", "a").ok().flatten().unwrap_or_else(|| panic!("open"));
+        assert!(s.resume(&a).unwrap_or(false));
+        assert_eq!(state(s, "a"), TaskState::AwaitingInput, "{name}: still open, still waiting");
+        assert!(s.answer("r", "a", &q, "allow_once", "me").unwrap_or(false));
+        assert!(!s.answer("r", "a", &q, "reject_once", "me").unwrap_or(true), "{name}: answered once");
+        assert_eq!(s.answer_of(&a, n).ok().flatten().as_deref(), Some("allow_once"));
+        assert!(s.resume(&a).unwrap_or(false));
+        assert_eq!(state(s, "a"), TaskState::Running, "{name}");
+        // A second question, then the attempt ends while it waits (with side effects):
+        // awaiting_input -> awaiting_input for a person's re-run decision, the question void.
+        s.park(&a, &json!({})).unwrap_or_else(|e| panic!("{e}"));
+        let ask = Ending::AskPerson { error: None, reason: "stopped".into(), failure: false, evidence: vec![json!(1)] };
+        let row = s.finish(&a, &ask, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((row.state, row.lease_owner), (TaskState::AwaitingInput, None), "{name}");
+        assert_eq!(s.open_question("r", "a").unwrap_or_else(|e| panic!("{e}")), None, "{name}: void");
+        let row = s.decide_rerun("r", "a", true, "me").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(row.state, TaskState::Pending, "{name}");
+        assert!(s.decide_rerun("r", "a", true, "me").is_err(), "{name}: only a waiting task");
+    });
+}
+
+#[test]
+fn a_report_replays_with_the_same_body_and_is_refused_with_another() {
+    each(|name, s| {
+        let a = claim(s, "a", "worker-1");
+        let body = json!({"status": "completed", "result": "one"});
+        let idem = Idem::worker_report(&a, "k1", &body);
+        let first = s.finish(&a, &Ending::Completed { result: "one".into(), usage: None }, Some(&idem));
+        let first = first.unwrap_or_else(|e| panic!("{e}"));
+        let seq = s.last_seq().unwrap_or_default();
+        let again = s.finish(&a, &Ending::Completed { result: "one".into(), usage: None }, Some(&idem));
+        assert_eq!(again.unwrap_or_else(|e| panic!("{e}")), first, "{name}");
+        assert_eq!(s.last_seq().unwrap_or_default(), seq, "{name}: a replay commits nothing");
+        let other = Idem::worker_report(&a, "k1", &json!({"status": "completed", "result": "two"}));
+        let refused = s.finish(&a, &Ending::Completed { result: "two".into(), usage: None }, Some(&other));
+        assert!(matches!(&refused, Err(e) if e.code() == "idempotency_conflict"), "{name}: {refused:?}");
+    });
+}
+
+#[test]
+fn endings_move_the_task_as_they_say() {
+    each(|name, s| {
+        let a = claim(s, "a", "o");
+        let failed = Ending::Failed {
+            error: "garbage".into(),
+            class: ErrorClass::Protocol,
+            reason: "bug".into(),
+            failure: true,
+        };
+        let row = s.finish(&a, &failed, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((row.state, row.failures, row.error.as_deref()), (TaskState::Failed, 1, Some("garbage")), "{name}");
+        let b = claim(s, "b", "o");
+        let retry =
+            Ending::Retry { error: Some("down".into()), reason: "again".into(), not_before_ms: FAR, failure: true };
+        let row = s.finish(&b, &retry, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((row.state, row.failures, row.not_before_ms), (TaskState::Pending, 1, FAR), "{name}");
+        assert_eq!(s.claim("r", "b", "o", FAR).unwrap_or_else(|e| panic!("{e}")), None, "{name}: not before its time");
+        let cancelled = s.cancel("r", "b", "by hand").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cancelled.map(|t| t.state), Some(TaskState::Cancelled), "{name}");
+        assert_eq!(s.cancel("r", "b", "again").unwrap_or_else(|e| panic!("{e}")), None, "{name}: ended already");
+        let transitions: Vec<(String, String)> = s
+            .events_after(Some("r"), 0, 1000)
+            .unwrap_or_default()
+            .iter()
+            .filter(|e| e.kind == "transition")
+            .map(|e| (e.data["from"].as_str().unwrap_or("").to_owned(), e.data["to"].as_str().unwrap_or("").to_owned()))
+            .collect();
+        let t = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+        assert_eq!(
+            transitions,
+            [
+                t("pending", "running"),
+                t("running", "failed"),
+                t("pending", "running"),
+                t("running", "pending"),
+                t("pending", "cancelled")
+            ],
+            "{name}"
+        );
+    });
+}
+
+#[test]
+fn concurrent_writers_leave_a_gap_free_log() {
+    each(|name, s| {
+        let start = s.last_seq().unwrap_or_default();
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for j in 0..25 {
+                        let e = ("r".to_owned(), None, "note".to_owned(), json!({"writer": i, "n": j}));
+                        s.append_events(&[e]).unwrap_or_else(|e| panic!("{e}"));
+                    }
+                    s.claim("r", "a", &format!("w{i}"), FAR)
+                })
+            })
+            .collect();
+        let won = handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| panic!("panicked")))
+            .filter(|r| matches!(r, Ok(Some(_))))
+            .count();
+        assert_eq!(won, 1, "{name}");
+        let seqs: Vec<i64> = s.events_after(None, start, 10_000).unwrap_or_default().iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (start + 1..=start + 8 * 25 + 1).collect::<Vec<_>>(), "{name}: gap-free");
+    });
+}
+
+#[test]
+fn tasks_changed_reports_what_events_touched_in_every_run() {
+    each(|name, s| {
+        let (all, seq) = s.tasks_changed(0).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(all.len(), 2, "{name}");
+        assert_eq!(s.tasks_changed(seq).unwrap_or_else(|e| panic!("{e}")), (vec![], seq), "{name}");
+        claim(s, "a", "o");
+        let (changed, later) = s.tasks_changed(seq).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(changed.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), ["a"], "{name}");
+        assert!(later > seq);
+        let unfinished: Vec<String> = s.unfinished_tasks().unwrap_or_default().into_iter().map(|t| t.id).collect();
+        assert_eq!(unfinished, ["a", "b"], "{name}");
+        let pending: Vec<String> = s.pending_tasks().unwrap_or_default().into_iter().map(|t| t.id).collect();
+        assert_eq!(pending, ["b"], "{name}");
+    });
+}
+
+#[tokio::test]
+async fn another_handles_commits_reach_the_watch() {
+    // Two handles on one file stand for two processes: the second sees the first's commits.
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.path().join("pier.db");
+    let one = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
+    let two = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
+    let mut watch = two.subscribe();
+    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    one.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    let last = one.last_seq().unwrap_or_default();
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(10), watch.wait_for(|s| *s >= last)).await;
+    assert!(matches!(seen, Ok(Ok(_))), "the other handle's commit was not published");
+}
