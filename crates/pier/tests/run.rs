@@ -763,3 +763,47 @@ async fn a_question_open_when_the_host_stops_is_answered_cancelled() {
         rest.iter().find(|e| e["type"] == "permission").unwrap_or_else(|| panic!("no permission in {rest:#?}"));
     assert_eq!(answer["outcome"]["outcome"], "cancelled", "R088: {answer}");
 }
+
+/// User plus system CPU time of a process so far, in milliseconds.
+fn cpu_ms(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let ticks: u64 = fields.get(11..13).map(|f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum()).unwrap_or(0);
+    // /proc counts in USER_HZ, which the kernel's ABI fixes at 100 on x86-64 and arm64.
+    ticks * 10
+}
+
+#[tokio::test]
+async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
+    let h = Host::new(None);
+    // A live host on another machine holds the task, renewing a short lease all along.
+    let ttl = 300;
+    let attempt = h.claimed_elsewhere("w", "elsewhere:1:x".into(), pier_host::store::now_ms() + ttl);
+    let store = std::sync::Arc::new(h.store());
+    let renewing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let renewer = {
+        let (store, attempt, renewing) = (store.clone(), attempt.clone(), renewing.clone());
+        std::thread::spawn(move || {
+            while renewing.load(std::sync::atomic::Ordering::SeqCst) {
+                let _ = pier_host::TaskStore::heartbeat(store.as_ref(), &attempt, pier_host::store::now_ms() + ttl);
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        })
+    };
+    let child = must(h.command(&["run", "--resume", "w", "--format", "json"]).spawn(), "spawn");
+    let pid = child.id().unwrap_or(0);
+    // Past start-up (a second), then five seconds of waiting are measured.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let before = cpu_ms(pid);
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let used = cpu_ms(pid) - before;
+    renewing.store(false, std::sync::atomic::Ordering::SeqCst);
+    let _ = renewer.join();
+    let done = pier_host::Ending::Completed { result: "done elsewhere".into(), usage: None };
+    must(pier_host::TaskStore::finish(store.as_ref(), &attempt, &done, None), "the other host finishes");
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(used < 50, "the waiting host used {used} ms of CPU in 5 s");
+}
