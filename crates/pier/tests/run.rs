@@ -778,8 +778,9 @@ fn cpu_ms(pid: u32) -> u64 {
 #[tokio::test]
 async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
     let h = Host::new(None);
-    // A live host on another machine holds the task, renewing a short lease all along.
-    let ttl = 300;
+    // A live host on another machine holds the task, renewing its lease all along (2 s,
+    // renewed every 400 ms: a loaded machine still renews in time).
+    let ttl = 2_000;
     let attempt = h.claimed_elsewhere("w", "elsewhere:1:x".into(), pier_host::store::now_ms() + ttl);
     let store = std::sync::Arc::new(h.store());
     let renewing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -788,7 +789,7 @@ async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
         std::thread::spawn(move || {
             while renewing.load(std::sync::atomic::Ordering::SeqCst) {
                 let _ = pier_host::TaskStore::heartbeat(store.as_ref(), &attempt, pier_host::store::now_ms() + ttl);
-                std::thread::sleep(std::time::Duration::from_millis(100));
+                std::thread::sleep(std::time::Duration::from_millis(400));
             }
         })
     };
