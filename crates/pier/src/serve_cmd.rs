@@ -21,11 +21,15 @@ pub struct ServeArgs {
     /// The bearer token [env: PIER_TOKEN; default: created once in $PIER_HOME/serve.token]
     #[arg(long)]
     token: Option<String>,
-    /// Tasks run at once per run
+    /// Tasks run at once by this node, across every run it drives
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
     #[arg(long)]
     store: Option<PathBuf>,
+    /// Lease time-to-live in milliseconds; renewed every third of it. Another node takes
+    /// an attempt back this long after its host died
+    #[arg(long, default_value_t = 15_000, hide = true)]
+    lease_ttl_ms: u64,
     /// Events queued at most for one /events client
     #[arg(long, default_value_t = 1024, hide = true)]
     sse_buffer: usize,
@@ -63,7 +67,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         base_dir: here,
         concurrency: args.concurrency.max(1),
         owner: HostConfig::owner_id(),
-        lease_ttl: Duration::from_secs(15),
+        lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         retry_base: Duration::from_secs(1),
         cancel_grace: Duration::from_secs(5),
         default_idle_timeout: Duration::from_secs(600),

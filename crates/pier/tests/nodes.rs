@@ -1,0 +1,261 @@
+//! Several `pier serve` nodes over one SQLite store: every attempt runs exactly once,
+//! with the nodes live, and with nodes SIGKILLed and restarted under load.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use futures::StreamExt;
+use pier_fake_model::FakeModel;
+use pier_model::sse::SseDecoder;
+use serde_json::{Value, json};
+use support::{LIMIT, echo, must};
+use tokio::io::AsyncBufReadExt;
+use tokio::process::{Child, Command};
+
+const PIER: &str = env!("CARGO_BIN_EXE_pier");
+const TOKEN: &str = "nodes-token";
+
+struct Node {
+    child: Child,
+    base: String,
+}
+
+/// Starts a node on the shared store `db`, with its own home under `dir`.
+async fn node(dir: &Path, name: &str, db: &Path, model: &str, lease_ms: u64) -> Node {
+    let home = dir.join(name);
+    let mut cmd = Command::new(PIER);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN, "--concurrency", "4"])
+        .arg("--store")
+        .arg(db)
+        .args(["--lease-ttl-ms", &lease_ms.to_string()])
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("PIER_HOME", &home)
+        .env("PIER_BASE_URL", model)
+        .env("PIER_MODEL", "fake-model")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = must(cmd.spawn(), "spawn pier serve");
+    let stderr = child.stderr.take().unwrap_or_else(|| panic!("stderr"));
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    let base = loop {
+        let line = must(tokio::time::timeout(LIMIT, lines.next_line()).await, "serve started");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier serve exited"));
+        if let Some(url) = line.strip_prefix("pier serve: listening on ") {
+            break url.to_owned();
+        }
+    };
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Node { child, base }
+}
+
+impl Node {
+    async fn submit(&self, plan: &str, run: &str) {
+        let resp = reqwest::Client::new()
+            .post(format!("{}/runs", self.base))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body(json!({"plan": plan, "run_id": run}).to_string())
+            .send()
+            .await;
+        let resp = must(resp, "submit");
+        assert_eq!(resp.status().as_u16(), 201, "{:?}", resp.text().await);
+    }
+
+    /// The whole log as this node serves it (`follow=false`).
+    async fn log(&self) -> Vec<Value> {
+        self.events(|_| false, false).await
+    }
+
+    /// Events from the start until `stop` says so (or, without `follow`, until caught up).
+    async fn events(&self, mut stop: impl FnMut(&Value) -> bool, follow: bool) -> Vec<Value> {
+        let url = format!("{}/events?after=0&follow={follow}", self.base);
+        let resp = must(reqwest::Client::new().get(url).bearer_auth(TOKEN).send().await, "events");
+        let mut stream = resp.bytes_stream();
+        let mut sse = SseDecoder::new(1 << 24);
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + LIMIT * 6;
+        loop {
+            let chunk = match must(tokio::time::timeout_at(deadline, stream.next()).await, "events in time") {
+                Some(chunk) => must(chunk, "chunk"),
+                None => return out,
+            };
+            for data in sse.push(&chunk).unwrap_or_default() {
+                let v: Value = must(serde_json::from_str(&data), "event json");
+                let done = stop(&v);
+                out.push(v);
+                if done {
+                    return out;
+                }
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+        }
+        let _ = tokio::time::timeout(LIMIT, self.child.wait()).await;
+    }
+}
+
+fn plan(n: usize) -> String {
+    (0..n).map(|i| format!("[[tasks]]\nid = \"t{i:03}\"\nprompt = \"task {i}\"\n\n")).collect()
+}
+
+/// Model requests per task prompt ("task N").
+fn requests_per_task(f: &FakeModel) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for r in f.requests().iter().filter(|r| !r.auxiliary) {
+        let user = r.body["messages"].as_array().and_then(|m| m.iter().find(|m| m["role"] == "user")).cloned();
+        if let Some(text) = user.and_then(|m| m["content"].as_str().map(str::to_owned)) {
+            *counts.entry(text).or_default() += 1;
+        }
+    }
+    counts
+}
+
+fn completed_per_task(log: &[Value]) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for e in log.iter().filter(|e| e["type"] == "transition" && e["to"] == "completed") {
+        *counts.entry(e["task"].as_str().unwrap_or("").to_owned()).or_default() += 1;
+    }
+    counts
+}
+
+fn seqs(log: &[Value]) -> Vec<i64> {
+    log.iter().filter_map(|e| e["seq"].as_i64()).collect()
+}
+
+/// Live processes whose environment names `marker` (the nodes' agents carry their home).
+fn processes_with_env(marker: &str) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+            let environ = std::fs::read(e.path().join("environ")).ok()?;
+            (!zombie && String::from_utf8_lossy(&environ).contains(marker)).then_some(pid)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn two_live_nodes_on_one_store_run_every_task_exactly_once() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let dir = must(tempfile::tempdir(), "dir");
+    let db: PathBuf = dir.path().join("shared.db");
+    let a = node(dir.path(), "a", &db, &f.base_url(), 15_000).await;
+    let b = node(dir.path(), "b", &db, &f.base_url(), 15_000).await;
+    a.submit(&plan(100), "hundred").await;
+    // Node b serves the run it never saw submitted, to its end.
+    let mut done = 0;
+    b.events(
+        |e| {
+            done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+            done == 100
+        },
+        true,
+    )
+    .await;
+    let per_task = requests_per_task(&f);
+    assert_eq!(per_task.len(), 100, "{per_task:?}");
+    let twice: Vec<_> = per_task.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "prompts that reached the model more than once: {twice:?}");
+    let log = a.log().await;
+    assert!(completed_per_task(&log).values().all(|n| *n == 1));
+    let owners: std::collections::HashSet<&str> = log
+        .iter()
+        .filter(|e| e["type"] == "transition" && e["to"] == "running")
+        .filter_map(|e| e["owner"].as_str())
+        .collect();
+    eprintln!("attempts were run by {} nodes", owners.len());
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
+    let f = must(FakeModel::start().await, "fake");
+    // Slow enough that kills land mid-turn.
+    f.set_fallback(|body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Pause(Duration::from_millis(150)));
+        }
+        reply
+    });
+    let dir = must(tempfile::tempdir(), "dir");
+    let db: PathBuf = dir.path().join("shared.db");
+    let model = f.base_url();
+    let lease = 1_000;
+    let mut nodes = vec![
+        node(dir.path(), "a", &db, &model, lease).await,
+        node(dir.path(), "b", &db, &model, lease).await,
+    ];
+    nodes[0].submit(&plan(60), "sixty").await;
+    for round in 0..4 {
+        // Let some work land, then kill one node and start it again.
+        let target = 5 * (round + 1);
+        let mut done = 0;
+        nodes[1 - round % 2]
+            .events(
+                |e| {
+                    done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                    done >= target
+                },
+                true,
+            )
+            .await;
+        let victim = round % 2;
+        nodes[victim].kill();
+        let _ = nodes[victim].child.wait().await;
+        let name = if victim == 0 { "a" } else { "b" };
+        nodes[victim] = node(dir.path(), name, &db, &model, lease).await;
+    }
+    let mut done = 0;
+    nodes[0]
+        .events(
+            |e| {
+                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                done == 60
+            },
+            true,
+        )
+        .await;
+    let (log_a, log_b) = (nodes[0].log().await, nodes[1].log().await);
+    assert_eq!(seqs(&log_a), (1..=log_a.len() as i64).collect::<Vec<_>>(), "the log has a gap");
+    assert_eq!(seqs(&log_a), seqs(&log_b), "both nodes serve the same stream");
+    let completed = completed_per_task(&log_a);
+    assert_eq!(completed.len(), 60);
+    let started = log_a.iter().filter(|e| e["type"] == "transition" && e["to"] == "running").count();
+    assert!(started > 60, "no kill landed mid-attempt ({started} attempts); the test proves nothing");
+    assert!(completed.values().all(|n| *n == 1), "a task completed twice: {completed:?}");
+    for node in nodes {
+        node.stop().await;
+    }
+    // Agents of killed nodes see their stdin close and exit; none is left behind.
+    let marker = dir.path().display().to_string();
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    while !processes_with_env(&marker).is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(processes_with_env(&marker), Vec::<i32>::new(), "agent processes outlived their nodes");
+}
