@@ -456,7 +456,16 @@ impl LiveAgent {
     ) -> Result<String, Stopped> {
         let session_id = match target {
             SessionTarget::New => {
-                let request = NewSessionRequest::new(opts.cwd.clone());
+                let mut request = NewSessionRequest::new(opts.cwd.clone());
+                // The directories besides cwd this run may use, told to an agent that confines
+                // itself to its session's roots; sent only when it advertises
+                // `sessionCapabilities.additionalDirectories` (ACP v1, session/new). The
+                // client-side sandbox bounds its fs/* and terminal/* calls either way.
+                let offers_roots =
+                    self.init["agentCapabilities"]["sessionCapabilities"].get("additionalDirectories").is_some();
+                if offers_roots && !opts.allow_dirs.is_empty() {
+                    request = request.additional_directories(opts.allow_dirs.clone());
+                }
                 let first = self.setup_raw::<NewSessionResponse>("session/new", &request, deadline, interrupts).await?;
                 let response = match first {
                     Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {

@@ -88,11 +88,13 @@ pub struct EngineConfig {
     pub max_turn_requests: u32,
     /// The system prompt; `None` sends the default one, `Some("")` sends none.
     pub system_prompt: Option<String>,
+    /// When set, the only directories any session's writes may land in (tools and commands).
+    pub writable: Option<Vec<PathBuf>>,
 }
 
 impl EngineConfig {
     pub fn new(home: PathBuf) -> Self {
-        Self { home, max_turn_requests: 64, system_prompt: None }
+        Self { home, max_turn_requests: 64, system_prompt: None, writable: None }
     }
 
     fn system_prompt(&self, cwd: &Path) -> Option<String> {
@@ -181,7 +183,7 @@ impl Engine {
     }
 
     async fn start(&self, id: String, options: SessionOptions, log: SessionLog) -> Result<Arc<Session>, EngineError> {
-        let workspace = workspace(&options)?;
+        let workspace = workspace(&options, self.services.config.writable.as_deref())?;
         log.append(0, &LogRecord::SessionStarted { session_id: id.clone(), cwd: options.cwd.clone() });
         log.flush().await?;
         let session = Session::new(id, options, workspace, log, SessionState::default(), self.services.clone());
@@ -197,7 +199,7 @@ impl Engine {
         if !store.exists(id) {
             return Err(EngineError::UnknownSession(id.to_owned()));
         }
-        let workspace = workspace(&options)?;
+        let workspace = workspace(&options, self.services.config.writable.as_deref())?;
         let records = store::read_log(&store.log_path(id)).await?;
         let mut state = SessionState::default();
         let mut mode = options.mode;
@@ -229,7 +231,11 @@ impl Engine {
     }
 }
 
-fn workspace(options: &SessionOptions) -> Result<Workspace, EngineError> {
-    Workspace::with_roots(&options.cwd, &options.roots)
-        .map_err(|e| EngineError::Workspace(format!("{}: {e}", options.cwd.display())))
+fn workspace(options: &SessionOptions, writable: Option<&[PathBuf]>) -> Result<Workspace, EngineError> {
+    let ws = Workspace::with_roots(&options.cwd, &options.roots)
+        .map_err(|e| EngineError::Workspace(format!("{}: {e}", options.cwd.display())))?;
+    match writable {
+        Some(dirs) => ws.with_writable(dirs).map_err(|e| EngineError::Workspace(format!("a writable directory: {e}"))),
+        None => Ok(ws),
+    }
 }

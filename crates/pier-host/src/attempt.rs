@@ -4,6 +4,7 @@
 //! [`TaskStore::finish`], fenced on the attempt's token.
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -197,8 +198,19 @@ pub fn attempt_limits(spec: &TaskSpec, default_idle: Duration) -> Result<(Durati
 pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOptions, String> {
     let (idle_timeout, max_time) = attempt_limits(spec, config.default_idle_timeout)?;
     let path = std::env::var("PATH").ok();
-    let agent =
+    let mut agent =
         registry::resolve(&spec.agent, &config.agents, &config.pier_exe, path.as_deref()).map_err(|e| e.to_string())?;
+    let writable: Option<Vec<PathBuf>> = spec
+        .writable
+        .as_ref()
+        .map(|w| w.iter().map(|p| if p.is_absolute() { p.clone() } else { config.base_dir.join(p) }).collect());
+    if agent.program == config.pier_exe && agent.args.first().is_some_and(|a| a == "agent") {
+        agent.args.extend(own_agent_policy(spec));
+        for dir in writable.iter().flatten() {
+            agent.args.push("--writable".into());
+            agent.args.push(dir.display().to_string());
+        }
+    }
     let cwd = match &spec.cwd {
         Some(c) if c.is_absolute() => c.clone(),
         Some(c) => config.base_dir.join(c),
@@ -225,12 +237,27 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         max_time,
         cancel_grace: config.cancel_grace,
         setup_timeout: Duration::from_secs(60),
-        writable: spec
-            .writable
-            .as_ref()
-            .map(|w| w.iter().map(|p| if p.is_absolute() { p.clone() } else { config.base_dir.join(p) }).collect()),
+        writable,
         asker: None,
     })
+}
+
+/// The plan's permission layer as flags of pier's own agent, which runs its tools itself:
+/// the host's client-side policy sees only the permission requests an agent chooses to send,
+/// so a `deny` must reach the agent's own policy to hold, and an `ask` must make it ask.
+fn own_agent_policy(spec: &TaskSpec) -> Vec<String> {
+    let mut flags = Vec::new();
+    for (kind, rule) in &spec.permissions {
+        let flag = match rule.as_str() {
+            "deny" | "deny_always" => "--deny",
+            "allow" | "allow_always" => "--allow",
+            "ask" => "--ask",
+            _ => continue,
+        };
+        flags.push(flag.to_owned());
+        flags.push(kind.clone());
+    }
+    flags
 }
 
 /// Puts a permission request the policy leaves to a person on the task

@@ -96,7 +96,7 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    let writable: Vec<std::path::PathBuf> = cx.workspace.roots().map(std::path::Path::to_path_buf).collect();
+    let writable = cx.workspace.write_roots();
     // Dropped with the future: `Contained`'s drop ends every process of the command.
     let (mut child, contained) = crate::contain::spawn(&mut cmd, &cx.limits.confinement, &writable)
         .map_err(|e| ToolError::new(format!("could not start sh: {e}")))?;

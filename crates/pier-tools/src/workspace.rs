@@ -57,6 +57,9 @@ impl Root {
 pub struct Workspace {
     /// The session directory first, then the additional ones.
     roots: Arc<[Root]>,
+    /// When set, the only directories writes may land in (a host's `writable`); tools'
+    /// writes outside them are refused and commands may write only there (and in temp).
+    writable: Option<Arc<[PathBuf]>>,
 }
 
 /// A file opened beneath a root: a regular file, never a FIFO, socket or device.
@@ -81,7 +84,22 @@ impl Workspace {
     pub fn with_roots(cwd: &Path, extra: &[PathBuf]) -> std::io::Result<Workspace> {
         let roots: Vec<Root> =
             std::iter::once(cwd).chain(extra.iter().map(PathBuf::as_path)).map(Root::open).collect::<Result<_, _>>()?;
-        Ok(Workspace { roots: Arc::from(roots) })
+        Ok(Workspace { roots: Arc::from(roots), writable: None })
+    }
+
+    /// Restricts writes to `dirs` (absolute; symlinks resolved now). Reads are unchanged.
+    pub fn with_writable(mut self, dirs: &[PathBuf]) -> std::io::Result<Workspace> {
+        let dirs: Vec<PathBuf> = dirs.iter().map(std::fs::canonicalize).collect::<Result<_, _>>()?;
+        self.writable = Some(Arc::from(dirs));
+        Ok(self)
+    }
+
+    /// The directories writes may land in: the writable ones if set, else every root.
+    pub fn write_roots(&self) -> Vec<PathBuf> {
+        match &self.writable {
+            Some(dirs) => dirs.to_vec(),
+            None => self.roots().map(Path::to_path_buf).collect(),
+        }
     }
 
     /// The session directory: relative paths start here.
@@ -231,6 +249,19 @@ impl Workspace {
     /// Returns the absolute path written.
     pub fn write_atomic(&self, path: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
         let (root, rel, resolved) = self.locate(path)?;
+        if let Some(dirs) = &self.writable
+            && !dirs.iter().any(|d| resolved.starts_with(d))
+        {
+            let list: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+            return Err(std::io::Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "{} is outside the directories this session may write ({})",
+                    resolved.display(),
+                    list.join(", ")
+                ),
+            ));
+        }
         let (Some(name), parent) = (rel.file_name(), rel.parent().unwrap_or(Path::new(""))) else {
             return Err(std::io::Error::new(ErrorKind::InvalidInput, "the path names no file"));
         };

@@ -36,6 +36,10 @@ pub struct AgentArgs {
     /// Longest accepted JSON-RPC frame in bytes
     #[arg(long, default_value_t = pier_acp::frame::DEFAULT_MAX_FRAME_BYTES)]
     max_frame_bytes: usize,
+    /// The only directories writes may land in (repeatable): tools' writes elsewhere are
+    /// refused and commands may write only there and in the temp dir [default: the session's roots]
+    #[arg(long, value_name = "DIR")]
+    writable: Vec<std::path::PathBuf>,
     /// Confine commands' writes to the session's roots and the temp dir with Landlock [default: on, or `sandbox` in pier.toml]
     #[arg(long, value_enum)]
     sandbox: Option<config::SandboxArg>,
@@ -53,6 +57,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         engine_config.max_turn_requests = n;
     }
     engine_config.system_prompt = files.system_prompt.clone();
+    if !args.writable.is_empty() {
+        let dirs = args.writable.iter().map(|d| cwd.join(d)).collect();
+        engine_config.writable = Some(dirs);
+    }
     let policy = config::resolve_policy(&files, &args.permissions)?;
     let mut limits = config::resolve_limits(&files);
     limits.confinement = config::resolve_confinement(&files, args.sandbox)?;

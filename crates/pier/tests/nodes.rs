@@ -206,10 +206,8 @@ async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
     let db: PathBuf = dir.path().join("shared.db");
     let model = f.base_url();
     let lease = 1_000;
-    let mut nodes = vec![
-        node(dir.path(), "a", &db, &model, lease).await,
-        node(dir.path(), "b", &db, &model, lease).await,
-    ];
+    let mut nodes =
+        vec![node(dir.path(), "a", &db, &model, lease).await, node(dir.path(), "b", &db, &model, lease).await];
     nodes[0].submit(&plan(60), "sixty").await;
     for round in 0..4 {
         // Let some work land, then kill one node and start it again.

@@ -808,3 +808,91 @@ async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(used < 50, "the waiting host used {used} ms of CPU in 5 s");
 }
+
+/// The `tool` messages the model was sent, in order.
+fn tool_results(f: &FakeModel) -> Vec<String> {
+    f.requests()
+        .iter()
+        .filter(|r| !r.auxiliary)
+        .flat_map(|r| r.body["messages"].as_array().cloned().unwrap_or_default())
+        .filter(|m| m["role"] == "tool")
+        .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_plans_deny_and_roots_hold_for_pier_s_own_agent() {
+    let f = must(FakeModel::start().await, "fake");
+    let h = Host::new(Some(f.base_url()));
+    let (work, extra, outside) = (h.path("work"), h.path("extra"), h.path("outside"));
+    for (dir, file, text) in [
+        (&work, "secret.txt", "SECRET-IN-CWD"),
+        (&extra, "in.txt", "IN-A-ROOT"),
+        (&outside, "out.txt", "OUTSIDE-EVERY-ROOT"),
+    ] {
+        must(std::fs::create_dir(dir), "dir");
+        must(std::fs::write(dir.join(file), text), "file");
+    }
+    let read =
+        |id: &str, path: String| Reply::tool_call(id, "read_file", &serde_json::json!({"path": path}).to_string());
+    // Concurrency 1: the tasks meet the script in plan order.
+    f.push(read("r1", work.join("secret.txt").display().to_string()));
+    f.push(Reply::text("done"));
+    f.push(read("r2", extra.join("in.txt").display().to_string()));
+    f.push(read("r3", outside.join("out.txt").display().to_string()));
+    f.push(Reply::text("done"));
+    let plan = h.write(
+        "plan.toml",
+        &format!(
+            "[defaults]\nagent = \"pier\"\ncwd = \"{work}\"\n\n[[tasks]]\nid = \"denied\"\nprompt = \"read\"\npermissions = {{ read = \"deny\" }}\n\n\
+             [[tasks]]\nid = \"rooted\"\nprompt = \"read\"\nroots = [\"{extra}\"]\ndepends_on = [\"denied\"]\n",
+            work = work.display(),
+            extra = extra.display()
+        ),
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--concurrency", "1"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Each request carries the turn's earlier results again: the last one has them all.
+    let results = tool_results(&f);
+    assert!(results.first().is_some_and(|r| r.contains("denies read")), "the plan denies reads: {results:#?}");
+    assert!(results.iter().any(|r| r.contains("IN-A-ROOT")), "the plan's root is readable: {results:#?}");
+    assert!(results.last().is_some_and(|r| r.contains("outside the session's roots")), "{results:#?}");
+    let leaked = results.iter().any(|r| r.contains("SECRET-IN-CWD") || r.contains("OUTSIDE-EVERY-ROOT"));
+    assert!(!leaked, "{results:#?}");
+}
+
+#[tokio::test]
+async fn a_plans_writable_holds_for_pier_s_own_agent_s_tools_and_commands() {
+    let f = must(FakeModel::start().await, "fake");
+    let h = Host::new(Some(f.base_url()));
+    // Outside the temp directory, where commands may always write.
+    let outside_tmp = must(tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")), "dir");
+    let work = outside_tmp.path().join("work");
+    must(std::fs::create_dir_all(work.join("out")), "dirs");
+    let landlock = pier_tools::contain::init().landlock_abi.is_some();
+    f.push(Reply::tool_call("w1", "write_file", r#"{"path": "escaped.txt", "content": "x"}"#));
+    f.push(Reply::tool_call("w2", "write_file", r#"{"path": "out/kept.txt", "content": "x"}"#));
+    let command = "echo in > out/ran.txt; echo esc > escaped-by-shell.txt";
+    f.push(Reply::tool_call("c1", "run_command", &serde_json::json!({"command": command}).to_string()));
+    f.push(Reply::text("done"));
+    let plan = h.write(
+        "plan.toml",
+        &format!(
+            "[[tasks]]\nid = \"w\"\nagent = \"pier\"\ncwd = \"{}\"\nprompt = \"write\"\nwritable = [\"{}\"]\n\
+             permissions = {{ edit = \"allow\", execute = \"allow\" }}\n",
+            work.display(),
+            work.join("out").display()
+        ),
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let results = tool_results(&f);
+    assert!(!work.join("escaped.txt").exists(), "a tool wrote outside `writable`: {results:#?}");
+    assert!(work.join("out/kept.txt").exists(), "{results:#?}");
+    if landlock {
+        assert!(!work.join("escaped-by-shell.txt").exists(), "a command wrote outside `writable`: {results:#?}");
+        assert!(work.join("out/ran.txt").exists(), "{results:#?}");
+    } else {
+        eprintln!("this kernel has no Landlock: the command half is not checked");
+    }
+}
