@@ -90,6 +90,7 @@ if [ -x /usr/bin/time ]; then
 fi
 # B5: the host end to end, the event log, and the SSE replay of 1,000,000 events.
 run B5-host-10000-tasks    "$bench" host --tasks 10000 --concurrency 8 -- "$pier"
+run B5-serve-10x1000-tasks "$bench" serve --runs 10 --tasks 1000 --concurrency 8 -- "$pier"
 run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
 if wanted B5-sse; then
   "$bench" log --writers 1 --appends 1 --fill 1000000 -- "$work/replay.db" >/dev/null

@@ -430,6 +430,99 @@ async fn host(args: &[String], cmd: &[String]) {
     );
 }
 
+/// B5, several runs at once on one `pier serve`: `--runs` plans of `--tasks` trivial tasks
+/// each, submitted together over HTTP to a server whose one host runs them all under a global
+/// `--concurrency`; timed from the first submit to the last completion seen on `/events`.
+async fn serve_runs(args: &[String], cmd: &[String]) {
+    let runs = arg(args, "--runs", 10);
+    let tasks = arg(args, "--tasks", 1_000);
+    let concurrency = arg(args, "--concurrency", 8);
+    let Some(pier) = cmd.first() else { panic!("give the pier binary after --") };
+    let dir = std::env::temp_dir().join(format!("pier-bench-serve-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        panic!("{}: {e}", dir.display());
+    }
+    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
+    let toml = format!("[agents.bench]\ncommand = {:?}\nargs = [\"agent\"]\n", exe.display().to_string());
+    if let Err(e) = std::fs::write(dir.join("pier.toml"), toml) {
+        panic!("pier.toml: {e}");
+    }
+    let port = 20_000 + (std::process::id() % 20_000) as u16;
+    let mut server = tokio::process::Command::new(pier)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--token", "bench"])
+        .args(["--concurrency", &concurrency.to_string()])
+        .current_dir(&dir)
+        .env("PIER_HOME", dir.join("home"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{pier}: {e}"));
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    for _ in 0..200 {
+        if http.get(format!("{base}/health")).bearer_auth("bench").send().await.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut plan = String::from("[defaults]\nagent = \"bench\"\n");
+    for i in 0..tasks {
+        plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
+    }
+    let started = Instant::now();
+    let submits = (0..runs).map(|r| {
+        let body = json!({"plan": plan, "run_id": format!("run{r}")}).to_string();
+        http.post(format!("{base}/runs"))
+            .bearer_auth("bench")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    });
+    for submitted in futures::future::join_all(submits).await {
+        if let Err(e) = submitted.and_then(reqwest::Response::error_for_status) {
+            panic!("submit: {e}");
+        }
+    }
+    let want = runs * tasks;
+    let mut completed = 0u64;
+    let response = http
+        .get(format!("{base}/events?after=0"))
+        .bearer_auth("bench")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("events: {e}"));
+    let mut stream = response.bytes_stream();
+    let mut line = Vec::new();
+    use futures::StreamExt;
+    'read: while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else { break };
+        for b in chunk {
+            if b != b'\n' {
+                line.push(b);
+                continue;
+            }
+            if line.starts_with(b"data:") && line.windows(16).any(|w| w == b"\"to\":\"completed\"") {
+                completed += 1;
+                if completed == want {
+                    break 'read;
+                }
+            }
+            line.clear();
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let _ = server.start_kill();
+    let _ = server.wait().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "{}",
+        json!({"runs": runs, "tasks": want, "completed": completed, "concurrency": concurrency, "seconds": seconds,
+               "tasks_per_s": completed as f64 / seconds})
+    );
+}
+
 async fn startup(args: &[String], cmd: &[String]) {
     let n = arg(args, "--n", 20);
     let mut init = Vec::new();
@@ -852,6 +945,7 @@ async fn main() {
         Some("limit") => limit(opts),
         Some("floor") => floor(opts),
         Some("host") => host(opts, cmd).await,
+        Some("serve") => serve_runs(opts, cmd).await,
         Some("log") => log(opts, cmd.first().map_or("bench.db", String::as_str)),
         Some("replay") => replay(opts, cmd.first().map_or("http://127.0.0.1:8477", String::as_str)).await,
         Some("echo") => echo(),
@@ -859,7 +953,7 @@ async fn main() {
         Some("sessions") => sessions(opts, cmd).await,
         Some("stream") => stream(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host -- PIER | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host -- PIER | serve [--runs N] [--tasks N] [--concurrency N] -- PIER | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),
     }
 }

@@ -47,12 +47,17 @@ impl HostConfig {
     }
 }
 
+/// This machine's name, read once: lease owners are `HOST:PID:RANDOM`.
+fn hostname() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_owned())
+}
+
 /// Whether a lease owner is a process of this machine that no longer exists.
 fn owner_dead(owner: &str) -> bool {
     let mut parts = owner.split(':');
     let (Some(host), Some(pid)) = (parts.next(), parts.next()) else { return false };
-    let here = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    host == here.trim() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+    host == hostname() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
 }
 
 /// Counts by state at the end of a run.
@@ -136,6 +141,8 @@ impl Host {
         let mut active: HashMap<Key, CancellationToken> = HashMap::new();
         let mut fatal: Option<StoreError> = None;
         let mut dirty = true;
+        // When the next timer falls due, as of the last pass.
+        let mut next_wake: Option<i64> = None;
         loop {
             dirty |= view.refresh(&self.store).await?;
             if stop.is_cancelled() || fatal.is_some() {
@@ -153,16 +160,16 @@ impl Host {
                 break;
             }
             let now = now_ms();
-            if dirty || view.due(now, &active) {
+            if dirty || next_wake.is_some_and(|w| w <= now) {
                 dirty = false;
                 // A change (which may cascade) is read afresh before anything starts.
-                if self.take_back_lost(&mut view, &active, now).await? | self.cancel_doomed(&view).await? {
+                if self.take_back_lost(&mut view, now).await? | self.cancel_doomed(&mut view).await? {
                     dirty = true;
                     continue;
                 }
-                self.start_runnable(&mut view, &mut active, &mut attempts, stop, now).await?;
+                self.start_runnable(&mut view, &mut active, &mut attempts, stop, now);
+                next_wake = view.next_wake(now);
             }
-            let next_wake = view.next_wake(now, &active);
             if let Scope::Run(_) = scope
                 && active.is_empty()
                 && next_wake.is_none()
@@ -179,7 +186,10 @@ impl Host {
                 },
                 Some(done) = attempts.join_next(), if !attempts.is_empty() => match done {
                     Ok((key, fatal)) => HostEvent::AttemptEnded { key, fatal },
-                    Err(e) => HostEvent::AttemptEnded { key: (String::new(), String::new()), fatal: Some(StoreError::Db(format!("an attempt failed: {e}"))) },
+                    Err(e) => HostEvent::AttemptEnded {
+                        key: (String::new(), String::new()),
+                        fatal: Some(StoreError::Db(format!("an attempt failed: {e}"))),
+                    },
                 },
                 _ = tokio::time::sleep(sleep) => HostEvent::Due,
                 _ = stop.cancelled() => HostEvent::Stop,
@@ -189,12 +199,14 @@ impl Host {
                     commits.borrow_and_update();
                 }
                 HostEvent::AttemptEnded { key, fatal: f } => {
+                    view.set_busy(&key, false);
                     active.remove(&key);
                     fatal = fatal.or(f);
                     dirty = true;
                     // Every attempt that has ended by now is taken in this one pass.
                     while let Some(done) = attempts.try_join_next() {
                         if let Ok((key, f)) = done {
+                            view.set_busy(&key, false);
                             active.remove(&key);
                             fatal = fatal.or(f);
                         }
@@ -204,7 +216,6 @@ impl Host {
                 HostEvent::Stop => {}
             }
         }
-        view.refresh(&self.store).await?;
         let mut summary = Summary::new();
         if let Scope::Run(run) = scope {
             let r = run.clone();
@@ -217,23 +228,12 @@ impl Host {
 
     /// Attempts held by someone else whose lease expired or whose host died go through the
     /// safe re-run decision. True if a task moved.
-    async fn take_back_lost(
-        &self,
-        view: &mut View,
-        active: &HashMap<Key, CancellationToken>,
-        now: i64,
-    ) -> Result<bool, StoreError> {
-        let suspects: Vec<Key> = view
-            .rows
-            .iter()
-            .filter(|(k, t)| !active.contains_key(*k) && lost_by(t, now).is_some())
-            .map(|(k, _)| k.clone())
-            .collect();
+    async fn take_back_lost(&self, view: &mut View, now: i64) -> Result<bool, StoreError> {
+        let suspects = view.suspects(now);
         let mut moved = false;
-        for key in suspects {
+        for (r, id) in suspects {
             // Heartbeats write no event, so the view's lease may be stale: look again, and
             // keep what we saw, so the next wake is at the renewed expiry (no spinning).
-            let (r, id) = key.clone();
             let Some(fresh) = blocking(&self.store, move |s| s.task(&r, &id)).await? else { continue };
             view.put(fresh.clone());
             let (Some(why), Some(held)) = (lost_by(&fresh, now), fresh.held()) else { continue };
@@ -254,7 +254,7 @@ impl Host {
     }
 
     /// A failed or cancelled dependency cancels its pending dependents, and theirs.
-    async fn cancel_doomed(&self, view: &View) -> Result<bool, StoreError> {
+    async fn cancel_doomed(&self, view: &mut View) -> Result<bool, StoreError> {
         let mut moved = false;
         for ((run, task), reason) in view.doomed() {
             moved |= blocking(&self.store, move |s| s.cancel(&run, &task, &reason)).await?.is_some();
@@ -262,44 +262,45 @@ impl Host {
         Ok(moved)
     }
 
-    async fn start_runnable(
+    /// Starts runnable tasks up to the limit. Each attempt claims its task itself, so the
+    /// claims of a pass land in one group commit; a claim another host won ends the attempt
+    /// at once.
+    fn start_runnable(
         &self,
         view: &mut View,
         active: &mut HashMap<Key, CancellationToken>,
         attempts: &mut JoinSet<(Key, Option<StoreError>)>,
         stop: &CancellationToken,
         now: i64,
-    ) -> Result<(), StoreError> {
-        let limit = self.config.concurrency.max(1);
-        for key in view.runnable(now, active) {
-            if active.len() >= limit {
-                break;
-            }
-            let (run, task) = key.clone();
-            let (owner, until) = (self.config.owner.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
-            let Some((attempt, row)) = blocking(&self.store, move |s| s.claim(&run, &task, &owner, until)).await?
-            else {
-                continue;
-            };
-            view.put(row.clone());
-            let token = stop.child_token();
-            active.insert(key.clone(), token.clone());
-            let results = row
+    ) {
+        let room = self.config.concurrency.max(1).saturating_sub(active.len());
+        for key in view.runnable(now, room) {
+            let Some(row) = view.get(&key.0, &key.1).cloned() else { continue };
+            let results: HashMap<String, String> = row
                 .spec
                 .depends_on
                 .iter()
                 .filter_map(|d| view.get(&row.run_id, d))
                 .map(|d| (d.id.clone(), d.result.clone().unwrap_or_default()))
                 .collect();
-            let run = Run {
-                store: self.store.clone(),
-                pool: self.pool.clone(),
-                config: self.config.clone(),
-                attempt,
-                row,
-                results,
-            };
+            let token = stop.child_token();
+            view.set_busy(&key, true);
+            active.insert(key.clone(), token.clone());
+            let (store, pool, config) = (self.store.clone(), self.pool.clone(), self.config.clone());
             attempts.spawn(async move {
+                let (owner, until) = (config.owner.clone(), now_ms() + config.lease_ttl.as_millis() as i64);
+                let (r, t) = key.clone();
+                let claimed = blocking(&store, move |s| s.claim(&r, &t, &owner, until)).await;
+                let (attempt, row) = match claimed {
+                    Ok(Some(claimed)) => claimed,
+                    Ok(None) => return (key, None),
+                    Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => return (key, Some(e)),
+                    Err(e) => {
+                        tracing::error!(task = %key.1, error = %e, "claiming a task failed");
+                        return (key, None);
+                    }
+                };
+                let run = Run { store, pool, config, attempt, row, results };
                 match run.run(token).await {
                     Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => (key, Some(e)),
                     Err(e) => {
@@ -310,31 +311,67 @@ impl Host {
                 }
             });
         }
-        Ok(())
     }
 }
 
-/// Why an attempt held by someone else is lost, if it is.
+/// Why an attempt held by someone else is lost, if it is. Reads the row's fields only (no
+/// allocation): it runs for every held row of every pass.
 fn lost_by(t: &TaskRow, now: i64) -> Option<&'static str> {
-    let held = t.held()?;
-    if owner_dead(&held.attempt.owner) {
-        Some("its host died")
-    } else if held.expires_at_ms < now {
+    if !matches!(t.state, TaskState::Running | TaskState::AwaitingInput) {
+        return None;
+    }
+    let (Some(owner), Some(expires)) = (t.lease_owner.as_deref(), t.lease_expires_at_ms) else { return None };
+    if expires < now {
         Some("its lease expired")
+    } else if owner_dead(owner) {
+        Some("its host died")
     } else {
         None
     }
 }
 
+/// One run as the host sees it: every task in plan order, and which are being attempted here.
+#[derive(Default)]
+struct RunView {
+    rows: Vec<TaskRow>,
+    index: HashMap<String, usize>,
+    /// Tasks this host is attempting (claiming or running).
+    busy: HashSet<String>,
+    /// Rows before this one have all ended (an ended task never moves again): passes start here.
+    cursor: usize,
+}
+
+impl RunView {
+    fn get(&self, task: &str) -> Option<&TaskRow> {
+        self.index.get(task).and_then(|&i| self.rows.get(i))
+    }
+
+    fn advance(&mut self) {
+        while self.rows.get(self.cursor).is_some_and(|t| t.state.is_terminal()) {
+            self.cursor += 1;
+        }
+    }
+
+    fn unfinished(&self) -> impl Iterator<Item = &TaskRow> {
+        self.rows[self.cursor.min(self.rows.len())..].iter()
+    }
+
+    fn ready(&self, t: &TaskRow) -> bool {
+        t.spec.depends_on.iter().all(|d| self.get(d).is_some_and(|d| d.state == TaskState::Completed))
+    }
+}
+
 /// The host's picture of the runs it drives: every task of each run (dependencies need
 /// their done neighbours), kept current by re-reading only the tasks an event touched.
+/// A pass costs the unfinished tasks only, without allocating.
 struct View {
     scope: Scope,
-    rows: HashMap<Key, TaskRow>,
-    /// Task ids in plan order, by run: runs start in their own order.
-    order: BTreeMap<String, Vec<String>>,
+    runs: BTreeMap<String, RunView>,
     /// The event sequence the rows are current to.
     seq: i64,
+    /// Tasks seen failing or being cancelled; dependents are looked for only when this grows.
+    bad_endings: usize,
+    bad_endings_checked: usize,
 }
 
 impl View {
@@ -362,29 +399,43 @@ impl View {
             Ok((out, seq))
         })
         .await?;
-        let mut view = View { scope: scope.clone(), rows: HashMap::new(), order: BTreeMap::new(), seq };
+        let mut view =
+            View { scope: scope.clone(), runs: BTreeMap::new(), seq, bad_endings: 0, bad_endings_checked: usize::MAX };
         for tasks in runs {
-            view.add_run(tasks);
+            for t in tasks {
+                view.put(t);
+            }
         }
         Ok(view)
     }
 
-    fn add_run(&mut self, tasks: Vec<TaskRow>) {
-        for t in tasks {
-            self.put(t);
-        }
-    }
-
     fn put(&mut self, row: TaskRow) {
-        let key = (row.run_id.clone(), row.id.clone());
-        if !self.rows.contains_key(&key) {
-            self.order.entry(row.run_id.clone()).or_default().push(row.id.clone());
+        let bad = |t: &TaskRow| matches!(t.state, TaskState::Failed | TaskState::Cancelled);
+        let run = self.runs.entry(row.run_id.clone()).or_default();
+        let newly_bad = bad(&row) && !run.get(&row.id).is_some_and(bad);
+        match run.index.get(&row.id) {
+            Some(&i) => run.rows[i] = row,
+            None => {
+                run.index.insert(row.id.clone(), run.rows.len());
+                run.rows.push(row);
+            }
         }
-        self.rows.insert(key, row);
+        run.advance();
+        self.bad_endings += usize::from(newly_bad);
     }
 
     fn get(&self, run: &str, task: &str) -> Option<&TaskRow> {
-        self.rows.get(&(run.to_owned(), task.to_owned()))
+        self.runs.get(run)?.get(task)
+    }
+
+    fn set_busy(&mut self, (run, task): &Key, busy: bool) {
+        if let Some(r) = self.runs.get_mut(run) {
+            if busy {
+                r.busy.insert(task.clone());
+            } else {
+                r.busy.remove(task);
+            }
+        }
     }
 
     /// Brings the view current; true if a task moved (a version changed) or a run appeared.
@@ -402,100 +453,116 @@ impl View {
             if !in_scope {
                 continue;
             }
-            if !self.order.contains_key(&row.run_id) {
+            if !self.runs.contains_key(&row.run_id) {
                 new_runs.insert(row.run_id.clone());
                 continue;
             }
-            let same = self.get(&row.run_id, &row.id).is_some_and(|old| old.version == row.version);
-            if !same {
+            if self.get(&row.run_id, &row.id).is_none_or(|old| old.version != row.version) {
                 moved = true;
                 self.put(row);
             }
         }
         for run in new_runs {
             let r = run.clone();
-            let tasks = blocking(store, move |s| s.tasks(&r)).await?;
-            self.add_run(tasks);
+            for t in blocking(store, move |s| s.tasks(&r)).await? {
+                self.put(t);
+            }
             moved = true;
         }
         Ok(moved)
     }
 
-    /// Tasks ready to claim now, in run and plan order.
-    fn runnable(&self, now: i64, active: &HashMap<Key, CancellationToken>) -> Vec<Key> {
+    /// Up to `room` tasks ready to claim now, in run and plan order.
+    fn runnable(&self, now: i64, room: usize) -> Vec<Key> {
         let mut out = Vec::new();
-        for (run, ids) in &self.order {
-            for id in ids {
-                let Some(t) = self.get(run, id) else { continue };
-                let key = (run.clone(), id.clone());
+        if room == 0 {
+            return out;
+        }
+        for (run, r) in &self.runs {
+            for t in r.unfinished() {
                 if t.state == TaskState::Pending
-                    && !active.contains_key(&key)
-                    && !is_worker_task(t)
                     && t.not_before_ms <= now
-                    && self.ready(t)
+                    && !is_worker_task(t)
+                    && !r.busy.contains(&t.id)
+                    && r.ready(t)
                 {
-                    out.push(key);
+                    out.push((run.clone(), t.id.clone()));
+                    if out.len() == room {
+                        return out;
+                    }
                 }
             }
         }
         out
     }
 
-    fn ready(&self, t: &TaskRow) -> bool {
-        t.spec.depends_on.iter().all(|d| self.get(&t.run_id, d).is_some_and(|d| d.state == TaskState::Completed))
+    /// Attempts held by someone else that look lost in the view.
+    fn suspects(&self, now: i64) -> Vec<Key> {
+        let mut out = Vec::new();
+        for (run, r) in &self.runs {
+            for t in r.unfinished() {
+                if !r.busy.contains(&t.id) && lost_by(t, now).is_some() {
+                    out.push((run.clone(), t.id.clone()));
+                }
+            }
+        }
+        out
     }
 
     /// The next time something is due: a ready task's `not_before`, or the expiry of a
     /// lease held elsewhere.
-    fn next_wake(&self, now: i64, active: &HashMap<Key, CancellationToken>) -> Option<i64> {
+    fn next_wake(&self, now: i64) -> Option<i64> {
         let mut next: Option<i64> = None;
-        for (key, t) in &self.rows {
-            let due = match t.state {
-                TaskState::Pending if t.not_before_ms > now && !is_worker_task(t) && self.ready(t) => {
-                    Some(t.not_before_ms)
+        for r in self.runs.values() {
+            for t in r.unfinished() {
+                let due = match t.state {
+                    TaskState::Pending if t.not_before_ms > now && !is_worker_task(t) && r.ready(t) => {
+                        Some(t.not_before_ms)
+                    }
+                    TaskState::Running | TaskState::AwaitingInput if !r.busy.contains(&t.id) => t.lease_expires_at_ms,
+                    _ => None,
+                };
+                if let Some(d) = due {
+                    next = Some(next.map_or(d, |n| n.min(d)));
                 }
-                TaskState::Running | TaskState::AwaitingInput if !active.contains_key(key) => t.lease_expires_at_ms,
-                _ => None,
-            };
-            if let Some(d) = due {
-                next = Some(next.map_or(d, |n| n.min(d)));
             }
         }
         next
     }
 
-    /// Whether a timer is due now.
-    fn due(&self, now: i64, active: &HashMap<Key, CancellationToken>) -> bool {
-        self.next_wake(now.saturating_sub(1), active).is_some_and(|w| w <= now)
-    }
-
     /// The pending tasks a failed or cancelled dependency dooms, directly or through
     /// other doomed tasks, each with the reason naming its own dependency; found
     /// breadth-first with a queue (no recursion), so a chain of any length is one pass.
-    fn doomed(&self) -> Vec<(Key, String)> {
-        // Dependents by (run, dependency id), of pending tasks only.
-        let mut dependents: HashMap<(&str, &str), Vec<&str>> = HashMap::new();
-        for t in self.rows.values().filter(|t| t.state == TaskState::Pending) {
-            for d in &t.spec.depends_on {
-                dependents.entry((t.run_id.as_str(), d.as_str())).or_default().push(t.id.as_str());
-            }
-        }
-        if dependents.is_empty() {
+    /// Looked for only when a task failed or was cancelled since the last look.
+    fn doomed(&mut self) -> Vec<(Key, String)> {
+        if self.bad_endings == self.bad_endings_checked {
             return Vec::new();
         }
-        let mut queue: std::collections::VecDeque<(&str, &str, &'static str)> = self
-            .rows
-            .values()
-            .filter(|t| matches!(t.state, TaskState::Failed | TaskState::Cancelled))
-            .map(|t| (t.run_id.as_str(), t.id.as_str(), t.state.as_str()))
-            .collect();
-        let mut seen = HashSet::new();
+        self.bad_endings_checked = self.bad_endings;
         let mut out = Vec::new();
-        while let Some((run, id, ended)) = queue.pop_front() {
-            for &j in dependents.get(&(run, id)).map(Vec::as_slice).unwrap_or(&[]) {
-                if seen.insert((run, j)) {
-                    out.push(((run.to_owned(), j.to_owned()), format!("dependency `{id}` ended {ended}")));
-                    queue.push_back((run, j, TaskState::Cancelled.as_str()));
+        for (run, r) in &self.runs {
+            let mut dependents: HashMap<&str, Vec<&str>> = HashMap::new();
+            for t in r.unfinished().filter(|t| t.state == TaskState::Pending) {
+                for d in &t.spec.depends_on {
+                    dependents.entry(d.as_str()).or_default().push(t.id.as_str());
+                }
+            }
+            if dependents.is_empty() {
+                continue;
+            }
+            let mut queue: std::collections::VecDeque<(&str, &'static str)> = r
+                .rows
+                .iter()
+                .filter(|t| matches!(t.state, TaskState::Failed | TaskState::Cancelled))
+                .map(|t| (t.id.as_str(), t.state.as_str()))
+                .collect();
+            let mut seen = HashSet::new();
+            while let Some((id, ended)) = queue.pop_front() {
+                for &j in dependents.get(id).map(Vec::as_slice).unwrap_or(&[]) {
+                    if seen.insert(j) {
+                        out.push(((run.clone(), j.to_owned()), format!("dependency `{id}` ended {ended}")));
+                        queue.push_back((j, TaskState::Cancelled.as_str()));
+                    }
                 }
             }
         }
