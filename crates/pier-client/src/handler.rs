@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use agent_client_protocol_schema::v1::{
     AgentRequest, Error, RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    SelectedPermissionOutcome, SessionNotification, SessionUpdate,
+    SelectedPermissionOutcome, SessionNotification, SessionUpdate, ToolCallStatus,
 };
 use futures::future::BoxFuture;
 use pier_acp::error::internal;
@@ -217,21 +217,18 @@ impl ClientState {
         self.events.send(event);
     }
 
-    fn remember_kind(&self, params: &Value) {
-        let update = &params["update"];
-        let is_call = matches!(update["sessionUpdate"].as_str(), Some("tool_call" | "tool_call_update"));
-        if let (true, Some(id), Some("completed" | "failed")) =
-            (is_call, update["toolCallId"].as_str(), update["status"].as_str())
-        {
-            lock(&self.granted).remove(id);
+    fn remember_kind(&self, update: &SessionUpdate) {
+        let (id, kind, status) = match update {
+            SessionUpdate::ToolCall(c) => (&c.tool_call_id, Some(c.kind), Some(c.status)),
+            SessionUpdate::ToolCallUpdate(u) => (&u.tool_call_id, u.fields.kind, u.fields.status),
+            _ => return,
+        };
+        let id = id.0.to_string();
+        if matches!(status, Some(ToolCallStatus::Completed | ToolCallStatus::Failed)) {
+            lock(&self.granted).remove(&id);
         }
-        if let (true, Some(id), Some(kind)) = (is_call, update["toolCallId"].as_str(), update.get("kind"))
-            && let Ok(kind) = serde_json::from_value::<agent_client_protocol_schema::v1::ToolKind>(kind.clone())
-        {
-            self.kinds
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(id.to_owned(), kind_of(Some(&kind)));
+        if let Some(kind) = kind {
+            lock(&self.kinds).insert(id, kind_of(Some(&kind)));
         }
     }
 
@@ -259,14 +256,10 @@ impl ClientState {
         };
         let response = RequestPermissionResponse::new(outcome);
         let value = serde_json::to_value(&response).map_err(|e| internal(e.to_string()))?;
+        let response: RequestPermissionResponse = response;
         self.note_grant(&id, kind, &choice);
         tracing::info!(tool_call = %id, ?choice, %reason, "permission decided");
-        self.emit(ClientEvent::Permission {
-            request: serde_json::to_value(&req).unwrap_or(Value::Null),
-            outcome: value["outcome"].clone(),
-            rule,
-            reason,
-        });
+        self.emit(ClientEvent::Permission { request: Box::new(req), outcome: response.outcome, rule, reason });
         Ok(value)
     }
 
@@ -542,15 +535,19 @@ impl Handler for ClientHandler {
             tracing::debug!(method, "ignored a notification");
             return;
         }
-        if serde_json::from_value::<SessionNotification>(params.clone()).is_err() {
-            tracing::warn!("ignored a malformed session/update");
-            return;
-        }
-        self.0.remember_kind(&params);
+        // Decoded once, here; everything above this edge matches on types.
+        let notification = match serde_json::from_value::<SessionNotification>(params) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "ignored a malformed session/update");
+                return;
+            }
+        };
+        self.0.remember_kind(&notification.update);
         if self.0.replaying.load(Ordering::SeqCst) {
             return;
         }
-        self.0.emit(ClientEvent::Update(params));
+        self.0.emit(ClientEvent::Update(Box::new(notification)));
     }
 
     fn backpressure(&self) -> Option<BoxFuture<'static, ()>> {

@@ -9,7 +9,9 @@
 //! - [`sandbox`], [`fs`], [`terminal`]: the client methods.
 //! - [`run`]: one run: handshake, session, prompt, cancel handshake, teardown.
 //! - [`store`]: named sessions that survive a restart.
+//! - [`event`]: what happens in a run, typed once at this edge ([`ClientEvent`], [`Evidence`]).
 
+pub mod event;
 pub mod fs;
 pub mod handler;
 pub mod policy;
@@ -20,24 +22,10 @@ pub mod sandbox;
 pub mod store;
 pub mod terminal;
 
-use serde_json::Value;
-
+pub use event::{ClientEvent, Evidence, SideEffects};
 pub use policy::{ClientPolicy, NonInteractive, Rule};
 pub use registry::{AgentCommand, AgentDef};
 pub use run::{Ending, RunOptions, RunOutcome, SessionTarget};
-
-/// Something that happened in a run, for the renderers.
-#[derive(Debug, Clone)]
-pub enum ClientEvent {
-    /// A `session/update`'s params, unchanged.
-    Update(Value),
-    /// A permission request and the decision taken.
-    Permission { request: Value, outcome: Value, rule: Value, reason: String },
-    /// A client method the agent called, and how it ended.
-    ClientCall { method: String, target: String, error: Option<Value> },
-    /// The agent wrote something to stdout that is not a JSON-RPC message.
-    ProtocolError(String),
-}
 
 /// Why a run could not do its job.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -26,7 +26,7 @@ use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
     ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
     LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
-    StopReason,
+    SessionNotification, SessionUpdate, StopReason,
 };
 use pier_acp::{Connection, ConnectionConfig, RequestError};
 use serde::Serialize;
@@ -190,20 +190,18 @@ struct Transcript {
 }
 
 impl Transcript {
-    /// Takes one `session/update` (already checked against the schema by the handler).
-    fn see(&mut self, params: &Value) {
-        let update = &params["update"];
-        match update["sessionUpdate"].as_str() {
-            Some("tool_call") if !self.current.is_empty() => {
+    /// Takes one `session/update`.
+    fn see(&mut self, n: &SessionNotification) {
+        match &n.update {
+            SessionUpdate::ToolCall(_) if !self.current.is_empty() => {
                 self.last = std::mem::take(&mut self.current);
             }
-            Some("usage_update") => self.usage = Some(update.clone()),
-            Some("agent_message_chunk") if update["content"]["type"] == "text" => {
-                if let Some(text) = update["content"]["text"].as_str() {
+            SessionUpdate::UsageUpdate(_) => self.usage = serde_json::to_value(&n.update).ok(),
+            update => {
+                if let Some(text) = crate::handler::message_text(update) {
                     self.current.push(text);
                 }
             }
-            _ => {}
         }
     }
 
@@ -836,10 +834,10 @@ fn request_error(agent: &mut AgentProcess, what: &str, e: RequestError) -> Clien
 /// turns may still send an update for an earlier session; it is not this turn's.
 fn of_session(event: &ClientEvent, session_id: &str) -> bool {
     match event {
-        ClientEvent::Update(params) => {
-            let of = params["sessionId"].as_str() == Some(session_id);
+        ClientEvent::Update(n) => {
+            let of = n.session_id.0.as_ref() == session_id;
             if !of {
-                tracing::debug!(session = ?params["sessionId"], "ignored an update for another session");
+                tracing::debug!(session = %n.session_id.0, "ignored an update for another session");
             }
             of
         }

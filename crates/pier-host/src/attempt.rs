@@ -3,15 +3,15 @@
 //! to a person, and its ending decided by [`crate::decide::decide`] and applied with
 //! [`TaskStore::finish`], fenced on the attempt's token.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use pier_client::policy::ClientPolicy;
 use pier_client::run::{LiveAgent, RunOutcome};
-use pier_client::{ClientEvent, Ending as ClientEnding, RunOptions, SessionTarget, registry};
-use serde_json::{Value, json};
+use pier_client::{ClientEvent, Ending as ClientEnding, RunOptions, SessionTarget, SideEffects, registry};
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -20,11 +20,6 @@ use crate::host::{HostConfig, blocking};
 use crate::plan::{TaskSpec, render};
 use crate::pool::AgentPool;
 use crate::store::{Attempt, ErrorClass, StoreError, TaskRow, TaskStore, now_ms};
-
-/// Tool kinds whose activity counts as a side effect.
-fn effectful(kind: &str) -> bool {
-    matches!(kind, "edit" | "delete" | "move" | "execute")
-}
 
 /// A claimed attempt, ready to run.
 pub(crate) struct Run {
@@ -309,8 +304,7 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
 
 /// Writes a task's events to the log in batches and its side effects as evidence.
 async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Receiver<ClientEvent>) {
-    let mut kinds: HashMap<String, String> = HashMap::new();
-    let mut effects_seen: HashSet<String> = HashSet::new();
+    let mut effects = SideEffects::default();
     // After the store refused a batch (a full disk), the rest is drained unwritten so
     // the turn never blocks on a full queue; the attempt's ending reports the error.
     let mut failed = false;
@@ -328,49 +322,15 @@ async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Recei
         let mut rows = Vec::new();
         let mut evidence = Vec::new();
         for event in batch {
-            let (kind, data) = match event {
-                ClientEvent::Update(params) => {
-                    let u = &params["update"];
-                    if let (Some(id), Some(k)) = (u["toolCallId"].as_str(), u["kind"].as_str()) {
-                        kinds.insert(id.to_owned(), k.to_owned());
-                    }
-                    if let Some(id) = u["toolCallId"].as_str() {
-                        let kind = kinds.get(id).cloned().unwrap_or_default();
-                        let status = u["status"].as_str().unwrap_or("");
-                        if effectful(&kind)
-                            && matches!(status, "in_progress" | "completed")
-                            && effects_seen.insert(id.to_owned())
-                        {
-                            evidence
-                                .push(json!({"toolCallId": id, "kind": kind, "status": status, "title": u["title"]}));
-                        }
-                    }
-                    ("session_update", params)
-                }
-                ClientEvent::Permission { request, outcome, rule, reason } => {
-                    if outcome["outcome"] == "selected" {
-                        let chosen = outcome["optionId"].clone();
-                        let granted = request["options"]
-                            .as_array()
-                            .and_then(|o| o.iter().find(|o| o["optionId"] == chosen))
-                            .is_some_and(|o| o["kind"].as_str().is_some_and(|k| k.starts_with("allow")));
-                        if granted {
-                            evidence.push(
-                                json!({"permission": "granted", "toolCall": request["toolCall"], "option": chosen}),
-                            );
-                        }
-                    }
-                    ("permission", json!({"request": request, "outcome": outcome, "rule": rule, "reason": reason}))
-                }
-                ClientEvent::ClientCall { method, target, error } => {
-                    if error.is_none() && matches!(method.as_str(), "fs/write_text_file" | "terminal/create") {
-                        evidence.push(json!({"clientCall": method, "target": target}));
-                    }
-                    ("client_call", json!({"method": method, "target": target, "ok": error.is_none(), "error": error}))
-                }
-                ClientEvent::ProtocolError(message) => ("protocol_error", json!({"message": message})),
-            };
-            rows.push((kind.to_owned(), data));
+            if let Some(effect) = effects.see(&event) {
+                evidence.push(serde_json::to_value(&effect).unwrap_or(Value::Null));
+            }
+            // The event as `pier exec --format json` prints it, without its `type` (the log's own).
+            let mut data = serde_json::to_value(&event).unwrap_or(Value::Null);
+            if let Some(obj) = data.as_object_mut() {
+                obj.remove("type");
+            }
+            rows.push((event.kind().to_owned(), data));
         }
         let a = attempt.clone();
         let result = blocking(&store, move |s| s.record(&a, &rows, &evidence)).await;

@@ -25,6 +25,9 @@ mod diff;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
+use agent_client_protocol_schema::v1::{
+    ContentBlock, PlanEntryStatus, RequestPermissionOutcome, SessionUpdate, ToolCallContent,
+};
 use pier_client::{ClientError, ClientEvent, Ending, RunOutcome};
 use serde_json::{Value, json};
 
@@ -158,28 +161,8 @@ impl Renderer {
         match self.format {
             Format::Quiet => {}
             Format::Json => {
-                let v = match event {
-                    ClientEvent::Update(params) => {
-                        let mut v = json!({ "type": "session_update" });
-                        if let (Some(obj), Some(p)) = (v.as_object_mut(), params.as_object()) {
-                            obj.extend(p.clone());
-                        }
-                        v
-                    }
-                    ClientEvent::Permission { request, outcome, rule, reason } => json!({
-                        "type": "permission",
-                        "sessionId": request["sessionId"],
-                        "toolCall": request["toolCall"],
-                        "options": request["options"],
-                        "outcome": outcome,
-                        "rule": rule,
-                        "reason": reason,
-                    }),
-                    ClientEvent::ClientCall { method, target, error } => json!({
-                        "type": "client_call", "method": method, "target": target, "ok": error.is_none(), "error": error,
-                    }),
-                    ClientEvent::ProtocolError(message) => json!({ "type": "protocol_error", "message": message }),
-                };
+                // The one serialization of events, shared with the host's log.
+                let v = serde_json::to_value(event).unwrap_or(Value::Null);
                 self.json(&v);
             }
             Format::Text => self.text_event(event),
@@ -188,49 +171,63 @@ impl Renderer {
 
     fn text_event(&mut self, event: &ClientEvent) {
         match event {
-            ClientEvent::Update(params) => {
-                let update = &params["update"];
-                match update["sessionUpdate"].as_str().unwrap_or("") {
-                    "agent_message_chunk" => {
-                        if let Some(t) = update["content"]["text"].as_str() {
-                            if !matches!(self.last, Last::Message | Last::Nothing) {
-                                self.end_line();
-                            }
-                            self.last = Last::Message;
-                            self.out(t);
+            ClientEvent::Update(n) => match &n.update {
+                SessionUpdate::AgentMessageChunk(chunk) => {
+                    if let ContentBlock::Text(t) = &chunk.content {
+                        if !matches!(self.last, Last::Message | Last::Nothing) {
+                            self.end_line();
                         }
+                        self.last = Last::Message;
+                        self.out(&t.text);
                     }
-                    "agent_thought_chunk" => {
-                        if let Some(t) = update["content"]["text"].as_str() {
-                            if !matches!(self.last, Last::Thought | Last::Nothing) {
-                                self.end_line();
-                            }
-                            self.last = Last::Thought;
-                            let dimmed = self.dim(t);
-                            self.out(&dimmed);
-                        }
-                    }
-                    "tool_call" | "tool_call_update" => self.tool_call(update),
-                    "plan" => {
-                        let entries = update["entries"].as_array().cloned().unwrap_or_default();
-                        let mut lines = vec!["plan:".to_owned()];
-                        for e in entries {
-                            let mark = match e["status"].as_str() {
-                                Some("completed") => "[x]",
-                                Some("in_progress") => "[~]",
-                                _ => "[ ]",
-                            };
-                            lines.push(format!("  {mark} {}", e["content"].as_str().unwrap_or("")));
-                        }
-                        self.line(&lines.join("\n"));
-                        self.last = Last::Other;
-                    }
-                    _ => {}
                 }
-            }
+                SessionUpdate::AgentThoughtChunk(chunk) => {
+                    if let ContentBlock::Text(t) = &chunk.content {
+                        if !matches!(self.last, Last::Thought | Last::Nothing) {
+                            self.end_line();
+                        }
+                        self.last = Last::Thought;
+                        let dimmed = self.dim(&t.text);
+                        self.out(&dimmed);
+                    }
+                }
+                SessionUpdate::ToolCall(c) => self.tool_call(ToolView {
+                    id: c.tool_call_id.0.to_string(),
+                    title: Some(&c.title),
+                    kind: Some(wire_name(&c.kind)),
+                    status: Some(wire_name(&c.status)),
+                    content: Some(&c.content),
+                    new: true,
+                }),
+                SessionUpdate::ToolCallUpdate(u) => self.tool_call(ToolView {
+                    id: u.tool_call_id.0.to_string(),
+                    title: u.fields.title.as_deref(),
+                    kind: u.fields.kind.as_ref().map(wire_name),
+                    status: u.fields.status.as_ref().map(wire_name),
+                    content: u.fields.content.as_deref(),
+                    new: false,
+                }),
+                SessionUpdate::Plan(plan) => {
+                    let mut lines = vec!["plan:".to_owned()];
+                    for e in &plan.entries {
+                        let mark = match e.status {
+                            PlanEntryStatus::Completed => "[x]",
+                            PlanEntryStatus::InProgress => "[~]",
+                            _ => "[ ]",
+                        };
+                        lines.push(format!("  {mark} {}", e.content));
+                    }
+                    self.line(&lines.join("\n"));
+                    self.last = Last::Other;
+                }
+                _ => {}
+            },
             ClientEvent::Permission { request, outcome, reason, .. } => {
-                let title = request["toolCall"]["title"].as_str().unwrap_or("a tool call");
-                let answer = outcome["optionId"].as_str().unwrap_or_else(|| outcome["outcome"].as_str().unwrap_or("?"));
+                let title = request.tool_call.fields.title.as_deref().unwrap_or("a tool call");
+                let answer = match outcome {
+                    RequestPermissionOutcome::Selected(s) => s.option_id.0.to_string(),
+                    _ => "cancelled".to_owned(),
+                };
                 eprintln!("pier: permission for {title}: {answer} ({reason})");
             }
             ClientEvent::ClientCall { method, target, error } => {
@@ -246,8 +243,8 @@ impl Renderer {
     /// A `tool_call` or `tool_call_update`: the call's one line (`MARK KIND TITLE [STATUS]`),
     /// rewritten in place on a terminal while it is the last line; its diffs once, when it
     /// completes; its text output once it ends, with `--verbose` only.
-    fn tool_call(&mut self, update: &Value) {
-        let id = update["toolCallId"].as_str().unwrap_or("?").to_owned();
+    fn tool_call(&mut self, update: ToolView<'_>) {
+        let id = update.id;
         let index = match self.tools.iter().position(|(known, _)| *known == id) {
             Some(i) => i,
             None => {
@@ -255,18 +252,19 @@ impl Renderer {
                 self.tools.len() - 1
             }
         };
-        let (diffs, texts) = self.content(&update["content"]);
+        let (diffs, texts) = self.content(update.content.unwrap_or_default());
         let state = &mut self.tools[index].1;
-        if let Some(title) = update["title"].as_str() {
+        if let Some(title) = update.title {
             state.title = Some(title.to_owned());
         }
-        if let Some(kind) = update["kind"].as_str() {
-            state.kind = Some(kind.to_owned());
+        if let Some(kind) = update.kind {
+            state.kind = Some(kind);
         }
-        if let Some(status) = update["status"].as_str() {
-            state.status = Some(status.to_owned());
+        let has_status = update.status.is_some();
+        if let Some(status) = update.status {
+            state.status = Some(status);
         }
-        if update["content"].is_array() {
+        if update.content.is_some() {
             state.diffs = diffs;
             state.texts = texts;
         }
@@ -287,7 +285,7 @@ impl Renderer {
             && !state.texts.is_empty();
         if self.tty && self.last == Last::ToolLine(id.clone()) {
             self.out(&format!("\r\x1b[2K{text}"));
-        } else if update["sessionUpdate"] == "tool_call" || update.get("status").is_some() {
+        } else if update.new || has_status {
             self.end_line();
             self.out(&text);
         }
@@ -310,18 +308,18 @@ impl Renderer {
     }
 
     /// The diff and text items of a tool call's `content`.
-    fn content(&self, content: &Value) -> (Vec<FileDiff>, Vec<String>) {
+    fn content(&self, content: &[ToolCallContent]) -> (Vec<FileDiff>, Vec<String>) {
         let (mut diffs, mut texts) = (Vec::new(), Vec::new());
-        for item in content.as_array().into_iter().flatten() {
-            match item["type"].as_str() {
-                Some("diff") => {
-                    let (Some(path), Some(new)) = (item["path"].as_str(), item["newText"].as_str()) else { continue };
-                    let old = item["oldText"].as_str().map(str::to_owned);
-                    diffs.push(FileDiff { path: self.shown_path(path), old, new: new.to_owned() });
-                }
-                Some("content") => {
-                    if let Some(t) = item["content"]["text"].as_str() {
-                        texts.push(t.to_owned());
+        for item in content {
+            match item {
+                ToolCallContent::Diff(d) => diffs.push(FileDiff {
+                    path: self.shown_path(&d.path.display().to_string()),
+                    old: d.old_text.clone(),
+                    new: d.new_text.clone(),
+                }),
+                ToolCallContent::Content(c) => {
+                    if let ContentBlock::Text(t) = &c.content {
+                        texts.push(t.text.clone());
                     }
                 }
                 _ => {}
@@ -434,4 +432,20 @@ fn usage_text(u: &Value) -> String {
         (_, _, Some(total)) => format!("{total} tokens"),
         _ => format!("usage {u}"),
     }
+}
+
+/// A `tool_call` or `tool_call_update`, as the line renderer needs it.
+struct ToolView<'a> {
+    id: String,
+    title: Option<&'a str>,
+    kind: Option<String>,
+    status: Option<String>,
+    content: Option<&'a [ToolCallContent]>,
+    /// A `tool_call` (always drawn), not an update.
+    new: bool,
+}
+
+/// A unit enum's wire name (`edit`, `in_progress`).
+fn wire_name<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
