@@ -32,6 +32,9 @@ pub enum AskAnswer {
     Option(String),
     /// Nobody answered (the turn is ending): reject.
     Nobody,
+    /// The question was withdrawn because the task was cancelled or its attempt ended:
+    /// answered `cancelled` (R088), the turn is about to be cancelled.
+    Withdrawn,
 }
 
 /// Who answers the permission requests that a policy leaves to a person, when
@@ -307,6 +310,10 @@ impl ClientState {
                     .find(|o| o.option_id.0.as_ref() == id)
                     .map(|o| Choice::Select { option_id: id.clone(), kind: o.kind }),
                 AskAnswer::Nobody => None,
+                AskAnswer::Withdrawn => {
+                    let why = "the question was withdrawn: the task was cancelled or its attempt ended";
+                    return (Choice::Cancelled, json!("ask"), why.to_owned());
+                }
             };
             return match choice {
                 Some(c) => (c, json!("ask"), "answered by a person through the host".to_owned()),

@@ -280,8 +280,9 @@ impl pier_client::handler::Asker for HostAsker {
                 let a = attempt.clone();
                 match blocking(&store, move |s| s.answer_of(&a, n)).await {
                     Ok(Some(option)) if !option.is_empty() => break option,
-                    // Voided: the attempt or the task ended while it waited.
-                    Ok(Some(_)) | Err(_) => return AskAnswer::Nobody,
+                    // Voided: the task was cancelled or the attempt ended while it waited.
+                    Ok(Some(_)) => return AskAnswer::Withdrawn,
+                    Err(_) => return AskAnswer::Nobody,
                     Ok(None) => {
                         if commits.changed().await.is_err() {
                             return AskAnswer::Nobody;

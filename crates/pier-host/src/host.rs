@@ -145,6 +145,13 @@ impl Host {
         let mut next_wake: Option<i64> = None;
         loop {
             dirty |= view.refresh(&self.store).await?;
+            // An attempt whose task ended under it (a person's cancel) stops now, through the
+            // cancel handshake, not when its next heartbeat finds out.
+            for (key, token) in &active {
+                if view.get(&key.0, &key.1).is_some_and(|t| t.state.is_terminal()) {
+                    token.cancel();
+                }
+            }
             if stop.is_cancelled() || fatal.is_some() {
                 for token in active.values() {
                     token.cancel();

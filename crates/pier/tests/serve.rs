@@ -442,3 +442,18 @@ async fn worker_failures_are_retried_by_class_and_bad_bodies_get_json_errors() {
     let (code, v) = s.call(reqwest::Method::POST, &url("b"), Some(json!({"status": 7}))).await;
     assert_eq!((code, v["error"]["code"].clone()), (400, json!("bad_request")), "{v}");
 }
+
+#[tokio::test]
+async fn a_question_open_when_a_person_cancels_the_task_is_answered_cancelled() {
+    let s = server(None).await;
+    let agent = sdk_agent();
+    let plan = format!("[[tasks]]\nid = \"cfg\"\nagent = \"{agent}\"\nprompt = \"fix the config\"\n");
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "x"}))).await.0, 201);
+    let before = s.events_until(Some(0), |e| e["type"] == "question").await;
+    let last = before.last().and_then(|e| e["seq"].as_i64());
+    let (code, _) = s.call(reqwest::Method::POST, "/runs/x/tasks/cfg/cancel", Some(json!({}))).await;
+    assert_eq!(code, 200);
+    let after = s.events_until(last, |e| e["type"] == "permission").await;
+    let answer = after.last().cloned().unwrap_or_default();
+    assert_eq!(answer["outcome"]["outcome"], "cancelled", "R088: {answer}");
+}

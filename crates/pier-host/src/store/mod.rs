@@ -136,6 +136,62 @@ pub struct Event {
     pub data: Value,
 }
 
+/// What the host itself writes to the event log (the agents' events are `ClientEvent`s,
+/// recorded as they serialize). One type, so the log's shape is checked by the compiler:
+/// `type` is the event's name, the other fields its data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum LogEvent {
+    RunCreated {
+        tasks: usize,
+        source: String,
+    },
+    TaskCreated {
+        depends_on: Vec<String>,
+        agent: String,
+        metadata: std::collections::BTreeMap<String, Value>,
+        to: TaskState,
+    },
+    Transition {
+        from: TaskState,
+        to: TaskState,
+        attempt: i64,
+        reason: String,
+        /// The task's version after the move.
+        version: i64,
+        /// Who claimed the attempt (on `pending → running`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        class: Option<ErrorClass>,
+        /// The side effects behind a decision that a person re-runs the task.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        evidence: Option<Vec<Value>>,
+    },
+    Question {
+        attempt: i64,
+        question: i64,
+        request: Value,
+    },
+    Answer {
+        attempt: i64,
+        question: i64,
+        option: String,
+        by: String,
+    },
+}
+
+impl LogEvent {
+    /// The event's name and its data, as stored.
+    pub fn split(&self) -> (String, Value) {
+        let mut data = serde_json::to_value(self).unwrap_or(Value::Null);
+        let kind = data.as_object_mut().and_then(|o| o.remove("type")).and_then(|t| t.as_str().map(str::to_owned));
+        (kind.unwrap_or_default(), data)
+    }
+}
+
 /// The token of a live attempt: attempt `n` of a task, held by `owner`. Only
 /// [`TaskStore::claim`] makes one; every operation of the attempt is fenced on it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
 
-use super::{Attempt, Ending, Held, Idem, Question, StoreError, TaskRow, now_ms};
+use super::{Attempt, Ending, Held, Idem, LogEvent, Question, StoreError, TaskRow, now_ms};
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
 
@@ -112,19 +112,20 @@ pub(super) fn create_run(tx: &Connection, run: &str, plan: &Plan, source: &str) 
         "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
         params![run, source, serde_json::to_string(plan)?, now_ms()],
     )?;
-    let mut last = insert_event(tx, run, None, "run_created", &json!({"tasks": plan.tasks.len(), "source": source}))?;
+    let created = LogEvent::RunCreated { tasks: plan.tasks.len(), source: source.to_owned() };
+    let mut last = log(tx, run, None, &created)?;
     for (i, t) in plan.tasks.iter().enumerate() {
         tx.execute(
             "INSERT INTO tasks (run_id, id, ord, state, version, spec) VALUES (?1, ?2, ?3, 'pending', 1, ?4)",
             params![run, t.id, i as i64, serde_json::to_string(t)?],
         )?;
-        last = insert_event(
-            tx,
-            run,
-            Some(&t.id),
-            "task_created",
-            &json!({"depends_on": t.depends_on, "agent": t.agent, "metadata": t.metadata, "to": "pending"}),
-        )?;
+        let created = LogEvent::TaskCreated {
+            depends_on: t.depends_on.clone(),
+            agent: t.agent.clone(),
+            metadata: t.metadata.clone(),
+            to: TaskState::Pending,
+        };
+        last = log(tx, run, Some(&t.id), &created)?;
     }
     Ok(last)
 }
@@ -141,19 +142,40 @@ fn lease_lost(attempt: &Attempt) -> StoreError {
     StoreError::LeaseLost { task: attempt.task.clone(), attempt: attempt.n, owner: attempt.owner.clone() }
 }
 
+/// The optional fields of a transition event.
+#[derive(Default)]
+struct Extra {
+    owner: Option<String>,
+    error: Option<String>,
+    class: Option<super::ErrorClass>,
+    evidence: Option<Vec<Value>>,
+}
+
 fn transition_event(
     tx: &Connection,
     row: &TaskRow,
     to: TaskState,
     attempt: i64,
     reason: &str,
-    extra: Value,
+    extra: Extra,
 ) -> Result<i64, StoreError> {
-    let mut data = json!({"from": row.state.as_str(), "to": to.as_str(), "attempt": attempt, "reason": reason, "version": row.version + 1});
-    if let (Some(obj), Value::Object(extra)) = (data.as_object_mut(), extra) {
-        obj.extend(extra);
-    }
-    insert_event(tx, &row.run_id, Some(&row.id), "transition", &data)
+    let event = LogEvent::Transition {
+        from: row.state,
+        to,
+        attempt,
+        reason: reason.to_owned(),
+        version: row.version + 1,
+        owner: extra.owner,
+        error: extra.error,
+        class: extra.class,
+        evidence: extra.evidence,
+    };
+    log(tx, &row.run_id, Some(&row.id), &event)
+}
+
+fn log(tx: &Connection, run: &str, task: Option<&str>, event: &LogEvent) -> Result<i64, StoreError> {
+    let (kind, data) = event.split();
+    insert_event(tx, run, task, &kind, &data)
 }
 
 fn void_questions(tx: &Connection, run: &str, task: &str, why: &str) -> Result<(), StoreError> {
@@ -190,7 +212,14 @@ pub(super) fn claim(
     tx.prepare_cached("INSERT OR IGNORE INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3)")?
         .execute(params![run, task, attempt.n])?;
     let reason = format!("attempt {} started", attempt.n);
-    let seq = transition_event(tx, &row, TaskState::Running, attempt.n, &reason, json!({"owner": owner}))?;
+    let seq = transition_event(
+        tx,
+        &row,
+        TaskState::Running,
+        attempt.n,
+        &reason,
+        Extra { owner: Some(owner.to_owned()), ..Extra::default() },
+    )?;
     Ok((Some((attempt, load_task(tx, run, task)?)), seq))
 }
 
@@ -217,7 +246,7 @@ pub(super) fn park(tx: &Connection, a: &Attempt, request: &Value) -> Result<(i64
         )?
         .execute(params![a.run, a.task])?;
         let reason = "a permission request waits for a person";
-        seq = transition_event(tx, &row, TaskState::AwaitingInput, a.n, reason, json!({}))?;
+        seq = transition_event(tx, &row, TaskState::AwaitingInput, a.n, reason, Extra::default())?;
     }
     let n: i64 = tx.query_row(
         "SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
@@ -228,8 +257,8 @@ pub(super) fn park(tx: &Connection, a: &Attempt, request: &Value) -> Result<(i64
         "INSERT INTO questions (run_id, task_id, attempt, n, request) VALUES (?1, ?2, ?3, ?4, ?5)",
         params![a.run, a.task, a.n, n, request.to_string()],
     )?;
-    let data = json!({"attempt": a.n, "question": n, "request": request});
-    seq = seq.max(insert_event(tx, &a.run, Some(&a.task), "question", &data)?);
+    let question = LogEvent::Question { attempt: a.n, question: n, request: request.clone() };
+    seq = seq.max(log(tx, &a.run, Some(&a.task), &question)?);
     Ok((n, seq))
 }
 
@@ -248,8 +277,14 @@ pub(super) fn resume(tx: &Connection, a: &Attempt) -> Result<(bool, i64), StoreE
     }
     tx.prepare_cached("UPDATE tasks SET state = 'running', version = version + 1 WHERE run_id = ?1 AND id = ?2")?
         .execute(params![a.run, a.task])?;
-    let seq =
-        transition_event(tx, &row, TaskState::Running, a.n, "a person answered the permission request", json!({}))?;
+    let seq = transition_event(
+        tx,
+        &row,
+        TaskState::Running,
+        a.n,
+        "a person answered the permission request",
+        Extra::default(),
+    )?;
     Ok((true, seq))
 }
 
@@ -257,7 +292,7 @@ pub(super) fn resume(tx: &Connection, a: &Attempt) -> Result<(bool, i64), StoreE
 fn end_attempt(tx: &Connection, row: &TaskRow, n: i64, ending: &Ending) -> Result<(TaskRow, i64), StoreError> {
     let to = ending.state();
     let (mut result, mut usage, mut error, mut not_before) = (None, None, None, row.not_before_ms);
-    let mut extra = json!({});
+    let mut extra = Extra::default();
     match ending {
         Ending::Completed { result: r, usage: u } => {
             result = Some(r.clone());
@@ -265,7 +300,7 @@ fn end_attempt(tx: &Connection, row: &TaskRow, n: i64, ending: &Ending) -> Resul
         }
         Ending::Failed { error: e, class, .. } => {
             error = Some(e.clone());
-            extra["class"] = json!(class);
+            extra.class = Some(*class);
         }
         Ending::Cancelled { .. } => {}
         Ending::Retry { error: e, not_before_ms, .. } => {
@@ -274,12 +309,10 @@ fn end_attempt(tx: &Connection, row: &TaskRow, n: i64, ending: &Ending) -> Resul
         }
         Ending::AskPerson { error: e, evidence, .. } => {
             error = e.clone();
-            extra["evidence"] = json!(evidence);
+            extra.evidence = Some(evidence.clone());
         }
     }
-    if let Some(e) = &error {
-        extra["error"] = json!(e);
-    }
+    extra.error = error.clone();
     tx.prepare_cached(
         "UPDATE tasks SET state = ?3, version = version + 1, failures = failures + ?4, lease_owner = NULL,
              lease_expires_at_ms = NULL, not_before_ms = ?5, result = COALESCE(?6, result),
@@ -388,7 +421,7 @@ pub(super) fn cancel(
     )?
     .execute(params![run, task])?;
     void_questions(tx, run, task, "the task was cancelled")?;
-    let seq = transition_event(tx, &row, TaskState::Cancelled, row.attempt, reason, json!({}))?;
+    let seq = transition_event(tx, &row, TaskState::Cancelled, row.attempt, reason, Extra::default())?;
     Ok((Some(load_task(tx, run, task)?), seq))
 }
 
@@ -412,7 +445,7 @@ pub(super) fn decide_rerun(
     } else {
         format!("a person denied running it again ({by})")
     };
-    let seq = transition_event(tx, &row, to, row.attempt, &reason, json!({}))?;
+    let seq = transition_event(tx, &row, to, row.attempt, &reason, Extra::default())?;
     Ok((load_task(tx, run, task)?, seq))
 }
 
@@ -432,6 +465,6 @@ pub(super) fn answer(
     if changed != 1 {
         return Ok((false, 0));
     }
-    let data = json!({"attempt": q.attempt, "question": q.n, "option": option, "by": by});
-    Ok((true, insert_event(tx, run, Some(task), "answer", &data)?))
+    let answer = LogEvent::Answer { attempt: q.attempt, question: q.n, option: option.to_owned(), by: by.to_owned() };
+    Ok((true, log(tx, run, Some(task), &answer)?))
 }
