@@ -259,3 +259,87 @@ async fn another_handles_commits_reach_the_watch() {
     let seen = tokio::time::timeout(std::time::Duration::from_secs(10), watch.wait_for(|s| *s >= last)).await;
     assert!(matches!(seen, Ok(Ok(_))), "the other handle's commit was not published");
 }
+
+/// The child half of the crash test: when `PIER_CRASH_STORE` names a store, claims, records
+/// and finishes its tasks as fast as it can until it is killed. Otherwise does nothing.
+#[test]
+fn crash_writer_child() {
+    let Some(path) = std::env::var_os("PIER_CRASH_STORE") else { return };
+    let store: Arc<dyn TaskStore> =
+        Arc::new(SqliteStore::open(std::path::Path::new(&path)).unwrap_or_else(|e| panic!("{e}")));
+    let owner = format!("child-{}", std::process::id());
+    loop {
+        let pending = store.pending_tasks().unwrap_or_else(|e| panic!("{e}"));
+        let Some(t) = pending.first() else { return };
+        let Ok(Some((a, _))) = store.claim(&t.run_id, &t.id, &owner, FAR) else { continue };
+        let note = ("note".to_owned(), json!({"n": a.n}));
+        store.record(&a, &[note], &[json!({"effect": "tool_call", "kind": "edit"})]).unwrap_or_else(|e| panic!("{e}"));
+        let ending = if a.task.ends_with('0') {
+            Ending::Retry { error: None, reason: "again".into(), not_before_ms: 0, failure: true }
+        } else {
+            Ending::Completed { result: a.task.clone(), usage: None }
+        };
+        let _ = store.finish(&a, &ending, None);
+    }
+}
+
+/// Kills a writer at arbitrary points of its work, again and again, and checks after each
+/// kill that the store is whole: the log gap-free, every task's state the `to` of its last
+/// transition, its version one more than its transitions, every started attempt on record,
+/// and a task held only by a live lease.
+#[test]
+fn a_writer_killed_at_any_point_leaves_a_whole_store() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.path().join("pier.db");
+    {
+        let store = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let plan: String = (0..400).map(|i| format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"p\"\n\n")).collect();
+        let plan = parse(&plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    }
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+    for round in 0..8i64 {
+        let store = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let start = store.last_seq().unwrap_or_default();
+        let mut child = std::process::Command::new(&exe)
+            .args(["--exact", "crash_writer_child", "--nocapture", "--test-threads", "1"])
+            .env("PIER_CRASH_STORE", &path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Kill after a different amount of committed work each round.
+        let mut watch = store.subscribe();
+        let target = start + 5 + round * 7;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+        let reached = rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_secs(20), watch.wait_for(|s| *s >= target)).await
+        });
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(matches!(reached, Ok(Ok(_))), "round {round}: the writer made no progress");
+        drop(store);
+        check_whole(&path, round);
+    }
+}
+
+fn check_whole(path: &std::path::Path, round: i64) {
+    let store = SqliteStore::open(path).unwrap_or_else(|e| panic!("round {round}: reopen: {e}"));
+    let log = store.events_after(None, 0, 10_000_000).unwrap_or_default();
+    let seqs: Vec<i64> = log.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "round {round}: the log has a gap");
+    for t in store.tasks("r").unwrap_or_default() {
+        let moves: Vec<&pier_host::Event> =
+            log.iter().filter(|e| e.kind == "transition" && e.task.as_deref() == Some(&t.id)).collect();
+        assert_eq!(t.version, 1 + moves.len() as i64, "round {round}: {} version vs its transitions", t.id);
+        let last_to = moves.last().map_or("pending", |e| e.data["to"].as_str().unwrap_or(""));
+        assert_eq!(t.state.as_str(), last_to, "round {round}: {} state vs its last transition", t.id);
+        let started = moves.iter().filter(|e| e.data["to"] == "running").count() as i64;
+        assert_eq!(t.attempt, started, "round {round}: {} attempts vs its claims", t.id);
+        if t.attempt > 0 {
+            assert!(store.evidence("r", &t.id, t.attempt).is_ok(), "round {round}: {} attempt row", t.id);
+        }
+        let live = matches!(t.state, TaskState::Running | TaskState::AwaitingInput);
+        assert_eq!(live, t.lease_owner.is_some(), "round {round}: {} lease vs state {:?}", t.id, t.state);
+    }
+}
