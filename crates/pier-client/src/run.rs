@@ -291,6 +291,20 @@ impl LiveAgent {
         LiveAgent::start_interruptible(opts, events, &mut none).await.map_err(|s| s.error)
     }
 
+    /// [`LiveAgent::start`] that an interrupt ends at any point of the handshake (the agent's
+    /// group is killed at once); the error is the outcome of a run that got no further.
+    pub async fn start_or_stop(
+        opts: &RunOptions,
+        events: &mpsc::Sender<ClientEvent>,
+        interrupts: &mut Interrupts,
+    ) -> Result<LiveAgent, RunOutcome> {
+        LiveAgent::start_interruptible(opts, events, interrupts).await.map_err(|stopped| {
+            let mut outcome = RunOutcome::failed(Some(stopped.error));
+            outcome.ending = stopped.ending;
+            outcome
+        })
+    }
+
     /// [`LiveAgent::start`], ended by an interrupt: the agent's group is killed at once.
     async fn start_interruptible(
         opts: &RunOptions,

@@ -123,9 +123,10 @@ impl Run {
         let key = AgentPool::key(&opts);
         let fresh = self.row.spec.fresh_agent;
         let warm = if fresh { None } else { self.pool.take(&key).await };
+        // A stop during the handshake kills the agent at once, as one during the turn cancels it.
         let agent = match warm {
             Some(agent) => Ok(agent),
-            None => LiveAgent::start(&opts, &events).await,
+            None => LiveAgent::start_or_stop(&opts, &events, &mut interrupts).await,
         };
         let mut outcome = match agent {
             Ok(mut agent) => {
@@ -137,7 +138,7 @@ impl Run {
                 }
                 outcome
             }
-            Err(e) => RunOutcome::failed(Some(e)),
+            Err(outcome) => outcome,
         };
         outcome.duration = started.elapsed();
         outcome

@@ -896,3 +896,31 @@ async fn a_plans_writable_holds_for_pier_s_own_agent_s_tools_and_commands() {
         eprintln!("this kernel has no Landlock: the command half is not checked");
     }
 }
+
+#[tokio::test]
+async fn ctrl_c_while_an_agent_is_stuck_in_its_handshake_stops_the_host_at_once() {
+    let mut h = Host::new(None);
+    let fifo = h.path("mute.fifo");
+    must(nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU), "mkfifo");
+    h.vars.push(("PIER_TEST_FIFO".into(), fifo.display().to_string()));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mute_agent.py");
+    let plan = h.write(
+        "p.toml",
+        &format!("[[tasks]]\nid = \"t\"\nagent = \"python3 {} initialize\"\nprompt = \"hi\"\n", script.display()),
+    );
+    let child = must(
+        h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "stuck"]).spawn(),
+        "spawn",
+    );
+    // The agent got `initialize` and will never answer it (the setup timeout is 60 s).
+    let reader = tokio::task::spawn_blocking(move || std::fs::read_to_string(&fifo).unwrap_or_default());
+    let report = must(must(tokio::time::timeout(LIMIT, reader).await, "the agent reported"), "join");
+    let pgid: i32 = report.trim().split_once(' ').map_or(0, |(_, g)| g.parse().unwrap_or(0));
+    let pid = child.id().map_or(0, |p| p as i32);
+    must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGINT), "SIGINT");
+    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "pier run stopped at once"), "wait");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(!support::group_alive(pgid), "the stuck agent's group survived");
+    let t = &h.store().tasks("stuck")[0];
+    assert_eq!((t.state, t.failures), (pier_host::TaskState::Pending, 0), "a host stop is not a failure");
+}
