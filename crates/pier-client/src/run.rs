@@ -64,6 +64,9 @@ pub struct RunOptions {
     pub asker: Option<Arc<dyn crate::handler::Asker>>,
     /// When set, the only directories the agent may write (fs writes and edit permissions).
     pub writable: Option<Vec<PathBuf>>,
+    /// How `terminal/*` commands are confined (`--sandbox off`: no Landlock; they still
+    /// end with their turn).
+    pub confinement: pier_tools::Confinement,
 }
 
 impl std::fmt::Debug for dyn crate::handler::Asker {
@@ -313,6 +316,7 @@ impl LiveAgent {
     ) -> Result<LiveAgent, Stopped> {
         let deadline = setup_deadline(opts, Instant::now());
         let sandbox = Sandbox::new(&opts.cwd, &opts.allow_dirs)
+            .map(|s| s.with_confinement(opts.confinement.clone()))
             .and_then(|s| match &opts.writable {
                 Some(w) => s.with_writable(w),
                 None => Ok(s),

@@ -235,6 +235,7 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         setup_timeout: Duration::from_secs(60),
         writable,
         asker: None,
+        confinement: pier_tools::Confinement::default(),
     })
 }
 

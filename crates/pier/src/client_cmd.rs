@@ -66,6 +66,9 @@ pub struct ClientArgs {
     /// How long a cancel may take to be confirmed before the agent is killed
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
     cancel_grace: f64,
+    /// Confine the writes of terminal/* commands to the roots and the temp dir with Landlock [default: on, or `sandbox` in pier.toml]
+    #[arg(long, value_enum)]
+    sandbox: Option<config::SandboxArg>,
     /// Show the agent's stderr and every client call
     #[arg(long, short)]
     verbose: bool,
@@ -161,7 +164,14 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, String), ClientError> {
         setup_timeout: args.timeout.map_or(Ok(Duration::from_secs(60)), secs)?,
         asker: None,
         writable: None,
+        confinement: config::resolve_confinement(&files, args.sandbox)
+            .map_err(|e| ClientError::usage(format!("{e:#}")))?,
     };
+    // Which confinement terminals get, where it can be seen without flooding the output.
+    tracing::info!(confinement = %pier_tools::contain::describe(&opts.confinement), "terminals");
+    if args.verbose {
+        eprintln!("pier: terminals: {}", pier_tools::contain::describe(&opts.confinement));
+    }
     Ok((opts, prompt))
 }
 

@@ -252,3 +252,27 @@ async fn the_handshake_is_bounded_by_timeout() {
     assert_eq!(r["error"]["kind"], "timeout", "{r}");
     assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("did not answer initialize")), "{r}");
 }
+
+/// #16: `pier exec` confines its terminals' writes with Landlock unless `--sandbox off`.
+#[tokio::test]
+async fn terminals_write_only_beneath_the_roots_unless_the_sandbox_is_off() {
+    if pier_tools::contain::init().landlock_abi.is_none() {
+        eprintln!("skipped: this kernel has no Landlock");
+        return;
+    }
+    let env = Env::new();
+    // Outside the temp directory, where commands may always write.
+    let outside = must(tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")), "outside");
+    for (flags, name, written) in [(&[][..], "confined.txt", false), (&["--sandbox", "off"][..], "free.txt", true)] {
+        let target = outside.path().join(name);
+        let script = format!("echo out > '{}'", target.display());
+        let calls = json!([
+            ["terminal/create", {"sessionId": "s", "command": "sh", "args": ["-c", script]}],
+            ["terminal/wait_for_exit", {"sessionId": "s", "terminalId": "$terminal"}],
+        ]);
+        let mut all = vec!["--approve-all"];
+        all.extend_from_slice(flags);
+        let (report, _) = call_client(&env, &all, calls).await;
+        assert_eq!(target.exists(), written, "{flags:?}: {report}");
+    }
+}
