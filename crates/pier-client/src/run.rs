@@ -213,6 +213,9 @@ impl Transcript {
     }
 }
 
+/// How long `session/close` may take before the agent is deemed unfit for reuse.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How many events may wait between a turn and whoever consumes its `events`.
 pub const EVENT_QUEUE: usize = 1024;
 
@@ -449,6 +452,22 @@ impl LiveAgent {
         }
         outcome.duration = started.elapsed();
         outcome
+    }
+
+    /// Ends a session the caller will not continue, with `session/close` when the agent
+    /// offers it, so that an agent serving many turns (a host's warm agent) does not keep
+    /// every session it ever opened. An agent that does not answer in time is not reused.
+    pub async fn close_session(&mut self, session_id: &str) {
+        let offered = self.init["agentCapabilities"]["sessionCapabilities"].get("close").is_some();
+        if !offered || !self.reusable() {
+            return;
+        }
+        let request = json!({ "sessionId": session_id });
+        let closing = self.conn.request::<_, Value>("session/close", &request);
+        if !matches!(tokio::time::timeout(CLOSE_TIMEOUT, closing).await, Ok(Ok(_))) {
+            tracing::warn!(session = session_id, "the agent did not close its session; it is not reused");
+            self.clean = false;
+        }
     }
 
     /// Closes the connection and ends the agent's whole process group.

@@ -134,6 +134,10 @@ impl Run {
                 if fresh {
                     agent.shutdown(&events).await;
                 } else {
+                    // A task's session is never continued: a warm agent must not keep it.
+                    if let Some(id) = &outcome.session_id {
+                        agent.close_session(id).await;
+                    }
                     self.pool.give_back(key, agent).await;
                 }
                 outcome
