@@ -142,8 +142,8 @@ impl SideEffects {
                 }
                 Some(Evidence::ToolCall {
                     tool_call_id: id,
-                    kind: name(&kind),
-                    status: status.map(|s| name(&s)).unwrap_or_default(),
+                    kind: wire_name(&kind),
+                    status: status.map(|s| wire_name(&s)).unwrap_or_default(),
                     title: title.cloned(),
                 })
             }
@@ -166,7 +166,7 @@ impl SideEffects {
     }
 }
 
-/// A unit enum's wire name (`edit`, `in_progress`).
-fn name<T: Serialize>(value: &T) -> String {
+/// A unit enum's wire name (`edit`, `in_progress`, `end_turn`).
+pub fn wire_name<T: Serialize>(value: &T) -> String {
     serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }

@@ -61,7 +61,7 @@ pub fn decide(outcome: &Outcome, cx: &Context<'_>) -> Ending {
             Ending::Cancelled { reason: "the agent ended the turn cancelled".into() }
         }
         Outcome::Answered { stop_reason, .. } => {
-            let name = stop_reason_name(*stop_reason);
+            let name = pier_client::event::wire_name(stop_reason);
             if cx.spec.retry_on.contains(&name) {
                 failed_attempt(name, cx)
             } else {
@@ -126,10 +126,6 @@ fn rerun(why: &str, error: Option<String>, failure: bool, cx: &Context<'_>) -> E
         let reason = format!("{why}; it reported side effects, so a person must decide whether to run it again");
         Ending::AskPerson { error, reason, failure, evidence: cx.evidence.to_vec() }
     }
-}
-
-pub fn stop_reason_name(reason: StopReason) -> String {
-    serde_json::to_value(reason).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -42,8 +42,7 @@ pub struct HostConfig {
 
 impl HostConfig {
     pub fn owner_id() -> String {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        format!("{}:{}:{}", host.trim(), std::process::id(), uuid::Uuid::new_v4().simple())
+        format!("{}:{}:{}", hostname(), std::process::id(), uuid::Uuid::new_v4().simple())
     }
 }
 
@@ -113,14 +112,6 @@ impl Host {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Host {
         let pool = Arc::new(AgentPool::new(config.concurrency.max(1)));
         Host { store, config, pool }
-    }
-
-    pub fn store(&self) -> &Arc<dyn TaskStore> {
-        &self.store
-    }
-
-    pub fn config(&self) -> &HostConfig {
-        &self.config
     }
 
     /// Drives the tasks in `scope` until `stop` fires (running attempts are then cancelled

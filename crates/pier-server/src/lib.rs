@@ -72,8 +72,7 @@ impl IntoResponse for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         let status = match &e {
-            StoreError::Conflict { .. }
-            | StoreError::IllegalTransition { .. }
+            StoreError::IllegalTransition { .. }
             | StoreError::RunExists(_)
             | StoreError::LeaseLost { .. }
             | StoreError::IdempotencyConflict { .. } => StatusCode::CONFLICT,

@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use agent_client_protocol_schema::v1::{
     ContentBlock, PlanEntryStatus, RequestPermissionOutcome, SessionUpdate, ToolCallContent,
 };
+use pier_client::event::wire_name;
 use pier_client::{ClientError, ClientEvent, Ending, RunOutcome};
 use serde_json::{Value, json};
 
@@ -443,9 +444,4 @@ struct ToolView<'a> {
     content: Option<&'a [ToolCallContent]>,
     /// A `tool_call` (always drawn), not an update.
     new: bool,
-}
-
-/// A unit enum's wire name (`edit`, `in_progress`).
-fn wire_name<T: serde::Serialize>(value: &T) -> String {
-    serde_json::to_value(value).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }

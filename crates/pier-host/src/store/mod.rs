@@ -28,8 +28,6 @@ pub use sqlite::SqliteStore;
 /// Why a store operation was refused or failed. `code()` is stable.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("version conflict on task `{task}`: the update read version {expected}, the task is at {actual}")]
-    Conflict { task: String, expected: i64, actual: i64 },
     #[error("illegal transition of task `{task}`: {from} -> {to}")]
     IllegalTransition { task: String, from: &'static str, to: &'static str },
     /// The attempt named is not the one holding the task (any more): another owner, a
@@ -57,7 +55,6 @@ pub enum StoreError {
 impl StoreError {
     pub fn code(&self) -> &'static str {
         match self {
-            StoreError::Conflict { .. } => "version_conflict",
             StoreError::IllegalTransition { .. } => "bad_transition",
             StoreError::LeaseLost { .. } => "lease_lost",
             StoreError::IdempotencyConflict { .. } => "idempotency_conflict",
@@ -73,10 +70,7 @@ impl StoreError {
     /// Whether the operation lost a race (another writer moved the task first): the caller
     /// re-reads and decides again; nothing is wrong with the store.
     pub fn is_race(&self) -> bool {
-        matches!(
-            self,
-            StoreError::Conflict { .. } | StoreError::IllegalTransition { .. } | StoreError::LeaseLost { .. }
-        )
+        matches!(self, StoreError::IllegalTransition { .. } | StoreError::LeaseLost { .. })
     }
 }
 
