@@ -237,7 +237,13 @@ impl ClientState {
 
     /// Answers a permission request. Whatever decided it, one rule has the last word:
     /// once the turn is being cancelled, the answer is `cancelled` (R088).
-    async fn permission(self: Arc<Self>, req: RequestPermissionRequest) -> Result<Value, Error> {
+    /// `gone` fires when the agent withdraws the request (`$/cancel_request`) or the
+    /// connection closes: nobody is left to answer, so nobody is kept waiting for a person.
+    async fn permission(
+        self: Arc<Self>,
+        req: RequestPermissionRequest,
+        gone: CancellationToken,
+    ) -> Result<Value, Error> {
         let id = req.tool_call.tool_call_id.0.to_string();
         let kind = match &req.tool_call.fields.kind {
             Some(k) => kind_of(Some(k)),
@@ -246,7 +252,7 @@ impl ClientState {
         let (mut choice, rule, mut reason) = if self.cancelling.is_cancelled() {
             (Choice::Cancelled, Value::Null, String::new())
         } else {
-            self.decide(&req, kind).await
+            self.decide(&req, kind, &gone).await
         };
         if self.cancelling.is_cancelled() {
             (choice, reason) = (Choice::Cancelled, "the turn is being cancelled (R088)".to_owned());
@@ -268,7 +274,12 @@ impl ClientState {
 
     /// The choice for a permission request by the policy, the host's asker or the
     /// person at the terminal, with the rule applied (as JSON) and the reason.
-    async fn decide(&self, req: &RequestPermissionRequest, kind: ToolKind) -> (Choice, Value, String) {
+    async fn decide(
+        &self,
+        req: &RequestPermissionRequest,
+        kind: ToolKind,
+        gone: &CancellationToken,
+    ) -> (Choice, Value, String) {
         let id = req.tool_call.tool_call_id.0.to_string();
         let title = req.tool_call.fields.title.clone().unwrap_or_else(|| id.clone());
         let rule_json = |r: Rule| serde_json::to_value(r).unwrap_or(Value::Null);
@@ -302,6 +313,7 @@ impl ClientState {
             let answer = tokio::select! {
                 answer = asker.ask(req) => answer,
                 _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+                _ = gone.cancelled() => AskAnswer::Withdrawn,
             };
             let choice = match answer {
                 AskAnswer::Option(id) => req
@@ -311,7 +323,8 @@ impl ClientState {
                     .map(|o| Choice::Select { option_id: id.clone(), kind: o.kind }),
                 AskAnswer::Nobody => None,
                 AskAnswer::Withdrawn => {
-                    let why = "the question was withdrawn: the task was cancelled or its attempt ended";
+                    let why = "the question was withdrawn: the task was cancelled, its attempt ended, or the agent \
+                               gave up the request";
                     return (Choice::Cancelled, json!("ask"), why.to_owned());
                 }
             };
@@ -329,6 +342,7 @@ impl ClientState {
                 let asked = tokio::select! {
                     answer = ask_on_terminal(title, kind) => answer,
                     _ = self.cancelling.cancelled() => None,
+                    _ = gone.cancelled() => None,
                 };
                 match asked {
                     Some(true) => (rule, reason) = (Rule::Allow, "allowed at the terminal".to_owned()),
@@ -370,7 +384,14 @@ impl ClientState {
     /// `terminal/create` = execute). *Ask* is answered by a granted tool call of the kind
     /// that is still running, else by the person (the host's asker or the terminal);
     /// with nobody to ask it is refused, and the error says which setting allows it.
-    async fn admit(&self, kind: ToolKind, method: &str, session_id: &str, target: &str) -> Result<(), Error> {
+    async fn admit(
+        &self,
+        kind: ToolKind,
+        method: &str,
+        session_id: &str,
+        target: &str,
+        gone: &CancellationToken,
+    ) -> Result<(), Error> {
         let name = kind.as_str();
         match self.policy.rule(kind) {
             Rule::Allow | Rule::AllowAlways => return Ok(()),
@@ -393,12 +414,14 @@ impl ClientState {
             let answer = tokio::select! {
                 answer = asker.ask(&request) => answer,
                 _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+                _ = gone.cancelled() => AskAnswer::Withdrawn,
             };
             Some(answer == AskAnswer::Option(ALLOW_ONCE.to_owned()))
         } else if self.interactive {
             tokio::select! {
                 answer = ask_on_terminal(title, kind) => answer,
                 _ = self.cancelling.cancelled() => None,
+                _ = gone.cancelled() => None,
             }
         } else {
             None
@@ -419,26 +442,31 @@ impl ClientState {
         }
     }
 
-    async fn client_method(self: Arc<Self>, method: String, request: AgentRequest) -> Result<Value, Error> {
+    async fn client_method(
+        self: Arc<Self>,
+        method: String,
+        request: AgentRequest,
+        gone: CancellationToken,
+    ) -> Result<Value, Error> {
         let target: String;
         let result: Result<Value, Error> = match request {
             AgentRequest::ReadTextFileRequest(r) if self.fs => {
                 target = r.path.display().to_string();
-                match self.admit(ToolKind::Read, &method, &r.session_id.0, &target).await {
+                match self.admit(ToolKind::Read, &method, &r.session_id.0, &target, &gone).await {
                     Err(e) => Err(e),
                     Ok(()) => fs::read_text_file(&self.sandbox, r).await.and_then(|v| to_value(&v)),
                 }
             }
             AgentRequest::WriteTextFileRequest(r) if self.fs => {
                 target = r.path.display().to_string();
-                match self.admit(ToolKind::Edit, &method, &r.session_id.0, &target).await {
+                match self.admit(ToolKind::Edit, &method, &r.session_id.0, &target, &gone).await {
                     Err(e) => Err(e),
                     Ok(()) => fs::write_text_file(&self.sandbox, r).await.and_then(|v| to_value(&v)),
                 }
             }
             AgentRequest::CreateTerminalRequest(r) if self.terminal => {
                 target = std::iter::once(r.command.clone()).chain(r.args.iter().cloned()).collect::<Vec<_>>().join(" ");
-                match self.admit(ToolKind::Execute, &method, &r.session_id.0, &target).await {
+                match self.admit(ToolKind::Execute, &method, &r.session_id.0, &target, &gone).await {
                     Err(e) => Err(e),
                     Ok(()) => self.terminals.create(&self.sandbox, &self.cwd, r).await.and_then(|v| to_value(&v)),
                 }
@@ -521,11 +549,11 @@ async fn ask_on_terminal(title: String, kind: ToolKind) -> Option<bool> {
 pub struct ClientHandler(pub Arc<ClientState>);
 
 impl Handler for ClientHandler {
-    fn request(&self, _cx: RequestCx, method: String, params: Value) -> BoxFuture<'static, Result<Value, Error>> {
+    fn request(&self, cx: RequestCx, method: String, params: Value) -> BoxFuture<'static, Result<Value, Error>> {
         let state = self.0.clone();
         match AgentRequest::from_method_and_params(&method, &params) {
-            Ok(AgentRequest::RequestPermissionRequest(req)) => Box::pin(state.permission(req)),
-            Ok(request) => Box::pin(state.client_method(method, request)),
+            Ok(AgentRequest::RequestPermissionRequest(req)) => Box::pin(state.permission(req, cx.cancel)),
+            Ok(request) => Box::pin(state.client_method(method, request, cx.cancel)),
             Err(agent_client_protocol_schema::MethodDispatchError::UnknownMethod { .. }) => {
                 Box::pin(async move { Err(Error::method_not_found().data(json!({ "method": method }))) })
             }

@@ -9,15 +9,9 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{LIMIT, must};
+use support::{LIMIT, must, pier_exe};
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
-
-/// The binary under test; `PIER_TEST_EXE` names a copy when the target directory is
-/// shared with other checkouts whose builds would replace it mid-run.
-fn pier_exe() -> String {
-    std::env::var("PIER_TEST_EXE").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pier").to_owned())
-}
 
 /// `pier ARGS` in `home`, in its own process group, stdin closed, output piped.
 fn pier(home: &Path, args: &[&str]) -> Command {

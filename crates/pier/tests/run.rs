@@ -246,12 +246,18 @@ async fn a_hanging_agent_times_out_is_cancelled_and_retried() {
 }
 
 fn agents_toml(h: &Host, name: &str, marker: &Path, report_effect: bool) {
+    agents_toml_asking(h, name, marker, report_effect, false);
+}
+
+fn agents_toml_asking(h: &Host, name: &str, marker: &Path, report_effect: bool, ask: bool) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/crash_once_agent.py");
     let text = format!(
-        "[agents.{name}]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ CRASH_MARKER = \"{}\", REPORT_EFFECT = \"{}\" }}\n",
+        "[agents.{name}]\ncommand = \"python3\"\nargs = [\"{}\"]\n\
+         env = {{ CRASH_MARKER = \"{}\", REPORT_EFFECT = \"{}\", ASK = \"{}\" }}\n",
         script.display(),
         marker.display(),
-        if report_effect { 1 } else { 0 }
+        u8::from(report_effect),
+        u8::from(ask)
     );
     h.write("pier.toml", &text);
 }
@@ -381,6 +387,38 @@ async fn a_question_of_a_dead_host_is_void_and_a_person_decides_the_rerun() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let t = &h.store().tasks("r1")[0];
     assert_eq!((t.state, t.attempt), (pier_host::TaskState::Completed, 2));
+}
+
+#[tokio::test]
+async fn an_agent_that_dies_while_a_person_is_asked_after_side_effects_leaves_the_rerun_to_a_person() {
+    let h = Host::new(None);
+    agents_toml_asking(&h, "risky", &h.path("crashed"), true, true);
+    let plan = h.write(
+        "p.toml",
+        "[[tasks]]\nid = \"t\"\nagent = \"risky\"\nprompt = \"go\"\npermissions = { execute = \"ask\" }\n",
+    );
+    let mut first = h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", "r", "--format", "json"]);
+    first.env("RUST_LOG", "warn");
+    let o = must(
+        must(tokio::time::timeout(LIMIT, must(first.spawn(), "spawn").wait_with_output()).await, "in time"),
+        "wait",
+    );
+    assert_eq!(o.status.code(), Some(1), "the task waits for a person: {}", stderr(&o));
+    // The question dies with the agent that asked it: nothing waits on it until a timeout.
+    assert!(!stderr(&o).contains("settle timeout"), "{}", stderr(&o));
+    let events = lines(&o);
+    let last = events.iter().rev().find(|e| e["type"] == "transition" && e["task"] == "t").cloned().unwrap_or_default();
+    assert_eq!(last["to"], "awaiting_input", "{events:#?}");
+    assert!(last["reason"].as_str().is_some_and(|r| r.contains("a person must decide")), "{last}");
+    // A person decides the re-run (the dead agent's question is void), and it completes.
+    let approved = h.run(&["approve", "t"]).await;
+    assert_eq!(approved.status.code(), Some(0), "{}", stderr(&approved));
+    let said = String::from_utf8_lossy(&approved.stdout).into_owned();
+    assert!(said.contains("is now pending"), "{said}");
+    let o = h.run(&["run", "--resume", "r", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = &h.store().tasks("r")[0];
+    assert_eq!((t.state, t.attempt, t.result.as_deref()), (pier_host::TaskState::Completed, 2, Some("survived")));
 }
 
 #[tokio::test]
@@ -777,35 +815,37 @@ fn cpu_ms(pid: u32) -> u64 {
 
 #[tokio::test]
 async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
-    let h = Host::new(None);
-    // A live host on another machine holds the task, renewing its lease all along (2 s,
-    // renewed every 400 ms: a loaded machine still renews in time).
-    let ttl = 2_000;
-    let attempt = h.claimed_elsewhere("w", "elsewhere:1:x".into(), pier_host::store::now_ms() + ttl);
-    let store = std::sync::Arc::new(h.store());
-    let renewing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let renewer = {
-        let (store, attempt, renewing) = (store.clone(), attempt.clone(), renewing.clone());
-        std::thread::spawn(move || {
-            while renewing.load(std::sync::atomic::Ordering::SeqCst) {
-                let _ = pier_host::TaskStore::heartbeat(store.as_ref(), &attempt, pier_host::store::now_ms() + ttl);
-                std::thread::sleep(std::time::Duration::from_millis(400));
-            }
-        })
-    };
-    let child = must(h.command(&["run", "--resume", "w", "--format", "json"]).spawn(), "spawn");
-    let pid = child.id().unwrap_or(0);
-    // Past start-up (a second), then five seconds of waiting are measured.
-    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let f = must(FakeModel::start().await, "fake");
+    let gate = pier_fake_model::Gate::new();
+    let held = gate.clone();
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let Reply::Stream(steps) = &mut reply {
+            steps.insert(0, Step::Gate(held.clone()));
+        }
+        reply
+    });
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n");
+    // Leases of one second, renewed by the live host that holds the task every third of it:
+    // the waiting host sees the expiry it first read pass many times while it waits.
+    let args =
+        ["run", plan.to_str().unwrap_or_default(), "--run-id", "w", "--format", "json", "--lease-ttl-ms", "1000"];
+    let holder = must(h.command(&args).spawn(), "spawn the holding host");
+    tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await.unwrap_or_else(|_| panic!("the task never started"));
+    let waiting = must(h.command(&args).spawn(), "spawn the waiting host");
+    let pid = waiting.id().unwrap_or(0);
+    // Past start-up and the first expiry (two seconds), then five seconds of waiting are measured.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     let before = cpu_ms(pid);
     tokio::time::sleep(std::time::Duration::from_secs(5)).await;
     let used = cpu_ms(pid) - before;
-    renewing.store(false, std::sync::atomic::Ordering::SeqCst);
-    let _ = renewer.join();
-    let done = pier_host::Ending::Completed { result: "done elsewhere".into(), usage: None };
-    must(pier_host::TaskStore::finish(store.as_ref(), &attempt, &done, None), "the other host finishes");
-    let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    gate.open();
+    for child in [holder, waiting] {
+        let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    assert_eq!(f.requests().iter().filter(|r| !r.auxiliary).count(), 1, "the task ran once");
     assert!(used < 50, "the waiting host used {used} ms of CPU in 5 s");
 }
 
@@ -991,4 +1031,43 @@ async fn one_warm_agent_serves_ten_thousand_tasks_closing_each_session() {
     assert!(fds_late <= fds_early + 2, "the agent's descriptors grew from {fds_early} to {fds_late} over 8,900 tasks");
     // Each session the host does not close keeps about 4.6 KiB in the agent (about 40 MB here).
     assert!(rss_late < rss_early + 8192, "the agent grew from {rss_early} to {rss_late} KiB: sessions are kept");
+}
+
+/// Model requests per task prompt (each task's prompt is "task N").
+fn requests_per_prompt(f: &FakeModel) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for r in f.requests().iter().filter(|r| !r.auxiliary) {
+        let user = r.body["messages"].as_array().and_then(|m| m.iter().find(|m| m["role"] == "user")).cloned();
+        if let Some(text) = user.and_then(|m| m["content"].as_str().map(str::to_owned)) {
+            *counts.entry(text).or_default() += 1;
+        }
+    }
+    counts
+}
+
+#[tokio::test]
+async fn two_hosts_driving_one_run_never_run_one_attempt_twice() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let text: String = (0..60).map(|i| format!("[[tasks]]\nid = \"t{i:02}\"\nprompt = \"task {i}\"\n\n")).collect();
+    let plan = h.write("p.toml", &text);
+    let args = ["run", plan.to_str().unwrap_or_default(), "--run-id", "both", "--format", "json"];
+    let mut first = must(h.command(&args).spawn(), "spawn the first host");
+    // The second host starts once the first has stored the run, and resumes it: both race
+    // for every pending task from then on.
+    let stdout = first.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let line = must(tokio::time::timeout(LIMIT, reader.next_line()).await, "the first event in time");
+    assert!(must(line, "read").is_some(), "the first host ended before its first event");
+    let second = must(h.command(&args).spawn(), "spawn the second host");
+    tokio::spawn(async move { while let Ok(Some(_)) = reader.next_line().await {} });
+    for child in [first, second] {
+        let o = must(must(tokio::time::timeout(LIMIT * 6, child.wait_with_output()).await, "exit in time"), "wait");
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    }
+    let per_prompt = requests_per_prompt(&f);
+    assert_eq!(per_prompt.len(), 60, "{per_prompt:?}");
+    let twice: Vec<_> = per_prompt.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "prompts that reached the model more than once: {twice:?}");
 }

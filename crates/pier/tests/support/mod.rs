@@ -290,10 +290,16 @@ fn process_exists(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
+/// The binary under test; `PIER_TEST_EXE` names another build (an older commit's, to show
+/// that a regression test fails there, or a copy when the target directory is shared).
+pub fn pier_exe() -> String {
+    std::env::var("PIER_TEST_EXE").unwrap_or_else(|_| env!("CARGO_BIN_EXE_pier").to_owned())
+}
+
 /// `pier ARGS` run in `dir` with exactly `vars` for its environment, in its own
 /// process group, stdin closed, stdout and stderr piped; killed if dropped.
 pub fn pier_command(dir: &Path, vars: &[(String, String)], args: &[&str]) -> Command {
-    let mut cmd = command(Path::new(env!("CARGO_BIN_EXE_pier")), dir, vars);
+    let mut cmd = command(Path::new(&pier_exe()), dir, vars);
     cmd.args(args);
     cmd
 }
