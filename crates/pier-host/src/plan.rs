@@ -12,7 +12,7 @@ pub struct Plan {
 }
 
 /// One task, with the defaults applied.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TaskSpec {
     pub id: String,
     pub prompt: String,

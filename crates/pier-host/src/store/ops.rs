@@ -1,70 +1,87 @@
-//! The SQL of the store's operations, each a function over the open transaction that
-//! returns its answer and the highest event sequence it wrote (0 for none). Fencing is in
-//! the statements themselves: an operation of an attempt reads the task and changes it
-//! only if the attempt (number and owner) still holds it.
+//! The store's operations, written once for every backend. Each is a function over the
+//! open transaction ([`Tx`]) that returns its answer and the highest event sequence it
+//! wrote (0 for none). Fencing is in the statements themselves: an operation of an
+//! attempt reads the task and changes it only if the attempt (number and owner) still
+//! holds it. The SQL is the dialect SQLite and PostgreSQL share, with `?N` placeholders
+//! (the PostgreSQL backend rewrites them to `$N`); what the dialects do differently (the
+//! event sequence, row locks, appending to JSON) is a method of [`Tx`].
 
-use std::collections::BTreeMap;
-
-use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
 
 use super::{Attempt, Ending, Held, Idem, LogEvent, Question, StoreError, TaskRow, now_ms};
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
 
-/// The columns [`row_to_task`] reads, in its order (by index: looking columns up
-/// by name was a tenth of the host's time in the B5 profile).
+/// The columns a backend reads into a [`RawTask`], in this order.
 pub(super) const TASK_COLUMNS: &str = "run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms, \
                             not_before_ms, result, usage, error, spec";
 
-/// A task row as read, before its JSON columns are decoded by [`decode`].
+/// A task row as read, before its JSON columns are decoded by [`decode`]: the row with
+/// its plain columns, then `spec`, `usage` and `state` as stored.
 pub(super) type RawTask = (TaskRow, String, Option<String>, String);
 
-pub(super) fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawTask> {
-    let state: String = r.get(2)?;
-    let spec: String = r.get(12)?;
-    let usage: Option<String> = r.get(10)?;
-    Ok((
-        TaskRow {
-            run_id: r.get(0)?,
-            id: r.get(1)?,
-            state: TaskState::parse(&state).unwrap_or(TaskState::Failed),
-            version: r.get(3)?,
-            attempt: r.get(4)?,
-            failures: r.get(5)?,
-            lease_owner: r.get(6)?,
-            lease_expires_at_ms: r.get(7)?,
-            not_before_ms: r.get(8)?,
-            result: r.get(9)?,
-            usage: None,
-            error: r.get(11)?,
-            spec: TaskSpec {
-                id: String::new(),
-                prompt: String::new(),
-                agent: String::new(),
-                depends_on: vec![],
-                cwd: None,
-                timeout: None,
-                max_time: None,
-                max_attempts: 1,
-                retry_on: vec![],
-                idempotent: false,
-                metadata: BTreeMap::new(),
-                permissions: BTreeMap::new(),
-                roots: vec![],
-                writable: None,
-                fresh_agent: false,
-            },
-        },
-        spec,
-        usage,
-        state,
-    ))
+/// A statement's argument.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Arg<'a> {
+    Int(i64),
+    Text(&'a str),
+    OptText(Option<&'a str>),
+}
+
+/// An open write transaction of a backend.
+pub(super) trait Tx {
+    /// Runs a statement; the number of rows it changed.
+    fn exec(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, StoreError>;
+    /// The first column of the first row, as an integer; `None` without a row.
+    fn int(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Option<i64>, StoreError>;
+    /// The first row's columns, as optional text; `None` without a row.
+    fn texts(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Option<Vec<Option<String>>>, StoreError>;
+    /// A task, read for an update: where the backend has row locks, the row stays locked
+    /// until the transaction ends.
+    fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError>;
+    /// A pending task for a claim, locked like [`Tx::task`]; `None` if there is none, or
+    /// if another transaction holds its row (a racing claimer: it is skipped, not waited for).
+    fn claimable(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError>;
+    /// Appends an event to the log; its sequence number (or, where the backend numbers
+    /// events at commit, a number that only says one was written).
+    fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
+    /// Appends a side effect to an attempt's evidence.
+    fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError>;
+}
+
+/// A task row's plain columns; the JSON ones are filled in by [`decode`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn plain_row(
+    run_id: String,
+    id: String,
+    version: i64,
+    attempt: i64,
+    failures: i64,
+    lease: (Option<String>, Option<i64>),
+    not_before_ms: i64,
+    result: Option<String>,
+    error: Option<String>,
+) -> TaskRow {
+    TaskRow {
+        run_id,
+        id,
+        state: TaskState::Failed,
+        version,
+        attempt,
+        failures,
+        lease_owner: lease.0,
+        lease_expires_at_ms: lease.1,
+        not_before_ms,
+        result,
+        usage: None,
+        error,
+        spec: TaskSpec::default(),
+    }
 }
 
 /// Decodes a row's JSON columns and state; a row that does not decode fails the
 /// read with its run and task named, so nothing is written on top of it.
-fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, StoreError> {
+pub(super) fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, StoreError> {
     let corrupt = |what: String| StoreError::Corrupt { run: row.run_id.clone(), task: row.id.clone(), what };
     row.spec = serde_json::from_str(&spec).map_err(|e| corrupt(format!("its spec is not a valid task ({e})")))?;
     row.usage = usage
@@ -78,46 +95,30 @@ fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, StoreError>
     Ok(row)
 }
 
-pub(super) fn load_task(c: &Connection, run: &str, task: &str) -> Result<TaskRow, StoreError> {
-    let found = c
-        .prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 AND id = ?2"))?
-        .query_row(params![run, task], row_to_task)
-        .optional()?;
-    decode(found.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?)
+pub(super) fn load_task(tx: &mut dyn Tx, run: &str, task: &str) -> Result<TaskRow, StoreError> {
+    decode(tx.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?)
 }
 
-pub(super) fn insert_event(
-    c: &Connection,
-    run: &str,
-    task: Option<&str>,
-    kind: &str,
-    data: &Value,
-) -> Result<i64, StoreError> {
-    c.prepare_cached("INSERT INTO events (run_id, task_id, type, at_ms, data) VALUES (?1, ?2, ?3, ?4, ?5)")?
-        .execute(params![run, task, kind, now_ms(), data.to_string()])?;
-    Ok(c.last_insert_rowid())
+pub(super) fn decode_all(rows: impl IntoIterator<Item = RawTask>) -> Result<Vec<TaskRow>, StoreError> {
+    rows.into_iter().map(decode).collect()
 }
 
-pub(super) fn collect_tasks(rows: impl Iterator<Item = rusqlite::Result<RawTask>>) -> Result<Vec<TaskRow>, StoreError> {
-    rows.map(|r| decode(r?)).collect()
-}
-
-pub(super) fn create_run(tx: &Connection, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
-    let exists: bool =
-        tx.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0;
-    if exists {
+pub(super) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
+    if tx.int("SELECT COUNT(*) FROM runs WHERE id = ?1", &[Arg::Text(run)])?.unwrap_or(0) > 0 {
         return Err(StoreError::RunExists(run.to_owned()));
     }
-    tx.execute(
+    let plan_json = serde_json::to_string(plan)?;
+    tx.exec(
         "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
-        params![run, source, serde_json::to_string(plan)?, now_ms()],
+        &[Arg::Text(run), Arg::Text(source), Arg::Text(&plan_json), Arg::Int(now_ms())],
     )?;
     let created = LogEvent::RunCreated { tasks: plan.tasks.len(), source: source.to_owned() };
     let mut last = log(tx, run, None, &created)?;
     for (i, t) in plan.tasks.iter().enumerate() {
-        tx.execute(
+        let spec = serde_json::to_string(t)?;
+        tx.exec(
             "INSERT INTO tasks (run_id, id, ord, state, version, spec) VALUES (?1, ?2, ?3, 'pending', 1, ?4)",
-            params![run, t.id, i as i64, serde_json::to_string(t)?],
+            &[Arg::Text(run), Arg::Text(&t.id), Arg::Int(i as i64), Arg::Text(&spec)],
         )?;
         let created = LogEvent::TaskCreated {
             depends_on: t.depends_on.clone(),
@@ -152,7 +153,7 @@ struct Extra {
 }
 
 fn transition_event(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     row: &TaskRow,
     to: TaskState,
     attempt: i64,
@@ -173,44 +174,47 @@ fn transition_event(
     log(tx, &row.run_id, Some(&row.id), &event)
 }
 
-fn log(tx: &Connection, run: &str, task: Option<&str>, event: &LogEvent) -> Result<i64, StoreError> {
+fn log(tx: &mut dyn Tx, run: &str, task: Option<&str>, event: &LogEvent) -> Result<i64, StoreError> {
     let (kind, data) = event.split();
-    insert_event(tx, run, task, &kind, &data)
+    tx.event(run, task, &kind, &data)
 }
 
-fn void_questions(tx: &Connection, run: &str, task: &str, why: &str) -> Result<(), StoreError> {
-    tx.prepare_cached(
+fn void_questions(tx: &mut dyn Tx, run: &str, task: &str, why: &str) -> Result<(), StoreError> {
+    let by = format!("void: {why}");
+    tx.exec(
         "UPDATE questions SET answer = '', answered_by = ?3 WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL",
-    )?
-    .execute(params![run, task, format!("void: {why}")])?;
+        &[Arg::Text(run), Arg::Text(task), Arg::Text(&by)],
+    )?;
     Ok(())
 }
 
 pub(super) fn claim(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     run: &str,
     task: &str,
     owner: &str,
     until: i64,
 ) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
-    let row = load_task(tx, run, task)?;
+    let Some(raw) = tx.claimable(run, task)? else { return Ok((None, 0)) };
+    let row = decode(raw)?;
     if row.state != TaskState::Pending || row.not_before_ms > now_ms() {
         return Ok((None, 0));
     }
     // Fenced on the version read in this transaction: of racing claimers exactly one moves it.
-    let n = tx
-        .prepare_cached(
-            "UPDATE tasks SET state = 'running', version = version + 1, attempt = attempt + 1, lease_owner = ?4,
-                 lease_expires_at_ms = ?5
-             WHERE run_id = ?1 AND id = ?2 AND version = ?3 AND state = 'pending'",
-        )?
-        .execute(params![run, task, row.version, owner, until])?;
+    let n = tx.exec(
+        "UPDATE tasks SET state = 'running', version = version + 1, attempt = attempt + 1, lease_owner = ?4,
+             lease_expires_at_ms = ?5
+         WHERE run_id = ?1 AND id = ?2 AND version = ?3 AND state = 'pending'",
+        &[Arg::Text(run), Arg::Text(task), Arg::Int(row.version), Arg::Text(owner), Arg::Int(until)],
+    )?;
     if n == 0 {
         return Ok((None, 0));
     }
     let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: row.attempt + 1, owner: owner.to_owned() };
-    tx.prepare_cached("INSERT OR IGNORE INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3)")?
-        .execute(params![run, task, attempt.n])?;
+    tx.exec(
+        "INSERT INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+        &[Arg::Text(run), Arg::Text(task), Arg::Int(attempt.n)],
+    )?;
     let reason = format!("attempt {} started", attempt.n);
     let seq = transition_event(
         tx,
@@ -223,60 +227,62 @@ pub(super) fn claim(
     Ok((Some((attempt, load_task(tx, run, task)?)), seq))
 }
 
-pub(super) fn heartbeat(tx: &Connection, a: &Attempt, until: i64) -> Result<(bool, i64), StoreError> {
-    let n = tx
-        .prepare_cached(
-            "UPDATE tasks SET lease_expires_at_ms = ?5
-             WHERE run_id = ?1 AND id = ?2 AND state IN ('running', 'awaiting_input') AND attempt = ?3
-                 AND lease_owner = ?4",
-        )?
-        .execute(params![a.run, a.task, a.n, a.owner, until])?;
+pub(super) fn heartbeat(tx: &mut dyn Tx, a: &Attempt, until: i64) -> Result<(bool, i64), StoreError> {
+    let n = tx.exec(
+        "UPDATE tasks SET lease_expires_at_ms = ?5
+         WHERE run_id = ?1 AND id = ?2 AND state IN ('running', 'awaiting_input') AND attempt = ?3
+             AND lease_owner = ?4",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Text(&a.owner), Arg::Int(until)],
+    )?;
     Ok((n == 1, 0))
 }
 
-pub(super) fn park(tx: &Connection, a: &Attempt, request: &Value) -> Result<(i64, i64), StoreError> {
+pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
     }
     let mut seq = 0;
     if row.state == TaskState::Running {
-        tx.prepare_cached(
+        tx.exec(
             "UPDATE tasks SET state = 'awaiting_input', version = version + 1 WHERE run_id = ?1 AND id = ?2",
-        )?
-        .execute(params![a.run, a.task])?;
+            &[Arg::Text(&a.run), Arg::Text(&a.task)],
+        )?;
         let reason = "a permission request waits for a person";
         seq = transition_event(tx, &row, TaskState::AwaitingInput, a.n, reason, Extra::default())?;
     }
-    let n: i64 = tx.query_row(
-        "SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-        params![a.run, a.task, a.n],
-        |r| r.get(0),
-    )?;
-    tx.execute(
+    let held = [Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)];
+    let n = tx
+        .int("SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3", &held)?
+        .unwrap_or(1);
+    let text = request.to_string();
+    tx.exec(
         "INSERT INTO questions (run_id, task_id, attempt, n, request) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![a.run, a.task, a.n, n, request.to_string()],
+        &[held[0], held[1], held[2], Arg::Int(n), Arg::Text(&text)],
     )?;
     let question = LogEvent::Question { attempt: a.n, question: n, request: request.clone() };
     seq = seq.max(log(tx, &a.run, Some(&a.task), &question)?);
     Ok((n, seq))
 }
 
-pub(super) fn resume(tx: &Connection, a: &Attempt) -> Result<(bool, i64), StoreError> {
+pub(super) fn resume(tx: &mut dyn Tx, a: &Attempt) -> Result<(bool, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Ok((false, 0));
     }
-    let open: i64 = tx.query_row(
-        "SELECT COUNT(*) FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND answer IS NULL",
-        params![a.run, a.task, a.n],
-        |r| r.get(0),
-    )?;
+    let open = tx
+        .int(
+            "SELECT COUNT(*) FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND answer IS NULL",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)],
+        )?
+        .unwrap_or(0);
     if row.state != TaskState::AwaitingInput || open > 0 {
         return Ok((true, 0));
     }
-    tx.prepare_cached("UPDATE tasks SET state = 'running', version = version + 1 WHERE run_id = ?1 AND id = ?2")?
-        .execute(params![a.run, a.task])?;
+    tx.exec(
+        "UPDATE tasks SET state = 'running', version = version + 1 WHERE run_id = ?1 AND id = ?2",
+        &[Arg::Text(&a.run), Arg::Text(&a.task)],
+    )?;
     let seq = transition_event(
         tx,
         &row,
@@ -289,7 +295,7 @@ pub(super) fn resume(tx: &Connection, a: &Attempt) -> Result<(bool, i64), StoreE
 }
 
 /// Applies an ending to a task whose attempt `n` ends (the caller has checked who may).
-fn end_attempt(tx: &Connection, row: &TaskRow, n: i64, ending: &Ending) -> Result<(TaskRow, i64), StoreError> {
+fn end_attempt(tx: &mut dyn Tx, row: &TaskRow, n: i64, ending: &Ending) -> Result<(TaskRow, i64), StoreError> {
     let to = ending.state();
     let (mut result, mut usage, mut error, mut not_before) = (None, None, None, row.not_before_ms);
     let mut extra = Extra::default();
@@ -313,22 +319,22 @@ fn end_attempt(tx: &Connection, row: &TaskRow, n: i64, ending: &Ending) -> Resul
         }
     }
     extra.error = error.clone();
-    tx.prepare_cached(
+    tx.exec(
         "UPDATE tasks SET state = ?3, version = version + 1, failures = failures + ?4, lease_owner = NULL,
              lease_expires_at_ms = NULL, not_before_ms = ?5, result = COALESCE(?6, result),
              usage = COALESCE(?7, usage), error = ?8
          WHERE run_id = ?1 AND id = ?2",
-    )?
-    .execute(params![
-        row.run_id,
-        row.id,
-        to.as_str(),
-        i64::from(ending.is_failure()),
-        not_before,
-        result,
-        usage,
-        error
-    ])?;
+        &[
+            Arg::Text(&row.run_id),
+            Arg::Text(&row.id),
+            Arg::Text(to.as_str()),
+            Arg::Int(i64::from(ending.is_failure())),
+            Arg::Int(not_before),
+            Arg::OptText(result.as_deref()),
+            Arg::OptText(usage.as_deref()),
+            Arg::OptText(error.as_deref()),
+        ],
+    )?;
     // Whoever asked is gone: its questions can no longer be answered.
     void_questions(tx, &row.run_id, &row.id, "the attempt ended")?;
     let seq = transition_event(tx, row, to, n, ending.reason(), extra)?;
@@ -336,20 +342,21 @@ fn end_attempt(tx: &Connection, row: &TaskRow, n: i64, ending: &Ending) -> Resul
 }
 
 pub(super) fn finish(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     a: &Attempt,
     ending: &Ending,
     idem: Option<&Idem>,
 ) -> Result<(TaskRow, i64), StoreError> {
     if let Some(idem) = idem {
-        let first: Option<(String, Option<String>)> = tx
-            .prepare_cached("SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3")?
-            .query_row(params![a.run, a.task, idem.key()], |r| Ok((r.get(0)?, r.get(1)?)))
-            .optional()?;
-        if let Some((answer, request)) = first {
-            if request.as_deref() != Some(idem.request()) {
+        let first = tx.texts(
+            "SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key())],
+        )?;
+        if let Some(first) = first {
+            if first.get(1).cloned().flatten().as_deref() != Some(idem.request()) {
                 return Err(StoreError::IdempotencyConflict { key: idem.key().to_owned() });
             }
+            let answer = first.into_iter().next().flatten().unwrap_or_default();
             return Ok((serde_json::from_str(&answer)?, 0));
         }
     }
@@ -359,14 +366,17 @@ pub(super) fn finish(
     }
     let (row, seq) = end_attempt(tx, &row, a.n, ending)?;
     if let Some(idem) = idem {
-        tx.prepare_cached("INSERT INTO updates (run_id, task_id, key, answer, request) VALUES (?1, ?2, ?3, ?4, ?5)")?
-            .execute(params![a.run, a.task, idem.key(), serde_json::to_string(&row)?, idem.request()])?;
+        let answer = serde_json::to_string(&row)?;
+        tx.exec(
+            "INSERT INTO updates (run_id, task_id, key, answer, request) VALUES (?1, ?2, ?3, ?4, ?5)",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key()), Arg::Text(&answer), Arg::Text(idem.request())],
+        )?;
     }
     Ok((row, seq))
 }
 
 pub(super) fn release_lost(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     held: &Held,
     ending: &Ending,
 ) -> Result<(Option<TaskRow>, i64), StoreError> {
@@ -384,29 +394,25 @@ pub(super) fn release_lost(
 }
 
 pub(super) fn record(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     a: &Attempt,
     events: &[(String, Value)],
     evidence: &[Value],
 ) -> Result<(i64, i64), StoreError> {
     for e in evidence {
-        tx.prepare_cached(
-            "UPDATE attempts SET evidence = json_insert(evidence, '$[#]', json(?4))
-             WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-        )?
-        .execute(params![a.run, a.task, a.n, e.to_string()])?;
+        tx.add_evidence(a, e)?;
     }
     let mut last = 0;
     for (kind, data) in events {
         let mut data = data.clone();
         data["attempt"] = json!(a.n);
-        last = insert_event(tx, &a.run, Some(&a.task), kind, &data)?;
+        last = tx.event(&a.run, Some(&a.task), kind, &data)?;
     }
     Ok((last, last))
 }
 
 pub(super) fn cancel(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     run: &str,
     task: &str,
     reason: &str,
@@ -415,18 +421,18 @@ pub(super) fn cancel(
     if row.state.is_terminal() {
         return Ok((None, 0));
     }
-    tx.prepare_cached(
+    tx.exec(
         "UPDATE tasks SET state = 'cancelled', version = version + 1, lease_owner = NULL, lease_expires_at_ms = NULL
          WHERE run_id = ?1 AND id = ?2",
-    )?
-    .execute(params![run, task])?;
+        &[Arg::Text(run), Arg::Text(task)],
+    )?;
     void_questions(tx, run, task, "the task was cancelled")?;
     let seq = transition_event(tx, &row, TaskState::Cancelled, row.attempt, reason, Extra::default())?;
     Ok((Some(load_task(tx, run, task)?), seq))
 }
 
 pub(super) fn decide_rerun(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     run: &str,
     task: &str,
     again: bool,
@@ -438,8 +444,10 @@ pub(super) fn decide_rerun(
     if row.state != TaskState::AwaitingInput || row.lease_owner.is_some() {
         return Err(StoreError::IllegalTransition { task: task.to_owned(), from: row.state.as_str(), to: to.as_str() });
     }
-    tx.prepare_cached("UPDATE tasks SET state = ?3, version = version + 1 WHERE run_id = ?1 AND id = ?2")?
-        .execute(params![run, task, to.as_str()])?;
+    tx.exec(
+        "UPDATE tasks SET state = ?3, version = version + 1 WHERE run_id = ?1 AND id = ?2",
+        &[Arg::Text(run), Arg::Text(task), Arg::Text(to.as_str())],
+    )?;
     let reason = if again {
         format!("a person approved running it again ({by})")
     } else {
@@ -450,21 +458,33 @@ pub(super) fn decide_rerun(
 }
 
 pub(super) fn answer(
-    tx: &Connection,
+    tx: &mut dyn Tx,
     run: &str,
     task: &str,
     q: &Question,
     option: &str,
     by: &str,
 ) -> Result<(bool, i64), StoreError> {
-    let changed = tx.execute(
+    let changed = tx.exec(
         "UPDATE questions SET answer = ?5, answered_by = ?6
          WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4 AND answer IS NULL",
-        params![run, task, q.attempt, q.n, option, by],
+        &[Arg::Text(run), Arg::Text(task), Arg::Int(q.attempt), Arg::Int(q.n), Arg::Text(option), Arg::Text(by)],
     )?;
     if changed != 1 {
         return Ok((false, 0));
     }
     let answer = LogEvent::Answer { attempt: q.attempt, question: q.n, option: option.to_owned(), by: by.to_owned() };
     Ok((true, log(tx, run, Some(task), &answer)?))
+}
+
+/// Appends events that belong to no attempt.
+pub(super) fn append_events(
+    tx: &mut dyn Tx,
+    events: &[(String, Option<String>, String, Value)],
+) -> Result<(i64, i64), StoreError> {
+    let mut last = 0;
+    for (run, task, kind, data) in events {
+        last = tx.event(run, task.as_deref(), kind, data)?;
+    }
+    Ok((last, last))
 }

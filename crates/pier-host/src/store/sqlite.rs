@@ -24,7 +24,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
 use tokio::sync::watch;
 
-use super::ops::{self, TASK_COLUMNS, collect_tasks, insert_event, load_task, row_to_task};
+use super::ops::{self, Arg, RawTask, TASK_COLUMNS, Tx, decode_all, load_task, plain_row};
 use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore};
 use crate::plan::Plan;
 
@@ -146,10 +146,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Runs `work` in a savepoint: kept if it succeeds, undone if it fails.
 fn savepoint<T>(
     c: &Connection,
-    work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError>,
+    work: impl FnOnce(&mut dyn Tx) -> Result<(T, i64), StoreError>,
 ) -> Result<(T, i64), StoreError> {
     c.execute_batch("SAVEPOINT job")?;
-    match work(c) {
+    match work(&mut SqliteTx(c)) {
         Ok(done) => {
             c.execute_batch("RELEASE job")?;
             Ok(done)
@@ -216,7 +216,7 @@ impl SqliteStore {
     /// sequence it wrote (0 for none); an error undoes only this work.
     fn write<T: Send + 'static>(
         &self,
-        work: impl FnOnce(&Connection) -> Result<(T, i64), StoreError> + Send + 'static,
+        work: impl FnOnce(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T, StoreError>>(1);
         let job: Job = Box::new(move |c: Result<&Connection, &StoreError>| {
@@ -374,12 +374,12 @@ impl TaskStore for SqliteStore {
             let mut stmt =
                 c.prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 ORDER BY ord"))?;
             let rows = stmt.query_map(params![run], row_to_task)?;
-            collect_tasks(rows)
+            collect(rows)
         })
     }
 
     fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
-        match self.read(|c| load_task(c, run, task)) {
+        match self.read(|c| load_task(&mut SqliteTx(c), run, task)) {
             Ok(row) => Ok(Some(row)),
             Err(StoreError::UnknownTask(_)) => Ok(None),
             Err(e) => Err(e),
@@ -394,7 +394,7 @@ impl TaskStore for SqliteStore {
                 qualified("t")
             ))?;
             let rows = stmt.query_map([], row_to_task)?;
-            collect_tasks(rows)
+            collect(rows)
         })
     }
 
@@ -406,7 +406,7 @@ impl TaskStore for SqliteStore {
                 qualified("t")
             ))?;
             let rows = stmt.query_map([], row_to_task)?;
-            collect_tasks(rows)
+            collect(rows)
         })
     }
 
@@ -423,7 +423,7 @@ impl TaskStore for SqliteStore {
                      (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= ?2 AND task_id IS NOT NULL)"
             ))?;
             let rows = stmt.query_map(params![after, upto], row_to_task)?;
-            Ok((collect_tasks(rows)?, upto))
+            Ok((collect(rows)?, upto))
         })
     }
 
@@ -518,13 +518,7 @@ impl TaskStore for SqliteStore {
             return self.last_seq();
         }
         let events = events.to_vec();
-        self.write(move |tx| {
-            let mut last = 0;
-            for (run, task, kind, data) in &events {
-                last = insert_event(tx, run, task.as_deref(), kind, data)?;
-            }
-            Ok((last, last))
-        })
+        self.write(move |tx| ops::append_events(tx, &events))
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
@@ -586,6 +580,88 @@ impl TaskStore for SqliteStore {
             let rows = stmt.query_map(params![task], |r| r.get::<_, String>(0))?;
             Ok(rows.collect::<Result<Vec<_>, _>>()?)
         })
+    }
+}
+
+fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawTask> {
+    let row = plain_row(
+        r.get(0)?,
+        r.get(1)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        (r.get(6)?, r.get(7)?),
+        r.get(8)?,
+        r.get(9)?,
+        r.get(11)?,
+    );
+    Ok((row, r.get(12)?, r.get(10)?, r.get(2)?))
+}
+
+fn collect(rows: impl Iterator<Item = rusqlite::Result<RawTask>>) -> Result<Vec<TaskRow>, StoreError> {
+    decode_all(rows.collect::<Result<Vec<_>, _>>()?)
+}
+
+/// The open transaction of the write connection (or, for reads, the reader).
+struct SqliteTx<'c>(&'c Connection);
+
+impl rusqlite::ToSql for Arg<'_> {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        match self {
+            Arg::Int(i) => i.to_sql(),
+            Arg::Text(t) => t.to_sql(),
+            Arg::OptText(t) => t.to_sql(),
+        }
+    }
+}
+
+impl Tx for SqliteTx<'_> {
+    fn exec(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
+        Ok(self.0.prepare_cached(sql)?.execute(rusqlite::params_from_iter(args))? as u64)
+    }
+
+    fn int(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Option<i64>, StoreError> {
+        Ok(self.0.prepare_cached(sql)?.query_row(rusqlite::params_from_iter(args), |r| r.get(0)).optional()?)
+    }
+
+    fn texts(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Option<Vec<Option<String>>>, StoreError> {
+        let mut stmt = self.0.prepare_cached(sql)?;
+        let n = stmt.column_count();
+        Ok(stmt
+            .query_row(rusqlite::params_from_iter(args), |r| (0..n).map(|i| r.get(i)).collect())
+            .optional()?)
+    }
+
+    fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
+        // SQLite has no row locks: the write transaction (BEGIN IMMEDIATE) holds the whole file.
+        Ok(self
+            .0
+            .prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 AND id = ?2"))?
+            .query_row(params![run, task], row_to_task)
+            .optional()?)
+    }
+
+    fn claimable(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
+        self.task(run, task)
+    }
+
+    fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
+        // `seq` is the INTEGER PRIMARY KEY: numbered in the writing transaction, which
+        // holds the file, so gap-free and in commit order.
+        self.0
+            .prepare_cached("INSERT INTO events (run_id, task_id, type, at_ms, data) VALUES (?1, ?2, ?3, ?4, ?5)")?
+            .execute(params![run, task, kind, super::now_ms(), data.to_string()])?;
+        Ok(self.0.last_insert_rowid())
+    }
+
+    fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError> {
+        self.0
+            .prepare_cached(
+                "UPDATE attempts SET evidence = json_insert(evidence, '$[#]', json(?4))
+                 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+            )?
+            .execute(params![a.run, a.task, a.n, effect.to_string()])?;
+        Ok(())
     }
 }
 
