@@ -1,31 +1,64 @@
 //! The store conformance suite: written against the `TaskStore` trait only, run for
-//! every backend (today SQLite; a new backend adds its factory to `backends()` and must
-//! pass unchanged). Claim races, the fencing of every attempt operation, idempotent
-//! replays and conflicts, the state machine of endings, and a gap-free event log under
-//! concurrent writers.
+//! every backend (SQLite, and PostgreSQL on the server `PIER_TEST_PG` names, which
+//! `scripts/test` starts). Claim races, the fencing of every attempt operation, idempotent
+//! replays and conflicts, the state machine of endings, a gap-free event log under
+//! concurrent writers, other handles' commits reaching the watch, and writers killed at
+//! any point.
 
 use std::sync::Arc;
 
 use pier_host::plan::parse;
-use pier_host::{Attempt, Ending, ErrorClass, Idem, SqliteStore, StoreError, TaskState, TaskStore};
+use pier_host::{Attempt, Ending, ErrorClass, Idem, PgStore, StoreError, TaskState, TaskStore};
 use serde_json::json;
 
-type Factory = fn() -> (tempfile::TempDir, Arc<dyn TaskStore>);
+/// A fresh, empty store: its address (what `pier_host::store::open` takes) and what
+/// keeps it (a directory, a database) until dropped.
+struct Fresh {
+    spec: String,
+    _keep: Box<dyn std::any::Any>,
+}
 
-fn sqlite() -> (tempfile::TempDir, Arc<dyn TaskStore>) {
+type Factory = fn() -> Fresh;
+
+fn sqlite() -> Fresh {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let store = SqliteStore::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
-    (dir, Arc::new(store))
+    Fresh { spec: dir.path().join("pier.db").display().to_string(), _keep: Box::new(dir) }
+}
+
+/// A database of its own on the test server, dropped afterwards.
+struct Database {
+    server: String,
+    name: String,
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        let _ = PgStore::drop_database(&self.server, &self.name);
+    }
+}
+
+fn postgres() -> Fresh {
+    let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
+        panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one with scripts/pg)")
+    });
+    let name = format!("pier_conf_{}_{}", std::process::id(), fastrand::u64(..));
+    let spec = PgStore::create_database(&server, &name).unwrap_or_else(|e| panic!("PostgreSQL at PIER_TEST_PG: {e}"));
+    Fresh { spec, _keep: Box::new(Database { server, name }) }
 }
 
 fn backends() -> Vec<(&'static str, Factory)> {
-    vec![("sqlite", sqlite as Factory)]
+    vec![("sqlite", sqlite as Factory), ("postgres", postgres as Factory)]
+}
+
+fn open(spec: &str) -> Arc<dyn TaskStore> {
+    pier_host::store::open(spec).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs `check` on a fresh store of every backend, with run `r` of tasks a and b.
 fn each(check: impl Fn(&str, &Arc<dyn TaskStore>)) {
     for (name, make) in backends() {
-        let (_dir, store) = make();
+        let fresh = make();
+        let store = open(&fresh.spec);
         let plan =
             parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\n", &|_| Ok(()))
                 .unwrap_or_else(|e| panic!("{e}"));
@@ -247,26 +280,26 @@ fn tasks_changed_reports_what_events_touched_in_every_run() {
 
 #[tokio::test]
 async fn another_handles_commits_reach_the_watch() {
-    // Two handles on one file stand for two processes: the second sees the first's commits.
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let path = dir.path().join("pier.db");
-    let one = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
-    let two = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
-    let mut watch = two.subscribe();
-    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
-    one.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-    let last = one.last_seq().unwrap_or_default();
-    let seen = tokio::time::timeout(std::time::Duration::from_secs(10), watch.wait_for(|s| *s >= last)).await;
-    assert!(matches!(seen, Ok(Ok(_))), "the other handle's commit was not published");
+    for (name, make) in backends() {
+        // Two handles on one store stand for two processes: the second sees the first's commits.
+        let fresh = make();
+        let one = open(&fresh.spec);
+        let two = open(&fresh.spec);
+        let mut watch = two.subscribe();
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        one.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let last = one.last_seq().unwrap_or_default();
+        let seen = tokio::time::timeout(std::time::Duration::from_secs(10), watch.wait_for(|s| *s >= last)).await;
+        assert!(matches!(seen, Ok(Ok(_))), "{name}: the other handle's commit was not published");
+    }
 }
 
 /// The child half of the crash test: when `PIER_CRASH_STORE` names a store, claims, records
 /// and finishes its tasks as fast as it can until it is killed. Otherwise does nothing.
 #[test]
 fn crash_writer_child() {
-    let Some(path) = std::env::var_os("PIER_CRASH_STORE") else { return };
-    let store: Arc<dyn TaskStore> =
-        Arc::new(SqliteStore::open(std::path::Path::new(&path)).unwrap_or_else(|e| panic!("{e}")));
+    let Ok(spec) = std::env::var("PIER_CRASH_STORE") else { return };
+    let store = open(&spec);
     let owner = format!("child-{}", std::process::id());
     loop {
         let pending = store.pending_tasks().unwrap_or_else(|e| panic!("{e}"));
@@ -289,21 +322,26 @@ fn crash_writer_child() {
 /// and a task held only by a live lease.
 #[test]
 fn a_writer_killed_at_any_point_leaves_a_whole_store() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let path = dir.path().join("pier.db");
+    for (name, make) in backends() {
+        let fresh = make();
+        writer_killed_at_any_point(name, &fresh.spec);
+    }
+}
+
+fn writer_killed_at_any_point(name: &str, path: &str) {
     {
-        let store = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let store = open(path);
         let plan: String = (0..400).map(|i| format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"p\"\n\n")).collect();
         let plan = parse(&plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
         store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
     }
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
     for round in 0..8i64 {
-        let store = SqliteStore::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let store = open(path);
         let start = store.last_seq().unwrap_or_default();
         let mut child = std::process::Command::new(&exe)
             .args(["--exact", "crash_writer_child", "--nocapture", "--test-threads", "1"])
-            .env("PIER_CRASH_STORE", &path)
+            .env("PIER_CRASH_STORE", path)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -317,14 +355,14 @@ fn a_writer_killed_at_any_point_leaves_a_whole_store() {
         });
         let _ = child.kill();
         let _ = child.wait();
-        assert!(matches!(reached, Ok(Ok(_))), "round {round}: the writer made no progress");
+        assert!(matches!(reached, Ok(Ok(_))), "{name} round {round}: the writer made no progress");
         drop(store);
-        check_whole(&path, round);
+        check_whole(path, round);
     }
 }
 
-fn check_whole(path: &std::path::Path, round: i64) {
-    let store = SqliteStore::open(path).unwrap_or_else(|e| panic!("round {round}: reopen: {e}"));
+fn check_whole(path: &str, round: i64) {
+    let store = open(path);
     let log = store.events_after(None, 0, 10_000_000).unwrap_or_default();
     let seqs: Vec<i64> = log.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "round {round}: the log has a gap");

@@ -35,6 +35,9 @@ pub struct FileConfig {
     pub tools: ToolsTable,
     /// `sandbox = "off"`: commands run without Landlock (they still end with their turn).
     pub sandbox: Option<String>,
+    /// The host's store: `postgres://USER@HOST/DB`, `sqlite://PATH` or a path
+    /// [default: $PIER_HOME/pier.db].
+    pub store: Option<String>,
     /// `[agents.NAME]`: agents for `pier exec --agent NAME`.
     #[serde(default)]
     pub agents: BTreeMap<String, pier_client::AgentDef>,
@@ -103,6 +106,7 @@ impl FileConfig {
         self.profile = over.profile.or(self.profile);
         self.mode = over.mode.or(self.mode);
         self.sandbox = over.sandbox.or(self.sandbox);
+        self.store = over.store.or(self.store);
         self.permissions.extend(over.permissions);
         self.agents.extend(over.agents);
         self.client.permissions.extend(over.client.permissions);
@@ -254,6 +258,18 @@ pub fn load_files(env: &dyn Env, cwd: &Path) -> anyhow::Result<FileConfig> {
         config = config.merged(FileConfig::read(&path)?);
     }
     Ok(config)
+}
+
+/// The host's store: `--store`, else `PIER_STORE`, else `store` in the config files, else
+/// the SQLite file `$PIER_HOME/pier.db`.
+pub fn store_spec(env: &dyn Env, flag: Option<&str>, files: &FileConfig) -> anyhow::Result<String> {
+    if let Some(spec) = flag.map(str::to_owned).or_else(|| env.var("PIER_STORE")).or_else(|| files.store.clone()) {
+        if spec.trim().is_empty() {
+            bail!("the store is empty: give --store (or PIER_STORE, or `store` in pier.toml) a path or a URL");
+        }
+        return Ok(spec);
+    }
+    Ok(pier_home(env)?.join("pier.db").display().to_string())
 }
 
 /// `$PIER_HOME`, else `$XDG_DATA_HOME/pier`, else `~/.local/share/pier`.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use pier_host::{Event, SqliteStore, TaskStore};
+use pier_host::{Event, TaskStore};
 use pier_host::{Host, HostConfig, Scope};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -37,9 +37,10 @@ pub struct RunArgs {
     /// Output: text progress lines, or NDJSON events and a summary line
     #[arg(long, value_enum, default_value = "text")]
     format: EventFormat,
-    /// The store [default: $PIER_HOME/pier.db]
+    /// The store: `postgres://USER@HOST/DB` (password from PGPASSWORD or the passfile),
+    /// `sqlite://PATH` or a path [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long)]
-    store: Option<PathBuf>,
+    store: Option<String>,
     /// Base delay of retry backoff, in milliseconds
     #[arg(long, default_value_t = 1000, hide = true)]
     retry_base_ms: u64,
@@ -64,19 +65,21 @@ pub struct EventsArgs {
     follow: bool,
     #[arg(long, value_enum, default_value = "text")]
     format: EventFormat,
+    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long)]
-    store: Option<PathBuf>,
+    store: Option<String>,
     /// Read from a running `pier serve` instead of the local store [env: PIER_SERVER]
     #[arg(long)]
     server: Option<String>,
 }
 
-fn open_store(path: &Option<PathBuf>) -> anyhow::Result<Arc<SqliteStore>> {
-    let path = match path {
-        Some(p) => p.clone(),
-        None => config::pier_home(&ProcessEnv)?.join("pier.db"),
-    };
-    Ok(Arc::new(SqliteStore::open(&path).with_context(|| format!("cannot open the store {}", path.display()))?))
+/// Opens the store `--store`, `PIER_STORE` or the config files name (the SQLite file in
+/// `$PIER_HOME` by default); a PostgreSQL URL is named without its password.
+pub fn open_store(flag: &Option<String>) -> anyhow::Result<Arc<dyn TaskStore>> {
+    let files = config::load_files(&ProcessEnv, &std::env::current_dir()?)?;
+    let spec = config::store_spec(&ProcessEnv, flag.as_deref(), &files)?;
+    pier_host::store::open(&spec)
+        .with_context(|| format!("cannot open the store {}", pier_host::store::redacted(&spec)))
 }
 
 /// One event as a JSON line: at least `seq`, `run`, `task`, `type`, and the event's fields.
@@ -432,8 +435,9 @@ pub struct AnswerArgs {
     /// The run [default: the newest run with that task]
     #[arg(long)]
     run: Option<String>,
+    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long)]
-    store: Option<PathBuf>,
+    store: Option<String>,
 }
 
 /// `pier approve` (`allow` true) and `pier deny`: answer a task in `awaiting_input`.

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use pier_host::HostConfig;
-use pier_host::SqliteStore;
 use pier_server::App;
 use serde_json::{Value, json};
 
@@ -24,8 +23,10 @@ pub struct ServeArgs {
     /// Tasks run at once by this node, across every run it drives
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// The store: `postgres://USER@HOST/DB` to share one database among several nodes,
+    /// `sqlite://PATH` or a path [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long)]
-    store: Option<PathBuf>,
+    store: Option<String>,
     /// Lease time-to-live in milliseconds; renewed every third of it. Another node takes
     /// an attempt back this long after its host died
     #[arg(long, default_value_t = 15_000, hide = true)]
@@ -43,9 +44,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let home = config::pier_home(&env)?;
     let here = std::env::current_dir()?;
     let files = config::load_files(&env, &here)?;
-    let store_path = args.store.clone().unwrap_or_else(|| home.join("pier.db"));
-    let store =
-        Arc::new(SqliteStore::open(&store_path).with_context(|| format!("cannot open {}", store_path.display()))?);
+    let store = crate::run_cmd::open_store(&args.store)?;
     if args.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
         anyhow::bail!("--token is empty: give a token, or leave --token out to use the token file");
     }

@@ -1,5 +1,6 @@
-//! Several `pier serve` nodes over one SQLite store: every attempt runs exactly once,
-//! with the nodes live, and with nodes SIGKILLed and restarted under load.
+//! Several `pier serve` nodes over one store (a SQLite file; a PostgreSQL database on the
+//! server `PIER_TEST_PG` names, which `scripts/test` starts): every attempt runs exactly
+//! once, with the nodes live, and with nodes SIGKILLed and restarted under load.
 
 mod support;
 
@@ -24,8 +25,8 @@ struct Node {
     base: String,
 }
 
-/// Starts a node on the shared store `db`, with its own home under `dir`.
-async fn node(dir: &Path, name: &str, db: &Path, model: &str, lease_ms: u64) -> Node {
+/// Starts a node on the shared store `db` (a path or a URL), with its own home under `dir`.
+async fn node(dir: &Path, name: &str, db: &str, model: &str, lease_ms: u64) -> Node {
     let home = dir.join(name);
     let mut cmd = Command::new(PIER);
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN, "--concurrency", "4"])
@@ -114,6 +115,32 @@ impl Node {
     }
 }
 
+/// A database of its own on the test server, dropped at the end.
+struct Database {
+    server: String,
+    name: String,
+    url: String,
+}
+
+impl Database {
+    fn new() -> Database {
+        let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
+            panic!(
+                "PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one with scripts/pg)"
+            )
+        });
+        let name = format!("pier_nodes_{}_{}", std::process::id(), fastrand::u64(..));
+        let url = must(pier_host::PgStore::create_database(&server, &name), "a database on PIER_TEST_PG");
+        Database { server, name, url }
+    }
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        let _ = pier_host::PgStore::drop_database(&self.server, &self.name);
+    }
+}
+
 fn plan(n: usize) -> String {
     (0..n).map(|i| format!("[[tasks]]\nid = \"t{i:03}\"\nprompt = \"task {i}\"\n\n")).collect()
 }
@@ -158,12 +185,23 @@ fn processes_with_env(marker: &str) -> Vec<i32> {
 
 #[tokio::test]
 async fn two_live_nodes_on_one_store_run_every_task_exactly_once() {
-    let f = must(FakeModel::start().await, "fake");
-    f.set_fallback(echo);
     let dir = must(tempfile::tempdir(), "dir");
     let db: PathBuf = dir.path().join("shared.db");
-    let a = node(dir.path(), "a", &db, &f.base_url(), 15_000).await;
-    let b = node(dir.path(), "b", &db, &f.base_url(), 15_000).await;
+    two_live_nodes(dir.path(), &db.display().to_string()).await;
+}
+
+#[tokio::test]
+async fn two_live_nodes_on_postgres_run_every_task_exactly_once() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = Database::new();
+    two_live_nodes(dir.path(), &db.url).await;
+}
+
+async fn two_live_nodes(dir: &Path, db: &str) {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let a = node(dir, "a", db, &f.base_url(), 15_000).await;
+    let b = node(dir, "b", db, &f.base_url(), 15_000).await;
     a.submit(&plan(100), "hundred").await;
     // Node b serves the run it never saw submitted, to its end.
     let mut done = 0;
@@ -193,6 +231,22 @@ async fn two_live_nodes_on_one_store_run_every_task_exactly_once() {
 
 #[tokio::test]
 async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let db: PathBuf = dir.path().join("shared.db");
+    killed_and_restarted(dir.path(), &db.display().to_string(), 2, 4).await;
+}
+
+#[tokio::test]
+async fn three_nodes_on_postgres_killed_and_restarted_complete_every_task_exactly_once() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = Database::new();
+    killed_and_restarted(dir.path(), &db.url, 3, 6).await;
+}
+
+/// `n` nodes on `db`; `rounds` times, some work lands, then one node is SIGKILLed and
+/// started again. Every task completes exactly once, the log is gap-free and the same
+/// on every node, and no agent is left.
+async fn killed_and_restarted(dir: &Path, db: &str, n: usize, rounds: usize) {
     let f = must(FakeModel::start().await, "fake");
     // Slow enough that kills land mid-turn.
     f.set_fallback(|body| {
@@ -202,18 +256,19 @@ async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
         }
         reply
     });
-    let dir = must(tempfile::tempdir(), "dir");
-    let db: PathBuf = dir.path().join("shared.db");
     let model = f.base_url();
     let lease = 1_000;
-    let mut nodes =
-        vec![node(dir.path(), "a", &db, &model, lease).await, node(dir.path(), "b", &db, &model, lease).await];
+    let names = ["a", "b", "c", "d"];
+    let mut nodes = Vec::new();
+    for name in &names[..n] {
+        nodes.push(node(dir, name, db, &model, lease).await);
+    }
     nodes[0].submit(&plan(60), "sixty").await;
-    for round in 0..4 {
+    for round in 0..rounds {
         // Let some work land, then kill one node and start it again.
         let target = 5 * (round + 1);
         let mut done = 0;
-        nodes[1 - round % 2]
+        nodes[(round + 1) % n]
             .events(
                 |e| {
                     done += usize::from(e["type"] == "transition" && e["to"] == "completed");
@@ -222,11 +277,10 @@ async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
                 true,
             )
             .await;
-        let victim = round % 2;
+        let victim = round % n;
         nodes[victim].kill();
         let _ = nodes[victim].child.wait().await;
-        let name = if victim == 0 { "a" } else { "b" };
-        nodes[victim] = node(dir.path(), name, &db, &model, lease).await;
+        nodes[victim] = node(dir, names[victim], db, &model, lease).await;
     }
     let mut done = 0;
     nodes[0]
@@ -238,9 +292,11 @@ async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
             true,
         )
         .await;
-    let (log_a, log_b) = (nodes[0].log().await, nodes[1].log().await);
+    let log_a = nodes[0].log().await;
     assert_eq!(seqs(&log_a), (1..=log_a.len() as i64).collect::<Vec<_>>(), "the log has a gap");
-    assert_eq!(seqs(&log_a), seqs(&log_b), "both nodes serve the same stream");
+    for other in &nodes[1..] {
+        assert_eq!(seqs(&log_a), seqs(&other.log().await), "every node serves the same stream");
+    }
     let completed = completed_per_task(&log_a);
     assert_eq!(completed.len(), 60);
     let started = log_a.iter().filter(|e| e["type"] == "transition" && e["to"] == "running").count();
@@ -250,7 +306,7 @@ async fn nodes_killed_and_restarted_complete_every_task_exactly_once() {
         node.stop().await;
     }
     // Agents of killed nodes see their stdin close and exit; none is left behind.
-    let marker = dir.path().display().to_string();
+    let marker = dir.display().to_string();
     let deadline = tokio::time::Instant::now() + LIMIT;
     while !processes_with_env(&marker).is_empty() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;

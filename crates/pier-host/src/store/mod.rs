@@ -14,6 +14,7 @@
 //! nothing, and a repeat with another body is refused (`idempotency_conflict`).
 
 mod ops;
+mod pg;
 mod sqlite;
 
 use serde::{Deserialize, Serialize};
@@ -23,7 +24,18 @@ use tokio::sync::watch;
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
 
+pub use pg::{PgStore, redacted};
 pub use sqlite::SqliteStore;
+
+/// Opens the store `spec` names: `postgres://…` (or `postgresql://…`) is a [`PgStore`];
+/// `sqlite://PATH` or a plain path is a [`SqliteStore`].
+pub fn open(spec: &str) -> Result<std::sync::Arc<dyn TaskStore>, StoreError> {
+    if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+        return Ok(std::sync::Arc::new(PgStore::open(spec)?));
+    }
+    let path = spec.strip_prefix("sqlite://").unwrap_or(spec);
+    Ok(std::sync::Arc::new(SqliteStore::open(std::path::Path::new(path))?))
+}
 
 /// Why a store operation was refused or failed. `code()` is stable.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -253,7 +253,10 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
     }
     let held = [Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)];
     let n = tx
-        .int("SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3", &held)?
+        .int(
+            "SELECT COALESCE(MAX(n), 0) + 1 FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+            &held,
+        )?
         .unwrap_or(1);
     let text = request.to_string();
     tx.exec(
@@ -347,6 +350,9 @@ pub(super) fn finish(
     ending: &Ending,
     idem: Option<&Idem>,
 ) -> Result<(TaskRow, i64), StoreError> {
+    // The task is read (and, where rows lock, locked) first, so of two reports with one key
+    // the second waits for the first and then finds its answer.
+    let row = load_task(tx, &a.run, &a.task)?;
     if let Some(idem) = idem {
         let first = tx.texts(
             "SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
@@ -360,7 +366,6 @@ pub(super) fn finish(
             return Ok((serde_json::from_str(&answer)?, 0));
         }
     }
-    let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
     }
@@ -369,7 +374,13 @@ pub(super) fn finish(
         let answer = serde_json::to_string(&row)?;
         tx.exec(
             "INSERT INTO updates (run_id, task_id, key, answer, request) VALUES (?1, ?2, ?3, ?4, ?5)",
-            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key()), Arg::Text(&answer), Arg::Text(idem.request())],
+            &[
+                Arg::Text(&a.run),
+                Arg::Text(&a.task),
+                Arg::Text(idem.key()),
+                Arg::Text(&answer),
+                Arg::Text(idem.request()),
+            ],
         )?;
     }
     Ok((row, seq))

@@ -627,9 +627,7 @@ impl Tx for SqliteTx<'_> {
     fn texts(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Option<Vec<Option<String>>>, StoreError> {
         let mut stmt = self.0.prepare_cached(sql)?;
         let n = stmt.column_count();
-        Ok(stmt
-            .query_row(rusqlite::params_from_iter(args), |r| (0..n).map(|i| r.get(i)).collect())
-            .optional()?)
+        Ok(stmt.query_row(rusqlite::params_from_iter(args), |r| (0..n).map(|i| r.get(i)).collect()).optional()?)
     }
 
     fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {

@@ -1,0 +1,978 @@
+//! The PostgreSQL backend: several hosts (`pier serve` nodes) over one database.
+//!
+//! The operations are [`super::ops`], run in one transaction each (READ COMMITTED) over
+//! a pooled connection. Row locks do what SQLite's single writer does: [`Tx::task`] reads
+//! a task `FOR UPDATE`, and a claim reads it `FOR UPDATE SKIP LOCKED`, so of racing
+//! claimers one wins and the others skip the row at once.
+//!
+//! The event log keeps SQLite's promise: one gap-free sequence across the store, in commit
+//! order. PostgreSQL sequences are neither, so events are buffered while the operation
+//! runs and numbered at its end from a single counter row (`pier_seq`), incremented in the
+//! same transaction just before `COMMIT`: the counter's row lock orders commits, and a
+//! reader that saw `seq N` committed has seen every event up to `N`. The lock is held only
+//! for the last two statements and the commit's WAL flush.
+//!
+//! Wake-ups: every commit that wrote events sends `NOTIFY pier_commits`; a listener
+//! re-reads the counter on each notification and on a slow timer ([`WATCH_INTERVAL`]),
+//! because notifications sent while it reconnects are lost.
+//!
+//! Threads: `TaskStore` is synchronous and is called from blocking threads and from async
+//! code alike. The connections (tokio-postgres) are driven by a runtime the store owns;
+//! a call waits for its answer with `futures::executor::block_on`, which works in any
+//! context (a synchronous client that starts a runtime of its own per call would panic
+//! inside another runtime).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use futures::executor::block_on;
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Config, NoTls, Statement};
+
+use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
+use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore};
+use crate::plan::Plan;
+
+/// How often the listener re-reads the counter when no notification came.
+pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
+/// Connections one store opens at most; callers beyond it wait for one to come back.
+const MAX_CONNECTIONS: usize = 16;
+/// How long an operation waits for the database to come back before it fails.
+const PATIENCE: Duration = Duration::from_secs(60);
+/// Transactions retried at most after a serialization failure, a deadlock or a lost connection.
+const RETRIES: u32 = 8;
+
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE runs (
+    id TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    created_at_ms BIGINT NOT NULL
+);
+CREATE TABLE tasks (
+    run_id TEXT NOT NULL REFERENCES runs(id),
+    id TEXT NOT NULL,
+    ord BIGINT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('pending','running','awaiting_input','completed','failed','cancelled')),
+    version BIGINT NOT NULL,
+    attempt BIGINT NOT NULL DEFAULT 0,
+    failures BIGINT NOT NULL DEFAULT 0,
+    lease_owner TEXT,
+    lease_expires_at_ms BIGINT,
+    not_before_ms BIGINT NOT NULL DEFAULT 0,
+    result TEXT,
+    usage TEXT,
+    error TEXT,
+    spec TEXT NOT NULL,
+    PRIMARY KEY (run_id, id)
+);
+CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending';
+CREATE INDEX tasks_unfinished ON tasks(run_id, ord) WHERE state IN ('pending', 'running', 'awaiting_input');
+CREATE TABLE attempts (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt BIGINT NOT NULL,
+    evidence TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (run_id, task_id, attempt)
+);
+CREATE TABLE updates (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    answer TEXT NOT NULL,
+    request TEXT,
+    PRIMARY KEY (run_id, task_id, key)
+);
+CREATE TABLE questions (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt BIGINT NOT NULL,
+    n BIGINT NOT NULL,
+    request TEXT NOT NULL,
+    answer TEXT,
+    answered_by TEXT,
+    PRIMARY KEY (run_id, task_id, attempt, n)
+);
+CREATE TABLE events (
+    seq BIGINT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    task_id TEXT,
+    type TEXT NOT NULL,
+    at_ms BIGINT NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX events_by_run ON events(run_id, seq);
+CREATE TABLE pier_seq (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL);
+INSERT INTO pier_seq VALUES (1, 0);
+"#];
+
+/// Any lock key of ours: migrations run under it, once, however many nodes start together.
+const MIGRATION_LOCK: i64 = 0x0070_6965_726d_6967; // "piermig"
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        StoreError::Db(describe(&e))
+    }
+}
+
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("PostgreSQL: {} ({})", db.message(), db.code().code()),
+        None => format!("PostgreSQL: {e}"),
+    }
+}
+
+/// Whether the transaction that met `e` was rolled back and may simply run again.
+fn retryable(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    if e.is_closed() {
+        return true;
+    }
+    e.code().is_some_and(|c| {
+        [
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+        ]
+        .contains(c)
+    }) || e.as_db_error().is_none() && e.to_string().contains("connection")
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The store's address without its password, for messages and logs.
+pub fn redacted(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((cred, host)) => {
+                let user = cred.split(':').next().unwrap_or("");
+                format!("{scheme}://{user}@{host}")
+            }
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+/// A pooled connection and its prepared statements.
+struct Conn {
+    client: Client,
+    statements: HashMap<&'static str, Statement>,
+}
+
+struct Pool {
+    config: Config,
+    /// The store's runtime, which drives the connections.
+    rt: tokio::runtime::Handle,
+    idle: Mutex<(Vec<Conn>, usize)>,
+    returned: Condvar,
+    /// When the current outage began, if the database is unreachable (one log line each way).
+    outage: Mutex<Option<Instant>>,
+}
+
+impl Pool {
+    fn connect(&self) -> Result<Conn, StoreError> {
+        let deadline = Instant::now() + PATIENCE;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match connect_on(&self.rt, &self.config) {
+                Ok(client) => {
+                    if let Some(since) = lock(&self.outage).take() {
+                        tracing::warn!(after = ?since.elapsed(), "the database is back");
+                    }
+                    return Ok(Conn { client, statements: HashMap::new() });
+                }
+                Err(e) => {
+                    {
+                        let mut outage = lock(&self.outage);
+                        if outage.is_none() {
+                            *outage = Some(Instant::now());
+                            tracing::warn!(error = %e, "cannot reach the database; retrying with backoff");
+                        }
+                    }
+                    if Instant::now() + delay > deadline {
+                        return Err(StoreError::Db(format!(
+                            "the database has been unreachable for {}s: {}; check that PostgreSQL runs and the \
+                             store URL is right",
+                            PATIENCE.as_secs(),
+                            e
+                        )));
+                    }
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    fn get(&self) -> Result<Conn, StoreError> {
+        {
+            let mut idle = lock(&self.idle);
+            loop {
+                if let Some(c) = idle.0.pop() {
+                    if !c.client.is_closed() {
+                        return Ok(c);
+                    }
+                    idle.1 -= 1;
+                    continue;
+                }
+                if idle.1 < MAX_CONNECTIONS {
+                    idle.1 += 1;
+                    break;
+                }
+                idle = self.returned.wait(idle).unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+        }
+        self.connect().inspect_err(|_| {
+            lock(&self.idle).1 -= 1;
+            self.returned.notify_one();
+        })
+    }
+
+    fn put(&self, c: Conn) {
+        let mut idle = lock(&self.idle);
+        if c.client.is_closed() {
+            idle.1 -= 1;
+        } else {
+            idle.0.push(c);
+        }
+        self.returned.notify_one();
+    }
+
+    /// Runs `f` on a pooled connection, once more on a fresh one if the connection broke.
+    fn with<T>(&self, f: impl Fn(&mut Conn) -> Result<T, tokio_postgres::Error>) -> Result<T, StoreError> {
+        let mut tries = 0;
+        loop {
+            let mut c = self.get()?;
+            let out = f(&mut c);
+            self.put(c);
+            match out {
+                Err(e) if retryable(&e) && tries < RETRIES => tries += 1,
+                out => return out.map_err(StoreError::from),
+            }
+        }
+    }
+}
+
+/// Connects on the store's runtime, which then drives the connection until it closes.
+fn connect_on(rt: &tokio::runtime::Handle, config: &Config) -> Result<Client, String> {
+    let config = config.clone();
+    let connected = rt.spawn(async move {
+        let (client, connection) = config.connect(NoTls).await.map_err(|e| describe(&e))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "a database connection ended");
+            }
+        });
+        Ok(client)
+    });
+    // A join error: the runtime is shutting down with the store.
+    block_on(connected).unwrap_or_else(|e| Err(format!("the database runtime stopped: {e}")))
+}
+
+/// `?N` placeholders as PostgreSQL's `$N`.
+fn dialect(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut chars = sql.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '?' && chars.peek().is_some_and(char::is_ascii_digit) {
+            out.push('$');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+impl Conn {
+    fn statement(&mut self, sql: &'static str) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(s) = self.statements.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = block_on(self.client.prepare(&dialect(sql)))?;
+        self.statements.insert(sql, s.clone());
+        Ok(s)
+    }
+}
+
+impl ToSql for Arg<'_> {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut tokio_postgres::types::private::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match self {
+            Arg::Int(i) => i.to_sql(ty, out),
+            Arg::Text(t) => t.to_sql(ty, out),
+            Arg::OptText(t) => t.to_sql(ty, out),
+        }
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        <i64 as ToSql>::accepts(ty) || <&str as ToSql>::accepts(ty)
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+fn args<'a>(a: &'a [Arg<'a>]) -> Vec<&'a (dyn ToSql + Sync)> {
+    a.iter().map(|x| x as &(dyn ToSql + Sync)).collect()
+}
+
+fn row_to_task(r: &tokio_postgres::Row) -> Result<RawTask, tokio_postgres::Error> {
+    let row = plain_row(
+        r.try_get(0)?,
+        r.try_get(1)?,
+        r.try_get(3)?,
+        r.try_get(4)?,
+        r.try_get(5)?,
+        (r.try_get(6)?, r.try_get(7)?),
+        r.try_get(8)?,
+        r.try_get(9)?,
+        r.try_get(11)?,
+    );
+    Ok((row, r.try_get(12)?, r.try_get(10)?, r.try_get(2)?))
+}
+
+/// An event written by the open transaction, numbered at its commit.
+struct Pending {
+    run: String,
+    task: Option<String>,
+    kind: String,
+    at_ms: i64,
+    data: String,
+}
+
+/// The open transaction: statements go through the connection's cache; events wait for the commit.
+struct PgTx<'c> {
+    tx: tokio_postgres::Transaction<'c>,
+    statements: &'c mut HashMap<&'static str, Statement>,
+    events: Vec<Pending>,
+    /// The last statement failed in a way that rolled the transaction back: run it again.
+    retry: bool,
+}
+
+impl PgTx<'_> {
+    fn prepared(&mut self, sql: &'static str) -> Result<Statement, StoreError> {
+        if let Some(s) = self.statements.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = block_on(self.tx.prepare(&dialect(sql))).map_err(|e| self.failed(e))?;
+        self.statements.insert(sql, s.clone());
+        Ok(s)
+    }
+
+    fn failed(&mut self, e: tokio_postgres::Error) -> StoreError {
+        self.retry |= retryable(&e);
+        e.into()
+    }
+
+    fn rows(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<tokio_postgres::Row>, StoreError> {
+        let s = self.prepared(sql)?;
+        block_on(self.tx.query(&s, &args(a))).map_err(|e| self.failed(e))
+    }
+
+    fn one_task(&mut self, sql: &'static str, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
+        let rows = self.rows(sql, &[Arg::Text(run), Arg::Text(task)])?;
+        rows.first().map(row_to_task).transpose().map_err(|e| self.failed(e))
+    }
+}
+
+const TASK_FOR_UPDATE: &str = "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+     not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
+const TASK_FOR_CLAIM: &str = "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+     not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 AND id = ?2 AND state = 'pending'
+     FOR UPDATE SKIP LOCKED";
+
+impl Tx for PgTx<'_> {
+    fn exec(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<u64, StoreError> {
+        let s = self.prepared(sql)?;
+        block_on(self.tx.execute(&s, &args(a))).map_err(|e| self.failed(e))
+    }
+
+    fn int(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Option<i64>, StoreError> {
+        let rows = self.rows(sql, a)?;
+        rows.first().map(|r| r.try_get::<_, i64>(0)).transpose().map_err(|e| self.failed(e))
+    }
+
+    fn texts(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Option<Vec<Option<String>>>, StoreError> {
+        let rows = self.rows(sql, a)?;
+        let Some(row) = rows.first() else { return Ok(None) };
+        (0..row.len()).map(|i| row.try_get(i)).collect::<Result<_, _>>().map(Some).map_err(|e| self.failed(e))
+    }
+
+    fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
+        self.one_task(TASK_FOR_UPDATE, run, task)
+    }
+
+    fn claimable(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
+        self.one_task(TASK_FOR_CLAIM, run, task)
+    }
+
+    fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
+        self.events.push(Pending {
+            run: run.to_owned(),
+            task: task.map(str::to_owned),
+            kind: kind.to_owned(),
+            at_ms: super::now_ms(),
+            data: data.to_string(),
+        });
+        Ok(self.events.len() as i64)
+    }
+
+    fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError> {
+        let effect = effect.to_string();
+        self.exec(
+            "UPDATE attempts SET evidence = (evidence::jsonb || jsonb_build_array(?4::text::jsonb))::text
+             WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Text(&effect)],
+        )?;
+        Ok(())
+    }
+}
+
+/// The PostgreSQL store.
+pub struct PgStore {
+    /// Drives the connections; shut down in the background when the store is dropped
+    /// (dropping a runtime inside another one's context would panic).
+    rt: Option<tokio::runtime::Runtime>,
+    pool: Arc<Pool>,
+    seq_tx: Arc<watch::Sender<i64>>,
+    watching: std::sync::Once,
+}
+
+impl PgStore {
+    /// Connects to `url` (`postgres://USER@HOST/DB`; the password from the URL, `PGPASSWORD`
+    /// or the passfile) and migrates the schema, once across nodes starting together.
+    pub fn open(url: &str) -> Result<PgStore, StoreError> {
+        let mut config: Config =
+            url.parse().map_err(|e| StoreError::Db(format!("{} is not a PostgreSQL URL: {e}", redacted(url))))?;
+        if config.get_password().is_none()
+            && let Some(password) = password_for(&config)
+        {
+            config.password(password);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("pier");
+        }
+        config.connect_timeout(Duration::from_secs(10));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pier-pg")
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
+        let pool = Arc::new(Pool {
+            config,
+            rt: rt.handle().clone(),
+            idle: Mutex::new((Vec::new(), 0)),
+            returned: Condvar::new(),
+            outage: Mutex::new(None),
+        });
+        let mut c = pool.get()?;
+        let migrated = migrate(&mut c.client);
+        pool.put(c);
+        migrated?;
+        let last = pool.with(|c| block_on(c.client.query_one("SELECT n FROM pier_seq", &[]))?.try_get::<_, i64>(0))?;
+        Ok(PgStore { rt: Some(rt), pool, seq_tx: Arc::new(watch::Sender::new(last)), watching: std::sync::Once::new() })
+    }
+
+    /// Runs `work` in a transaction of its own, numbers its events and commits; a
+    /// transaction rolled back by a serialization failure, a deadlock or a lost connection
+    /// runs again. Returns the answer and the last sequence written (0 for none).
+    fn write<T>(&self, work: impl Fn(&mut dyn Tx) -> Result<(T, i64), StoreError>) -> Result<(T, i64), StoreError> {
+        let mut tries = 0;
+        loop {
+            let mut c = self.pool.get()?;
+            let out = run_tx(&mut c, &work);
+            self.pool.put(c);
+            match out {
+                Ok((answer, last)) => {
+                    if last > 0 {
+                        publish(&self.seq_tx, last);
+                    }
+                    return Ok((answer, last));
+                }
+                Err((e, true)) if tries < RETRIES => {
+                    tracing::debug!(error = %e, "a transaction was rolled back; running it again");
+                    tries += 1;
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+
+    fn op<T>(&self, work: impl Fn(&mut dyn Tx) -> Result<(T, i64), StoreError>) -> Result<T, StoreError> {
+        self.write(work).map(|(answer, _)| answer)
+    }
+
+    fn read<T>(&self, f: impl Fn(&mut Conn) -> Result<T, tokio_postgres::Error>) -> Result<T, StoreError> {
+        self.pool.with(f)
+    }
+
+    fn read_tasks(&self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<TaskRow>, StoreError> {
+        let raw = self.read(|c| {
+            let s = c.statement(sql)?;
+            block_on(c.client.query(&s, &args(a)))?.iter().map(row_to_task).collect::<Result<Vec<_>, _>>()
+        })?;
+        decode_all(raw)
+    }
+
+    /// Creates database `name` on the server at `server` (a URL to any database of it, as
+    /// a user that may create databases) and returns the URL of the new one. For tests
+    /// and benchmarks, which each want a database of their own.
+    pub fn create_database(server: &str, name: &str) -> Result<String, StoreError> {
+        if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(StoreError::Db(format!("`{name}` is not a plain database name")));
+        }
+        let admin = connect_once(server)?;
+        block_on(admin.batch_execute(&format!("CREATE DATABASE {name}")))?;
+        let (base, query) = server.split_once('?').map_or((server, None), |(b, q)| (b, Some(q)));
+        let base = match base.split_once("://").map(|(_, rest)| rest.contains('/')) {
+            Some(true) => base.rsplit_once('/').map_or(base, |(b, _)| b),
+            _ => base,
+        };
+        Ok(match query {
+            Some(q) => format!("{base}/{name}?{q}"),
+            None => format!("{base}/{name}"),
+        })
+    }
+
+    /// Drops database `name` on the server at `server`, disconnecting whoever uses it.
+    pub fn drop_database(server: &str, name: &str) -> Result<(), StoreError> {
+        if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Err(StoreError::Db(format!("`{name}` is not a plain database name")));
+        }
+        let admin = connect_once(server)?;
+        block_on(admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))?;
+        Ok(())
+    }
+
+    fn watch_others(&self) {
+        let (config, seq_tx) = (self.pool.config.clone(), Arc::downgrade(&self.seq_tx));
+        self.pool.rt.spawn(listen(config, seq_tx));
+    }
+}
+
+/// One transaction: `work`, then its events numbered from the counter and written, then
+/// the commit. `Err((error, retry))`.
+fn run_tx<T>(
+    c: &mut Conn,
+    work: &impl Fn(&mut dyn Tx) -> Result<(T, i64), StoreError>,
+) -> Result<(T, i64), (StoreError, bool)> {
+    let Conn { client, statements } = c;
+    let tx = block_on(client.transaction()).map_err(|e| (StoreError::from(&e), retryable(&e)))?;
+    let mut t = PgTx { tx, statements, events: Vec::new(), retry: false };
+    let answer = match work(&mut t) {
+        Ok((answer, _)) => answer,
+        Err(e) => return Err((e, t.retry)),
+    };
+    let mut last = 0;
+    if !t.events.is_empty() {
+        let k = t.events.len() as i64;
+        let numbered = block_on(t.tx.query_one("UPDATE pier_seq SET n = n + $1 WHERE id = 1 RETURNING n", &[&k]))
+            .and_then(|r| r.try_get::<_, i64>(0));
+        last = numbered.map_err(|e| (StoreError::from(&e), retryable(&e)))?;
+        let first = last - k + 1;
+        let seqs: Vec<i64> = (first..=last).collect();
+        let runs: Vec<&str> = t.events.iter().map(|e| e.run.as_str()).collect();
+        let tasks: Vec<Option<&str>> = t.events.iter().map(|e| e.task.as_deref()).collect();
+        let kinds: Vec<&str> = t.events.iter().map(|e| e.kind.as_str()).collect();
+        let ats: Vec<i64> = t.events.iter().map(|e| e.at_ms).collect();
+        let datas: Vec<&str> = t.events.iter().map(|e| e.data.as_str()).collect();
+        let inserted = block_on(t.tx.execute(
+            "INSERT INTO events (seq, run_id, task_id, type, at_ms, data)
+             SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[])",
+            &[&seqs as &(dyn ToSql + Sync), &runs, &tasks, &kinds, &ats, &datas],
+        ));
+        inserted.map_err(|e| (StoreError::from(&e), retryable(&e)))?;
+        let notified = block_on(t.tx.execute("SELECT pg_notify('pier_commits', $1)", &[&last.to_string()]));
+        notified.map_err(|e| (StoreError::from(&e), retryable(&e)))?;
+    }
+    // A commit whose answer is lost may or may not have happened: it is not run again.
+    block_on(t.tx.commit()).map_err(|e| {
+        (StoreError::Db(format!("{}; the change may or may not have been committed", describe(&e))), false)
+    })?;
+    Ok((answer, last))
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl From<&tokio_postgres::Error> for StoreError {
+    fn from(e: &tokio_postgres::Error) -> Self {
+        StoreError::Db(describe(e))
+    }
+}
+
+/// One connection for an administrative statement, on a runtime of its own.
+fn connect_once(url: &str) -> Result<Client, StoreError> {
+    let mut config: Config =
+        url.parse().map_err(|e| StoreError::Db(format!("{} is not a PostgreSQL URL: {e}", redacted(url))))?;
+    if config.get_password().is_none()
+        && let Some(password) = password_for(&config)
+    {
+        config.password(password);
+    }
+    let rt = ADMIN.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map(|rt| {
+            let handle = rt.handle().clone();
+            std::thread::spawn(move || rt.block_on(std::future::pending::<()>()));
+            handle
+        })
+    });
+    let rt = rt.as_ref().map_err(|e| StoreError::Db(format!("cannot start a runtime: {e}")))?;
+    connect_on(rt, &config).map_err(StoreError::Db)
+}
+
+/// The runtime of administrative connections (tests and benchmarks creating databases).
+static ADMIN: std::sync::OnceLock<std::io::Result<tokio::runtime::Handle>> = std::sync::OnceLock::new();
+
+fn migrate(client: &mut Client) -> Result<(), StoreError> {
+    block_on(client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]))?;
+    let done = (|| -> Result<(), StoreError> {
+        block_on(client.batch_execute(
+            "CREATE TABLE IF NOT EXISTS pier_migrations (version BIGINT PRIMARY KEY, applied_at_ms BIGINT NOT NULL)",
+        ))?;
+        let have: i64 =
+            block_on(client.query_one("SELECT COALESCE(MAX(version), 0) FROM pier_migrations", &[]))?.try_get(0)?;
+        if have > MIGRATIONS.len() as i64 {
+            return Err(StoreError::Db(format!(
+                "the database was written by a newer pier (schema version {have}; this pier knows versions up to {}); \
+                 upgrade pier",
+                MIGRATIONS.len()
+            )));
+        }
+        for (i, migration) in MIGRATIONS.iter().enumerate().skip(have as usize) {
+            let tx = block_on(client.transaction())?;
+            block_on(tx.batch_execute(migration))?;
+            block_on(
+                tx.execute("INSERT INTO pier_migrations VALUES ($1, $2)", &[&((i + 1) as i64), &super::now_ms()]),
+            )?;
+            block_on(tx.commit())?;
+        }
+        Ok(())
+    })();
+    let _ = block_on(client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK]));
+    done
+}
+
+/// The password for `config` from `PGPASSWORD`, else from the passfile (`PGPASSFILE`, or
+/// `~/.pgpass`), in libpq's format: `host:port:database:user:password`, `*` matching any.
+fn password_for(config: &Config) -> Option<String> {
+    if let Ok(p) = std::env::var("PGPASSWORD") {
+        return Some(p);
+    }
+    let path = std::env::var_os("PGPASSFILE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".pgpass")))?;
+    let text = std::fs::read_to_string(path).ok()?;
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "localhost".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432).to_string();
+    let user = config.get_user().unwrap_or_default().to_owned();
+    let db = config.get_dbname().map_or_else(|| user.clone(), str::to_owned);
+    let wanted = [host, port, db, user];
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|line| {
+        let fields: Vec<&str> = line.splitn(5, ':').collect();
+        let [h, p, d, u, password] = fields.as_slice() else { return None };
+        let matches = [h, p, d, u].iter().zip(&wanted).all(|(f, w)| **f == "*" || *f == w);
+        matches.then(|| password.to_string())
+    })
+}
+
+fn publish(seq_tx: &watch::Sender<i64>, seq: i64) {
+    seq_tx.send_if_modified(|s| {
+        if seq > *s {
+            *s = seq;
+            true
+        } else {
+            false
+        }
+    });
+}
+
+/// Other nodes' commits: `LISTEN pier_commits` as a doorbell; the counter is the truth.
+/// Runs on the store's runtime until the store is dropped.
+async fn listen(config: Config, seq_tx: Weak<watch::Sender<i64>>) {
+    let mut delay = Duration::from_millis(100);
+    while seq_tx.strong_count() > 0 {
+        let (client, mut connection) = match config.connect(NoTls).await {
+            Ok(pair) => pair,
+            Err(_) => {
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        delay = Duration::from_millis(100);
+        // The connection's messages (notifications among them) come through this stream.
+        let (bell, mut rang) = tokio::sync::mpsc::unbounded_channel();
+        let messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let mut messages = std::pin::pin!(messages);
+            while let Some(Ok(m)) = messages.next().await {
+                if let tokio_postgres::AsyncMessage::Notification(_) = m {
+                    let _ = bell.send(());
+                }
+            }
+        });
+        if client.batch_execute("LISTEN pier_commits").await.is_err() {
+            continue;
+        }
+        loop {
+            let Some(tx) = seq_tx.upgrade() else { return };
+            match client.query_one("SELECT n FROM pier_seq", &[]).await.and_then(|r| r.try_get::<_, i64>(0)) {
+                Ok(n) => publish(&tx, n),
+                Err(_) => break,
+            }
+            drop(tx);
+            if let Ok(None) = tokio::time::timeout(WATCH_INTERVAL, rang.recv()).await {
+                break;
+            }
+            // Whatever else rang meanwhile is covered by the next read.
+            while rang.try_recv().is_ok() {}
+        }
+    }
+}
+
+impl TaskStore for PgStore {
+    fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
+        match self.op(|tx| ops::create_run(tx, run, plan, source).map(|seq| ((), seq))) {
+            // Two nodes creating one run: the loser's insert meets the winner's row.
+            Err(StoreError::Db(m)) if m.contains("(23505)") => Err(StoreError::RunExists(run.to_owned())),
+            other => other,
+        }
+    }
+
+    fn run_exists(&self, run: &str) -> Result<bool, StoreError> {
+        self.read(|c| Ok(block_on(c.client.query_opt("SELECT 1 FROM runs WHERE id = $1", &[&run]))?.is_some()))
+    }
+
+    fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError> {
+        self.read_tasks(
+            "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+             not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 ORDER BY ord",
+            &[Arg::Text(run)],
+        )
+    }
+
+    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
+        let rows = self.read_tasks(
+            "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+             not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 AND id = ?2",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?;
+        Ok(rows.into_iter().next())
+    }
+
+    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        self.read_tasks(
+            "SELECT t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner, t.lease_expires_at_ms,
+                 t.not_before_ms, t.result, t.usage, t.error, t.spec
+             FROM tasks t JOIN runs r ON r.id = t.run_id
+             WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord",
+            &[],
+        )
+    }
+
+    fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        self.read_tasks(
+            "SELECT t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner, t.lease_expires_at_ms,
+                 t.not_before_ms, t.result, t.usage, t.error, t.spec
+             FROM tasks t JOIN runs r ON r.id = t.run_id
+             WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord",
+            &[],
+        )
+    }
+
+    fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
+        // The bound is the committed counter, read first: every event up to it is visible.
+        let upto = self.last_seq()?;
+        if upto <= after {
+            return Ok((Vec::new(), after));
+        }
+        let rows = self.read_tasks(
+            "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+                 not_before_ms, result, usage, error, spec FROM tasks WHERE (run_id, id) IN
+                 (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= ?2 AND task_id IS NOT NULL)",
+            &[Arg::Int(after), Arg::Int(upto)],
+        )?;
+        Ok((rows, upto))
+    }
+
+    fn claim(
+        &self,
+        run: &str,
+        task: &str,
+        owner: &str,
+        lease_until_ms: i64,
+    ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
+        self.op(|tx| ops::claim(tx, run, task, owner, lease_until_ms))
+    }
+
+    fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
+        self.op(|tx| ops::heartbeat(tx, attempt, lease_until_ms))
+    }
+
+    fn park(&self, attempt: &Attempt, request: &Value) -> Result<i64, StoreError> {
+        self.op(|tx| ops::park(tx, attempt, request))
+    }
+
+    fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError> {
+        self.op(|tx| ops::resume(tx, attempt))
+    }
+
+    fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError> {
+        self.op(|tx| ops::finish(tx, attempt, ending, idem))
+    }
+
+    fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
+        self.op(|tx| ops::release_lost(tx, held, ending))
+    }
+
+    fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError> {
+        self.write(|tx| ops::record(tx, attempt, events, evidence)).map(|(_, last)| last)
+    }
+
+    fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
+        self.op(|tx| ops::cancel(tx, run, task, reason))
+    }
+
+    fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
+        self.op(|tx| ops::decide_rerun(tx, run, task, again, by))
+    }
+
+    fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError> {
+        self.op(|tx| ops::answer(tx, run, task, question, option, by))
+    }
+
+    fn answer_of(&self, a: &Attempt, n: i64) -> Result<Option<String>, StoreError> {
+        self.read(|c| {
+            let row = block_on(c.client.query_opt(
+                "SELECT answer FROM questions WHERE run_id = $1 AND task_id = $2 AND attempt = $3 AND n = $4",
+                &[&a.run, &a.task, &a.n, &n],
+            ))?;
+            row.map(|r| r.try_get::<_, Option<String>>(0)).transpose().map(Option::flatten)
+        })
+    }
+
+    fn open_question(&self, run: &str, task: &str) -> Result<Option<Question>, StoreError> {
+        let row = self.read(|c| {
+            let row = block_on(c.client.query_opt(
+                "SELECT attempt, n, request FROM questions WHERE run_id = $1 AND task_id = $2 AND answer IS NULL
+                 ORDER BY attempt DESC, n DESC LIMIT 1",
+                &[&run, &task],
+            ))?;
+            row.map(|r| {
+                Ok::<_, tokio_postgres::Error>((
+                    r.try_get::<_, i64>(0)?,
+                    r.try_get::<_, i64>(1)?,
+                    r.try_get::<_, String>(2)?,
+                ))
+            })
+            .transpose()
+        })?;
+        Ok(row.map(|(attempt, n, req)| Question {
+            attempt,
+            n,
+            request: serde_json::from_str(&req).unwrap_or(Value::Null),
+        }))
+    }
+
+    fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError> {
+        if events.is_empty() {
+            return self.last_seq();
+        }
+        self.write(|tx| ops::append_events(tx, events)).map(|(_, last)| last)
+    }
+
+    fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
+        let text: Option<String> = self.read(|c| {
+            let row = block_on(c.client.query_opt(
+                "SELECT evidence FROM attempts WHERE run_id = $1 AND task_id = $2 AND attempt = $3",
+                &[&run, &task, &attempt],
+            ))?;
+            row.map(|r| r.try_get(0)).transpose()
+        })?;
+        Ok(text.map(|t| serde_json::from_str(&t)).transpose()?.unwrap_or_default())
+    }
+
+    fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
+        let limit = limit as i64;
+        self.read(|c| {
+            let rows = block_on(c.client.query(
+                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+                 WHERE seq > $1 AND ($2::text IS NULL OR run_id = $2) ORDER BY seq LIMIT $3",
+                &[&after, &run, &limit],
+            ))?;
+            rows.iter()
+                .map(|r| {
+                    let data: String = r.try_get(5)?;
+                    Ok(Event {
+                        seq: r.try_get(0)?,
+                        run: r.try_get(1)?,
+                        task: r.try_get(2)?,
+                        kind: r.try_get(3)?,
+                        at_ms: r.try_get(4)?,
+                        data: serde_json::from_str(&data).unwrap_or(Value::Null),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    fn last_seq(&self) -> Result<i64, StoreError> {
+        self.read(|c| block_on(c.client.query_one("SELECT n FROM pier_seq", &[]))?.try_get(0))
+    }
+
+    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let rows = block_on(c.client.query(
+                "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = $1
+                 ORDER BY r.created_at_ms DESC",
+                &[&task],
+            ))?;
+            rows.iter().map(|r| r.try_get(0)).collect()
+        })
+    }
+
+    fn run_ids(&self) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let rows = block_on(c.client.query("SELECT id FROM runs ORDER BY created_at_ms, id", &[]))?;
+            rows.iter().map(|r| r.try_get(0)).collect()
+        })
+    }
+
+    fn subscribe(&self) -> watch::Receiver<i64> {
+        self.watching.call_once(|| self.watch_others());
+        self.seq_tx.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_become_dollars_and_passwords_stay_out_of_messages() {
+        assert_eq!(dialect("a = ?1 AND b = ?12 AND c = '?'"), "a = $1 AND b = $12 AND c = '?'");
+        assert_eq!(redacted("postgres://me:secret@db.example/pier"), "postgres://me@db.example/pier");
+        assert_eq!(redacted("postgres://me@db.example/pier"), "postgres://me@db.example/pier");
+    }
+}
