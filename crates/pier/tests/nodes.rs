@@ -23,6 +23,8 @@ const TOKEN: &str = "nodes-token";
 struct Node {
     child: Child,
     base: String,
+    /// Its stderr lines at `warn` and above.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 /// Starts a node on the shared store `db` (a path or a URL), with its own home under `dir`.
@@ -40,7 +42,7 @@ async fn node(dir: &Path, name: &str, db: &str, model: &str, lease_ms: u64) -> N
         .env("PIER_HOME", &home)
         .env("PIER_BASE_URL", model)
         .env("PIER_MODEL", "fake-model")
-        .env("RUST_LOG", "error")
+        .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -55,8 +57,14 @@ async fn node(dir: &Path, name: &str, db: &str, model: &str, lease_ms: u64) -> N
             break url.to_owned();
         }
     };
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Node { child, base }
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = log.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(line);
+        }
+    });
+    Node { child, base, log }
 }
 
 impl Node {
@@ -312,4 +320,91 @@ async fn killed_and_restarted(dir: &Path, db: &str, n: usize, rounds: usize) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(processes_with_env(&marker), Vec::<i32>::new(), "agent processes outlived their nodes");
+}
+
+/// A cluster of this test's own (`scripts/pg`), stopped and removed when dropped.
+struct Cluster {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+fn scripts_pg(args: &[&str]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/pg");
+    let out = must(std::process::Command::new(script).args(args).output(), "scripts/pg");
+    assert!(out.status.success(), "scripts/pg {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let dir = must(tempfile::tempdir(), "dir");
+        must(std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)), "chmod");
+        let url = scripts_pg(&["start", &dir.path().join("pg").display().to_string()]);
+        Cluster { dir, url }
+    }
+
+    fn restart(&self) {
+        scripts_pg(&["restart", &self.dir.path().join("pg").display().to_string()]);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/pg"))
+            .args(["stop", &self.dir.path().join("pg").display().to_string()])
+            .output();
+    }
+}
+
+#[tokio::test]
+async fn a_postgres_restart_mid_run_loses_and_doubles_nothing() {
+    let cluster = Cluster::start();
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Pause(Duration::from_millis(100)));
+        }
+        reply
+    });
+    let dir = must(tempfile::tempdir(), "dir");
+    let (model, lease) = (f.base_url(), 3_000);
+    let nodes = [
+        node(dir.path(), "a", &cluster.url, &model, lease).await,
+        node(dir.path(), "b", &cluster.url, &model, lease).await,
+    ];
+    nodes[0].submit(&plan(40), "forty").await;
+    let mut done = 0;
+    nodes[1]
+        .events(
+            |e| {
+                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                done >= 10
+            },
+            true,
+        )
+        .await;
+    // The server goes away mid-run (its connections cut) and comes back.
+    cluster.restart();
+    let mut done = 0;
+    nodes[0]
+        .events(
+            |e| {
+                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                done == 40
+            },
+            true,
+        )
+        .await;
+    let log = nodes[0].log().await;
+    assert_eq!(seqs(&log), (1..=log.len() as i64).collect::<Vec<_>>(), "the log has a gap");
+    let completed = completed_per_task(&log);
+    assert_eq!(completed.len(), 40);
+    assert!(completed.values().all(|n| *n == 1), "a task completed twice: {completed:?}");
+    for node in nodes {
+        let lines = node.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let outages = lines.iter().filter(|l| l.contains("cannot reach the database")).count();
+        assert!(outages <= 1, "one line per outage, not a flood: {lines:#?}");
+        node.stop().await;
+    }
 }
