@@ -10,7 +10,10 @@
 //! - `log -- DB`: B5's durable event appends/s from concurrent writers, then a fill
 //!   of the log for the replay.
 //! - `replay -- URL`: B5's SSE replay of every stored event from `pier serve`.
-//! - `host -- PIER`: B5 end to end, `pier run` of N trivial tasks against the bench agent.
+//! - `host [--pg SERVER] -- PIER`: B5 end to end, `pier run` of N trivial tasks against the
+//!   bench agent, on SQLite or (with `--pg`) a fresh PostgreSQL database.
+//! - `serve [--nodes N] [--pg SERVER] -- PIER`: B5 on `pier serve`, N nodes on one store.
+//! - `claims [--pg SERVER]`: the claim rate alone, 16 concurrent claimers.
 //! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
 //! - `sessions CMD…`: opens sessions and reports the agent's RSS.
 //! - `stream --kind K CMD…`: B6, one answer of N tokens streamed by the fake model as fast as
@@ -34,6 +37,37 @@ use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx};
 use serde_json::{Value, json};
 
 const CHUNK: &str = "The quick brown fox jumps over the lazy dog while the benchmark counts every single message. ok";
+
+fn text_arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+/// With `--pg SERVER`, a fresh database on that PostgreSQL server for one measurement
+/// (dropped with the guard); without, `None` (the SQLite default).
+struct BenchDb {
+    server: String,
+    name: String,
+    url: String,
+}
+
+impl BenchDb {
+    fn from_args(args: &[String]) -> Option<BenchDb> {
+        let server = text_arg(args, "--pg")?.to_owned();
+        let name = format!(
+            "pier_bench_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+        );
+        let url = pier_host::PgStore::create_database(&server, &name).unwrap_or_else(|e| panic!("--pg: {e}"));
+        Some(BenchDb { server, name, url })
+    }
+}
+
+impl Drop for BenchDb {
+    fn drop(&mut self) {
+        let _ = pier_host::PgStore::drop_database(&self.server, &self.name);
+    }
+}
 
 fn arg(args: &[String], name: &str, default: u64) -> u64 {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -406,9 +440,12 @@ async fn host(args: &[String], cmd: &[String]) {
         plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
     }
     write("plan.toml", plan);
+    let db = BenchDb::from_args(args);
+    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url.clone());
     let started = Instant::now();
     let out = tokio::process::Command::new(pier)
         .args(["run", "plan.toml", "--format", "json", "--concurrency", &concurrency.to_string()])
+        .args(["--store", &store])
         .current_dir(&dir)
         .env("PIER_HOME", dir.join("home"))
         .stderr(Stdio::inherit())
@@ -426,6 +463,7 @@ async fn host(args: &[String], cmd: &[String]) {
     println!(
         "{}",
         json!({"tasks": tasks, "completed": completed, "concurrency": concurrency, "seconds": seconds,
+               "store": if db.is_some() { "postgres" } else { "sqlite" },
                "tasks_per_s": completed as f64 / seconds, "events": text.lines().count().saturating_sub(1)})
     );
 }
@@ -448,25 +486,36 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
     if let Err(e) = std::fs::write(dir.join("pier.toml"), toml) {
         panic!("pier.toml: {e}");
     }
+    let nodes = arg(args, "--nodes", 1).max(1);
+    let db = BenchDb::from_args(args);
+    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url.clone());
     let port = 20_000 + (std::process::id() % 20_000) as u16;
-    let mut server = tokio::process::Command::new(pier)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--token", "bench"])
-        .args(["--concurrency", &concurrency.to_string()])
-        .current_dir(&dir)
-        .env("PIER_HOME", dir.join("home"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("{pier}: {e}"));
-    let base = format!("http://127.0.0.1:{port}");
+    let mut servers = Vec::new();
+    let mut bases = Vec::new();
     let http = reqwest::Client::new();
-    for _ in 0..200 {
-        if http.get(format!("{base}/health")).bearer_auth("bench").send().await.is_ok() {
-            break;
+    for n in 0..nodes {
+        let port = port + n as u16;
+        let server = tokio::process::Command::new(pier)
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--token", "bench"])
+            .args(["--concurrency", &concurrency.to_string(), "--store", &store])
+            .current_dir(&dir)
+            .env("PIER_HOME", dir.join(format!("home{n}")))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{pier}: {e}"));
+        servers.push(server);
+        let base = format!("http://127.0.0.1:{port}");
+        for _ in 0..200 {
+            if http.get(format!("{base}/health")).bearer_auth("bench").send().await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        bases.push(base);
     }
+    let base = bases[0].clone();
     let mut plan = String::from("[defaults]\nagent = \"bench\"\n");
     for i in 0..tasks {
         plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
@@ -474,7 +523,7 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
     let started = Instant::now();
     let submits = (0..runs).map(|r| {
         let body = json!({"plan": plan, "run_id": format!("run{r}")}).to_string();
-        http.post(format!("{base}/runs"))
+        http.post(format!("{}/runs", bases[r as usize % bases.len()]))
             .bearer_auth("bench")
             .header("content-type", "application/json")
             .body(body)
@@ -513,13 +562,74 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    let _ = server.start_kill();
-    let _ = server.wait().await;
+    for mut server in servers {
+        let _ = server.start_kill();
+        let _ = server.wait().await;
+    }
+    drop(db);
     let _ = std::fs::remove_dir_all(&dir);
     println!(
         "{}",
-        json!({"runs": runs, "tasks": want, "completed": completed, "concurrency": concurrency, "seconds": seconds,
+        json!({"runs": runs, "tasks": want, "completed": completed, "concurrency": concurrency, "nodes": nodes,
+               "store": if store.starts_with("postgres") { "postgres" } else { "sqlite" }, "seconds": seconds,
                "tasks_per_s": completed as f64 / seconds})
+    );
+}
+
+/// The claim rate alone: `--claimers` threads claim the `--tasks` pending tasks of one run
+/// (each task offered to two claimers at once, so half the claims race and lose) and end
+/// each claimed attempt; the store is SQLite in a temporary file, or PostgreSQL with `--pg`.
+fn claims(args: &[String]) {
+    let tasks = arg(args, "--tasks", 10_000);
+    let claimers = arg(args, "--claimers", 16).max(2);
+    let db = BenchDb::from_args(args);
+    let dir = std::env::temp_dir().join(format!("pier-bench-claims-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let spec = db.as_ref().map_or_else(|| dir.join("pier.db").display().to_string(), |d| d.url.clone());
+    let store = pier_host::store::open(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let mut plan = String::new();
+    for i in 0..tasks {
+        plan.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n\n"));
+    }
+    let plan = pier_host::plan::parse(&plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    store.create_run("bench", &plan, "bench").unwrap_or_else(|e| panic!("{e}"));
+    let next = Arc::new(AtomicU64::new(0));
+    let won = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..claimers)
+        .map(|c| {
+            let (store, next, won) = (store.clone(), next.clone(), won.clone());
+            std::thread::spawn(move || {
+                let owner = format!("claimer-{c}");
+                loop {
+                    // Two claimers per task: the pair (2k, 2k+1) both try task k.
+                    let i = next.fetch_add(1, Ordering::Relaxed) / 2;
+                    if i >= tasks {
+                        return;
+                    }
+                    let far = pier_host::store::now_ms() + 600_000;
+                    if let Ok(Some((attempt, _))) = store.claim("bench", &format!("t{i}"), &owner, far) {
+                        won.fetch_add(1, Ordering::Relaxed);
+                        let done = pier_host::Ending::Completed { result: String::new(), usage: None };
+                        let _ = store.finish(&attempt, &done, None);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let won = won.load(Ordering::Relaxed);
+    drop(store);
+    drop(db);
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "{}",
+        json!({"tasks": tasks, "claimers": claimers, "claimed": won, "seconds": seconds,
+               "store": if spec.starts_with("postgres") { "postgres" } else { "sqlite" },
+               "claims_per_s": won as f64 / seconds})
     );
 }
 
@@ -946,6 +1056,7 @@ async fn main() {
         Some("floor") => floor(opts),
         Some("host") => host(opts, cmd).await,
         Some("serve") => serve_runs(opts, cmd).await,
+        Some("claims") => claims(opts),
         Some("log") => log(opts, cmd.first().map_or("bench.db", String::as_str)),
         Some("replay") => replay(opts, cmd.first().map_or("http://127.0.0.1:8477", String::as_str)).await,
         Some("echo") => echo(),
@@ -953,7 +1064,7 @@ async fn main() {
         Some("sessions") => sessions(opts, cmd).await,
         Some("stream") => stream(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host -- PIER | serve [--runs N] [--tasks N] [--concurrency N] -- PIER | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),
     }
 }

@@ -34,6 +34,9 @@ pub struct HostConfig {
     pub concurrency: usize,
     /// This host's identity in leases: `HOST:PID:RANDOM`.
     pub owner: String,
+    /// This host's name among `pier serve` nodes (run leases, `GET /nodes`): `--node-id`,
+    /// by default `HOST-PID`.
+    pub node: String,
     pub lease_ttl: Duration,
     pub retry_base: Duration,
     pub cancel_grace: Duration,
@@ -43,6 +46,10 @@ pub struct HostConfig {
 impl HostConfig {
     pub fn owner_id() -> String {
         format!("{}:{}:{}", hostname(), std::process::id(), uuid::Uuid::new_v4().simple())
+    }
+
+    pub fn node_id() -> String {
+        format!("{}-{}", hostname(), std::process::id())
     }
 }
 
@@ -82,7 +89,9 @@ pub fn is_worker_task(t: &TaskRow) -> bool {
 pub enum Scope {
     /// One run, until no task of it can make progress (`pier run`).
     Run(String),
-    /// Every run of the store, until stopped (`pier serve`).
+    /// Every run of the store, until stopped (`pier serve`): each run is driven by one node
+    /// at a time, the holder of its run lease (`TaskStore::lease_runs`, renewed every third
+    /// of the lease time), and handed back when the host stops.
     All,
 }
 
@@ -128,6 +137,9 @@ impl Host {
         let mut commits = self.store.subscribe();
         commits.borrow_and_update();
         let mut view = View::load(&self.store, scope).await?;
+        let leasing = *scope == Scope::All;
+        let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
+        let mut next_lease = tokio::time::Instant::now();
         let mut attempts: JoinSet<(Key, Option<StoreError>)> = JoinSet::new();
         let mut active: HashMap<Key, CancellationToken> = HashMap::new();
         let mut fatal: Option<StoreError> = None;
@@ -136,6 +148,12 @@ impl Host {
         let mut next_wake: Option<i64> = None;
         loop {
             dirty |= view.refresh(&self.store).await?;
+            if leasing && (tokio::time::Instant::now() >= next_lease || view.unleased_run_seen) {
+                let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
+                let held = blocking(&self.store, move |s| s.lease_runs(&node, until)).await?;
+                dirty |= view.set_held(held);
+                next_lease = tokio::time::Instant::now() + lease_every;
+            }
             // An attempt whose task ended under it (a person's cancel) stops now, through the
             // cancel handshake, not when its next heartbeat finds out.
             for (key, token) in &active {
@@ -144,6 +162,15 @@ impl Host {
                 }
             }
             if stop.is_cancelled() || fatal.is_some() {
+                if leasing {
+                    // The runs go back first, so another node takes them as the attempts
+                    // cancelled here put their tasks back (it sees them become pending),
+                    // without waiting for the leases to expire.
+                    let node = self.config.node.clone();
+                    if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
+                        tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
+                    }
+                }
                 for token in active.values() {
                     token.cancel();
                 }
@@ -190,6 +217,7 @@ impl Host {
                     },
                 },
                 _ = tokio::time::sleep(sleep) => HostEvent::Due,
+                _ = tokio::time::sleep_until(next_lease), if leasing => HostEvent::Due,
                 _ = stop.cancelled() => HostEvent::Stop,
             };
             match event {
@@ -365,6 +393,11 @@ impl RunView {
 struct View {
     scope: Scope,
     runs: BTreeMap<String, RunView>,
+    /// With run leases (`Scope::All`), the runs this host drives; the others are only watched.
+    held: Option<HashSet<String>>,
+    /// A run appeared that this host does not drive, or a task of one went back to the
+    /// queue: ask for leases without waiting for the next renewal.
+    unleased_run_seen: bool,
     /// The event sequence the rows are current to.
     seq: i64,
     /// Tasks seen failing or being cancelled; dependents are looked for only when this grows.
@@ -397,8 +430,15 @@ impl View {
             Ok((out, seq))
         })
         .await?;
-        let mut view =
-            View { scope: scope.clone(), runs: BTreeMap::new(), seq, bad_endings: 0, bad_endings_checked: usize::MAX };
+        let mut view = View {
+            scope: scope.clone(),
+            runs: BTreeMap::new(),
+            held: (*scope == Scope::All).then(HashSet::new),
+            unleased_run_seen: false,
+            seq,
+            bad_endings: 0,
+            bad_endings_checked: usize::MAX,
+        };
         for tasks in runs {
             for t in tasks {
                 view.put(t);
@@ -424,6 +464,24 @@ impl View {
 
     fn get(&self, run: &str, task: &str) -> Option<&TaskRow> {
         self.runs.get(run)?.get(task)
+    }
+
+    /// The runs this host drives (all of them without run leases).
+    fn driven(&self) -> impl Iterator<Item = (&String, &RunView)> {
+        self.runs.iter().filter(|(run, _)| self.held.as_ref().is_none_or(|h| h.contains(*run)))
+    }
+
+    /// Takes the runs this host now drives; true if that changed.
+    fn set_held(&mut self, held: Vec<String>) -> bool {
+        self.unleased_run_seen = false;
+        let held: HashSet<String> = held.into_iter().collect();
+        let changed = self.held.as_ref() != Some(&held);
+        if changed {
+            // A run taken over may have failures whose dependents nobody cancelled yet.
+            self.bad_endings_checked = usize::MAX;
+        }
+        self.held = Some(held);
+        changed
     }
 
     fn set_busy(&mut self, (run, task): &Key, busy: bool) {
@@ -452,10 +510,18 @@ impl View {
                 continue;
             }
             if !self.runs.contains_key(&row.run_id) {
+                if self.held.as_ref().is_some_and(|h| !h.contains(&row.run_id)) {
+                    self.unleased_run_seen = true;
+                }
                 new_runs.insert(row.run_id.clone());
                 continue;
             }
             if self.get(&row.run_id, &row.id).is_none_or(|old| old.version != row.version) {
+                // A task of a run another node drives went back to the queue: that node may
+                // have handed the run back; ask for leases now rather than at the next renewal.
+                if row.state == TaskState::Pending && self.held.as_ref().is_some_and(|h| !h.contains(&row.run_id)) {
+                    self.unleased_run_seen = true;
+                }
                 moved = true;
                 self.put(row);
             }
@@ -476,7 +542,7 @@ impl View {
         if room == 0 {
             return out;
         }
-        for (run, r) in &self.runs {
+        for (run, r) in self.driven() {
             for t in r.unfinished() {
                 if t.state == TaskState::Pending
                     && t.not_before_ms <= now
@@ -497,7 +563,7 @@ impl View {
     /// Attempts held by someone else that look lost in the view.
     fn suspects(&self, now: i64) -> Vec<Key> {
         let mut out = Vec::new();
-        for (run, r) in &self.runs {
+        for (run, r) in self.driven() {
             for t in r.unfinished() {
                 if !r.busy.contains(&t.id) && lost_by(t, now).is_some() {
                     out.push((run.clone(), t.id.clone()));
@@ -511,7 +577,7 @@ impl View {
     /// lease held elsewhere.
     fn next_wake(&self, now: i64) -> Option<i64> {
         let mut next: Option<i64> = None;
-        for r in self.runs.values() {
+        for (_, r) in self.driven() {
             for t in r.unfinished() {
                 let due = match t.state {
                     TaskState::Pending if t.not_before_ms > now && !is_worker_task(t) && r.ready(t) => {
@@ -538,7 +604,7 @@ impl View {
         }
         self.bad_endings_checked = self.bad_endings;
         let mut out = Vec::new();
-        for (run, r) in &self.runs {
+        for (run, r) in self.driven() {
             let mut dependents: HashMap<&str, Vec<&str>> = HashMap::new();
             for t in r.unfinished().filter(|t| t.state == TaskState::Pending) {
                 for d in &t.spec.depends_on {

@@ -381,3 +381,34 @@ fn check_whole(path: &str, round: i64) {
         assert_eq!(live, t.lease_owner.is_some(), "round {round}: {} lease vs state {:?}", t.id, t.state);
     }
 }
+
+#[test]
+fn a_run_is_driven_by_one_live_node_and_handed_back_when_it_leaves() {
+    each(|name, s| {
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("r2", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let now = pier_host::store::now_ms();
+        // Alone, a node drives every unfinished run.
+        let one = s.lease_runs("one", now + 60_000).unwrap_or_default();
+        assert_eq!(one, ["r", "r2"], "{name}");
+        // A second node gets nothing held by a live node; the first hands back beyond its
+        // share on its next renewal, which the second then takes.
+        assert_eq!(s.lease_runs("two", now + 60_000).unwrap_or_default(), Vec::<String>::new(), "{name}");
+        assert_eq!(s.lease_runs("one", now + 60_000).unwrap_or_default(), ["r"], "{name}");
+        assert_eq!(s.lease_runs("two", now + 60_000).unwrap_or_default(), ["r2"], "{name}");
+        let nodes = s.nodes().unwrap_or_default();
+        let runs: Vec<(&str, Vec<String>)> = nodes.iter().map(|n| (n.id.as_str(), n.runs.clone())).collect();
+        assert_eq!(runs, [("one", vec!["r".to_owned()]), ("two", vec!["r2".to_owned()])], "{name}");
+        // A node that leaves hands its runs back at once; one that dies, when its lease expires.
+        s.release_runs("one").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.lease_runs("two", now - 1).unwrap_or_default(), ["r", "r2"], "{name}");
+        // Two's renewal came too late (its lease had passed): a third node takes both.
+        assert_eq!(s.lease_runs("three", now + 60_000).unwrap_or_default(), ["r", "r2"], "{name}");
+        // A finished run is nobody's.
+        let a = claim(s, "a", "w");
+        s.finish(&a, &done(), None).unwrap_or_else(|e| panic!("{e}"));
+        let b = claim(s, "b", "w");
+        s.finish(&b, &done(), None).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!s.lease_runs("three", now + 60_000).unwrap_or_default().contains(&"r".to_owned()), "{name}");
+    });
+}

@@ -64,6 +64,7 @@ fn config() -> HostConfig {
         base_dir: PathBuf::from("/tmp"),
         concurrency: 1,
         owner: "test".into(),
+        node: "test".into(),
         lease_ttl: Duration::from_secs(15),
         retry_base: Duration::from_secs(1),
         cancel_grace: Duration::from_secs(1),

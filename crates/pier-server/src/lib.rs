@@ -226,6 +226,7 @@ pub fn router(app: Shared) -> Router {
         .route("/runs/{run}/tasks/{task}/update", post(update))
         .route("/lease", post(lease))
         .route("/events", get(events))
+        .route("/nodes", get(list_nodes))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
 }
@@ -298,6 +299,12 @@ async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
     })
     .await?;
     Ok(Json(json!({"runs": runs})))
+}
+
+/// The live `pier serve` nodes on this store, each with the runs it drives and its last heartbeat.
+async fn list_nodes(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let nodes = blocking(&app, |s| s.nodes()).await?;
+    Ok(Json(json!({"node": app.config.node, "nodes": nodes})))
 }
 
 /// The tasks of a run that must exist.

@@ -261,6 +261,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         base_dir,
         concurrency: args.concurrency.max(1),
         owner: HostConfig::owner_id(),
+        node: HostConfig::node_id(),
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         retry_base: Duration::from_millis(args.retry_base_ms),
         cancel_grace: Duration::from_millis(args.cancel_grace_ms),

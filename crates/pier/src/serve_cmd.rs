@@ -27,6 +27,9 @@ pub struct ServeArgs {
     /// `sqlite://PATH` or a path [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long)]
     store: Option<String>,
+    /// This node's name among the nodes sharing the store (`GET /nodes`) [default: HOST-PID]
+    #[arg(long)]
+    node_id: Option<String>,
     /// Lease time-to-live in milliseconds; renewed every third of it. Another node takes
     /// an attempt back this long after its host died
     #[arg(long, default_value_t = 15_000, hide = true)]
@@ -66,6 +69,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         base_dir: here,
         concurrency: args.concurrency.max(1),
         owner: HostConfig::owner_id(),
+        node: match &args.node_id {
+            Some(n) if n.trim().is_empty() => {
+                anyhow::bail!("--node-id is empty: give this node a name, or leave it out")
+            }
+            Some(n) => n.clone(),
+            None => HostConfig::node_id(),
+        },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         retry_base: Duration::from_secs(1),
         cancel_grace: Duration::from_secs(5),

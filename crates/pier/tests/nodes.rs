@@ -29,9 +29,13 @@ struct Node {
 
 /// Starts a node on the shared store `db` (a path or a URL), with its own home under `dir`.
 async fn node(dir: &Path, name: &str, db: &str, model: &str, lease_ms: u64) -> Node {
+    node_named(dir, name, db, model, lease_ms, &format!("node-{name}")).await
+}
+
+async fn node_named(dir: &Path, name: &str, db: &str, model: &str, lease_ms: u64, id: &str) -> Node {
     let home = dir.join(name);
     let mut cmd = Command::new(PIER);
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN, "--concurrency", "4"])
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN, "--concurrency", "4", "--node-id", id])
         .arg("--store")
         .arg(db)
         .args(["--lease-ttl-ms", &lease_ms.to_string()])
@@ -407,4 +411,70 @@ async fn a_postgres_restart_mid_run_loses_and_doubles_nothing() {
         assert!(outages <= 1, "one line per outage, not a flood: {lines:#?}");
         node.stop().await;
     }
+}
+
+async fn nodes_of(n: &Node) -> Value {
+    let resp = reqwest::Client::new().get(format!("{}/nodes", n.base)).bearer_auth(TOKEN).send().await;
+    let text = must(must(resp, "GET /nodes").text().await, "nodes body");
+    must(serde_json::from_str(&text), "nodes json")
+}
+
+/// The runs node `id` drives, as `GET /nodes` on `n` says.
+async fn runs_of(n: &Node, id: &str) -> Vec<String> {
+    let nodes = nodes_of(n).await;
+    let node = nodes["nodes"].as_array().and_then(|a| a.iter().find(|x| x["id"] == id)).cloned().unwrap_or_default();
+    node["runs"]
+        .as_array()
+        .map(|r| r.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn one_node_drives_a_run_and_its_sigterm_hands_the_run_over_at_once() {
+    let f = must(FakeModel::start().await, "fake");
+    let gate = pier_fake_model::Gate::new();
+    let held = gate.clone();
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Gate(held.clone()));
+        }
+        reply
+    });
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = Database::new();
+    // Leases far longer than the test: the run can change hands only by being handed over.
+    let lease = 120_000;
+    let mut a = node_named(dir.path(), "a", &db.url, &f.base_url(), lease, "node-a").await;
+    a.submit(&plan(4), "four").await;
+    tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await.unwrap_or_else(|_| panic!("no task started"));
+    let b = node_named(dir.path(), "b", &db.url, &f.base_url(), lease, "node-b").await;
+    assert_eq!(runs_of(&b, "node-a").await, ["four"]);
+    assert_eq!(runs_of(&b, "node-b").await, Vec::<String>::new(), "a live node's run is not taken");
+    // SIGTERM: a stops its agents (the attempts go back to the queue) and hands the run back;
+    // the attempts b starts then are answered at once.
+    f.set_fallback(echo);
+    if let Some(pid) = a.child.id() {
+        must(
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM),
+            "SIGTERM",
+        );
+    }
+    must(must(tokio::time::timeout(LIMIT, a.child.wait()).await, "a stopped in time"), "wait");
+    drop(gate);
+    let mut done = 0;
+    b.events(
+        |e| {
+            done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+            done == 4
+        },
+        true,
+    )
+    .await;
+    let nodes = nodes_of(&b).await;
+    let ids: Vec<&str> =
+        nodes["nodes"].as_array().map(|a| a.iter().filter_map(|n| n["id"].as_str()).collect()).unwrap_or_default();
+    assert_eq!(ids, ["node-b"], "a node that stopped is not listed: {nodes}");
+    assert!(nodes["nodes"][0]["heartbeat_at_ms"].as_i64().is_some_and(|t| t > 0), "{nodes}");
+    b.stop().await;
 }

@@ -301,6 +301,18 @@ impl Idem {
     }
 }
 
+/// A host node (a `pier serve` process driving runs) as the store knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NodeRow {
+    pub id: String,
+    pub started_at_ms: i64,
+    pub heartbeat_at_ms: i64,
+    /// Past this without a heartbeat, its runs are another node's to take.
+    pub expires_at_ms: i64,
+    /// The runs it drives (holds the run lease of).
+    pub runs: Vec<String>,
+}
+
 /// A question for a person, as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Question {
@@ -374,6 +386,14 @@ pub trait TaskStore: Send + Sync + 'static {
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
     /// Every run id, oldest first.
     fn run_ids(&self) -> Result<Vec<String>, StoreError>;
+    /// Renews node `node`'s presence and its run leases until `until_ms`, hands back runs
+    /// beyond its fair share and takes free or expired ones up to it; the runs it drives.
+    /// Exactly one live node holds a run's lease at a time.
+    fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError>;
+    /// Node `node` stops: its runs are handed back at once.
+    fn release_runs(&self, node: &str) -> Result<(), StoreError>;
+    /// The live nodes and the runs each drives.
+    fn nodes(&self) -> Result<Vec<NodeRow>, StoreError>;
     /// The last committed event sequence, changed on every commit: this process's at once,
     /// other processes' (sharing the store) within the backend's watch interval.
     fn subscribe(&self) -> watch::Receiver<i64>;

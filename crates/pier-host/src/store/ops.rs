@@ -47,6 +47,8 @@ pub(super) trait Tx {
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
     /// Appends a side effect to an attempt's evidence.
     fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError>;
+    /// The first column of every row, as text.
+    fn strings(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<String>, StoreError>;
 }
 
 /// A task row's plain columns; the JSON ones are filled in by [`decode`].
@@ -498,4 +500,80 @@ pub(super) fn append_events(
         last = tx.event(run, task.as_deref(), kind, data)?;
     }
     Ok((last, last))
+}
+
+/// Renews node `node` and the run leases it holds until `until`, hands back runs beyond its
+/// fair share (the unfinished runs over the live nodes, rounded up) and takes free or
+/// expired ones up to it. Returns the runs it holds.
+pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
+    let now = now_ms();
+    tx.exec(
+        "INSERT INTO nodes (id, started_at_ms, heartbeat_at_ms, expires_at_ms) VALUES (?1, ?2, ?2, ?3)
+         ON CONFLICT (id) DO UPDATE SET heartbeat_at_ms = ?2, expires_at_ms = ?3",
+        &[Arg::Text(node), Arg::Int(now), Arg::Int(until)],
+    )?;
+    tx.exec(
+        "DELETE FROM run_leases WHERE owner = ?1 AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = run_leases.run_id
+             AND t.state IN ('pending', 'running', 'awaiting_input'))",
+        &[Arg::Text(node)],
+    )?;
+    tx.exec("UPDATE run_leases SET expires_at_ms = ?2 WHERE owner = ?1", &[Arg::Text(node), Arg::Int(until)])?;
+    let live = tx.int("SELECT COUNT(*) FROM nodes WHERE expires_at_ms >= ?1", &[Arg::Int(now)])?.unwrap_or(1).max(1);
+    let active = tx
+        .int("SELECT COUNT(DISTINCT run_id) FROM tasks WHERE state IN ('pending', 'running', 'awaiting_input')", &[])?
+        .unwrap_or(0);
+    let share = ((active + live - 1) / live) as usize;
+    let mine = tx.strings("SELECT run_id FROM run_leases WHERE owner = ?1 ORDER BY run_id", &[Arg::Text(node)])?;
+    // Beyond its share: the newest runs go back, for a node that joined to take.
+    for run in mine.iter().skip(share) {
+        tx.exec("DELETE FROM run_leases WHERE owner = ?1 AND run_id = ?2", &[Arg::Text(node), Arg::Text(run)])?;
+    }
+    if mine.len() < share {
+        let free = tx.strings(
+            "SELECT DISTINCT t.run_id FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
+             WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)
+             ORDER BY t.run_id LIMIT ?2",
+            &[Arg::Int(now), Arg::Int((share - mine.len()) as i64)],
+        )?;
+        for run in &free {
+            // Fenced on the expiry: of two nodes taking one run, one gets it.
+            tx.exec(
+                "INSERT INTO run_leases (run_id, owner, expires_at_ms) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (run_id) DO UPDATE SET owner = ?2, expires_at_ms = ?3 WHERE run_leases.expires_at_ms < ?4",
+                &[Arg::Text(run), Arg::Text(node), Arg::Int(until), Arg::Int(now)],
+            )?;
+        }
+    }
+    let held = tx.strings("SELECT run_id FROM run_leases WHERE owner = ?1 ORDER BY run_id", &[Arg::Text(node)])?;
+    Ok((held, 0))
+}
+
+/// Node `node` leaves: its run leases go back at once, and it is no longer listed.
+pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), StoreError> {
+    tx.exec("DELETE FROM run_leases WHERE owner = ?1", &[Arg::Text(node)])?;
+    tx.exec("DELETE FROM nodes WHERE id = ?1", &[Arg::Text(node)])?;
+    Ok(((), 0))
+}
+
+/// The live nodes, each with the runs it drives.
+pub(super) fn nodes(tx: &mut dyn Tx) -> Result<(Vec<super::NodeRow>, i64), StoreError> {
+    let now = now_ms();
+    let ids = tx.strings("SELECT id FROM nodes WHERE expires_at_ms >= ?1 ORDER BY id", &[Arg::Int(now)])?;
+    let mut out = Vec::new();
+    for id in ids {
+        let times = tx
+            .texts(
+                "SELECT CAST(started_at_ms AS TEXT), CAST(heartbeat_at_ms AS TEXT), CAST(expires_at_ms AS TEXT)
+                 FROM nodes WHERE id = ?1",
+                &[Arg::Text(&id)],
+            )?
+            .unwrap_or_default();
+        let at = |i: usize| times.get(i).cloned().flatten().and_then(|t| t.parse().ok()).unwrap_or(0);
+        let runs = tx.strings(
+            "SELECT run_id FROM run_leases WHERE owner = ?1 AND expires_at_ms >= ?2 ORDER BY run_id",
+            &[Arg::Text(&id), Arg::Int(now)],
+        )?;
+        out.push(super::NodeRow { id, started_at_ms: at(0), heartbeat_at_ms: at(1), expires_at_ms: at(2), runs });
+    }
+    Ok((out, 0))
 }

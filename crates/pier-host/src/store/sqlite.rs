@@ -134,6 +134,21 @@ CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending';
 ALTER TABLE updates ADD COLUMN request TEXT;
 CREATE INDEX tasks_unfinished ON tasks(run_id, ord) WHERE state IN ('pending', 'running', 'awaiting_input');
 "#,
+    // `pier serve` nodes and the runs each drives.
+    r#"
+CREATE TABLE nodes (
+    id TEXT PRIMARY KEY,
+    started_at_ms INTEGER NOT NULL,
+    heartbeat_at_ms INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+);
+CREATE TABLE run_leases (
+    run_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+);
+CREATE INDEX run_leases_by_owner ON run_leases(owner);
+"#,
 ];
 
 /// How often the watcher asks SQLite whether another process committed.
@@ -558,6 +573,20 @@ impl TaskStore for SqliteStore {
         self.read(|c| Ok(c.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?))
     }
 
+    fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
+        let node = node.to_owned();
+        self.write(move |tx| ops::lease_runs(tx, &node, until_ms))
+    }
+
+    fn release_runs(&self, node: &str) -> Result<(), StoreError> {
+        let node = node.to_owned();
+        self.write(move |tx| ops::release_runs(tx, &node))
+    }
+
+    fn nodes(&self) -> Result<Vec<super::NodeRow>, StoreError> {
+        self.write(ops::nodes)
+    }
+
     fn subscribe(&self) -> watch::Receiver<i64> {
         self.watching.call_once(|| self.watch_others());
         self.seq_tx.subscribe()
@@ -650,6 +679,12 @@ impl Tx for SqliteTx<'_> {
             .prepare_cached("INSERT INTO events (run_id, task_id, type, at_ms, data) VALUES (?1, ?2, ?3, ?4, ?5)")?
             .execute(params![run, task, kind, super::now_ms(), data.to_string()])?;
         Ok(self.0.last_insert_rowid())
+    }
+
+    fn strings(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<String>, StoreError> {
+        let mut stmt = self.0.prepare_cached(sql)?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| r.get(0))?;
+        Ok(rows.collect::<Result<Vec<String>, _>>()?)
     }
 
     fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError> {
