@@ -91,6 +91,18 @@ fi
 # B5: the host end to end, the event log, and the SSE replay of 1,000,000 events.
 run B5-host-10000-tasks    "$bench" host --tasks 10000 --concurrency 8 -- "$pier"
 run B5-serve-10x1000-tasks "$bench" serve --runs 10 --tasks 1000 --concurrency 8 -- "$pier"
+# B5 on PostgreSQL: a throw-away cluster of this run (scripts/pg), beside SQLite above.
+if wanted B5-pg; then
+  pgdir="$work/pg"; mkdir -p "$pgdir"; chmod 755 "$work" "$pgdir"
+  pg="$(scripts/pg start "$pgdir")"
+  trap 'scripts/pg stop "$pgdir"; cleanup' EXIT
+  run B5-pg-host-10000-tasks "$bench" host --tasks 10000 --concurrency 8 --pg "$pg" -- "$pier"
+  for n in 1 2 3; do
+    run "B5-pg-serve-10x1000-tasks-${n}-nodes" "$bench" serve --runs 10 --tasks 1000 --concurrency 8 --nodes "$n" --pg "$pg" -- "$pier"
+  done
+  run B5-claims-sqlite       "$bench" claims --tasks 10000 --claimers 16
+  run B5-pg-claims           "$bench" claims --tasks 10000 --claimers 16 --pg "$pg"
+fi
 run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
 if wanted B5-sse; then
   "$bench" log --writers 1 --appends 1 --fill 1000000 -- "$work/replay.db" >/dev/null
