@@ -373,7 +373,9 @@ struct Pending {
 
 /// The open transaction: statements go through the connection's cache; events wait for the commit.
 struct PgTx<'c> {
-    tx: tokio_postgres::Transaction<'c>,
+    /// In a transaction this code opened (`BEGIN`) and ends (`COMMIT`, or by dropping the
+    /// connection): no `Transaction` guard, so both ride with other statements.
+    tx: &'c Client,
     statements: &'c mut HashMap<&'static str, Statement>,
     events: Vec<Pending>,
     /// The last statement failed in a way that rolled the transaction back: run it again.
@@ -738,20 +740,18 @@ enum Group {
 /// counter row, writes them with one `UNNEST`, rings the doorbell and commits.
 fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>) -> Group {
     let Conn { client, statements } = c;
-    let tx = match block_on(client.transaction()) {
-        Ok(tx) => tx,
-        Err(e) => return Group::Lost { jobs, error: (&e).into() },
-    };
-    let mut t = PgTx { tx, statements, events: Vec::new(), retry: false };
+    // Each job runs in savepoint `job`; releasing one and opening the next is one round trip.
+    // A group that fails before its `COMMIT` is abandoned with its connection (the caller
+    // drops it), which rolls it back.
+    if let Err(e) = block_on(client.batch_execute("BEGIN; SAVEPOINT job")) {
+        return Group::Lost { jobs, error: (&e).into() };
+    }
+    let mut t = PgTx { tx: client, statements, events: Vec::new(), retry: false };
     // (job, its first event's index, one past its last).
     let mut ran: Vec<(Box<dyn Job>, usize, usize)> = Vec::with_capacity(jobs.len());
     let mut failed = Vec::new();
     let mut again = Vec::new();
     let mut rest = jobs.into_iter();
-    // Each job runs in savepoint `job`; releasing one and opening the next is one round trip.
-    if let Err(e) = block_on(t.tx.batch_execute("SAVEPOINT job")) {
-        return Group::Lost { jobs: rest.collect(), error: (&e).into() };
-    }
     while let Some(mut job) = rest.next() {
         let before = t.events.len();
         t.retry = false;
@@ -791,15 +791,14 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>) -> Group {
             jobs.extend(again);
             jobs
         };
-    let mut first = 0;
-    let mut last = 0;
-    if !t.events.is_empty() {
-        match number_events(&mut t) {
-            Ok((f, l)) => (first, last) = (f, l),
-            Err(e) => return Group::Lost { jobs: all(ran, failed, again), error: e },
-        }
-    }
-    if let Err(e) = block_on(t.tx.commit()) {
+    // The events are numbered and the transaction committed in one round trip (pipelined):
+    // if numbering fails, PostgreSQL turns the `COMMIT` behind it into a rollback.
+    let (numbered, committed) = number_and_commit(&mut t);
+    let (first, last) = match numbered {
+        Ok(range) => range,
+        Err(e) => return Group::Lost { jobs: all(ran, failed, again), error: e },
+    };
+    if let Err(e) = committed {
         let error = StoreError::Db(format!("{}; the change may or may not have been committed", describe(&e)));
         return Group::Unknown { jobs: all(ran, failed, again), error };
     }
@@ -808,26 +807,35 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>) -> Group {
     Group::Committed { done, failed, again, last }
 }
 
-/// Numbers the transaction's buffered events from the counter row and writes them:
-/// (the first sequence, the last).
-fn number_events(t: &mut PgTx<'_>) -> Result<(i64, i64), StoreError> {
+/// Numbers the transaction's buffered events from the counter row, writes them and rings
+/// the doorbell in one prepared statement, with the `COMMIT` sent right behind it:
+/// ((the first sequence, the last) or `(0, 0)` without events, the commit's outcome).
+#[allow(clippy::type_complexity)]
+fn number_and_commit(t: &mut PgTx<'_>) -> (Result<(i64, i64), StoreError>, Result<(), tokio_postgres::Error>) {
+    const NUMBER: &str = "WITH c AS (UPDATE pier_seq SET n = n + ?1 WHERE id = 1 RETURNING n),
+         e AS (INSERT INTO events (seq, run_id, task_id, type, at_ms, data)
+               SELECT (SELECT n FROM c) - ?1 + u.ord, u.run_id, u.task_id, u.type, u.at_ms, u.data
+               FROM UNNEST(?2::text[], ?3::text[], ?4::text[], ?5::bigint[], ?6::text[]) WITH ORDINALITY
+                   AS u(run_id, task_id, type, at_ms, data, ord))
+         SELECT n, pg_notify('pier_commits', n::text)::text FROM c";
+    if t.events.is_empty() {
+        return (Ok((0, 0)), block_on(t.tx.batch_execute("COMMIT")));
+    }
+    let statement = match t.prepared(NUMBER) {
+        Ok(s) => s,
+        Err(e) => return (Err(e), Ok(())),
+    };
     let k = t.events.len() as i64;
-    let last: i64 =
-        block_on(t.tx.query_one("UPDATE pier_seq SET n = n + $1 WHERE id = 1 RETURNING n", &[&k]))?.try_get(0)?;
-    let first = last - k + 1;
-    let seqs: Vec<i64> = (first..=last).collect();
     let runs: Vec<&str> = t.events.iter().map(|e| e.run.as_str()).collect();
     let tasks: Vec<Option<&str>> = t.events.iter().map(|e| e.task.as_deref()).collect();
     let kinds: Vec<&str> = t.events.iter().map(|e| e.kind.as_str()).collect();
     let ats: Vec<i64> = t.events.iter().map(|e| e.at_ms).collect();
     let datas: Vec<&str> = t.events.iter().map(|e| e.data.as_str()).collect();
-    block_on(t.tx.execute(
-        "INSERT INTO events (seq, run_id, task_id, type, at_ms, data)
-         SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[])",
-        &[&seqs as &(dyn ToSql + Sync), &runs, &tasks, &kinds, &ats, &datas],
-    ))?;
-    block_on(t.tx.execute("SELECT pg_notify('pier_commits', $1)", &[&last.to_string()]))?;
-    Ok((first, last))
+    let params: [&(dyn ToSql + Sync); 6] = [&k, &runs, &tasks, &kinds, &ats, &datas];
+    let (row, committed) =
+        block_on(futures::future::join(t.tx.query_one(&statement, &params), t.tx.batch_execute("COMMIT")));
+    let last = row.and_then(|r| r.try_get::<_, i64>(0)).map_err(|e| StoreError::from(&e));
+    (last.map(|last| (last - k + 1, last)), committed)
 }
 
 impl Drop for PgStore {
