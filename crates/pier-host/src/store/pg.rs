@@ -10,7 +10,7 @@
 //! runs and numbered at its end from a single counter row (`pier_seq`), incremented in the
 //! same transaction just before `COMMIT`: the counter's row lock orders commits, and a
 //! reader that saw `seq N` committed has seen every event up to `N`. The lock is held only
-//! for the last two statements and the commit's WAL flush.
+//! for the group's last statement and the commit's WAL flush.
 //!
 //! Wake-ups: every commit that wrote events sends `NOTIFY pier_commits`; a listener
 //! re-reads the counter on each notification and on a slow timer ([`WATCH_INTERVAL`]),
