@@ -43,30 +43,10 @@ fn text_arg<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
 }
 
 /// With `--pg SERVER`, a fresh database on that PostgreSQL server for one measurement
-/// (dropped with the guard); without, `None` (the SQLite default).
-struct BenchDb {
-    server: String,
-    name: String,
-    url: String,
-}
-
-impl BenchDb {
-    fn from_args(args: &[String]) -> Option<BenchDb> {
-        let server = text_arg(args, "--pg")?.to_owned();
-        let name = format!(
-            "pier_bench_{}_{}",
-            std::process::id(),
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
-        );
-        let url = pier_host::PgStore::create_database(&server, &name).unwrap_or_else(|e| panic!("--pg: {e}"));
-        Some(BenchDb { server, name, url })
-    }
-}
-
-impl Drop for BenchDb {
-    fn drop(&mut self) {
-        let _ = pier_host::PgStore::drop_database(&self.server, &self.name);
-    }
+/// (dropped with it); without, `None` (the SQLite default).
+fn bench_db(args: &[String]) -> Option<pier_host::store::ScratchDatabase> {
+    let server = text_arg(args, "--pg")?;
+    Some(pier_host::store::ScratchDatabase::create(server, "pier_bench").unwrap_or_else(|e| panic!("--pg: {e}")))
 }
 
 fn arg(args: &[String], name: &str, default: u64) -> u64 {
@@ -440,8 +420,8 @@ async fn host(args: &[String], cmd: &[String]) {
         plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
     }
     write("plan.toml", plan);
-    let db = BenchDb::from_args(args);
-    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url.clone());
+    let db = bench_db(args);
+    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url().to_owned());
     let started = Instant::now();
     let out = tokio::process::Command::new(pier)
         .args(["run", "plan.toml", "--format", "json", "--concurrency", &concurrency.to_string()])
@@ -487,8 +467,8 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
         panic!("pier.toml: {e}");
     }
     let nodes = arg(args, "--nodes", 1).max(1);
-    let db = BenchDb::from_args(args);
-    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url.clone());
+    let db = bench_db(args);
+    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url().to_owned());
     let port = 20_000 + (std::process::id() % 20_000) as u16;
     let mut servers = Vec::new();
     let mut bases = Vec::new();
@@ -582,10 +562,10 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
 fn claims(args: &[String]) {
     let tasks = arg(args, "--tasks", 10_000);
     let claimers = arg(args, "--claimers", 16).max(2);
-    let db = BenchDb::from_args(args);
+    let db = bench_db(args);
     let dir = std::env::temp_dir().join(format!("pier-bench-claims-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let spec = db.as_ref().map_or_else(|| dir.join("pier.db").display().to_string(), |d| d.url.clone());
+    let spec = db.as_ref().map_or_else(|| dir.join("pier.db").display().to_string(), |d| d.url().to_owned());
     let store = pier_host::store::open(&spec).unwrap_or_else(|e| panic!("{e}"));
     let mut plan = String::new();
     for i in 0..tasks {

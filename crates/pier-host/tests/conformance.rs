@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use pier_host::plan::parse;
-use pier_host::{Attempt, Ending, ErrorClass, Idem, PgStore, StoreError, TaskState, TaskStore};
+use pier_host::{Attempt, Ending, ErrorClass, Idem, StoreError, TaskState, TaskStore};
 use serde_json::json;
 
 /// A fresh, empty store: its address (what `pier_host::store::open` takes) and what
@@ -25,25 +25,13 @@ fn sqlite() -> Fresh {
     Fresh { spec: dir.path().join("pier.db").display().to_string(), _keep: Box::new(dir) }
 }
 
-/// A database of its own on the test server, dropped afterwards.
-struct Database {
-    server: String,
-    name: String,
-}
-
-impl Drop for Database {
-    fn drop(&mut self) {
-        let _ = PgStore::drop_database(&self.server, &self.name);
-    }
-}
-
 fn postgres() -> Fresh {
     let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
         panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one with scripts/pg)")
     });
-    let name = format!("pier_conf_{}_{}", std::process::id(), fastrand::u64(..));
-    let spec = PgStore::create_database(&server, &name).unwrap_or_else(|e| panic!("PostgreSQL at PIER_TEST_PG: {e}"));
-    Fresh { spec, _keep: Box::new(Database { server, name }) }
+    let db = pier_host::store::ScratchDatabase::create(&server, "pier_conf")
+        .unwrap_or_else(|e| panic!("PostgreSQL at PIER_TEST_PG: {e}"));
+    Fresh { spec: db.url().to_owned(), _keep: Box::new(db) }
 }
 
 fn backends() -> Vec<(&'static str, Factory)> {

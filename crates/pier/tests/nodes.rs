@@ -127,30 +127,12 @@ impl Node {
     }
 }
 
-/// A database of its own on the test server, dropped at the end.
-struct Database {
-    server: String,
-    name: String,
-    url: String,
-}
-
-impl Database {
-    fn new() -> Database {
-        let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
-            panic!(
-                "PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one with scripts/pg)"
-            )
-        });
-        let name = format!("pier_nodes_{}_{}", std::process::id(), fastrand::u64(..));
-        let url = must(pier_host::PgStore::create_database(&server, &name), "a database on PIER_TEST_PG");
-        Database { server, name, url }
-    }
-}
-
-impl Drop for Database {
-    fn drop(&mut self) {
-        let _ = pier_host::PgStore::drop_database(&self.server, &self.name);
-    }
+/// A database of its own on the test server (`PIER_TEST_PG`), dropped at the end.
+fn database() -> pier_host::store::ScratchDatabase {
+    let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
+        panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one with scripts/pg)")
+    });
+    must(pier_host::store::ScratchDatabase::create(&server, "pier_nodes"), "a database on PIER_TEST_PG")
 }
 
 fn plan(n: usize) -> String {
@@ -205,8 +187,8 @@ async fn two_live_nodes_on_one_store_run_every_task_exactly_once() {
 #[tokio::test]
 async fn two_live_nodes_on_postgres_run_every_task_exactly_once() {
     let dir = must(tempfile::tempdir(), "dir");
-    let db = Database::new();
-    two_live_nodes(dir.path(), &db.url).await;
+    let db = database();
+    two_live_nodes(dir.path(), db.url()).await;
 }
 
 async fn two_live_nodes(dir: &Path, db: &str) {
@@ -435,13 +417,13 @@ async fn one_node_drives_a_run_and_its_sigterm_hands_the_run_over_at_once() {
         reply
     });
     let dir = must(tempfile::tempdir(), "dir");
-    let db = Database::new();
+    let db = database();
     // Leases far longer than the test: the run can change hands only by being handed over.
     let lease = 120_000;
-    let mut a = node_named(dir.path(), "a", &db.url, &f.base_url(), lease, "node-a").await;
+    let mut a = node_named(dir.path(), "a", db.url(), &f.base_url(), lease, "node-a").await;
     a.submit(&plan(4), "four").await;
     tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await.unwrap_or_else(|_| panic!("no task started"));
-    let b = node_named(dir.path(), "b", &db.url, &f.base_url(), lease, "node-b").await;
+    let b = node_named(dir.path(), "b", db.url(), &f.base_url(), lease, "node-b").await;
     assert_eq!(runs_of(&b, "node-a").await, ["four"]);
     assert_eq!(runs_of(&b, "node-b").await, Vec::<String>::new(), "a live node's run is not taken");
     // SIGTERM: a stops its agents (the attempts go back to the queue) and hands the run back;
@@ -602,12 +584,12 @@ async fn three_nodes_on_postgres_under_fifty_random_kills_complete_a_dag_exactly
         reply
     });
     let dir = must(tempfile::tempdir(), "dir");
-    let db = Database::new();
+    let db = database();
     let (model, lease) = (f.base_url(), 1_000);
     let names = ["a", "b", "c"];
     let mut nodes = Vec::new();
     for name in names {
-        nodes.push(node(dir.path(), name, &db.url, &model, lease).await);
+        nodes.push(node(dir.path(), name, db.url(), &model, lease).await);
     }
     let bases = std::sync::Arc::new(std::sync::Mutex::new(nodes.iter().map(|n| n.base.clone()).collect::<Vec<_>>()));
     nodes[0].submit(&dag(), "dag").await;
@@ -635,7 +617,7 @@ async fn three_nodes_on_postgres_under_fifty_random_kills_complete_a_dag_exactly
         let victim = rng.usize(..3);
         nodes[victim].kill();
         let _ = nodes[victim].child.wait().await;
-        nodes[victim] = node(dir.path(), names[victim], &db.url, &model, lease).await;
+        nodes[victim] = node(dir.path(), names[victim], db.url(), &model, lease).await;
         let mut b = bases.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         b[victim] = nodes[victim].base.clone();
         if victim > 0 {

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
 
-pub use pg::{PgStore, redacted};
+pub use pg::{PgStore, ScratchDatabase, redacted};
 pub use sqlite::SqliteStore;
 
 /// Opens the store `spec` names: `postgres://…` (or `postgresql://…`) is a [`PgStore`];

@@ -838,6 +838,37 @@ fn number_and_commit(t: &mut PgTx<'_>) -> (Result<(i64, i64), StoreError>, Resul
     (last.map(|last| (last - k + 1, last)), committed)
 }
 
+/// A database of its own on a PostgreSQL server, for one test or one measurement: created
+/// with a unique name and dropped (disconnecting whoever still uses it) when this is dropped.
+pub struct ScratchDatabase {
+    server: String,
+    name: String,
+    url: String,
+}
+
+impl ScratchDatabase {
+    /// Creates `PREFIX_PID_RANDOM` on the server at `server` (a URL to any of its databases, as
+    /// a user that may create databases).
+    pub fn create(server: &str, prefix: &str) -> Result<ScratchDatabase, StoreError> {
+        let name = format!("{prefix}_{}_{}", std::process::id(), uuid::Uuid::new_v4().simple());
+        let url = PgStore::create_database(server, &name)?;
+        Ok(ScratchDatabase { server: server.to_owned(), name, url })
+    }
+
+    /// The database's URL, for `--store` or [`super::open`].
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for ScratchDatabase {
+    fn drop(&mut self) {
+        if let Err(e) = PgStore::drop_database(&self.server, &self.name) {
+            tracing::warn!(database = %self.name, error = %e, "could not drop a scratch database");
+        }
+    }
+}
+
 impl Drop for PgStore {
     fn drop(&mut self) {
         if let Some(rt) = self.rt.take() {
