@@ -146,11 +146,31 @@ impl Host {
         let mut dirty = true;
         // When the next timer falls due, as of the last pass.
         let mut next_wake: Option<i64> = None;
+        // A store error that may pass (a database restarting, a commit whose answer was lost)
+        // costs a pass, not the host: it is logged and the pass runs again a second later.
+        // Only a full disk or a corrupt row, which no retry gets past, stops the host.
+        macro_rules! or_retry {
+            ($e:expr) => {
+                match $e {
+                    Ok(v) => v,
+                    Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => return Err(e),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a store operation failed; the host tries again in a second");
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                            _ = stop.cancelled() => {}
+                        }
+                        dirty = true;
+                        continue;
+                    }
+                }
+            };
+        }
         loop {
-            dirty |= view.refresh(&self.store).await?;
+            dirty |= or_retry!(view.refresh(&self.store).await);
             if leasing && (tokio::time::Instant::now() >= next_lease || view.unleased_run_seen) {
                 let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
-                let held = blocking(&self.store, move |s| s.lease_runs(&node, until)).await?;
+                let held = or_retry!(blocking(&self.store, move |s| s.lease_runs(&node, until)).await);
                 dirty |= view.set_held(held);
                 next_lease = tokio::time::Instant::now() + lease_every;
             }
@@ -188,7 +208,8 @@ impl Host {
             if dirty || next_wake.is_some_and(|w| w <= now) {
                 dirty = false;
                 // A change (which may cascade) is read afresh before anything starts.
-                if self.take_back_lost(&mut view, now).await? | self.cancel_doomed(&mut view).await? {
+                let lost = or_retry!(self.take_back_lost(&mut view, now).await);
+                if lost | or_retry!(self.cancel_doomed(&mut view).await) {
                     dirty = true;
                     continue;
                 }
