@@ -86,6 +86,22 @@ impl StoreError {
     }
 }
 
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Publishes `seq` on a store's commit watch if it is newer than what was published.
+fn publish(seq_tx: &watch::Sender<i64>, seq: i64) {
+    seq_tx.send_if_modified(|s| {
+        if seq > *s {
+            *s = seq;
+            true
+        } else {
+            false
+        }
+    });
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }

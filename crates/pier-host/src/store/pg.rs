@@ -23,7 +23,7 @@
 //! inside another runtime).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use futures::executor::block_on;
@@ -33,7 +33,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Config, NoTls, Statement};
 
 use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
-use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore};
+use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
 use crate::plan::Plan;
 
 /// How often the listener re-reads the counter when no notification came.
@@ -162,10 +162,6 @@ fn retryable(e: &tokio_postgres::Error) -> bool {
         ]
         .contains(c)
     }) || e.as_db_error().is_none() && e.to_string().contains("connection")
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The store's address without its password, for messages and logs.
@@ -485,13 +481,7 @@ impl PgStore {
     /// Connects to `url` (`postgres://USER@HOST/DB`; the password from the URL, `PGPASSWORD`
     /// or the passfile) and migrates the schema, once across nodes starting together.
     pub fn open(url: &str) -> Result<PgStore, StoreError> {
-        let mut config: Config =
-            url.parse().map_err(|e| StoreError::Db(format!("{} is not a PostgreSQL URL: {e}", redacted(url))))?;
-        if config.get_password().is_none()
-            && let Some(password) = password_for(&config)
-        {
-            config.password(password);
-        }
+        let mut config = parse_url(url)?;
         if config.get_application_name().is_none() {
             config.application_name("pier");
         }
@@ -883,8 +873,9 @@ impl From<&tokio_postgres::Error> for StoreError {
     }
 }
 
-/// One connection for an administrative statement, on a runtime of its own.
-fn connect_once(url: &str) -> Result<Client, StoreError> {
+/// The connection settings `url` names, with the password from `PGPASSWORD` or the
+/// passfile when the URL has none.
+fn parse_url(url: &str) -> Result<Config, StoreError> {
     let mut config: Config =
         url.parse().map_err(|e| StoreError::Db(format!("{} is not a PostgreSQL URL: {e}", redacted(url))))?;
     if config.get_password().is_none()
@@ -892,6 +883,12 @@ fn connect_once(url: &str) -> Result<Client, StoreError> {
     {
         config.password(password);
     }
+    Ok(config)
+}
+
+/// One connection for an administrative statement, on a runtime of its own.
+fn connect_once(url: &str) -> Result<Client, StoreError> {
+    let config = parse_url(url)?;
     let rt = ADMIN.get_or_init(|| {
         tokio::runtime::Builder::new_current_thread().enable_all().build().map(|rt| {
             let handle = rt.handle().clone();
@@ -959,17 +956,6 @@ fn password_for(config: &Config) -> Option<String> {
         let matches = [h, p, d, u].iter().zip(&wanted).all(|(f, w)| **f == "*" || *f == w);
         matches.then(|| password.to_string())
     })
-}
-
-fn publish(seq_tx: &watch::Sender<i64>, seq: i64) {
-    seq_tx.send_if_modified(|s| {
-        if seq > *s {
-            *s = seq;
-            true
-        } else {
-            false
-        }
-    });
 }
 
 /// Other nodes' commits: `LISTEN pier_commits` as a doorbell; the counter is the truth.

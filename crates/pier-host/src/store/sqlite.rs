@@ -17,7 +17,7 @@
 
 use std::path::Path;
 use std::sync::mpsc::TryRecvError;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use rusqlite::{Connection, OptionalExtension, params};
@@ -25,7 +25,7 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use super::ops::{self, Arg, RawTask, TASK_COLUMNS, Tx, decode_all, load_task, plain_row};
-use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore};
+use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
 use crate::plan::Plan;
 
 impl From<rusqlite::Error> for StoreError {
@@ -153,10 +153,6 @@ CREATE INDEX run_leases_by_owner ON run_leases(owner);
 
 /// How often the watcher asks SQLite whether another process committed.
 pub const WATCH_INTERVAL: Duration = Duration::from_millis(100);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// Runs `work` in a savepoint: kept if it succeeds, undone if it fails.
 fn savepoint<T>(
@@ -330,17 +326,6 @@ impl SqliteStore {
             tracing::warn!(error = %e, "cannot watch the store for other processes' commits");
         }
     }
-}
-
-fn publish(seq_tx: &watch::Sender<i64>, seq: i64) {
-    seq_tx.send_if_modified(|s| {
-        if seq > *s {
-            *s = seq;
-            true
-        } else {
-            false
-        }
-    });
 }
 
 /// `data_version` changes when another connection commits to the file; only then is the
