@@ -207,7 +207,13 @@ impl Engine {
             state.turns = state.turns.max(*turn);
             match record {
                 LogRecord::History { messages } => state.history.extend(messages.iter().cloned()),
-                LogRecord::Grant { key, allow } => state.grants.remember(key.clone(), *allow),
+                LogRecord::Grant { key, allow } => {
+                    state
+                        .grants
+                        .get_mut()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .remember(key.clone(), *allow);
+                }
                 LogRecord::Plan { entries } => state.plan = entries.clone(),
                 LogRecord::Setting { id, value } if id == "mode" => mode = value.parse().unwrap_or(mode),
                 _ => {}

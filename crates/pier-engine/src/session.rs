@@ -10,15 +10,19 @@
 //! Tool calls of one model message run one after another, in the order the model
 //! gave them. Running read-only calls concurrently would save little next to a
 //! model round trip, and in-order execution keeps the log and the permission
-//! requests in an order a reader can follow.
+//! requests in an order a reader can follow. The exception is a tool whose calls
+//! wait on someone else for long (`delegate`: a subagent's whole turn): it says how
+//! many of its calls may run at once (`Tool::concurrency`), and those start when
+//! their turn in the order comes and run beside the calls that follow.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use pier_model::{ChatMessage, FinishReason, ModelEvent, ModelProvider, ModelRequest, Role, ToolCall, ToolSpec, Usage};
-use pier_tools::{PlanEntry, Tool, ToolContext, ToolKind, Workspace};
+use pier_tools::{Action, CallLink, CallRequest, Permit, PlanEntry, Tool, ToolContext, ToolKind, Workspace};
 use serde_json::Value;
 use tokio::sync::{Mutex, OwnedMutexGuard, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -43,7 +47,9 @@ pub struct SessionState {
     pub(crate) history: Vec<ChatMessage>,
     pub(crate) turns: u64,
     pub(crate) plan: Vec<PlanEntry>,
-    pub(crate) grants: Grants,
+    /// Behind a lock of its own because the calls of one message that run at once
+    /// (`Tool::concurrency`) consult and extend it together.
+    pub(crate) grants: std::sync::Mutex<Grants>,
 }
 
 /// What may change while a turn runs; each value is read when it is used.
@@ -269,6 +275,24 @@ impl Round {
     }
 }
 
+/// How one tool call ended: what the model reads, whether the turn stops there, and
+/// the plan it set (applied by the turn once the message's calls are done).
+struct CallEnd {
+    text: String,
+    stop: Option<StopReason>,
+    plan: Option<Vec<PlanEntry>>,
+}
+
+impl CallEnd {
+    fn answer(text: String) -> CallEnd {
+        CallEnd { text, stop: None, plan: None }
+    }
+
+    fn stop(text: String, stop: StopReason) -> CallEnd {
+        CallEnd { text, stop: Some(stop), plan: None }
+    }
+}
+
 /// How a model request ended, as the loop sees it.
 enum Step {
     Stop(StopReason),
@@ -471,12 +495,11 @@ impl Turn<'_> {
                 self.say(&text).await;
                 let mut round = Round::new(text, tool_calls);
                 let mut stop = None;
-                for (i, call) in round.calls().into_iter().enumerate() {
-                    let (answer, stopped) = self.tool_call(call).await;
-                    round.answer(i, answer);
-                    if stopped.is_some() {
-                        stop = stopped;
-                        break;
+                for (i, end) in self.run_calls(round.calls()).await {
+                    round.answer(i, end.text);
+                    stop = stop.or(end.stop);
+                    if let Some(plan) = end.plan {
+                        self.permit.state.plan = plan;
                     }
                 }
                 self.permit.state.history.extend(round.close());
@@ -515,9 +538,59 @@ impl Turn<'_> {
         format!("error: {reason}")
     }
 
-    /// Runs one tool call through its states. Returns the text the model reads
-    /// as the result and, when the turn must stop here, the stop reason.
-    async fn tool_call(&mut self, call: ToolCall) -> (String, Option<StopReason>) {
+    /// Runs the calls of one model message, in order: a call of a tool with
+    /// `concurrency() > 1` starts when its turn comes and runs beside the calls after
+    /// it, at most that many of that tool at once. Returns each call that ran with
+    /// its index; after a call that stops the turn, no further call starts, and the
+    /// ones already running finish (they see the same cancel token) before this returns.
+    async fn run_calls(&self, calls: Vec<ToolCall>) -> Vec<(usize, CallEnd)> {
+        let mut ended: Vec<(usize, CallEnd)> = Vec::with_capacity(calls.len());
+        let mut beside: FuturesUnordered<futures::future::BoxFuture<'_, (usize, String, CallEnd)>> =
+            FuturesUnordered::new();
+        // How many calls of each tool run beside the ordered ones now.
+        let mut running: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        let done = |running: &mut std::collections::HashMap<String, usize>, name: &str| {
+            if let Some(n) = running.get_mut(name) {
+                *n = n.saturating_sub(1);
+            }
+        };
+        for (i, call) in calls.into_iter().enumerate() {
+            if ended.iter().any(|(_, end)| end.stop.is_some()) {
+                break;
+            }
+            let limit = self.permit.tool(&call.name).map_or(1, |t| t.concurrency());
+            if limit > 1 {
+                while running.get(&call.name).copied().unwrap_or(0) >= limit {
+                    let Some((j, name, end)) = beside.next().await else { break };
+                    done(&mut running, &name);
+                    ended.push((j, end));
+                }
+                *running.entry(call.name.clone()).or_default() += 1;
+                let name = call.name.clone();
+                beside.push(Box::pin(async move { (i, name, self.tool_call(call).await) }));
+                continue;
+            }
+            let one = self.tool_call(call);
+            tokio::pin!(one);
+            let end = loop {
+                tokio::select! {
+                    end = &mut one => break end,
+                    Some((j, name, end)) = beside.next(), if !beside.is_empty() => {
+                        done(&mut running, &name);
+                        ended.push((j, end));
+                    }
+                }
+            };
+            ended.push((i, end));
+        }
+        while let Some((j, _, end)) = beside.next().await {
+            ended.push((j, end));
+        }
+        ended
+    }
+
+    /// Runs one tool call through its states.
+    async fn tool_call(&self, call: ToolCall) -> CallEnd {
         let services = self.permit.services.clone();
         let parsed: Result<Value, String> = if call.arguments.trim().is_empty() {
             Ok(Value::Object(Default::default()))
@@ -544,20 +617,40 @@ impl Turn<'_> {
         let Some(tool) = tool else {
             let known: Vec<&str> = self.permit.tools().map(|t| t.name()).collect();
             let reason = format!("there is no tool named `{}`; the tools are: {}", call.name, known.join(", "));
-            return (self.fail(&mut record, reason).await, None);
+            return CallEnd::answer(self.fail(&mut record, reason).await);
         };
         let args = match parsed {
             Ok(args) => args,
-            Err(reason) => return (self.fail(&mut record, reason).await, None),
+            Err(reason) => return CallEnd::answer(self.fail(&mut record, reason).await),
         };
 
         let mode = *lock(&self.permit.shared.mode);
         match mode.verdict(kind, services.policy.decide(kind)) {
             Verdict::Allow => {}
-            Verdict::Deny(reason) => return (self.fail(&mut record, reason).await, None),
+            Verdict::Deny(reason) => return CallEnd::answer(self.fail(&mut record, reason).await),
             Verdict::Ask => {
-                if let Some(stop) = self.ask(&mut record, &tool, &args).await {
-                    return stop;
+                let keys = Grants::keys(kind, &tool.scope(&args));
+                let reason = match self.consult(&record, &keys).await {
+                    Consulted::Allowed => None,
+                    Consulted::Remembered(key) => Some(format!(
+                        "the user rejected `{key}` calls for the rest of this session, so this call did not run; do \
+                         the task another way"
+                    )),
+                    Consulted::Rejected => Some(
+                        "the client rejected this tool call, so it did not run; do not repeat it unchanged, adapt \
+                         your approach"
+                            .to_owned(),
+                    ),
+                    Consulted::Unavailable(why) => {
+                        Some(format!("permission was unavailable ({why}), so the tool did not run"))
+                    }
+                    Consulted::Cancelled => {
+                        let text = self.fail(&mut record, "cancelled before it ran".into()).await;
+                        return CallEnd::stop(text, StopReason::Cancelled);
+                    }
+                };
+                if let Some(reason) = reason {
+                    return CallEnd::answer(self.fail(&mut record, reason).await);
                 }
             }
         }
@@ -565,95 +658,162 @@ impl Turn<'_> {
         // The one gate a tool passes to run: a cancel that landed after the grant stops it here.
         if self.cx.cancel.is_cancelled() {
             let text = self.fail(&mut record, "cancelled before it ran".into()).await;
-            return (text, Some(StopReason::Cancelled));
+            return CallEnd::stop(text, StopReason::Cancelled);
         }
         if let Err(e) = record.start() {
             tracing::error!(error = %e, call = %record.id, "tool call state machine");
         }
         self.publish(&record, false).await;
+        let (link, mut requests) = CallLink::channel();
         let cx = ToolContext {
             workspace: self.permit.workspace.clone(),
             cancel: self.cx.cancel.clone(),
             limits: services.toolbox.limits().clone(),
+            link,
         };
         let run = services.toolbox.run(&tool, args, cx);
         tokio::pin!(run);
-        let result = tokio::select! {
-            result = &mut run => Some(result),
-            _ = self.cx.cancel.cancelled() => tokio::time::timeout(TOOL_SETTLE, &mut run).await.ok(),
+        let result = loop {
+            tokio::select! {
+                result = &mut run => break Some(result),
+                _ = self.cx.cancel.cancelled() => {
+                    break tokio::time::timeout(TOOL_SETTLE, settle(&mut run, &mut requests)).await.ok();
+                }
+                Some(request) = requests.recv() => self.serve(&mut record, request).await,
+            }
         };
         if self.cx.cancel.is_cancelled() {
             let text = self.fail(&mut record, "cancelled while running".into()).await;
-            return (text, Some(StopReason::Cancelled));
+            return CallEnd::stop(text, StopReason::Cancelled);
         }
-        let text = match result {
+        match result {
             Some(Ok(output)) => {
                 let text = output.text.clone();
-                if let Some(plan) = output.plan.clone() {
-                    self.permit.state.plan = plan.clone();
+                let plan = output.plan.clone();
+                if let Some(plan) = &plan {
                     self.log(LogRecord::Plan { entries: plan.clone() });
-                    self.emit(EventMsg::Plan(plan)).await;
+                    self.emit(EventMsg::Plan(plan.clone())).await;
                 }
                 if let Err(e) = record.finish(output) {
                     tracing::error!(error = %e, call = %record.id, "tool call state machine");
                 }
                 self.publish(&record, false).await;
-                text
+                CallEnd { text, stop: None, plan }
             }
-            Some(Err(e)) => self.fail(&mut record, e.0).await,
-            None => self.fail(&mut record, "the tool did not finish".into()).await,
-        };
-        (text, None)
+            Some(Err(e)) => CallEnd::answer(self.fail(&mut record, e.0).await),
+            None => CallEnd::answer(self.fail(&mut record, "the tool did not finish".into()).await),
+        }
     }
 
-    /// The *ask* path: a remembered answer for the call's scope, else the approver.
-    /// Returns `None` when the call may run, else what the call ends with.
-    async fn ask(
-        &mut self,
-        record: &mut ToolCallRecord,
-        tool: &Arc<dyn Tool>,
-        args: &Value,
-    ) -> Option<(String, Option<StopReason>)> {
-        let keys = Grants::keys(record.kind, &tool.scope(args));
-        if let Some(key) = self.permit.state.grants.rejects(&keys) {
-            let reason = format!(
-                "the user rejected `{key}` calls for the rest of this session, so this call did not run; do the task \
-                 another way"
-            );
-            return Some((self.fail(record, reason).await, None));
+    /// Applies one request of a running tool to its call.
+    async fn serve(&self, record: &mut ToolCallRecord, request: CallRequest) {
+        match request {
+            CallRequest::Progress(content) => {
+                // Shown, not logged: the call's final state is logged when it ends.
+                record.content = content;
+                self.emit(EventMsg::ToolCallUpdate(record.clone())).await;
+            }
+            CallRequest::Permit { action, answer } => {
+                let permit = self.judge(record, action).await;
+                let _ = answer.send(permit);
+            }
         }
-        if self.permit.state.grants.allows(&keys) {
-            return None;
+    }
+
+    /// Judges an action a running tool takes for the user (a subagent's tool call) by the
+    /// session's own rules, as if it were a call of its own: the mode over the policy for
+    /// its kind, the remembered answers for its scope, else the approver, asked about the
+    /// running call showing the action (its title, kind, locations, diff). An *always*
+    /// answer is remembered here, by this session; the tool only learns "this once".
+    async fn judge(&self, record: &ToolCallRecord, action: Action) -> Permit {
+        let services = &self.permit.services;
+        let mode = *lock(&self.permit.shared.mode);
+        match mode.verdict(action.kind, services.policy.decide(action.kind)) {
+            Verdict::Allow => return Permit::Allow,
+            Verdict::Deny(reason) => return Permit::Reject(reason),
+            Verdict::Ask => {}
+        }
+        let keys = Grants::keys(action.kind, &action.scope);
+        let mut question = record.clone();
+        question.title = action.title;
+        question.kind = action.kind;
+        question.locations = action.locations;
+        question.content = action.content;
+        if let Some(raw) = action.raw_input {
+            question.raw_input = raw;
+        }
+        match self.consult(&question, &keys).await {
+            Consulted::Allowed => Permit::Allow,
+            Consulted::Remembered(key) => {
+                Permit::Reject(format!("the user rejected `{key}` calls for the rest of this session"))
+            }
+            Consulted::Rejected => Permit::Reject("the user rejected it".into()),
+            Consulted::Unavailable(why) => Permit::Reject(format!("permission was unavailable ({why})")),
+            Consulted::Cancelled => Permit::Cancelled,
+        }
+    }
+
+    /// The *ask* path: a remembered answer for `keys`, else the approver about `question`.
+    /// An *always* answer is remembered for `keys`.
+    async fn consult(&self, question: &ToolCallRecord, keys: &[String]) -> Consulted {
+        {
+            let grants = lock(&self.permit.state.grants);
+            if let Some(key) = grants.rejects(keys) {
+                return Consulted::Remembered(key.to_owned());
+            }
+            if grants.allows(keys) {
+                return Consulted::Allowed;
+            }
         }
         let answer = tokio::select! {
             biased;
             _ = self.cx.cancel.cancelled() => PermissionAnswer::Cancelled,
-            answer = self.cx.approver.ask(record) => answer,
+            answer = self.cx.approver.ask(question) => answer,
         };
         // A cancel that raced the answer wins: the tool never runs.
         let answer = if self.cx.cancel.is_cancelled() { PermissionAnswer::Cancelled } else { answer };
-        self.log(LogRecord::Permission { call_id: record.id.clone(), answer: format!("{answer:?}") });
+        self.log(LogRecord::Permission { call_id: question.id.clone(), answer: format!("{answer:?}") });
         if let PermissionAnswer::AllowAlways | PermissionAnswer::RejectAlways = answer {
             let allow = answer == PermissionAnswer::AllowAlways;
-            for key in &keys {
-                self.permit.state.grants.remember(key.clone(), allow);
+            let mut grants = lock(&self.permit.state.grants);
+            for key in keys {
+                grants.remember(key.clone(), allow);
                 self.log(LogRecord::Grant { key: key.clone(), allow });
             }
         }
-        let reason = match answer {
-            PermissionAnswer::AllowOnce | PermissionAnswer::AllowAlways => return None,
-            PermissionAnswer::RejectOnce | PermissionAnswer::RejectAlways => {
-                "the client rejected this tool call, so it did not run; do not repeat it unchanged, adapt your approach"
-                    .to_owned()
+        match answer {
+            PermissionAnswer::AllowOnce | PermissionAnswer::AllowAlways => Consulted::Allowed,
+            PermissionAnswer::RejectOnce | PermissionAnswer::RejectAlways => Consulted::Rejected,
+            PermissionAnswer::Unavailable(why) => Consulted::Unavailable(why),
+            PermissionAnswer::Cancelled => Consulted::Cancelled,
+        }
+    }
+}
+
+/// What the *ask* path concluded.
+enum Consulted {
+    Allowed,
+    /// A remembered *always reject* for this key.
+    Remembered(String),
+    Rejected,
+    Unavailable(String),
+    Cancelled,
+}
+
+/// Lets a cancelled tool finish: its permission requests are answered `cancelled`
+/// (R088's symmetry: nothing new is granted once the turn is being cancelled).
+async fn settle<F: std::future::Future + Unpin>(
+    run: &mut F,
+    requests: &mut tokio::sync::mpsc::UnboundedReceiver<CallRequest>,
+) -> F::Output {
+    loop {
+        tokio::select! {
+            result = &mut *run => return result,
+            Some(request) = requests.recv() => {
+                if let CallRequest::Permit { answer, .. } = request {
+                    let _ = answer.send(Permit::Cancelled);
+                }
             }
-            PermissionAnswer::Unavailable(why) => {
-                format!("permission was unavailable ({why}), so the tool did not run")
-            }
-            PermissionAnswer::Cancelled => {
-                let text = self.fail(record, "cancelled before it ran".into()).await;
-                return Some((text, Some(StopReason::Cancelled)));
-            }
-        };
-        Some((self.fail(record, reason).await, None))
+        }
     }
 }

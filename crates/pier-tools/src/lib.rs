@@ -12,6 +12,7 @@
 
 pub mod command;
 pub mod contain;
+pub mod link;
 pub mod list_dir;
 pub mod output;
 pub mod plan;
@@ -31,6 +32,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 pub use contain::Confinement;
+pub use link::{Action, CallLink, CallRequest, Permit};
 pub use plan::{PlanEntry, PlanPriority, PlanStatus};
 pub use toolbox::Toolbox;
 pub use workspace::{OpenedFile, Workspace};
@@ -132,6 +134,8 @@ pub struct ToolContext {
     /// Fires when the turn is cancelled; long tools stop and clean up.
     pub cancel: CancellationToken,
     pub limits: Limits,
+    /// Progress and permission requests to the turn running the call.
+    pub link: CallLink,
 }
 
 /// A place a tool call touches, so a client can follow along.
@@ -223,6 +227,11 @@ pub trait Tool: Send + Sync + 'static {
     /// What a remembered permission answer for a call with `args` covers.
     fn scope(&self, _args: &Value) -> Scope {
         Scope::Kind
+    }
+    /// How many calls of this tool from one model message may run at once, beside the
+    /// others. 1 (the default): in the model's order, one after another.
+    fn concurrency(&self) -> usize {
+        1
     }
 }
 

@@ -39,6 +39,12 @@ impl Toolbox {
         Toolbox { tools: Vec::new(), limits: Limits::default() }
     }
 
+    /// This toolbox with `tool` added after the others.
+    pub fn with(mut self, tool: Arc<dyn Tool>) -> Toolbox {
+        self.tools.push(tool);
+        self
+    }
+
     pub fn limits(&self) -> &Limits {
         &self.limits
     }

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 fn cx(dir: &Path, limits: &Limits) -> ToolContext {
     let workspace = Workspace::new(dir).unwrap_or_else(|e| panic!("{e}"));
-    ToolContext { workspace, cancel: CancellationToken::new(), limits: limits.clone() }
+    ToolContext { workspace, cancel: CancellationToken::new(), limits: limits.clone(), link: Default::default() }
 }
 
 async fn run(dir: &Path, limits: Limits, command: &str) -> ToolOutput {

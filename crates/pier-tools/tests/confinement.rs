@@ -20,7 +20,12 @@ struct Fixture {
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let workspace = Workspace::new(dir.path()).unwrap_or_else(|e| panic!("{e}"));
-    let cx = ToolContext { workspace, cancel: CancellationToken::new(), limits: Limits::default() };
+    let cx = ToolContext {
+        workspace,
+        cancel: CancellationToken::new(),
+        limits: Limits::default(),
+        link: Default::default(),
+    };
     Fixture { _dir: dir, toolbox: Toolbox::builtin(Limits::default()), cx }
 }
 

@@ -30,7 +30,12 @@ async fn issue16_read_file_streams_a_huge_single_line() {
     }
     let before = peak_rss_kib();
     let workspace = Workspace::new(dir.path()).unwrap_or_else(|e| panic!("{e}"));
-    let cx = ToolContext { workspace, cancel: CancellationToken::new(), limits: Limits::default() };
+    let cx = ToolContext {
+        workspace,
+        cancel: CancellationToken::new(),
+        limits: Limits::default(),
+        link: Default::default(),
+    };
     let toolbox = Toolbox::builtin(Limits::default());
     let tool = toolbox.get("read_file").unwrap_or_else(|| panic!("no read_file"));
     let started = Instant::now();

@@ -20,7 +20,8 @@ struct Fixture {
 fn fixture_with(limits: Limits) -> Fixture {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let workspace = Workspace::new(dir.path()).unwrap_or_else(|e| panic!("{e}"));
-    let cx = ToolContext { workspace, cancel: CancellationToken::new(), limits: limits.clone() };
+    let cx =
+        ToolContext { workspace, cancel: CancellationToken::new(), limits: limits.clone(), link: Default::default() };
     Fixture { dir, toolbox: Toolbox::builtin(limits), cx }
 }
 

@@ -43,6 +43,32 @@ pub struct AgentArgs {
     /// Confine commands' writes to the session's roots and the temp dir with Landlock [default: on, or `sandbox` in pier.toml]
     #[arg(long, value_enum)]
     sandbox: Option<config::SandboxArg>,
+    #[command(flatten)]
+    subagents: SubagentFlags,
+}
+
+/// The `delegate` tool's flags.
+#[derive(Debug, clap::Args)]
+struct SubagentFlags {
+    /// Offer the `delegate` tool: hand work to other ACP agents as subagents [default: on in the
+    /// editor profile, off in automation, or `subagents` in pier.toml]
+    #[arg(long, overrides_with = "no_subagents")]
+    subagents: bool,
+    /// Do not offer the `delegate` tool
+    #[arg(long)]
+    no_subagents: bool,
+    /// This agent's depth in a chain of subagents; a parent pier starts its children with its own + 1
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    subagent_depth: u32,
+    /// Depth at which `delegate` is no longer offered [default: 2, or `max_subagent_depth` in pier.toml]
+    #[arg(long, value_name = "N")]
+    max_subagent_depth: Option<u32>,
+    /// Most delegate calls of one model message that run at once [default: 4, or `max_subagents`]
+    #[arg(long, value_name = "N")]
+    max_subagents: Option<usize>,
+    /// How long a cancelled subagent gets to confirm before its process group is ended
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    cancel_grace_ms: u64,
 }
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
@@ -62,6 +88,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         engine_config.writable = Some(dirs);
     }
     let policy = config::resolve_policy(&files, &args.permissions)?;
+    let profile = match (args.profile, files.profile.as_deref()) {
+        (Some(ProfileArg::Editor), _) | (None, Some("editor")) => Profile::Editor,
+        (Some(ProfileArg::Automation), _) | (None, None | Some("automation")) => Profile::Automation,
+        (None, Some(other)) => anyhow::bail!("unknown profile `{other}` in pier.toml; expected automation or editor"),
+    };
     let mut limits = config::resolve_limits(&files);
     limits.confinement = config::resolve_confinement(&files, args.sandbox)?;
     // Without cgroups, this also makes pier a child subreaper before any command runs.
@@ -74,14 +105,17 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
         Arc::new(Toolbox::empty())
     } else {
-        Arc::new(Toolbox::builtin(limits))
+        let confinement = limits.confinement.clone();
+        let toolbox = Toolbox::builtin(limits);
+        match subagents(&args, &files, profile, &policy, &engine_config, confinement, &env)? {
+            Some(config) => {
+                tracing::info!(depth = args.subagents.subagent_depth, "subagents: the delegate tool is offered");
+                Arc::new(toolbox.with(Arc::new(pier_subagent::Delegate::new(config))))
+            }
+            None => Arc::new(toolbox),
+        }
     };
     let engine = Engine::new(engine_config, model, toolbox, policy);
-    let profile = match (args.profile, files.profile.as_deref()) {
-        (Some(ProfileArg::Editor), _) | (None, Some("editor")) => Profile::Editor,
-        (Some(ProfileArg::Automation), _) | (None, None | Some("automation")) => Profile::Automation,
-        (None, Some(other)) => anyhow::bail!("unknown profile `{other}` in pier.toml; expected automation or editor"),
-    };
     let mut options = AgentOptions::new(profile);
     if let Some(mode) = &files.mode {
         options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
@@ -112,6 +146,92 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tracing::error!("sessions did not close within 10 s");
     }
     Ok(())
+}
+
+/// The `delegate` tool's configuration, when this agent offers it: subagents are on
+/// (flag, file, or the editor profile's default) and the depth is below the limit.
+fn subagents(
+    args: &AgentArgs,
+    files: &config::FileConfig,
+    profile: Profile,
+    policy: &pier_engine::PermissionPolicy,
+    engine: &EngineConfig,
+    confinement: pier_tools::Confinement,
+    env: &dyn config::Env,
+) -> anyhow::Result<Option<pier_subagent::SubagentConfig>> {
+    let flags = &args.subagents;
+    let on = if flags.subagents {
+        true
+    } else if flags.no_subagents {
+        false
+    } else {
+        files.subagents.unwrap_or(matches!(profile, Profile::Editor))
+    };
+    let max_depth = flags.max_subagent_depth.or(files.max_subagent_depth).unwrap_or(2);
+    if !on || flags.subagent_depth >= max_depth {
+        return Ok(None);
+    }
+    let max_concurrent = flags.max_subagents.or(files.max_subagents).unwrap_or(4).max(1);
+    let pier_exe = std::env::current_exe().context("cannot find the running pier binary to start subagents")?;
+    // The default child: pier's own agent, automation profile, this agent's model and rules.
+    let mut own_args: Vec<String> = vec!["agent".into(), "--profile".into(), "automation".into()];
+    for (flag, value) in
+        [("--provider", &args.model.provider), ("--base-url", &args.model.base_url), ("--model", &args.model.model)]
+    {
+        if let Some(v) = value {
+            own_args.extend([flag.to_owned(), v.clone()]);
+        }
+    }
+    // The child asks this agent about everything this agent's policy does not allow
+    // outright; reads stay local. This agent's mode and remembered answers then decide.
+    for kind in pier_tools::ToolKind::ALL {
+        let reads =
+            matches!(kind, pier_tools::ToolKind::Read | pier_tools::ToolKind::Search | pier_tools::ToolKind::Think);
+        let flag = match policy.decide(kind) {
+            pier_engine::Decision::Deny => "--deny",
+            pier_engine::Decision::Allow if reads => "--allow",
+            _ => "--ask",
+        };
+        own_args.extend([flag.to_owned(), kind.as_str().to_owned()]);
+    }
+    if let Some(n) = args.max_turn_requests.or(files.max_turn_requests) {
+        own_args.extend(["--max-turn-requests".into(), n.to_string()]);
+    }
+    for dir in engine.writable.iter().flatten() {
+        own_args.extend(["--writable".into(), dir.display().to_string()]);
+    }
+    if !confinement.landlock {
+        own_args.extend(["--sandbox".into(), "off".into()]);
+    }
+    own_args.extend([
+        "--subagents".into(),
+        "--subagent-depth".into(),
+        (flags.subagent_depth + 1).to_string(),
+        "--max-subagent-depth".into(),
+        max_depth.to_string(),
+        "--max-subagents".into(),
+        max_concurrent.to_string(),
+        "--cancel-grace-ms".into(),
+        flags.cancel_grace_ms.to_string(),
+    ]);
+    let own = pier_client::AgentCommand {
+        name: "pier".into(),
+        program: pier_exe.clone(),
+        args: own_args,
+        env: vec![],
+        die_with_parent: false,
+    };
+    Ok(Some(pier_subagent::SubagentConfig {
+        agents: files.agents.clone(),
+        pier_exe,
+        path: env.var("PATH"),
+        own,
+        max_concurrent,
+        cancel_grace: Duration::from_millis(flags.cancel_grace_ms),
+        setup_timeout: Duration::from_secs(60),
+        writable: engine.writable.clone(),
+        confinement,
+    }))
 }
 
 async fn terminated() {

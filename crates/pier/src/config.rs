@@ -38,6 +38,12 @@ pub struct FileConfig {
     /// The host's store: `postgres://USER@HOST/DB`, `sqlite://PATH` or a path
     /// [default: $PIER_HOME/pier.db].
     pub store: Option<String>,
+    /// `pier agent` offers the `delegate` tool [default: on in the editor profile, off in automation].
+    pub subagents: Option<bool>,
+    /// Most delegate calls of one model message that run at once [default: 4].
+    pub max_subagents: Option<usize>,
+    /// Depth at which `delegate` is no longer offered (the first agent is depth 0) [default: 2].
+    pub max_subagent_depth: Option<u32>,
     /// `[agents.NAME]`: agents for `pier exec --agent NAME`.
     #[serde(default)]
     pub agents: BTreeMap<String, pier_client::AgentDef>,
@@ -107,6 +113,9 @@ impl FileConfig {
         self.mode = over.mode.or(self.mode);
         self.sandbox = over.sandbox.or(self.sandbox);
         self.store = over.store.or(self.store);
+        self.subagents = over.subagents.or(self.subagents);
+        self.max_subagents = over.max_subagents.or(self.max_subagents);
+        self.max_subagent_depth = over.max_subagent_depth.or(self.max_subagent_depth);
         self.permissions.extend(over.permissions);
         self.agents.extend(over.agents);
         self.client.permissions.extend(over.client.permissions);

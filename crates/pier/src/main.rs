@@ -56,6 +56,12 @@ enum Command {
     Models(models_cmd::ModelsCmd),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
+    /// Lead a subagent's process group: run PROGRAM, and end the whole group when the parent dies
+    #[command(hide = true)]
+    SubagentGuard {
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 /// Sessions, agents, MCP servers and SSE clients each hold descriptors: take the whole
@@ -72,6 +78,12 @@ fn raise_descriptor_limit() {
 
 fn main() {
     let cli = Cli::parse();
+    // Before any thread starts: the guard waits for signals blocked in its only thread.
+    if let Command::SubagentGuard { command } = &cli.command
+        && let Some((program, args)) = command.split_first()
+    {
+        std::process::exit(pier_subagent::guard::run(program, args));
+    }
     if let Err(e) = logging::init(cli.log_file.as_deref()) {
         eprintln!("pier: {e:#}");
         std::process::exit(2);
@@ -100,6 +112,7 @@ fn main() {
             Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
             Command::Models(cmd) => models_cmd::run(cmd).map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
+            Command::SubagentGuard { .. } => Ok(0),
         }
     });
     // A blocked stdin read must not hold the process open once we are done.

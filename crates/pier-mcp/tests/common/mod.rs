@@ -35,7 +35,12 @@ pub fn tool(servers: &McpServers, name: &str) -> Arc<dyn Tool> {
 }
 
 pub fn cx(dir: &Path) -> ToolContext {
-    ToolContext { workspace: Workspace::new(dir).unwrap(), cancel: CancellationToken::new(), limits: Limits::default() }
+    ToolContext {
+        workspace: Workspace::new(dir).unwrap(),
+        cancel: CancellationToken::new(),
+        limits: Limits::default(),
+        link: Default::default(),
+    }
 }
 
 /// Polls `check` every 20 ms until it holds, for at most 10 s.

@@ -1,0 +1,434 @@
+//! Subagents over ACP, end to end through real processes: a parent `pier agent`
+//! delegates to child agent processes (pier's own, and the TypeScript SDK's example
+//! agent) over pipes, all models played by one fake endpoint that routes each request
+//! by the first user message of its conversation.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use pier_fake_model::{FakeModel, Gate, Reply, Step};
+use serde_json::{Value, json};
+use support::{LIMIT, Options, PierProcess, must, stop_reason};
+
+async fn fake() -> FakeModel {
+    must(FakeModel::start().await, "start the fake model")
+}
+
+/// The text of the first user message of a request: which conversation it belongs to.
+fn first_user(body: &Value) -> String {
+    body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The tool results of a request, in order.
+fn tool_results(body: &Value) -> Vec<String> {
+    body["messages"]
+        .as_array()
+        .map(|m| {
+            m.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["content"].as_str().map(str::to_owned)).collect()
+        })
+        .unwrap_or_default()
+}
+
+fn tool_names(body: &Value) -> Vec<String> {
+    body["tools"]
+        .as_array()
+        .map(|t| t.iter().filter_map(|t| t["function"]["name"].as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+/// A model message calling `delegate` once per prompt, in one message.
+fn delegate_calls(calls: &[(&str, Value)]) -> Reply {
+    let mut steps = Vec::new();
+    for (i, (id, args)) in calls.iter().enumerate() {
+        steps.push(Step::ToolCallStart { index: i as u32, id: (*id).into(), name: "delegate".into() });
+        steps.push(Step::ToolCallArgs { index: i as u32, fragment: args.to_string() });
+    }
+    steps.push(Step::Finish("tool_calls".into()));
+    steps.push(Step::Done);
+    Reply::Stream(steps)
+}
+
+fn delegate(id: &str, prompt: &str) -> Reply {
+    delegate_calls(&[(id, json!({"prompt": prompt}))])
+}
+
+/// The parent: pier's automation profile with subagents on, allowed to delegate.
+fn parent(f: &FakeModel) -> Options {
+    Options::model(f.base_url()).arg("--subagents").arg("--allow").arg("other").capture_stderr()
+}
+
+trait Capture {
+    fn capture_stderr(self) -> Self;
+}
+
+impl Capture for Options {
+    fn capture_stderr(mut self) -> Self {
+        self.capture_stderr = true;
+        self
+    }
+}
+
+/// Processes other than `except` whose working directory is `dir`: the children a
+/// delegation started there (they all run in the parent's directory).
+fn processes_in(dir: &Path, except: i32) -> Vec<(i32, String)> {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return found };
+    for entry in entries.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        if pid == except {
+            continue;
+        }
+        if std::fs::read_link(entry.path().join("cwd")).is_ok_and(|cwd| cwd == dir) {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            // A zombie has no cwd link; a live one with an empty cmdline is a kernel thread.
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+/// Waits (bounded) until no process but `except` works in `dir`.
+async fn none_left_in(dir: &Path, except: i32) {
+    let until = Instant::now() + LIMIT;
+    loop {
+        let left = processes_in(dir, except);
+        if left.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < until, "processes left behind: {left:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn workdir(p: &PierProcess) -> PathBuf {
+    p.cwd()
+}
+
+#[tokio::test]
+async fn a_parent_delegates_to_a_child_pier_and_gets_its_answer() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("plan the work", None) => delegate("d1", "child: name a colour"),
+        ("plan the work", Some(result)) => Reply::text(&format!("the child said: {result}")),
+        ("child: name a colour", _) => Reply::text("teal"),
+        (other, _) => Reply::text(&format!("unexpected conversation {other}")),
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let id = p.prompt(&sid, "plan the work").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}\n{}", p.stderr());
+    assert_eq!(support::agent_texts(&notes, &sid), vec!["the child said: teal"]);
+    let bodies: Vec<Value> = f.requests().into_iter().map(|r| r.body).collect();
+    let child: Vec<&Value> = bodies.iter().filter(|b| first_user(b) == "child: name a colour").collect();
+    assert_eq!(child.len(), 1, "one child request");
+    // The child is pier's own agent at depth 1: it may delegate once more.
+    assert!(tool_names(child[0]).contains(&"delegate".to_owned()), "{:?}", tool_names(child[0]));
+    // The child ended with the call: nothing of it is left.
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn two_delegations_in_one_message_run_at_the_same_time() {
+    let f = fake().await;
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| match (first_user(body).as_str(), tool_results(body).len()) {
+        ("split it", 0) => {
+            delegate_calls(&[("a", json!({"prompt": "child: A"})), ("b", json!({"prompt": "child: B"}))])
+        }
+        ("split it", _) => Reply::text(&tool_results(body).join(" + ")),
+        (who, _) => Reply::Stream(vec![
+            Step::Gate(g.clone()),
+            Step::Text(format!("{} done", who.trim_start_matches("child: "))),
+            Step::Finish("stop".into()),
+            Step::Done,
+        ]),
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let id = p.prompt(&sid, "split it").await;
+    // Both children reach the model while neither has answered: they run concurrently.
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(3)).await, "both children's model requests");
+    gate.open();
+    gate.open();
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    // The answers go back in the calls' order, whatever order they finished in.
+    assert_eq!(support::agent_texts(&notes, &sid), vec!["A done + B done"]);
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+/// A child that runs one command and then reports the tool's result.
+fn command_child(body: &Value, command: &str) -> Reply {
+    match tool_results(body).pop() {
+        None => Reply::tool_call("c1", "run_command", &json!({"command": command}).to_string()),
+        Some(result) => Reply::text(&format!("child saw: {}", result.lines().next().unwrap_or_default())),
+    }
+}
+
+/// The parent's text, whether the child's file exists, and the parent's stderr.
+async fn run_command_delegation(extra: &[&str]) -> (String, bool, String) {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("make the file", None) => delegate("d1", "child: touch it"),
+        ("make the file", Some(result)) => Reply::text(&result),
+        (_, _) => command_child(body, "touch made-by-child"),
+    });
+    let mut opts = parent(&f);
+    for a in extra {
+        opts = opts.arg(a);
+    }
+    let (mut p, sid) = PierProcess::start(opts).await;
+    let id = p.prompt(&sid, "make the file").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    let said = support::agent_texts(&notes, &sid).join("");
+    assert!(
+        !notes.iter().any(|n| n["method"] == "session/request_permission"),
+        "the parent's policy decided; nobody was asked: {notes:?}"
+    );
+    none_left_in(&workdir(&p), p.pid).await;
+    (said, workdir(&p).join("made-by-child").is_file(), p.stderr())
+}
+
+#[tokio::test]
+async fn a_childs_command_runs_when_the_parents_policy_allows_it() {
+    let (said, made, stderr) = run_command_delegation(&["--allow", "execute"]).await;
+    assert!(made, "the child ran its command: {said}\n{stderr}");
+    assert!(said.contains("child saw"), "{said}");
+}
+
+#[tokio::test]
+async fn a_childs_command_is_refused_when_the_parents_policy_denies_it() {
+    let (said, made, _) = run_command_delegation(&["--deny", "execute"]).await;
+    assert!(!made, "the command did not run");
+    assert!(said.contains("child saw: error"), "the child was told: {said}");
+}
+
+#[tokio::test]
+async fn in_ask_a_childs_tool_call_reaches_the_parents_client_and_comes_back_once_only() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).len()) {
+        ("twice", 0) => delegate("d1", "child: first"),
+        ("twice", 1) => delegate("d2", "child: second"),
+        ("twice", _) => Reply::text("both done"),
+        (_, _) => command_child(body, "touch made-by-child"),
+    });
+    let opts = Options {
+        pier_toml: Some(format!(
+            "profile = \"editor\"\nprovider = \"fake\"\n[providers.fake]\nbase_url = \"{}\"\nmodel = \"fake-model\"\nmax_retries = 0\n[permissions]\nother = \"allow\"\n",
+            f.base_url()
+        )),
+        capture_stderr: true,
+        ..Options::default()
+    };
+    let (mut p, sid) = PierProcess::start(opts).await;
+    let id = p.prompt(&sid, "twice").await;
+    let mut asked = Vec::new();
+    let resp = loop {
+        let frame = p.next_frame().await;
+        if frame["method"] == "session/request_permission" {
+            asked.push(frame.clone());
+            let always = frame["params"]["options"]
+                .as_array()
+                .and_then(|o| o.iter().find(|o| o["kind"] == "allow_always"))
+                .map(|o| o["optionId"].clone())
+                .unwrap_or_else(|| panic!("no allow_always offered: {frame}"));
+            p.send(&json!({"jsonrpc": "2.0", "id": frame["id"], "result": {"outcome": {"outcome": "selected", "optionId": always}}}))
+                .await;
+        } else if frame.get("method").is_none() && frame["id"] == id {
+            break frame;
+        }
+    };
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    // Asked once, about the child's command, on the parent's delegate call.
+    assert_eq!(asked.len(), 1, "the second child's command was covered by the remembered answer: {asked:?}");
+    let call = &asked[0]["params"]["toolCall"];
+    assert_eq!(call["toolCallId"], "d1", "{call}");
+    assert_eq!(call["kind"], "execute", "{call}");
+    assert!(call["title"].as_str().is_some_and(|t| t.starts_with("pier: ") && t.contains("touch")), "{call}");
+    // The children only ever received once-answers.
+    let sessions = p.data_dir().join("sessions");
+    let mut answers = Vec::new();
+    for entry in must(std::fs::read_dir(&sessions), "sessions").flatten() {
+        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+        for line in text.lines() {
+            let v: Value = serde_json::from_str(line).unwrap_or(Value::Null);
+            if v["record"]["type"] == "permission" || v["type"] == "permission" {
+                answers.push(v.to_string());
+            }
+        }
+    }
+    let child_answers: Vec<&String> = answers.iter().filter(|a| !a.contains("\"d1\"")).collect();
+    assert_eq!(child_answers.len(), 2, "each child asked once: {answers:?}");
+    assert!(child_answers.iter().all(|a| a.contains("AllowOnce")), "{answers:?}");
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+async fn child_stops_with(finish: &str, wire: &str) {
+    let f = fake().await;
+    let finish = finish.to_owned();
+    f.set_fallback(move |body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("try", None) => delegate("d1", "child: go"),
+        ("try", Some(result)) => Reply::text(&result),
+        (_, _) => Reply::Stream(vec![Step::Text("partial".into()), Step::Finish(finish.clone()), Step::Done]),
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let id = p.prompt(&sid, "try").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    // The parent's turn goes on after the failed call.
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    let said = support::agent_texts(&notes, &sid).join("");
+    assert!(said.starts_with("error: ") && said.contains(wire) && said.contains("partial"), "{said}");
+}
+
+#[tokio::test]
+async fn a_childs_refusal_fails_the_call_with_the_reason() {
+    child_stops_with("content_filter", "`refusal`").await;
+}
+
+#[tokio::test]
+async fn a_childs_max_tokens_fails_the_call_with_the_reason() {
+    child_stops_with("length", "`max_tokens`").await;
+}
+
+#[tokio::test]
+async fn a_grandchild_is_not_offered_delegate_at_the_default_depth() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("top", None) => delegate("d1", "child: middle"),
+        ("child: middle", None) => delegate("d2", "grandchild: bottom"),
+        ("grandchild: bottom", _) => Reply::text("from the bottom"),
+        (_, Some(result)) => Reply::text(&result),
+        (_, None) => Reply::text("unexpected"),
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let id = p.prompt(&sid, "top").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    assert_eq!(support::agent_texts(&notes, &sid), vec!["from the bottom"]);
+    let bodies: Vec<Value> = f.requests().into_iter().map(|r| r.body).collect();
+    for b in &bodies {
+        let has = tool_names(b).contains(&"delegate".to_owned());
+        match first_user(b).as_str() {
+            "grandchild: bottom" => assert!(!has, "depth 2 is not offered delegate"),
+            _ => assert!(has, "depths 0 and 1 are"),
+        }
+    }
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn cancelling_the_parent_mid_delegation_ends_every_child() {
+    let f = fake().await;
+    f.set_fallback(|body| match first_user(body).as_str() {
+        "fan out" => delegate_calls(&[("a", json!({"prompt": "child: A"})), ("b", json!({"prompt": "child: B"}))]),
+        _ => Reply::Hang,
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let id = p.prompt(&sid, "fan out").await;
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(3)).await, "both children working");
+    assert_eq!(processes_in(&workdir(&p), p.pid).len(), 4, "two children run, each under its guard");
+    let started = Instant::now();
+    p.notify("session/cancel", json!({"sessionId": sid})).await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "cancelled", "{resp}");
+    assert!(started.elapsed() < Duration::from_secs(5), "the children confirmed the cancel: {:?}", started.elapsed());
+    for call in ["a", "b"] {
+        let last = notes
+            .iter()
+            .filter(|n| n["params"]["update"]["toolCallId"] == call)
+            .filter_map(|n| n["params"]["update"]["status"].as_str())
+            .next_back();
+        // The automation profile shows no tool calls; the log has them.
+        assert!(last.is_none() || last == Some("failed"), "{call}: {last:?}");
+    }
+    // Every child is gone by the time the prompt answered.
+    assert!(processes_in(&workdir(&p), p.pid).is_empty(), "{:?}", processes_in(&workdir(&p), p.pid));
+    // The delegate calls ended failed, cancelled, in the parent's log.
+    let log = support::read_log(&p.data_dir(), &sid);
+    for call in ["a", "b"] {
+        let last = log
+            .iter()
+            .rfind(|r| r["call"]["id"] == call)
+            .unwrap_or_else(|| panic!("no record of {call}: {log:?}"));
+        assert!(last.to_string().contains("\"failed\"") && last.to_string().contains("cancelled"), "{last}");
+    }
+}
+
+#[tokio::test]
+async fn a_sigkilled_parent_leaves_no_child() {
+    let f = fake().await;
+    f.set_fallback(|body| match first_user(body).as_str() {
+        "fan out" => delegate_calls(&[("a", json!({"prompt": "child: A"})), ("b", json!({"prompt": "child: B"}))]),
+        _ => Reply::Hang,
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let _ = p.prompt(&sid, "fan out").await;
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(3)).await, "both children working");
+    let dir = workdir(&p);
+    assert!(!processes_in(&dir, p.pid).is_empty(), "the children run");
+    must(nix_kill(p.pid), "SIGKILL the parent");
+    p.wait_exit().await;
+    none_left_in(&dir, -1).await;
+}
+
+/// A child that ignores the end of its input and left a grandchild in its group: only the
+/// guard leading the child's group, told by the kernel that the parent died, ends them.
+#[tokio::test]
+async fn a_sigkilled_parent_leaves_no_grandchild_of_a_child_that_ignores_it() {
+    let f = fake().await;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lingering_agent.py");
+    let spec = format!("python3 {}", script.display());
+    f.set_fallback(move |_| delegate_calls(&[("d1", json!({"prompt": "linger", "agent": spec}))]));
+    let marker = must(tempfile::tempdir(), "marker dir");
+    let marker_file = marker.path().join("started");
+    let mut opts = parent(&f);
+    opts.env.push(("LINGER_MARKER".into(), marker_file.display().to_string()));
+    let (mut p, sid) = PierProcess::start(opts).await;
+    let _ = p.prompt(&sid, "go").await;
+    let until = Instant::now() + LIMIT;
+    while !marker_file.exists() {
+        assert!(Instant::now() < until, "the child never started its grandchild: {}", p.stderr());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dir = workdir(&p);
+    let running = processes_in(&dir, p.pid);
+    assert!(running.iter().any(|(_, cmd)| cmd.starts_with("sleep")), "{running:?}");
+    must(nix_kill(p.pid), "SIGKILL the parent");
+    p.wait_exit().await;
+    none_left_in(&dir, -1).await;
+}
+
+#[allow(unsafe_code)]
+fn nix_kill(pid: i32) -> Result<(), String> {
+    // SAFETY: kill(2) with a pid we started; no memory is touched.
+    if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 { Ok(()) } else { Err("kill failed".into()) }
+}
+
+#[tokio::test]
+async fn a_parent_delegates_to_the_typescript_sdk_example_agent() {
+    let f = fake().await;
+    let sdk = support::sdk_agent();
+    let spec = sdk.clone();
+    f.set_fallback(move |body| match tool_results(body).pop() {
+        None => delegate_calls(&[("d1", json!({"prompt": "hello", "agent": spec}))]),
+        Some(result) => Reply::text(&format!("sdk said: {result}")),
+    });
+    // Its edit asks; the parent's policy allows edits here.
+    let (mut p, sid) = PierProcess::start(parent(&f).arg("--allow").arg("edit")).await;
+    let id = p.prompt(&sid, "ask the sdk agent").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}\n{}", p.stderr());
+    let said = support::agent_texts(&notes, &sid).join("");
+    assert!(said.starts_with("sdk said: ") && !said.contains("error:"), "{said}\n{}", p.stderr());
+    none_left_in(&workdir(&p), p.pid).await;
+}
