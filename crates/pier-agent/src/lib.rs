@@ -46,6 +46,9 @@ pub struct NamedModel {
     pub vision: bool,
 }
 
+/// Cancels a subagent's turn by its session id; false when no such child runs.
+pub type CancelSubagent = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
 /// How the agent is set up, beyond its engine.
 #[derive(Clone)]
 pub struct AgentOptions {
@@ -60,6 +63,9 @@ pub struct AgentOptions {
     pub vision: bool,
     /// How long MCP servers get to start and list their tools.
     pub mcp_timeout: std::time::Duration,
+    /// Cancels a subagent's running turn by its session id (`session/cancel` of a child
+    /// session an editor was shown); false when no such child runs.
+    pub cancel_subagent: Option<CancelSubagent>,
 }
 
 impl AgentOptions {
@@ -71,6 +77,7 @@ impl AgentOptions {
             default_model: None,
             vision: false,
             mcp_timeout: std::time::Duration::from_secs(30),
+            cancel_subagent: None,
         }
     }
 }
@@ -81,6 +88,8 @@ pub struct AcpAgent {
     profile: Profile,
     options: AgentOptions,
     initialized: AtomicBool,
+    /// The client advertised `subagents` in `initialize`.
+    client_subagents: AtomicBool,
     sessions: Mutex<HashMap<String, Arc<SessionEntry>>>,
 }
 
@@ -130,6 +139,7 @@ impl AcpAgent {
             profile: options.profile,
             options,
             initialized: AtomicBool::new(false),
+            client_subagents: AtomicBool::new(false),
             sessions: Mutex::new(HashMap::new()),
         })
     }
@@ -168,6 +178,7 @@ impl AcpAgent {
         // R026/R027: we speak version 1 only; we answer 1 to 1 and to any other request.
         tracing::info!(requested = req.protocol_version.as_u16(), "initialize");
         self.initialized.store(true, Ordering::SeqCst);
+        self.client_subagents.store(req.client_capabilities.subagents.is_some(), Ordering::SeqCst);
         let response = InitializeResponse::new(ProtocolVersion::V1)
             .agent_capabilities(self.profile.capabilities(self.options.vision))
             .auth_methods(Vec::new())
@@ -246,7 +257,8 @@ impl AcpAgent {
         let session_id = entry.session.id.clone();
         let (tx, mut rx) = mpsc::channel::<EventMsg>(64);
         let (asks_tx, mut asks) = mpsc::channel::<permission::Ask>(1);
-        let mut projector = self.profile.projector(entry.session.model().context_window());
+        let subagents = self.client_subagents.load(Ordering::SeqCst);
+        let mut projector = self.profile.projector(entry.session.model().context_window(), subagents);
         let forward = async {
             let mut asking = true;
             loop {
@@ -255,7 +267,7 @@ impl AcpAgent {
                     biased;
                     event = rx.recv() => match event {
                         Some(event) => {
-                            if let Some(update) = projector.project(&event) {
+                            for update in projector.project(&event) {
                                 Self::send_update(conn, &session_id, update).await;
                             }
                         }
@@ -295,7 +307,14 @@ impl AcpAgent {
                         tracing::info!(session = %n.session_id, "cancelling the running turn");
                         token.cancel();
                     }
-                    None => tracing::debug!(session = %n.session_id, "session/cancel with no running turn"),
+                    None => {
+                        let child = self.options.cancel_subagent.as_ref().is_some_and(|c| c(n.session_id.0.as_ref()));
+                        if child {
+                            tracing::info!(session = %n.session_id, "cancelling a subagent's turn");
+                        } else {
+                            tracing::debug!(session = %n.session_id, "session/cancel with no running turn");
+                        }
+                    }
                 }
             }
             Ok(_) => {}

@@ -10,13 +10,14 @@
 use std::collections::HashMap;
 
 use agent_client_protocol_schema::v1::{
-    AgentCapabilities, ContentBlock, ContentChunk, McpCapabilities, Plan, PlanEntry, PlanEntryPriority,
-    PlanEntryStatus, PromptCapabilities, SessionAdditionalDirectoriesCapabilities, SessionCapabilities,
-    SessionCloseCapabilities, SessionDeleteCapabilities, SessionInfoUpdate, SessionListCapabilities,
-    SessionResumeCapabilities, SessionUpdate, TextContent, ToolCall, ToolCallUpdate, UsageUpdate,
+    AgentCapabilities, ContentBlock, ContentChunk, Error, ErrorStopReason, IdleStateUpdate, IdleStopReason,
+    McpCapabilities, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus, PromptCapabilities, RunningStateUpdate,
+    SessionAdditionalDirectoriesCapabilities, SessionCancelCapabilities, SessionCapabilities, SessionCloseCapabilities,
+    SessionDeleteCapabilities, SessionInfoUpdate, SessionListCapabilities, SessionResumeCapabilities, SessionUpdate,
+    StateUpdate, SubagentSessionCapabilities, SubagentUpdate, TextContent, ToolCall, ToolCallUpdate, UsageUpdate,
 };
 use pier_engine::{EventMsg, ToolCallRecord};
-use pier_tools::{PlanPriority, PlanStatus};
+use pier_tools::{PlanPriority, PlanStatus, ToolContent};
 
 use crate::wire;
 
@@ -86,9 +87,10 @@ impl Profile {
         }
     }
 
-    /// A projector for one turn's events.
-    pub fn projector(self, context_window: Option<u64>) -> Projector {
-        Projector { profile: self, context_window, calls: HashMap::new() }
+    /// A projector for one turn's events. `subagents`: the client advertised the
+    /// `subagents` capability, so subagents' sessions are shown as such.
+    pub fn projector(self, context_window: Option<u64>, subagents: bool) -> Projector {
+        Projector { profile: self, context_window, subagents, calls: HashMap::new(), children: HashMap::new() }
     }
 }
 
@@ -97,12 +99,63 @@ impl Profile {
 pub struct Projector {
     profile: Profile,
     context_window: Option<u64>,
+    subagents: bool,
     calls: HashMap<String, ToolCallRecord>,
+    /// Subagent sessions announced so far, and whether their end was.
+    children: HashMap<String, bool>,
 }
 
 impl Projector {
+    /// The updates an engine event becomes, in order.
+    pub fn project(&mut self, event: &EventMsg) -> Vec<SessionUpdate> {
+        match event {
+            EventMsg::ToolCall(record) | EventMsg::ToolCallUpdate(record)
+                if self.profile == Profile::Editor && has_sessions(record) =>
+            {
+                if !self.subagents {
+                    // A session reference is for clients that know subagents (ACP `subagents`).
+                    let mut shown = record.clone();
+                    shown.content.retain(|c| !matches!(c, ToolContent::Session { .. }));
+                    return self.project_one(&with_record(event, shown)).into_iter().collect();
+                }
+                let mut out = self.subagent_updates(record);
+                out.extend(self.project_one(event));
+                out
+            }
+            _ => self.project_one(event).into_iter().collect(),
+        }
+    }
+
+    /// `subagent_update`s for the subagent sessions of `record`: each is announced (with
+    /// its title and per-child cancel) before the tool call that references it, and
+    /// reported idle, with how it ended, once.
+    fn subagent_updates(&mut self, record: &ToolCallRecord) -> Vec<SessionUpdate> {
+        let mut out = Vec::new();
+        for content in &record.content {
+            let ToolContent::Session { session_id, stop_reason } = content else { continue };
+            if !self.children.contains_key(session_id) {
+                self.children.insert(session_id.clone(), false);
+                out.push(SessionUpdate::SubagentUpdate(
+                    SubagentUpdate::new(session_id.clone())
+                        .title(record.title.clone())
+                        .capabilities(SubagentSessionCapabilities::new().cancel(SessionCancelCapabilities::new()))
+                        .state(StateUpdate::Running(RunningStateUpdate::new())),
+                ));
+            }
+            let ended = stop_reason.is_some() || record.status.is_terminal();
+            if ended && self.children.insert(session_id.clone(), true) == Some(false) {
+                let stop = idle_stop(stop_reason.as_deref(), record);
+                out.push(SessionUpdate::SubagentUpdate(
+                    SubagentUpdate::new(session_id.clone())
+                        .state(StateUpdate::Idle(IdleStateUpdate::new().stop_reason(stop))),
+                ));
+            }
+        }
+        out
+    }
+
     /// The update an engine event becomes, if any.
-    pub fn project(&mut self, event: &EventMsg) -> Option<SessionUpdate> {
+    fn project_one(&mut self, event: &EventMsg) -> Option<SessionUpdate> {
         match (self.profile, event) {
             (Profile::Automation, EventMsg::MessageCommitted(text)) => Some(agent_text(text)),
             // Deltas, reasoning, tool activity and usage stay in the session log in this profile.
@@ -131,6 +184,33 @@ impl Projector {
             (Profile::Editor, EventMsg::Title(title)) => {
                 Some(SessionUpdate::SessionInfoUpdate(SessionInfoUpdate::new().title(title.clone())))
             }
+        }
+    }
+}
+
+fn has_sessions(record: &ToolCallRecord) -> bool {
+    record.content.iter().any(|c| matches!(c, ToolContent::Session { .. }))
+}
+
+/// `event` carrying `record` instead.
+fn with_record(event: &EventMsg, record: ToolCallRecord) -> EventMsg {
+    match event {
+        EventMsg::ToolCall(_) => EventMsg::ToolCall(record),
+        _ => EventMsg::ToolCallUpdate(record),
+    }
+}
+
+/// How a subagent's turn ended, from its stop reason's wire name, or from its call.
+fn idle_stop(stop_reason: Option<&str>, record: &ToolCallRecord) -> IdleStopReason {
+    match stop_reason {
+        Some("end_turn") => IdleStopReason::EndTurn,
+        Some("max_tokens") => IdleStopReason::MaxTokens,
+        Some("max_turn_requests") => IdleStopReason::MaxTurnRequests,
+        Some("refusal") => IdleStopReason::Refusal,
+        Some("cancelled") => IdleStopReason::Cancelled,
+        _ => {
+            let message = record.error.clone().unwrap_or_else(|| "the subagent ended without an answer".into());
+            IdleStopReason::Error(ErrorStopReason::new().error(Error::new(-32603, message)))
         }
     }
 }

@@ -265,8 +265,10 @@ pub(crate) fn replay_updates(records: &[(u64, LogRecord)]) -> Vec<SessionUpdate>
                 out.push(profile::agent_text(text))
             }
             LogRecord::ToolCall { call } if shown.insert(call.id.as_str()) => {
-                let fin = last.get(call.id.as_str()).copied().unwrap_or(call);
-                out.push(SessionUpdate::ToolCall(profile::full_tool_call(fin)));
+                let mut fin = last.get(call.id.as_str()).copied().unwrap_or(call).clone();
+                // A past turn's subagents are gone with their processes: no reference to them.
+                fin.content.retain(|c| !matches!(c, pier_tools::ToolContent::Session { .. }));
+                out.push(SessionUpdate::ToolCall(profile::full_tool_call(&fin)));
             }
             LogRecord::Plan { entries } => out.push(profile::plan(entries)),
             _ => {}

@@ -1,8 +1,8 @@
 //! Engine values in ACP's wire types, shared by the profiles.
 
 use agent_client_protocol_schema::v1::{
-    Content, ContentBlock, Diff, TextContent, ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdateFields,
-    ToolKind,
+    Content, ContentBlock, Diff, SessionReference, TextContent, ToolCallContent, ToolCallLocation, ToolCallStatus,
+    ToolCallUpdateFields, ToolKind,
 };
 use pier_engine::{ToolCallRecord, ToolCallStatus as Status};
 use pier_tools::{ToolContent, ToolKind as Kind};
@@ -41,6 +41,9 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
             }
             ToolContent::Diff { path, old_text, new_text } => {
                 ToolCallContent::Diff(Diff::new(path.clone(), new_text.clone()).old_text(old_text.clone()))
+            }
+            ToolContent::Session { session_id, .. } => {
+                ToolCallContent::Session(SessionReference::new(session_id.clone()))
             }
         })
         .collect();

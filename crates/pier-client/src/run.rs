@@ -67,6 +67,9 @@ pub struct RunOptions {
     /// How `terminal/*` commands are confined (`--sandbox off`: no Landlock; they still
     /// end with their turn).
     pub confinement: pier_tools::Confinement,
+    /// Told each turn's session id as soon as the agent gives it, before the prompt is
+    /// sent (a parent showing its subagent's session, say).
+    pub session_ids: Option<mpsc::UnboundedSender<String>>,
 }
 
 impl std::fmt::Debug for dyn crate::handler::Asker {
@@ -424,6 +427,9 @@ impl LiveAgent {
         self.state.begin_turn(opts.asker.clone());
         let mut outcome = match self.open_session(opts, target, setup_deadline(opts, started), interrupts).await {
             Ok(session_id) => {
+                if let Some(tx) = &opts.session_ids {
+                    let _ = tx.send(session_id.clone());
+                }
                 outcome.session_id = Some(session_id.clone());
                 let mut turn = Turn::new(opts, session_id, started);
                 let answer = turn.drive(self, prompt, events, interrupts).await;

@@ -677,11 +677,15 @@ impl Turn<'_> {
             tokio::select! {
                 result = &mut run => break Some(result),
                 _ = self.cx.cancel.cancelled() => {
-                    break tokio::time::timeout(TOOL_SETTLE, settle(&mut run, &mut requests)).await.ok();
+                    break tokio::time::timeout(TOOL_SETTLE, self.settle(&mut record, &mut run, &mut requests)).await.ok();
                 }
                 Some(request) = requests.recv() => self.serve(&mut record, request).await,
             }
         };
+        // What the tool showed last, on its way out, still counts.
+        while let Ok(request) = requests.try_recv() {
+            self.settled(&mut record, request).await;
+        }
         if self.cx.cancel.is_cancelled() {
             let text = self.fail(&mut record, "cancelled while running".into()).await;
             return CallEnd::stop(text, StopReason::Cancelled);
@@ -717,6 +721,33 @@ impl Turn<'_> {
                 let permit = self.judge(record, action).await;
                 let _ = answer.send(permit);
             }
+        }
+    }
+
+    /// Lets a cancelled tool finish: its progress still shows; its permission requests are
+    /// answered `cancelled` (R088's symmetry: nothing new is granted once the turn is being
+    /// cancelled).
+    async fn settle<F: std::future::Future + Unpin>(
+        &self,
+        record: &mut ToolCallRecord,
+        run: &mut F,
+        requests: &mut tokio::sync::mpsc::UnboundedReceiver<CallRequest>,
+    ) -> F::Output {
+        loop {
+            tokio::select! {
+                result = &mut *run => return result,
+                Some(request) = requests.recv() => self.settled(record, request).await,
+            }
+        }
+    }
+
+    /// A request from a tool that is ending: progress is shown, a permission is not granted.
+    async fn settled(&self, record: &mut ToolCallRecord, request: CallRequest) {
+        match request {
+            CallRequest::Permit { answer, .. } => {
+                let _ = answer.send(Permit::Cancelled);
+            }
+            progress @ CallRequest::Progress(_) => self.serve(record, progress).await,
         }
     }
 
@@ -798,22 +829,4 @@ enum Consulted {
     Rejected,
     Unavailable(String),
     Cancelled,
-}
-
-/// Lets a cancelled tool finish: its permission requests are answered `cancelled`
-/// (R088's symmetry: nothing new is granted once the turn is being cancelled).
-async fn settle<F: std::future::Future + Unpin>(
-    run: &mut F,
-    requests: &mut tokio::sync::mpsc::UnboundedReceiver<CallRequest>,
-) -> F::Output {
-    loop {
-        tokio::select! {
-            result = &mut *run => return result,
-            Some(request) = requests.recv() => {
-                if let CallRequest::Permit { answer, .. } = request {
-                    let _ = answer.send(Permit::Cancelled);
-                }
-            }
-        }
-    }
 }

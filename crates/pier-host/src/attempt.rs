@@ -240,6 +240,7 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         writable,
         asker: None,
         confinement: pier_tools::Confinement::default(),
+        session_ids: None,
     })
 }
 

@@ -18,9 +18,9 @@ pub mod asker;
 pub mod guard;
 pub mod progress;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
@@ -28,12 +28,11 @@ use futures::future::BoxFuture;
 use pier_client::registry::{self, AgentCommand, AgentDef};
 use pier_client::run::{self as client_run, EVENT_QUEUE};
 use pier_client::{ClientPolicy, Ending, Rule, RunOptions, SessionTarget};
-use pier_tools::{
-    Confinement, Preview, Scope, Tool, ToolContent, ToolContext, ToolError, ToolKind, ToolOutput, Workspace,
-};
+use pier_tools::{Confinement, Preview, Scope, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::asker::ParentAsker;
 use crate::progress::Progress;
@@ -43,6 +42,42 @@ pub const NAME: &str = "delegate";
 
 /// How often the delegate call's shown progress is refreshed, at most.
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// The subagents running now, by their session ids: how an editor's `session/cancel`
+/// of a child session (ACP subagents' per-child cancel) reaches that child alone.
+#[derive(Debug, Default)]
+pub struct Children {
+    running: Mutex<HashMap<String, CancellationToken>>,
+}
+
+impl Children {
+    /// Cancels the child running in `session_id`; false when none does.
+    pub fn cancel(&self, session_id: &str) -> bool {
+        let token = self.lock().get(session_id).cloned();
+        token.inspect(CancellationToken::cancel).is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+        self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn register(self: &Arc<Self>, session_id: String, stop: CancellationToken) -> Registered {
+        self.lock().insert(session_id.clone(), stop);
+        Registered { children: self.clone(), session_id }
+    }
+}
+
+/// A child in [`Children`] for as long as it lives.
+struct Registered {
+    children: Arc<Children>,
+    session_id: String,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.children.lock().remove(&self.session_id);
+    }
+}
 
 /// How subagents are started. Built once per `pier agent` by the binary.
 #[derive(Debug, Clone)]
@@ -65,6 +100,8 @@ pub struct SubagentConfig {
     /// When set, the only directories the child's edits may land in.
     pub writable: Option<Vec<PathBuf>>,
     pub confinement: Confinement,
+    /// The children running now; shared with the agent, which routes a child session's cancel here.
+    pub children: Arc<Children>,
 }
 
 impl SubagentConfig {
@@ -188,6 +225,10 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
     };
     // Never wider than the parent: the parent's roots, and no more.
     let allow_dirs: Vec<PathBuf> = cx.workspace.roots().filter(|r| *r != cwd).map(Path::to_path_buf).collect();
+    let (session_tx, mut session_ids) = mpsc::unbounded_channel();
+    // Fires when the parent's turn is cancelled, or when an editor cancels this child alone.
+    let stop = cx.cancel.child_token();
+    let mut registered = None;
     let mut policy = ClientPolicy::default();
     for kind in ToolKind::ALL {
         // Every request reaches the parent's rules through the asker.
@@ -215,6 +256,7 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
         asker: Some(Arc::new(ParentAsker { link: cx.link.clone(), agent: name.clone() })),
         writable: config.writable.clone(),
         confinement: config.confinement.clone(),
+        session_ids: Some(session_tx),
     };
     let prompt = vec![ContentBlock::Text(TextContent::new(args.prompt))];
     let (events_tx, mut events) = mpsc::channel(EVENT_QUEUE);
@@ -231,9 +273,16 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
             // The parent's turn is being cancelled: the child gets the cancel handshake
             // (session/cancel, its pending questions answered `cancelled`, a bounded wait),
             // then its group is ended; `run` returns only after all of it.
-            _ = cx.cancel.cancelled(), if !interrupted => {
+            _ = stop.cancelled(), if !interrupted => {
                 interrupted = true;
                 let _ = interrupt.send(());
+            }
+            Some(session_id) = session_ids.recv() => {
+                registered = Some(config.children.register(session_id.clone(), stop.clone()));
+                progress.session(session_id);
+                if let Some(content) = progress.take() {
+                    cx.link.progress(content);
+                }
             }
             Some(event) = events.recv() => progress.see(&event),
             _ = tick.tick() => {
@@ -243,13 +292,21 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
             }
         }
     };
+    drop(registered);
     while let Ok(event) = events.try_recv() {
         progress.see(&event);
+    }
+    let stop_reason = outcome.stop_reason.map(|r| wire(&r));
+    let answered = outcome.error.is_none()
+        && outcome.ending == Ending::Answered
+        && outcome.stop_reason == Some(StopReason::EndTurn);
+    if !answered {
+        cx.link.progress(progress.finished(stop_reason.clone(), progress.text()));
     }
     let raw = json!({
         "agent": name,
         "sessionId": outcome.session_id,
-        "stopReason": outcome.stop_reason.map(|r| wire(&r)),
+        "stopReason": stop_reason,
         "durationMs": outcome.duration.as_millis() as u64,
     });
     if let Some(error) = &outcome.error {
@@ -259,7 +316,7 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
     match (outcome.ending, outcome.stop_reason) {
         (Ending::Answered, Some(StopReason::EndTurn)) => {
             let mut out = ToolOutput::ok(outcome.text.clone(), raw);
-            out.content = vec![ToolContent::Text { text: outcome.text }];
+            out.content = progress.finished(Some("end_turn".into()), outcome.text);
             Ok(out)
         }
         (Ending::TimedOut { .. }, _) => Err(ToolError::new(format!(

@@ -13,8 +13,8 @@ const TEXT_BYTES: usize = 8 * 1024;
 /// The child's progress as the parent shows it.
 #[derive(Debug, Default)]
 pub struct Progress {
-    /// The child's session, from its first update.
-    pub session_id: Option<String>,
+    /// The child's session, once the child gave it.
+    session_id: Option<String>,
     calls: Vec<(String, String, ToolCallStatus)>,
     text: String,
     /// Whether anything changed since the last [`Progress::take`].
@@ -25,9 +25,6 @@ impl Progress {
     /// Takes in one event of the child's run.
     pub fn see(&mut self, event: &ClientEvent) {
         let ClientEvent::Update(n) = event else { return };
-        if self.session_id.is_none() {
-            self.session_id = Some(n.session_id.0.to_string());
-        }
         match &n.update {
             SessionUpdate::AgentMessageChunk(chunk) => {
                 if let ContentBlock::Text(t) = &chunk.content {
@@ -63,12 +60,39 @@ impl Progress {
         }
     }
 
+    /// The child's session is open.
+    pub fn session(&mut self, session_id: String) {
+        self.session_id = Some(session_id);
+        self.dirty = true;
+    }
+
     /// The content to show, if it changed since last asked.
     pub fn take(&mut self) -> Option<Vec<ToolContent>> {
         if !std::mem::take(&mut self.dirty) {
             return None;
         }
-        Some(vec![ToolContent::Text { text: self.render() }])
+        Some(self.content(None, self.render()))
+    }
+
+    /// The call's last content: the child's session with how it ended, and `text`.
+    pub fn finished(&self, stop_reason: Option<String>, text: String) -> Vec<ToolContent> {
+        self.content(Some(stop_reason.unwrap_or_else(|| "error".into())), text)
+    }
+
+    fn content(&self, stop_reason: Option<String>, text: String) -> Vec<ToolContent> {
+        let mut content = Vec::with_capacity(2);
+        if let Some(session_id) = &self.session_id {
+            content.push(ToolContent::Session { session_id: session_id.clone(), stop_reason });
+        }
+        if !text.is_empty() {
+            content.push(ToolContent::Text { text });
+        }
+        content
+    }
+
+    /// What the child showed so far, as text.
+    pub fn text(&self) -> String {
+        self.render()
     }
 
     fn render(&self) -> String {

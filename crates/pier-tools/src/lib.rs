@@ -159,6 +159,13 @@ pub enum ToolContent {
         old_text: Option<String>,
         new_text: String,
     },
+    /// Another agent's session doing the call's work (a subagent), and how its turn
+    /// ended once it has (a stop reason's wire name, or `error`).
+    Session {
+        session_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop_reason: Option<String>,
+    },
 }
 
 /// The result of a tool that ran.

@@ -97,6 +97,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     limits.confinement = config::resolve_confinement(&files, args.sandbox)?;
     // Without cgroups, this also makes pier a child subreaper before any command runs.
     tracing::info!(confinement = %pier_tools::contain::describe(&limits.confinement), "commands");
+    let mut cancel_subagent: Option<pier_agent::CancelSubagent> = None;
     // The embedded model cannot drive tool calls: it gets none, and a plain system prompt.
     let toolbox = if local {
         if engine_config.system_prompt.is_none() {
@@ -110,6 +111,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         match subagents(&args, &files, profile, &policy, &engine_config, confinement, &env)? {
             Some(config) => {
                 tracing::info!(depth = args.subagents.subagent_depth, "subagents: the delegate tool is offered");
+                let children = config.children.clone();
+                cancel_subagent = Some(Arc::new(move |id: &str| children.cancel(id)));
                 Arc::new(toolbox.with(Arc::new(pier_subagent::Delegate::new(config))))
             }
             None => Arc::new(toolbox),
@@ -117,6 +120,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     };
     let engine = Engine::new(engine_config, model, toolbox, policy);
     let mut options = AgentOptions::new(profile);
+    options.cancel_subagent = cancel_subagent;
     if let Some(mode) = &files.mode {
         options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
     }
@@ -231,6 +235,7 @@ fn subagents(
         setup_timeout: Duration::from_secs(60),
         writable: engine.writable.clone(),
         confinement,
+        children: Default::default(),
     }))
 }
 

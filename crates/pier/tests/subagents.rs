@@ -356,10 +356,8 @@ async fn cancelling_the_parent_mid_delegation_ends_every_child() {
     // The delegate calls ended failed, cancelled, in the parent's log.
     let log = support::read_log(&p.data_dir(), &sid);
     for call in ["a", "b"] {
-        let last = log
-            .iter()
-            .rfind(|r| r["call"]["id"] == call)
-            .unwrap_or_else(|| panic!("no record of {call}: {log:?}"));
+        let last =
+            log.iter().rfind(|r| r["call"]["id"] == call).unwrap_or_else(|| panic!("no record of {call}: {log:?}"));
         assert!(last.to_string().contains("\"failed\"") && last.to_string().contains("cancelled"), "{last}");
     }
 }
@@ -431,4 +429,160 @@ async fn a_parent_delegates_to_the_typescript_sdk_example_agent() {
     let said = support::agent_texts(&notes, &sid).join("");
     assert!(said.starts_with("sdk said: ") && !said.contains("error:"), "{said}\n{}", p.stderr());
     none_left_in(&workdir(&p), p.pid).await;
+}
+
+/// An editor-profile parent whose client may or may not advertise `subagents`.
+async fn editor_parent(f: &FakeModel, subagents: bool) -> (PierProcess, String) {
+    let opts = Options {
+        pier_toml: Some(format!(
+            "profile = \"editor\"\nprovider = \"fake\"\n[providers.fake]\nbase_url = \"{}\"\nmodel = \"fake-model\"\nmax_retries = 0\n[permissions]\nother = \"allow\"\n",
+            f.base_url()
+        )),
+        capture_stderr: true,
+        ..Options::default()
+    };
+    let mut p = PierProcess::spawn(opts).await;
+    let caps = if subagents { json!({"subagents": {}}) } else { json!({}) };
+    let r = p.call("initialize", json!({"protocolVersion": 1, "clientCapabilities": caps})).await;
+    assert!(r.get("result").is_some(), "{r}");
+    let sid = p.new_session().await;
+    (p, sid)
+}
+
+fn update(frame: &Value) -> &Value {
+    &frame["params"]["update"]
+}
+
+/// Frames until `stop` holds for one; returns them all, that one last.
+async fn frames_until(p: &mut PierProcess, stop: impl Fn(&Value) -> bool) -> Vec<Value> {
+    let mut seen = Vec::new();
+    loop {
+        let frame = p.next_frame().await;
+        let done = stop(&frame);
+        seen.push(frame);
+        if done {
+            return seen;
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_editor_sees_the_child_session_its_progress_and_its_end() {
+    let f = fake().await;
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| match (first_user(body).as_str(), tool_results(body).len()) {
+        ("look", 0) => delegate("d1", "child: look around"),
+        ("look", _) => Reply::text("done"),
+        (_, 0) => Reply::Stream(vec![
+            Step::Text("looking around".into()),
+            Step::ToolCallStart { index: 0, id: "c1".into(), name: "list_dir".into() },
+            Step::ToolCallArgs { index: 0, fragment: "{\"path\": \".\"}".into() },
+            Step::Finish("tool_calls".into()),
+            Step::Done,
+        ]),
+        (_, _) => Reply::Stream(vec![
+            Step::Gate(g.clone()),
+            Step::Text("it is empty".into()),
+            Step::Finish("stop".into()),
+            Step::Done,
+        ]),
+    });
+    let (mut p, sid) = editor_parent(&f, true).await;
+    let id = p.prompt(&sid, "look").await;
+    // The child's first message shows on the delegate call while it still runs.
+    let mut frames = frames_until(&mut p, |fr| {
+        let u = update(fr);
+        u["toolCallId"] == "d1"
+            && u["content"].as_array().is_some_and(|c| {
+                c.iter().any(|c| c["content"]["text"].as_str().is_some_and(|t| t.contains("looking around")))
+            })
+    })
+    .await;
+    assert_eq!(
+        f.requests().iter().filter(|r| first_user(&r.body) == "child: look around").count(),
+        2,
+        "the child waits at its gate"
+    );
+    gate.open();
+    let (rest, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    frames.extend(rest);
+    let subs: Vec<(usize, &Value)> = frames
+        .iter()
+        .enumerate()
+        .filter(|(_, fr)| update(fr)["sessionUpdate"] == "subagent_update")
+        .map(|(i, fr)| (i, update(fr)))
+        .collect();
+    assert_eq!(subs.len(), 2, "announced, then idle: {subs:?}");
+    let child = subs[0].1["sessionId"].as_str().unwrap_or_else(|| panic!("{subs:?}")).to_owned();
+    assert_eq!(subs[0].1["state"]["state"], "running", "{subs:?}");
+    assert_eq!(subs[0].1["capabilities"]["cancel"], json!({}), "{subs:?}");
+    assert!(subs[0].1["title"].as_str().is_some_and(|t| t.contains("Delegate to pier")), "{subs:?}");
+    assert_eq!(subs[1].1["sessionId"], child.as_str());
+    assert_eq!(subs[1].1["state"], json!({"state": "idle", "stopReason": "end_turn"}), "{subs:?}");
+    // The call links the child's session, after the child was announced.
+    let linked = frames
+        .iter()
+        .position(|fr| {
+            update(fr)["toolCallId"] == "d1"
+                && update(fr)["content"]
+                    .as_array()
+                    .is_some_and(|c| c.iter().any(|c| c["type"] == "session" && c["sessionId"] == child.as_str()))
+        })
+        .unwrap_or_else(|| panic!("no session reference: {frames:?}"));
+    assert!(subs[0].0 < linked, "announced before it is referenced");
+    let last =
+        frames.iter().rev().find(|fr| update(fr)["toolCallId"] == "d1" && update(fr)["status"].is_string()).map(update);
+    assert_eq!(last.map(|u| &u["status"]), Some(&json!("completed")));
+    assert_ne!(child, sid, "the child has a session of its own");
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn an_editor_cancels_one_child_and_the_parents_turn_goes_on() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("work", None) => delegate("d1", "child: forever"),
+        ("work", Some(result)) => Reply::text(&format!("after the child: {result}")),
+        (_, _) => Reply::Hang,
+    });
+    let (mut p, sid) = editor_parent(&f, true).await;
+    let id = p.prompt(&sid, "work").await;
+    let frames = frames_until(&mut p, |fr| update(fr)["sessionUpdate"] == "subagent_update").await;
+    let child =
+        frames.last().map(|fr| update(fr)["sessionId"].as_str().unwrap_or_default().to_owned()).unwrap_or_default();
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(2)).await, "the child is working");
+    p.notify("session/cancel", json!({"sessionId": child})).await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "only the child was cancelled: {resp}");
+    let idle =
+        notes.iter().map(update).find(|u| u["sessionUpdate"] == "subagent_update" && u["state"]["state"] == "idle");
+    assert_eq!(idle.map(|u| &u["state"]["stopReason"]), Some(&json!("cancelled")), "{notes:?}");
+    let said: String = notes
+        .iter()
+        .map(update)
+        .filter(|u| u["sessionUpdate"] == "agent_message_chunk")
+        .filter_map(|u| u["content"]["text"].as_str())
+        .collect();
+    assert!(said.starts_with("after the child: error") && said.contains("`cancelled`"), "{said}");
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn a_client_without_subagents_sees_no_child_session() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("plain", None) => delegate("d1", "child: hello"),
+        ("plain", Some(result)) => Reply::text(&result),
+        (_, _) => Reply::text("hello back"),
+    });
+    let (mut p, sid) = editor_parent(&f, false).await;
+    let id = p.prompt(&sid, "plain").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    assert!(!notes.iter().any(|n| update(n)["sessionUpdate"] == "subagent_update"), "{notes:?}");
+    assert!(!notes.iter().any(|n| n.to_string().contains("\"type\":\"session\"")), "{notes:?}");
+    let done = notes.iter().map(update).rfind(|u| u["toolCallId"] == "d1" && u["status"] == "completed");
+    assert!(done.is_some_and(|u| u.to_string().contains("hello back")), "{notes:?}");
 }
