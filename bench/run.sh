@@ -122,6 +122,9 @@ if [ "$with_peers" = 1 ]; then
   run B6-codex-acp         "$bench" stream --kind codex --tokens 20000 -- "$interop/node_modules/.bin/codex-acp"
   run B6-claude-agent-acp  "$bench" stream --kind claude --tokens 20000 -- "$interop/node_modules/.bin/claude-agent-acp"
 fi
+# B7: a delegation (the delegate tool, pier's own agent as the child) beside the same child
+# run directly by the harness; overhead_ms is what delegating adds (median of 20 per run).
+run B7-delegate            "$bench" delegate --pier "$pier" --n 20
 if [ "$with_peers" = 1 ] && wanted B3-; then
   # B3 for the real agents, their models pointed at a local fake server: a warm-up, then rounds.
   target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 >/dev/null

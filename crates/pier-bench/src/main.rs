@@ -19,8 +19,12 @@
 //! - `stream --kind K CMD…`: B6, one answer of N tokens streamed by the fake model as fast as
 //!   it can, through the agent (pier, codex-acp or claude-agent-acp, each pointed at a fake
 //!   started here) to a client that counts `agent_message_chunk`s and times every token.
+//! - `delegate --pier PATH`: B7, a delegation (spawn → answer) beside the same child run
+//!   directly ([`delegate`]).
 
 #![allow(clippy::print_stdout)]
+
+mod delegate;
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -743,61 +747,19 @@ fn start_fake() -> (pier_fake_model::FakeModel, tokio::sync::oneshot::Sender<()>
     }
 }
 
-/// How each agent is pointed at the fake model, offline (as `crates/pier/examples/interop.rs`
-/// sets them up for the interop check).
+/// How each agent is pointed at the fake model, offline: pier by its variables, the others
+/// as the interop check and the subagent tests do (`pier_fake_model::peers`).
 fn stream_env(kind: &str, scratch: &std::path::Path, base: &str) -> Vec<(String, String)> {
-    let home = scratch.join("home");
-    let dir = |d: &std::path::Path| {
-        if let Err(e) = std::fs::create_dir_all(d) {
-            panic!("create {}: {e}", d.display());
-        }
-    };
-    dir(&home);
-    let mut env = vec![("HOME".to_owned(), home.display().to_string())];
-    let root = base.trim_end_matches("/v1").to_owned();
-    match kind {
-        "pier" => {
-            for (k, v) in [
-                ("PIER_HOME", scratch.join("pier-home").display().to_string()),
-                ("PIER_BASE_URL", base.to_owned()),
-                ("PIER_MODEL", "fake-model".to_owned()),
-                ("PIER_API_KEY", "fake-key".to_owned()),
-            ] {
-                env.push((k.into(), v));
-            }
-        }
-        "codex" => {
-            let codex_home = scratch.join("codex-home");
-            dir(&codex_home);
-            let config = format!(
-                "model = \"fake-model\"\nmodel_provider = \"fake\"\napproval_policy = \"untrusted\"\n\
-                 sandbox_mode = \"danger-full-access\"\n\n[model_providers.fake]\nname = \"fake\"\n\
-                 base_url = \"{base}\"\nenv_key = \"FAKE_API_KEY\"\nwire_api = \"responses\"\n"
-            );
-            if let Err(e) = std::fs::write(codex_home.join("config.toml"), config) {
-                panic!("write codex config: {e}");
-            }
-            env.push(("CODEX_HOME".into(), codex_home.display().to_string()));
-            env.push(("FAKE_API_KEY".into(), "fake-key".into()));
-        }
-        "claude" => {
-            let cfg = scratch.join("claude-config");
-            dir(&cfg);
-            for (k, v) in [
-                ("IS_SANDBOX", "1"),
-                ("ANTHROPIC_BASE_URL", root.as_str()),
-                ("ANTHROPIC_API_KEY", "fake-key"),
-                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
-                ("DISABLE_TELEMETRY", "1"),
-                ("DISABLE_AUTOUPDATER", "1"),
-            ] {
-                env.push((k.into(), v.into()));
-            }
-            env.push(("CLAUDE_CONFIG_DIR".into(), cfg.display().to_string()));
-        }
-        other => panic!("unknown --kind {other}: pier, codex, claude or direct"),
+    if kind != "pier" {
+        return pier_fake_model::peers::env(kind, scratch, base).unwrap_or_else(|e| panic!("--kind {kind}: {e}"));
     }
-    env
+    vec![
+        ("HOME".to_owned(), scratch.join("home").display().to_string()),
+        ("PIER_HOME".to_owned(), scratch.join("pier-home").display().to_string()),
+        ("PIER_BASE_URL".to_owned(), base.to_owned()),
+        ("PIER_MODEL".to_owned(), "fake-model".to_owned()),
+        ("PIER_API_KEY".to_owned(), "fake-key".to_owned()),
+    ]
 }
 
 /// The processes in process group `pgid` (the agent and everything it started).
@@ -1043,6 +1005,7 @@ async fn main() {
         Some("startup") => startup(opts, cmd).await,
         Some("sessions") => sessions(opts, cmd).await,
         Some("stream") => stream(opts, cmd).await,
+        Some("delegate") => delegate::run(opts).await,
         _ => eprintln!(
             "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),

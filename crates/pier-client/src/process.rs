@@ -54,7 +54,7 @@ impl AgentProcess {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         if command.die_with_parent {
-            die_with_parent(cmd.as_std_mut());
+            pier_tools::contain::die_with_parent(cmd.as_std_mut(), Signal::SIGTERM);
         }
         let mut child = cmd.spawn().map_err(|e| ClientError::Spawn {
             agent: command.name.clone(),
@@ -132,26 +132,6 @@ impl AgentProcess {
             // ESRCH just means everything is gone already.
             let _ = killpg(pgid, Signal::SIGKILL);
         }
-    }
-}
-
-/// Makes the kernel SIGTERM the agent when pier dies, even by SIGKILL, where no destructor runs.
-#[allow(unsafe_code)]
-fn die_with_parent(cmd: &mut std::process::Command) {
-    use std::os::unix::process::CommandExt;
-    let parent = nix::unistd::getpid();
-    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
-    // calls are allowed: prctl(2) and getppid(2) are plain system calls that neither allocate nor
-    // take locks (the error path builds an io::Error from an errno, no allocation either).
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).map_err(std::io::Error::from)?;
-            // pier may have died between fork and prctl; then nobody would ever send the signal.
-            if nix::unistd::getppid() != parent {
-                return Err(std::io::Error::from(nix::errno::Errno::ESRCH));
-            }
-            Ok(())
-        });
     }
 }
 

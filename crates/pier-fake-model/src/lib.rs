@@ -17,6 +17,7 @@
 
 pub mod check;
 mod encode;
+pub mod peers;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;

@@ -61,7 +61,7 @@ impl ChildProcess {
             .stderr(Stdio::piped())
             // The last line of defence: if every owner forgets the child, tokio still kills it.
             .kill_on_drop(true);
-        die_with_parent(&mut cmd);
+        pier_tools::contain::die_with_parent(cmd.as_std_mut(), Signal::SIGKILL);
         let mut child = cmd.spawn()?;
         let pid = child.id().ok_or_else(|| std::io::Error::other("the process exited before it could be tracked"))?;
         let (Some(stdout), Some(stdin), Some(stderr)) = (child.stdout.take(), child.stdin.take(), child.stderr.take())
@@ -199,25 +199,6 @@ async fn read_stderr(mut stderr: tokio::process::ChildStderr, tail: Arc<StderrTa
         }
     }
     tail.closed.send_replace(true);
-}
-
-/// Makes the kernel SIGKILL the server when pier dies, even by SIGKILL, where no destructor runs.
-#[allow(unsafe_code)]
-fn die_with_parent(cmd: &mut Command) {
-    let parent = nix::unistd::getpid();
-    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
-    // calls are allowed: prctl(2) and getppid(2) are plain system calls that neither allocate nor
-    // take locks (the error path builds an io::Error from an errno, no allocation either).
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
-            // pier may have died between fork and prctl; then nobody would ever send the signal.
-            if nix::unistd::getppid() != parent {
-                return Err(std::io::Error::from(nix::errno::Errno::ESRCH));
-            }
-            Ok(())
-        });
-    }
 }
 
 #[cfg(test)]

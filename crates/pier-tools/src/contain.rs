@@ -380,3 +380,26 @@ fn before_exec(cmd: &mut tokio::process::Command, f: impl FnMut() -> std::io::Re
         cmd.pre_exec(f);
     }
 }
+
+/// Makes the kernel send `signal` to the child when the thread that spawned it dies, even
+/// by SIGKILL, where no destructor of pier runs (`PR_SET_PDEATHSIG`). Spawn from a thread
+/// that lives as long as the child should (a runtime worker or the main thread, never a
+/// `spawn_blocking` thread, which exits when idle).
+#[allow(unsafe_code)]
+pub fn die_with_parent(cmd: &mut std::process::Command, signal: Signal) {
+    use std::os::unix::process::CommandExt;
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: prctl(2) and getppid(2) are plain system calls that neither allocate nor
+    // take locks (the error path builds an io::Error from an errno, no allocation either).
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(signal).map_err(std::io::Error::from)?;
+            // pier may have died between fork and prctl; then nobody would ever send the signal.
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::from(nix::errno::Errno::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}

@@ -38,71 +38,6 @@ const AGENTS: &[Agent] = &[
     Agent { name: "gemini", shell_call: gemini_shell },
 ];
 
-struct Setup {
-    command: String,
-    env: Vec<(String, String)>,
-}
-
-fn setup(agent: &str, peers: &Path, scratch: &Path, base: &str) -> std::io::Result<Setup> {
-    let bin = peers.join("node_modules/.bin");
-    let home = scratch.join("home");
-    std::fs::create_dir_all(&home)?;
-    let mut env = vec![("HOME".to_owned(), home.display().to_string())];
-    let root = base.trim_end_matches("/v1").to_owned();
-    let command = match agent {
-        "codex" => {
-            let codex_home = scratch.join("codex-home");
-            std::fs::create_dir_all(&codex_home)?;
-            std::fs::write(
-                codex_home.join("config.toml"),
-                format!(
-                    "model = \"fake-model\"\nmodel_provider = \"fake\"\napproval_policy = \"untrusted\"\n\
-                     sandbox_mode = \"danger-full-access\"\n\n[model_providers.fake]\nname = \"fake\"\n\
-                     base_url = \"{base}\"\nenv_key = \"FAKE_API_KEY\"\nwire_api = \"responses\"\n"
-                ),
-            )?;
-            env.push(("CODEX_HOME".into(), codex_home.display().to_string()));
-            env.push(("FAKE_API_KEY".into(), "fake-key".into()));
-            bin.join("codex-acp").display().to_string()
-        }
-        "claude" => {
-            let cfg = scratch.join("claude-config");
-            std::fs::create_dir_all(&cfg)?;
-            for (k, v) in [
-                ("IS_SANDBOX", "1"),
-                ("ANTHROPIC_BASE_URL", root.as_str()),
-                ("ANTHROPIC_API_KEY", "fake-key"),
-                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
-                ("DISABLE_TELEMETRY", "1"),
-                ("DISABLE_AUTOUPDATER", "1"),
-            ] {
-                env.push((k.into(), v.into()));
-            }
-            env.push(("CLAUDE_CONFIG_DIR".into(), cfg.display().to_string()));
-            bin.join("claude-agent-acp").display().to_string()
-        }
-        "gemini" => {
-            let dir = home.join(".gemini");
-            std::fs::create_dir_all(&dir)?;
-            std::fs::write(
-                dir.join("settings.json"),
-                json!({
-                    "privacy": {"usageStatisticsEnabled": false},
-                    "telemetry": {"enabled": false},
-                    "general": {"disableAutoUpdate": true, "disableUpdateNag": true},
-                    "security": {"folderTrust": {"enabled": false}, "auth": {"selectedType": "gemini-api-key"}},
-                })
-                .to_string(),
-            )?;
-            env.push(("GEMINI_API_KEY".into(), "fake-key".into()));
-            env.push(("GOOGLE_GEMINI_BASE_URL".into(), root.clone()));
-            format!("{} --acp", bin.join("gemini").display())
-        }
-        other => return Err(std::io::Error::other(format!("unknown agent {other}"))),
-    };
-    Ok(Setup { command, env })
-}
-
 struct Run {
     code: Option<i32>,
     result: Value,
@@ -111,7 +46,13 @@ struct Run {
     elapsed: Duration,
 }
 
-async fn exec(pier: &Path, s: &Setup, work: &Path, args: &[&str], prompt: &str) -> std::io::Result<Run> {
+async fn exec(
+    pier: &Path,
+    s: &pier_fake_model::peers::Setup,
+    work: &Path,
+    args: &[&str],
+    prompt: &str,
+) -> std::io::Result<Run> {
     let started = Instant::now();
     let mut cmd = tokio::process::Command::new(pier);
     cmd.arg("exec").arg("--agent").arg(&s.command).arg("--format").arg("json").args(args).arg(prompt);
@@ -153,7 +94,8 @@ async fn run_agent(agent: &Agent, pier: &Path, peers: &Path) -> std::io::Result<
     let work = scratch.path().join("work");
     std::fs::create_dir_all(&work)?;
     let fake = FakeModel::start().await?;
-    let s = setup(agent.name, peers, scratch.path(), &fake.base_url())?;
+    let s =
+        pier_fake_model::peers::setup(agent.name, &peers.join("node_modules/.bin"), scratch.path(), &fake.base_url())?;
 
     // 1. A plain turn.
     fake.push(Reply::text("Interop OK."));
@@ -287,7 +229,12 @@ async fn main() -> std::io::Result<()> {
             std::fs::create_dir_all(&work)?;
             let fake = FakeModel::start().await?;
             fake.set_fallback(|_| Reply::text("ok"));
-            let s = setup(agent.name, &peers, scratch.path(), &fake.base_url())?;
+            let s = pier_fake_model::peers::setup(
+                agent.name,
+                &peers.join("node_modules/.bin"),
+                scratch.path(),
+                &fake.base_url(),
+            )?;
             let mut cmd = tokio::process::Command::new(&bench);
             cmd.args(["startup", "--n", n.as_str(), "--"])
                 .args(s.command.split(' '))

@@ -326,16 +326,22 @@ async fn a_grandchild_is_not_offered_delegate_at_the_default_depth() {
     none_left_in(&workdir(&p), p.pid).await;
 }
 
-#[tokio::test]
-async fn cancelling_the_parent_mid_delegation_ends_every_child() {
-    let f = fake().await;
+/// A parent whose turn delegated twice, both children waiting on the model for good.
+async fn fanned_out(f: &FakeModel) -> (PierProcess, String, i64) {
     f.set_fallback(|body| match first_user(body).as_str() {
         "fan out" => delegate_calls(&[("a", json!({"prompt": "child: A"})), ("b", json!({"prompt": "child: B"}))]),
         _ => Reply::Hang,
     });
-    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let (mut p, sid) = PierProcess::start(parent(f)).await;
     let id = p.prompt(&sid, "fan out").await;
     must(tokio::time::timeout(LIMIT, f.wait_for_requests(3)).await, "both children working");
+    (p, sid, id)
+}
+
+#[tokio::test]
+async fn cancelling_the_parent_mid_delegation_ends_every_child() {
+    let f = fake().await;
+    let (mut p, sid, id) = fanned_out(&f).await;
     assert_eq!(processes_in(&workdir(&p), p.pid).len(), 4, "two children run, each under its guard");
     let started = Instant::now();
     p.notify("session/cancel", json!({"sessionId": sid})).await;
@@ -365,13 +371,7 @@ async fn cancelling_the_parent_mid_delegation_ends_every_child() {
 #[tokio::test]
 async fn a_sigkilled_parent_leaves_no_child() {
     let f = fake().await;
-    f.set_fallback(|body| match first_user(body).as_str() {
-        "fan out" => delegate_calls(&[("a", json!({"prompt": "child: A"})), ("b", json!({"prompt": "child: B"}))]),
-        _ => Reply::Hang,
-    });
-    let (mut p, sid) = PierProcess::start(parent(&f)).await;
-    let _ = p.prompt(&sid, "fan out").await;
-    must(tokio::time::timeout(LIMIT, f.wait_for_requests(3)).await, "both children working");
+    let (mut p, _, _) = fanned_out(&f).await;
     let dir = workdir(&p);
     assert!(!processes_in(&dir, p.pid).is_empty(), "the children run");
     must(nix_kill(p.pid), "SIGKILL the parent");
@@ -585,4 +585,53 @@ async fn a_client_without_subagents_sees_no_child_session() {
     assert!(!notes.iter().any(|n| n.to_string().contains("\"type\":\"session\"")), "{notes:?}");
     let done = notes.iter().map(update).rfind(|u| u["toolCallId"] == "d1" && u["status"] == "completed");
     assert!(done.is_some_and(|u| u.to_string().contains("hello back")), "{notes:?}");
+}
+
+/// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
+fn interop_bin() -> PathBuf {
+    let bin = std::env::var("PIER_TEST_INTEROP_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/node_modules/.bin"));
+    assert!(bin.join("codex-acp").exists(), "{} has no codex-acp; run scripts/test, which installs it", bin.display());
+    bin
+}
+
+/// A parent delegates to a third-party agent whose model traffic goes to the fake in its
+/// provider's API (as `scripts/interop.sh` sets them up); its answer comes back, and
+/// nothing of it is left running.
+async fn delegates_to_a_third_party(name: &str) {
+    let f = fake().await;
+    let scratch = must(tempfile::tempdir(), "scratch");
+    let peer = must(pier_fake_model::peers::setup(name, &interop_bin(), scratch.path(), &f.base_url()), "peer setup");
+    let spec = peer.command.clone();
+    f.set_fallback(move |body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("ask the peer", None) => delegate_calls(&[("d1", json!({"prompt": "Say hello.", "agent": spec}))]),
+        ("ask the peer", Some(result)) => Reply::text(&format!("the peer said: {result}")),
+        _ => Reply::text("Hello from the peer."),
+    });
+    let mut opts = parent(&f);
+    opts.env.extend(peer.env);
+    let (mut p, sid) = PierProcess::start(opts).await;
+    let id = p.prompt(&sid, "ask the peer").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}\n{}", p.stderr());
+    let said = support::agent_texts(&notes, &sid).join("");
+    // codex says a word of its own first (its model metadata warning).
+    assert!(said.starts_with("the peer said: ") && said.ends_with("Hello from the peer."), "{said}\n{}", p.stderr());
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn a_parent_delegates_to_codex_acp() {
+    delegates_to_a_third_party("codex").await;
+}
+
+#[tokio::test]
+async fn a_parent_delegates_to_claude_agent_acp() {
+    delegates_to_a_third_party("claude").await;
+}
+
+#[tokio::test]
+async fn a_parent_delegates_to_gemini_cli() {
+    delegates_to_a_third_party("gemini").await;
 }
