@@ -18,3 +18,9 @@ pub mod stdio;
 pub use agent_client_protocol_schema::v1 as schema;
 pub use connection::{CloseReason, Connection, ConnectionConfig, Handler, Outgoing, RequestCx};
 pub use error::RequestError;
+
+/// The `_meta` key under which a task host names the task a session runs for: run, task,
+/// attempt, idempotency key, dependencies and the task's metadata (namespaced, as ACP asks
+/// of `_meta` keys). pier's host sends it with `session/new` and `session/prompt`; pier's
+/// agent reads it.
+pub const TASK_META_KEY: &str = "pier.dev/task";

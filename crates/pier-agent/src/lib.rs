@@ -66,6 +66,9 @@ pub struct AgentOptions {
     /// Cancels a subagent's running turn by its session id (`session/cancel` of a child
     /// session an editor was shown); false when no such child runs.
     pub cancel_subagent: Option<CancelSubagent>,
+    /// Tell the model which task a host runs a session for (its metadata, from
+    /// `_meta["pier.dev/task"]` of `session/new`), in the system prompt.
+    pub task_context: bool,
 }
 
 impl AgentOptions {
@@ -78,6 +81,7 @@ impl AgentOptions {
             vision: false,
             mcp_timeout: std::time::Duration::from_secs(30),
             cancel_subagent: None,
+            task_context: true,
         }
     }
 }

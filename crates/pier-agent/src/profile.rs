@@ -14,7 +14,8 @@ use agent_client_protocol_schema::v1::{
     McpCapabilities, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus, PromptCapabilities, RunningStateUpdate,
     SessionAdditionalDirectoriesCapabilities, SessionCancelCapabilities, SessionCapabilities, SessionCloseCapabilities,
     SessionDeleteCapabilities, SessionInfoUpdate, SessionListCapabilities, SessionResumeCapabilities, SessionUpdate,
-    StateUpdate, SubagentSessionCapabilities, SubagentUpdate, TextContent, ToolCall, ToolCallUpdate, UsageUpdate,
+    StateUpdate, SubagentSessionCapabilities, SubagentUpdate, TextContent, ToolCall, ToolCallContent, ToolCallUpdate,
+    UsageUpdate,
 };
 use pier_engine::{EventMsg, ToolCallRecord};
 use pier_tools::{PlanPriority, PlanStatus, ToolContent};
@@ -178,6 +179,16 @@ impl Projector {
                     None => wire::tool_call_fields(record),
                 };
                 self.calls.insert(record.id.clone(), record.clone());
+                Some(SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(record.id.clone(), fields)))
+            }
+            (Profile::Editor, EventMsg::ToolCallRestated(record)) => {
+                self.calls.insert(record.id.clone(), record.clone());
+                let mut fields = wire::tool_call_fields(record);
+                if !self.subagents {
+                    fields.content = fields
+                        .content
+                        .map(|c| c.into_iter().filter(|c| !matches!(c, ToolCallContent::Session(_))).collect());
+                }
                 Some(SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(record.id.clone(), fields)))
             }
             (Profile::Editor, EventMsg::Plan(entries)) => Some(plan(entries)),

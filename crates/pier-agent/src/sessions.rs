@@ -77,7 +77,10 @@ impl AcpAgent {
         cancel: CancellationToken,
         req: NewSessionRequest,
     ) -> Result<Value, Error> {
-        let Setup { options, mcp } = self.setup(req.cwd, req.additional_directories, &req.mcp_servers).await?;
+        let Setup { mut options, mcp } = self.setup(req.cwd, req.additional_directories, &req.mcp_servers).await?;
+        if self.options.task_context {
+            options.note = task_note(req.meta.as_ref());
+        }
         let session = match self.engine.create(options).await {
             Ok(s) => s,
             Err(e) => {
@@ -237,6 +240,35 @@ async fn stop(mcp: Option<mcp::Servers>) {
     if let Some(servers) = mcp {
         servers.shutdown().await;
     }
+}
+
+/// Longest task paragraph given to the model, in characters.
+const TASK_NOTE_CHARS: usize = 2_000;
+
+/// What the model is told of the task a host runs this session for: its identity and its
+/// metadata, keys and values. None without metadata.
+fn task_note(meta: Option<&agent_client_protocol_schema::v1::Meta>) -> Option<String> {
+    let task = meta?.get(pier_acp::TASK_META_KEY)?;
+    let metadata = task.get("metadata")?.as_object().filter(|m| !m.is_empty())?;
+    let pairs: Vec<String> = metadata
+        .iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => format!("{k} = {s}"),
+            other => format!("{k} = {other}"),
+        })
+        .collect();
+    let name = |key: &str| task.get(key).and_then(Value::as_str).unwrap_or("?").to_owned();
+    let note = format!(
+        "This session runs task `{}` of run `{}` for a task host. The task's metadata: {}.",
+        name("task"),
+        name("run"),
+        pairs.join("; ")
+    );
+    Some(if note.chars().count() > TASK_NOTE_CHARS {
+        note.chars().take(TASK_NOTE_CHARS).chain(std::iter::once('…')).collect()
+    } else {
+        note
+    })
 }
 
 fn last_setting<'a>(records: &'a [(u64, LogRecord)], key: &str) -> Option<&'a str> {

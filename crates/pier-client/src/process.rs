@@ -26,6 +26,8 @@ pub struct AgentProcess {
     pub name: String,
     child: Child,
     pgid: Option<Pid>,
+    /// Led by `pier subagent-guard` ([`AgentCommand::guarded`]).
+    guarded: bool,
     stderr: Arc<Mutex<VecDeque<String>>>,
     /// The task reading stderr; it ends at the agent's EOF.
     stderr_reader: Option<tokio::task::JoinHandle<()>>,
@@ -53,7 +55,7 @@ impl AgentProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        if command.die_with_parent {
+        if command.guarded {
             pier_tools::contain::die_with_parent(cmd.as_std_mut(), Signal::SIGTERM);
         }
         let mut child = cmd.spawn().map_err(|e| ClientError::Spawn {
@@ -81,7 +83,14 @@ impl AgentProcess {
             }
         });
         Ok((
-            AgentProcess { name: command.name.clone(), child, pgid, stderr, stderr_reader: Some(stderr_reader) },
+            AgentProcess {
+                name: command.name.clone(),
+                child,
+                pgid,
+                guarded: command.guarded,
+                stderr,
+                stderr_reader: Some(stderr_reader),
+            },
             AgentPipes { stdin, stdout },
         ))
     }
@@ -112,14 +121,30 @@ impl AgentProcess {
 
     /// Kills the whole group at once and reaps the agent.
     pub async fn kill(&mut self) {
+        self.end_guarded().await;
         self.kill_group();
         let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
+    }
+
+    /// A guard ends its own group when told (SIGUSR1), reaping what it adopted; the group's
+    /// SIGKILL after is then only a fallback for a guard that did not.
+    async fn end_guarded(&mut self) {
+        if self.guarded
+            && let Some(pid) = self.pgid
+            && self.child.try_wait().ok().flatten().is_none()
+        {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGUSR1);
+            let _ = tokio::time::timeout(Duration::from_secs(3), self.child.wait()).await;
+        }
     }
 
     /// Waits up to `grace` for the agent to exit by itself (its stdin is already
     /// closed), then kills the group; in every case the group is gone after.
     pub async fn shutdown(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
         let status = tokio::time::timeout(grace, self.child.wait()).await.ok().and_then(Result::ok);
+        if status.is_none() {
+            self.end_guarded().await;
+        }
         self.kill_group();
         match status {
             Some(s) => Some(s),

@@ -26,12 +26,13 @@ pub struct AgentCommand {
     pub program: PathBuf,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
-    /// The kernel sends the agent SIGTERM when the thread that started it dies, even by
-    /// SIGKILL (`PR_SET_PDEATHSIG`): for a subagent, whose parent is itself an agent that
-    /// may be killed with no destructor running. Meant for `pier subagent-guard`, which
-    /// turns it into the end of the whole group. Start such an agent from a long-lived
-    /// thread (a runtime worker, never a `spawn_blocking` thread, which exits when idle).
-    pub die_with_parent: bool,
+    /// The program is `pier subagent-guard` leading the agent's group: the kernel sends it
+    /// SIGTERM when the thread that started it dies, even by SIGKILL (`PR_SET_PDEATHSIG`),
+    /// and it is ended with SIGUSR1, on which it kills the rest of its group and reaps what
+    /// it adopted before it exits, so nothing of the group becomes pier's to reap. Start
+    /// such an agent from a long-lived thread (a runtime worker, never a `spawn_blocking`
+    /// thread, which exits when idle).
+    pub guarded: bool,
 }
 
 /// The built-in agent names, their programs and how to install them.
@@ -57,7 +58,7 @@ pub fn resolve(
             program,
             args: def.args.clone(),
             env: def.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            die_with_parent: false,
+            guarded: false,
         });
     }
     if spec == "pier" {
@@ -68,7 +69,7 @@ pub fn resolve(
             // caller (and a host's evidence), and sessions can be continued.
             args: vec!["agent".into(), "--profile".into(), "editor".into()],
             env: vec![],
-            die_with_parent: false,
+            guarded: false,
         });
     }
     if let Some((name, program, args, install)) = BUILTIN.iter().find(|(n, ..)| *n == spec) {
@@ -80,7 +81,7 @@ pub fn resolve(
             program: found,
             args: args.iter().map(|a| (*a).to_owned()).collect(),
             env: vec![],
-            die_with_parent: false,
+            guarded: false,
         });
     }
     let words = shell_words::split(spec)
@@ -96,7 +97,7 @@ pub fn resolve(
             .collect();
         ClientError::usage(format!("`{program}` is neither a known agent ({}) nor a program on PATH", known.join(", ")))
     })?;
-    Ok(AgentCommand { name: program.clone(), program: found, args: args.to_vec(), env: vec![], die_with_parent: false })
+    Ok(AgentCommand { name: program.clone(), program: found, args: args.to_vec(), env: vec![], guarded: false })
 }
 
 /// `program` itself if it contains a slash, else the first match on `path`.

@@ -70,6 +70,8 @@ pub struct RunOptions {
     /// Told each turn's session id as soon as the agent gives it, before the prompt is
     /// sent (a parent showing its subagent's session, say).
     pub session_ids: Option<mpsc::UnboundedSender<String>>,
+    /// `_meta` sent with `session/new` and `session/prompt` (the host's `pier.dev/task`).
+    pub meta: Option<agent_client_protocol_schema::v1::Meta>,
 }
 
 impl std::fmt::Debug for dyn crate::handler::Asker {
@@ -497,7 +499,7 @@ impl LiveAgent {
     ) -> Result<String, Stopped> {
         let session_id = match target {
             SessionTarget::New => {
-                let mut request = NewSessionRequest::new(opts.cwd.clone());
+                let mut request = NewSessionRequest::new(opts.cwd.clone()).meta(opts.meta.clone());
                 // The directories besides cwd this run may use, told to an agent that confines
                 // itself to its session's roots; sent only when it advertises
                 // `sessionCapabilities.additionalDirectories` (ACP v1, session/new). The
@@ -742,7 +744,7 @@ impl<'a> Turn<'a> {
         events: &mpsc::Sender<ClientEvent>,
         interrupts: &mut Interrupts,
     ) -> Result<Answer, Stopped> {
-        let request = PromptRequest::new(self.session_id.clone(), prompt);
+        let request = PromptRequest::new(self.session_id.clone(), prompt).meta(self.opts.meta.clone());
         let conn = agent.conn.clone();
         let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
         tokio::pin!(prompt_fut);

@@ -73,6 +73,9 @@ pub enum EventMsg {
     ToolCall(ToolCallRecord),
     /// A tool call's new state.
     ToolCallUpdate(ToolCallRecord),
+    /// A tool call's whole state, to be shown again in full: a permission question about
+    /// an action of its tool showed that action on the call (its title, kind, content).
+    ToolCallRestated(ToolCallRecord),
     /// The whole plan, replacing the previous one.
     Plan(Vec<PlanEntry>),
     /// The session got its title (from its first prompt).
@@ -130,11 +133,13 @@ pub struct SessionOptions {
     pub tools: Vec<Arc<dyn Tool>>,
     /// The permission mode a new session starts in; a reopened one keeps its own.
     pub mode: Mode,
+    /// A paragraph the system prompt gets for this session only (the task a host runs it for).
+    pub note: Option<String>,
 }
 
 impl SessionOptions {
     pub fn new(cwd: PathBuf) -> SessionOptions {
-        SessionOptions { cwd, roots: Vec::new(), tools: Vec::new(), mode: Mode::default() }
+        SessionOptions { cwd, roots: Vec::new(), tools: Vec::new(), mode: Mode::default(), note: None }
     }
 }
 

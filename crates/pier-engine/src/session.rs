@@ -60,6 +60,8 @@ struct Shared {
     title: std::sync::Mutex<Option<String>>,
     /// This session's own tools (its MCP servers').
     tools: Vec<Arc<dyn Tool>>,
+    /// Said to the model after the system prompt ([`crate::SessionOptions::note`]).
+    note: Option<String>,
 }
 
 impl Shared {
@@ -132,6 +134,7 @@ impl Session {
             model: std::sync::Mutex::new(None),
             title: std::sync::Mutex::new(None),
             tools: options.tools,
+            note: options.note,
         };
         Session {
             id,
@@ -417,7 +420,12 @@ impl Turn<'_> {
     async fn model_request(&mut self, k: u32) -> Result<Step, EngineError> {
         let services = self.permit.services.clone();
         let mut messages = Vec::with_capacity(self.permit.state.history.len() + 1);
-        if let Some(system) = services.config.system_prompt(&self.permit.cwd) {
+        let system = match (services.config.system_prompt(&self.permit.cwd), &self.permit.shared.note) {
+            (Some(system), Some(note)) => Some(format!("{system}\n\n{note}")),
+            (None, Some(note)) => Some(note.clone()),
+            (system, None) => system,
+        };
+        if let Some(system) = system {
             messages.push(ChatMessage::new(Role::System, system));
         }
         messages.extend(self.permit.state.history.iter().cloned());
@@ -565,9 +573,14 @@ impl Turn<'_> {
                     done(&mut running, &name);
                     ended.push((j, end));
                 }
-                *running.entry(call.name.clone()).or_default() += 1;
                 let name = call.name.clone();
-                beside.push(Box::pin(async move { (i, name, self.tool_call(call).await) }));
+                match self.prepare(call).await {
+                    Prepared::Ended(end) => ended.push((i, end)),
+                    Prepared::Ready(ready) => {
+                        *running.entry(name.clone()).or_default() += 1;
+                        beside.push(Box::pin(async move { (i, name, self.execute(*ready).await) }));
+                    }
+                }
                 continue;
             }
             let one = self.tool_call(call);
@@ -591,7 +604,15 @@ impl Turn<'_> {
 
     /// Runs one tool call through its states.
     async fn tool_call(&self, call: ToolCall) -> CallEnd {
-        let services = self.permit.services.clone();
+        match self.prepare(call).await {
+            Prepared::Ended(end) => end,
+            Prepared::Ready(ready) => self.execute(*ready).await,
+        }
+    }
+
+    /// Publishes a call in `pending` (so calls appear in the model's order, whichever runs
+    /// first) and checks that it can run at all.
+    async fn prepare(&self, call: ToolCall) -> Prepared {
         let parsed: Result<Value, String> = if call.arguments.trim().is_empty() {
             Ok(Value::Object(Default::default()))
         } else {
@@ -611,26 +632,31 @@ impl Turn<'_> {
                 record.content = p.content;
             }
         }
-        let kind = record.kind;
         self.publish(&record, true).await;
 
         let Some(tool) = tool else {
             let known: Vec<&str> = self.permit.tools().map(|t| t.name()).collect();
             let reason = format!("there is no tool named `{}`; the tools are: {}", call.name, known.join(", "));
-            return CallEnd::answer(self.fail(&mut record, reason).await);
+            return Prepared::Ended(CallEnd::answer(self.fail(&mut record, reason).await));
         };
-        let args = match parsed {
-            Ok(args) => args,
-            Err(reason) => return CallEnd::answer(self.fail(&mut record, reason).await),
-        };
+        match parsed {
+            Ok(args) => Prepared::Ready(Box::new(Ready { record, tool, args })),
+            Err(reason) => Prepared::Ended(CallEnd::answer(self.fail(&mut record, reason).await)),
+        }
+    }
 
+    /// Takes a prepared call through its permission, its run and its end.
+    async fn execute(&self, ready: Ready) -> CallEnd {
+        let Ready { mut record, tool, args } = ready;
+        let services = self.permit.services.clone();
+        let kind = record.kind;
         let mode = *lock(&self.permit.shared.mode);
         match mode.verdict(kind, services.policy.decide(kind)) {
             Verdict::Allow => {}
             Verdict::Deny(reason) => return CallEnd::answer(self.fail(&mut record, reason).await),
             Verdict::Ask => {
                 let keys = Grants::keys(kind, &tool.scope(&args));
-                let reason = match self.consult(&record, &keys).await {
+                let reason = match self.consult(&record, &keys).await.0 {
                     Consulted::Allowed => None,
                     Consulted::Remembered(key) => Some(format!(
                         "the user rejected `{key}` calls for the rest of this session, so this call did not run; do \
@@ -673,13 +699,35 @@ impl Turn<'_> {
         };
         let run = services.toolbox.run(&tool, args, cx);
         tokio::pin!(run);
+        // Questions about the tool's actions are judged beside its run: one waiting on a
+        // person holds neither the tool nor its other requests.
+        let mut judgments: FuturesUnordered<futures::future::BoxFuture<'_, Option<ToolCallRecord>>> =
+            FuturesUnordered::new();
         let result = loop {
             tokio::select! {
-                result = &mut run => break Some(result),
+                biased;
                 _ = self.cx.cancel.cancelled() => {
-                    break tokio::time::timeout(TOOL_SETTLE, self.settle(&mut record, &mut run, &mut requests)).await.ok();
+                    // Open questions end at once, answered `cancelled` (they watch the token);
+                    // then the tool gets its time to stop.
+                    let settle = async {
+                        while judgments.next().await.is_some() {}
+                        self.settle(&mut record, &mut run, &mut requests).await
+                    };
+                    break tokio::time::timeout(TOOL_SETTLE, settle).await.ok();
                 }
-                Some(request) = requests.recv() => self.serve(&mut record, request).await,
+                result = &mut run => break Some(result),
+                Some(request) = requests.recv() => match request {
+                    CallRequest::Progress(content) => self.show(&mut record, content).await,
+                    CallRequest::Permit { action, answer } => {
+                        judgments.push(Box::pin(self.judgment(record.clone(), action, answer)));
+                    }
+                },
+                Some(asked) = judgments.next(), if !judgments.is_empty() => {
+                    // The question showed the action on this call: show the call as itself again.
+                    if asked.is_some() {
+                        self.emit(EventMsg::ToolCallRestated(record.clone())).await;
+                    }
+                }
             }
         };
         // What the tool showed last, on its way out, still counts.
@@ -709,18 +757,38 @@ impl Turn<'_> {
         }
     }
 
-    /// Applies one request of a running tool to its call.
-    async fn serve(&self, record: &mut ToolCallRecord, request: CallRequest) {
-        match request {
-            CallRequest::Progress(content) => {
-                // Shown, not logged: the call's final state is logged when it ends.
-                record.content = content;
-                self.emit(EventMsg::ToolCallUpdate(record.clone())).await;
+    /// Shows a running tool's progress on its call (shown, not logged: the call's final
+    /// state is logged when it ends).
+    async fn show(&self, record: &mut ToolCallRecord, content: Vec<pier_tools::ToolContent>) {
+        record.content = content;
+        self.emit(EventMsg::ToolCallUpdate(record.clone())).await;
+    }
+
+    /// Judges one action and answers the tool, unless the tool stops waiting first (its
+    /// subagent withdrew the question, or was cancelled): then the question is dropped,
+    /// which withdraws it from the approver. Returns the call when a person was (or may have
+    /// been) asked, so that it is shown as itself again.
+    async fn judgment(
+        &self,
+        record: ToolCallRecord,
+        action: Action,
+        mut answer: tokio::sync::oneshot::Sender<Permit>,
+    ) -> Option<ToolCallRecord> {
+        let judged = {
+            let judged = self.judge(&record, action);
+            tokio::pin!(judged);
+            tokio::select! {
+                judged = &mut judged => Some(judged),
+                _ = answer.closed() => None,
             }
-            CallRequest::Permit { action, answer } => {
-                let permit = self.judge(record, action).await;
+        };
+        match judged {
+            Some((permit, asked)) => {
                 let _ = answer.send(permit);
+                asked.then_some(record)
             }
+            // Withdrawn: it may have been put to the person already.
+            None => Some(record),
         }
     }
 
@@ -747,7 +815,7 @@ impl Turn<'_> {
             CallRequest::Permit { answer, .. } => {
                 let _ = answer.send(Permit::Cancelled);
             }
-            progress @ CallRequest::Progress(_) => self.serve(record, progress).await,
+            CallRequest::Progress(content) => self.show(record, content).await,
         }
     }
 
@@ -756,12 +824,17 @@ impl Turn<'_> {
     /// its kind, the remembered answers for its scope, else the approver, asked about the
     /// running call showing the action (its title, kind, locations, diff). An *always*
     /// answer is remembered here, by this session; the tool only learns "this once".
-    async fn judge(&self, record: &ToolCallRecord, action: Action) -> Permit {
+    /// Returns the answer and whether the approver was asked.
+    async fn judge(&self, record: &ToolCallRecord, action: Action) -> (Permit, bool) {
+        // Nothing is granted once the turn is being cancelled.
+        if self.cx.cancel.is_cancelled() {
+            return (Permit::Cancelled, false);
+        }
         let services = &self.permit.services;
         let mode = *lock(&self.permit.shared.mode);
         match mode.verdict(action.kind, services.policy.decide(action.kind)) {
-            Verdict::Allow => return Permit::Allow,
-            Verdict::Deny(reason) => return Permit::Reject(reason),
+            Verdict::Allow => return (Permit::Allow, false),
+            Verdict::Deny(reason) => return (Permit::Reject(reason), false),
             Verdict::Ask => {}
         }
         let keys = Grants::keys(action.kind, &action.scope);
@@ -773,7 +846,8 @@ impl Turn<'_> {
         if let Some(raw) = action.raw_input {
             question.raw_input = raw;
         }
-        match self.consult(&question, &keys).await {
+        let (consulted, asked) = self.consult(&question, &keys).await;
+        let permit = match consulted {
             Consulted::Allowed => Permit::Allow,
             Consulted::Remembered(key) => {
                 Permit::Reject(format!("the user rejected `{key}` calls for the rest of this session"))
@@ -781,19 +855,20 @@ impl Turn<'_> {
             Consulted::Rejected => Permit::Reject("the user rejected it".into()),
             Consulted::Unavailable(why) => Permit::Reject(format!("permission was unavailable ({why})")),
             Consulted::Cancelled => Permit::Cancelled,
-        }
+        };
+        (permit, asked)
     }
 
     /// The *ask* path: a remembered answer for `keys`, else the approver about `question`.
-    /// An *always* answer is remembered for `keys`.
-    async fn consult(&self, question: &ToolCallRecord, keys: &[String]) -> Consulted {
+    /// An *always* answer is remembered for `keys`. Also says whether the approver was asked.
+    async fn consult(&self, question: &ToolCallRecord, keys: &[String]) -> (Consulted, bool) {
         {
             let grants = lock(&self.permit.state.grants);
             if let Some(key) = grants.rejects(keys) {
-                return Consulted::Remembered(key.to_owned());
+                return (Consulted::Remembered(key.to_owned()), false);
             }
             if grants.allows(keys) {
-                return Consulted::Allowed;
+                return (Consulted::Allowed, false);
             }
         }
         let answer = tokio::select! {
@@ -812,13 +887,26 @@ impl Turn<'_> {
                 self.log(LogRecord::Grant { key: key.clone(), allow });
             }
         }
-        match answer {
+        let consulted = match answer {
             PermissionAnswer::AllowOnce | PermissionAnswer::AllowAlways => Consulted::Allowed,
             PermissionAnswer::RejectOnce | PermissionAnswer::RejectAlways => Consulted::Rejected,
             PermissionAnswer::Unavailable(why) => Consulted::Unavailable(why),
             PermissionAnswer::Cancelled => Consulted::Cancelled,
-        }
+        };
+        (consulted, true)
     }
+}
+
+/// A call after its pending publication: either already ended, or ready to run.
+enum Prepared {
+    Ended(CallEnd),
+    Ready(Box<Ready>),
+}
+
+struct Ready {
+    record: ToolCallRecord,
+    tool: Arc<dyn Tool>,
+    args: Value,
 }
 
 /// What the *ask* path concluded.

@@ -151,8 +151,27 @@ impl Run {
     fn options(&self) -> Result<RunOptions, String> {
         let mut opts = attempt_options(&self.row.spec, &self.config)?;
         opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone() }));
+        opts.meta = Some(task_meta(&self.attempt, &self.row.spec));
         Ok(opts)
     }
+}
+
+/// The task's identity and metadata, for the agent. The idempotency key is the same for
+/// every attempt of the task, so an agent can recognise work a lost attempt already did.
+pub fn task_meta(attempt: &Attempt, spec: &TaskSpec) -> agent_client_protocol_schema::v1::Meta {
+    let mut meta = agent_client_protocol_schema::v1::Meta::new();
+    meta.insert(
+        pier_acp::TASK_META_KEY.to_owned(),
+        serde_json::json!({
+            "run": attempt.run,
+            "task": attempt.task,
+            "attempt": attempt.n,
+            "idempotencyKey": format!("pier:{}:{}", attempt.run, attempt.task),
+            "dependsOn": spec.depends_on,
+            "metadata": spec.metadata,
+        }),
+    );
+    meta
 }
 
 /// What the client's run outcome means, before the decision.
@@ -241,6 +260,7 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         asker: None,
         confinement: pier_tools::Confinement::default(),
         session_ids: None,
+        meta: None,
     })
 }
 

@@ -50,7 +50,9 @@ impl Asker for ParentAsker {
 /// The child's tool call as the parent judges it.
 pub fn action_of(agent: &str, request: &RequestPermissionRequest) -> Action {
     let fields = &request.tool_call.fields;
-    let kind = kind_of(fields.kind.as_ref());
+    // A call that does not say what it is, is judged as the strictest kind that may be
+    // allowed at all: delegating (`other`) being allowed must not allow it too.
+    let kind = fields.kind.as_ref().map_or(ToolKind::Execute, |k| kind_of(Some(k)));
     let title = fields.title.clone().unwrap_or_else(|| request.tool_call.tool_call_id.0.to_string());
     let raw_input = fields.raw_input.clone();
     let scope = match kind {

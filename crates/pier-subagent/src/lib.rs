@@ -45,25 +45,42 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 /// The subagents running now, by their session ids: how an editor's `session/cancel`
 /// of a child session (ACP subagents' per-child cancel) reaches that child alone.
+/// Two children may report the same session id (ids are the agents' own), so each id
+/// holds every child that reported it.
 #[derive(Debug, Default)]
 pub struct Children {
-    running: Mutex<HashMap<String, CancellationToken>>,
+    running: Mutex<Running>,
+}
+
+#[derive(Debug, Default)]
+struct Running {
+    next: u64,
+    by_session: HashMap<String, Vec<(u64, CancellationToken)>>,
 }
 
 impl Children {
-    /// Cancels the child running in `session_id`; false when none does.
+    /// Cancels the children running in `session_id`; false when none does.
     pub fn cancel(&self, session_id: &str) -> bool {
-        let token = self.lock().get(session_id).cloned();
-        token.inspect(CancellationToken::cancel).is_some()
+        let tokens: Vec<CancellationToken> = self
+            .lock()
+            .by_session
+            .get(session_id)
+            .map(|v| v.iter().map(|(_, t)| t.clone()).collect())
+            .unwrap_or_default();
+        tokens.iter().for_each(CancellationToken::cancel);
+        !tokens.is_empty()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Running> {
         self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn register(self: &Arc<Self>, session_id: String, stop: CancellationToken) -> Registered {
-        self.lock().insert(session_id.clone(), stop);
-        Registered { children: self.clone(), session_id }
+        let mut running = self.lock();
+        running.next += 1;
+        let n = running.next;
+        running.by_session.entry(session_id.clone()).or_default().push((n, stop));
+        Registered { children: self.clone(), session_id, n }
     }
 }
 
@@ -71,11 +88,18 @@ impl Children {
 struct Registered {
     children: Arc<Children>,
     session_id: String,
+    n: u64,
 }
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        self.children.lock().remove(&self.session_id);
+        let mut running = self.children.lock();
+        if let Some(list) = running.by_session.get_mut(&self.session_id) {
+            list.retain(|(n, _)| *n != self.n);
+            if list.is_empty() {
+                running.by_session.remove(&self.session_id);
+            }
+        }
     }
 }
 
@@ -115,13 +139,7 @@ impl SubagentConfig {
         };
         let mut args = vec!["subagent-guard".to_owned(), "--".to_owned(), agent.program.display().to_string()];
         args.extend(agent.args);
-        Ok(AgentCommand {
-            name: agent.name,
-            program: self.pier_exe.clone(),
-            args,
-            env: agent.env,
-            die_with_parent: true,
-        })
+        Ok(AgentCommand { name: agent.name, program: self.pier_exe.clone(), args, env: agent.env, guarded: true })
     }
 }
 
@@ -257,6 +275,7 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
         writable: config.writable.clone(),
         confinement: config.confinement.clone(),
         session_ids: Some(session_tx),
+        meta: None,
     };
     let prompt = vec![ContentBlock::Text(TextContent::new(args.prompt))];
     let (events_tx, mut events) = mpsc::channel(EVENT_QUEUE);
@@ -339,6 +358,13 @@ fn wire(reason: &StopReason) -> String {
     serde_json::to_value(reason).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
+/// Most bytes of a failed child's last text quoted in the error the model reads.
+const LAST_TEXT_BYTES: usize = 4 * 1024;
+
 fn last_text(text: &str) -> String {
-    if text.trim().is_empty() { String::new() } else { format!("; its last text: {text}") }
+    if text.trim().is_empty() {
+        String::new()
+    } else {
+        format!("; its last text: {}", pier_tools::output::cap(text.to_owned(), LAST_TEXT_BYTES))
+    }
 }

@@ -45,6 +45,10 @@ pub struct AgentArgs {
     sandbox: Option<config::SandboxArg>,
     #[command(flatten)]
     subagents: SubagentFlags,
+    /// Do not tell the model the metadata of the task a host runs a session for
+    /// (`_meta["pier.dev/task"]`) [default: told, or `task_context` in pier.toml]
+    #[arg(long)]
+    no_task_context: bool,
 }
 
 /// The `delegate` tool's flags.
@@ -67,7 +71,8 @@ struct SubagentFlags {
     #[arg(long, value_name = "N")]
     max_subagents: Option<usize>,
     /// How long a cancelled subagent gets to confirm before its process group is ended
-    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    /// (at most 4000: a cancelled tool gets 5 s in all to stop)
+    #[arg(long, default_value_t = 2000, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=4000))]
     cancel_grace_ms: u64,
 }
 
@@ -121,6 +126,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let engine = Engine::new(engine_config, model, toolbox, policy);
     let mut options = AgentOptions::new(profile);
     options.cancel_subagent = cancel_subagent;
+    options.task_context = !args.no_task_context && files.task_context.unwrap_or(true);
     if let Some(mode) = &files.mode {
         options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
     }
@@ -223,7 +229,7 @@ fn subagents(
         program: pier_exe.clone(),
         args: own_args,
         env: vec![],
-        die_with_parent: false,
+        guarded: false,
     };
     Ok(Some(pier_subagent::SubagentConfig {
         agents: files.agents.clone(),

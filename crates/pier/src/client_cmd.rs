@@ -167,6 +167,7 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, String), ClientError> {
         confinement: config::resolve_confinement(&files, args.sandbox)
             .map_err(|e| ClientError::usage(format!("{e:#}")))?,
         session_ids: None,
+        meta: None,
     };
     // Which confinement terminals get, where it can be seen without flooding the output.
     tracing::info!(confinement = %pier_tools::contain::describe(&opts.confinement), "terminals");

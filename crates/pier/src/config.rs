@@ -38,6 +38,8 @@ pub struct FileConfig {
     /// The host's store: `postgres://USER@HOST/DB`, `sqlite://PATH` or a path
     /// [default: $PIER_HOME/pier.db].
     pub store: Option<String>,
+    /// `pier agent` tells the model the metadata of the task a host runs a session for [default: true].
+    pub task_context: Option<bool>,
     /// `pier agent` offers the `delegate` tool [default: on in the editor profile, off in automation].
     pub subagents: Option<bool>,
     /// Most delegate calls of one model message that run at once [default: 4].
@@ -114,6 +116,7 @@ impl FileConfig {
         self.sandbox = over.sandbox.or(self.sandbox);
         self.store = over.store.or(self.store);
         self.subagents = over.subagents.or(self.subagents);
+        self.task_context = over.task_context.or(self.task_context);
         self.max_subagents = over.max_subagents.or(self.max_subagents);
         self.max_subagent_depth = over.max_subagent_depth.or(self.max_subagent_depth);
         self.permissions.extend(over.permissions);

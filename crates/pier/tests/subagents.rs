@@ -213,25 +213,62 @@ async fn a_childs_command_is_refused_when_the_parents_policy_denies_it() {
     assert!(said.contains("child saw: error"), "the child was told: {said}");
 }
 
-#[tokio::test]
-async fn in_ask_a_childs_tool_call_reaches_the_parents_client_and_comes_back_once_only() {
-    let f = fake().await;
-    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).len()) {
-        ("twice", 0) => delegate("d1", "child: first"),
-        ("twice", 1) => delegate("d2", "child: second"),
-        ("twice", _) => Reply::text("both done"),
-        (_, _) => command_child(body, "touch made-by-child"),
+/// A child that asks about `touch asked` with all four options and reports which came back.
+struct AskingChild {
+    spec: String,
+    record: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl AskingChild {
+    fn new() -> AskingChild {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/asking_agent.py");
+        let dir = must(tempfile::tempdir(), "record dir");
+        let record = dir.path().join("answers");
+        AskingChild { spec: format!("python3 {}", script.display()), record, _dir: dir }
+    }
+
+    fn env(&self, opts: &mut Options) {
+        opts.env.push(("ASK_RECORD".into(), self.record.display().to_string()));
+    }
+
+    /// The answers the child received, in order.
+    fn answers(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.record).unwrap_or_default().lines().map(str::to_owned).collect()
+    }
+}
+
+/// An editor-profile parent allowed to delegate, its model delegating to `spec` once per
+/// prompt of the form "ask N" (N delegations in a row), then answering with the results.
+fn asking_parent(f: &FakeModel, child: &AskingChild, toml_extra: &str) -> Options {
+    let spec = child.spec.clone();
+    f.set_fallback(move |body| {
+        let wanted: usize = first_user(body).trim_start_matches("ask ").parse().unwrap_or(1);
+        let done = tool_results(body);
+        if done.len() < wanted {
+            delegate_calls(&[(&format!("d{}", done.len() + 1), json!({"prompt": "do it", "agent": spec}))])
+        } else {
+            Reply::text(&done.join(" | "))
+        }
     });
-    let opts = Options {
+    let mut opts = Options {
         pier_toml: Some(format!(
-            "profile = \"editor\"\nprovider = \"fake\"\n[providers.fake]\nbase_url = \"{}\"\nmodel = \"fake-model\"\nmax_retries = 0\n[permissions]\nother = \"allow\"\n",
+            "profile = \"editor\"\nprovider = \"fake\"\n[providers.fake]\nbase_url = \"{}\"\nmodel = \"fake-model\"\nmax_retries = 0\n[permissions]\nother = \"allow\"\n{toml_extra}",
             f.base_url()
         )),
         capture_stderr: true,
         ..Options::default()
     };
-    let (mut p, sid) = PierProcess::start(opts).await;
-    let id = p.prompt(&sid, "twice").await;
+    child.env(&mut opts);
+    opts
+}
+
+#[tokio::test]
+async fn in_ask_a_childs_tool_call_reaches_the_parents_client_and_comes_back_once_only() {
+    let f = fake().await;
+    let child = AskingChild::new();
+    let (mut p, sid) = PierProcess::start(asking_parent(&f, &child, "")).await;
+    let id = p.prompt(&sid, "ask 2").await;
     let mut asked = Vec::new();
     let resp = loop {
         let frame = p.next_frame().await;
@@ -254,23 +291,103 @@ async fn in_ask_a_childs_tool_call_reaches_the_parents_client_and_comes_back_onc
     let call = &asked[0]["params"]["toolCall"];
     assert_eq!(call["toolCallId"], "d1", "{call}");
     assert_eq!(call["kind"], "execute", "{call}");
-    assert!(call["title"].as_str().is_some_and(|t| t.starts_with("pier: ") && t.contains("touch")), "{call}");
-    // The children only ever received once-answers.
-    let sessions = p.data_dir().join("sessions");
-    let mut answers = Vec::new();
-    for entry in must(std::fs::read_dir(&sessions), "sessions").flatten() {
-        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-        for line in text.lines() {
-            let v: Value = serde_json::from_str(line).unwrap_or(Value::Null);
-            if v["record"]["type"] == "permission" || v["type"] == "permission" {
-                answers.push(v.to_string());
-            }
-        }
-    }
-    let child_answers: Vec<&String> = answers.iter().filter(|a| !a.contains("\"d1\"")).collect();
-    assert_eq!(child_answers.len(), 2, "each child asked once: {answers:?}");
-    assert!(child_answers.iter().all(|a| a.contains("AllowOnce")), "{answers:?}");
+    assert!(call["title"].as_str().is_some_and(|t| t.ends_with(": touch asked")), "{call}");
+    // The person said "always"; each child, offered all four options, got a once-answer.
+    assert_eq!(child.answers(), vec!["once", "once"]);
     none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn the_parents_policy_answers_a_childs_question_allow_once_or_reject_once() {
+    for (rule, expected) in [("allow", "once"), ("deny", "no")] {
+        let f = fake().await;
+        let child = AskingChild::new();
+        let (mut p, sid) = PierProcess::start(asking_parent(&f, &child, &format!("execute = \"{rule}\"\n"))).await;
+        let id = p.prompt(&sid, "ask 1").await;
+        let (notes, resp) = p.read_until_response(id).await;
+        assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+        assert!(!notes.iter().any(|n| n["method"] == "session/request_permission"), "the policy decided: {notes:?}");
+        assert_eq!(child.answers(), vec![expected], "{rule}");
+        none_left_in(&workdir(&p), p.pid).await;
+    }
+}
+
+#[tokio::test]
+async fn cancelling_the_parent_answers_a_childs_open_question_cancelled() {
+    let f = fake().await;
+    let child = AskingChild::new();
+    let (mut p, sid) = PierProcess::start(asking_parent(&f, &child, "")).await;
+    let id = p.prompt(&sid, "ask 1").await;
+    // The question reaches the parent's client, which does not answer it.
+    frames_until(&mut p, |fr| fr["method"] == "session/request_permission").await;
+    p.notify("session/cancel", json!({"sessionId": sid})).await;
+    let (_, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "cancelled", "{resp}");
+    assert_eq!(child.answers(), vec!["cancelled"], "the child's question was answered cancelled (R088)");
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn cancelling_one_child_withdraws_its_open_question_and_the_parent_goes_on() {
+    let f = fake().await;
+    let child = AskingChild::new();
+    let opts = asking_parent(&f, &child, "");
+    let mut p = PierProcess::spawn(opts).await;
+    let r = p.call("initialize", json!({"protocolVersion": 1, "clientCapabilities": {"subagents": {}}})).await;
+    assert!(r.get("result").is_some(), "{r}");
+    let sid = p.new_session().await;
+    let id = p.prompt(&sid, "ask 1").await;
+    let frames = frames_until(&mut p, |fr| fr["method"] == "session/request_permission").await;
+    let announced = frames.iter().map(update).find(|u| u["sessionUpdate"] == "subagent_update");
+    let child_sid = announced.and_then(|u| u["sessionId"].as_str()).unwrap_or_else(|| panic!("{frames:?}")).to_owned();
+    // The editor cancels the child alone while its question waits for the person.
+    p.notify("session/cancel", json!({"sessionId": child_sid})).await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "only the child was cancelled: {resp}");
+    assert_eq!(child.answers(), vec!["cancelled"]);
+    let said: String = notes
+        .iter()
+        .map(update)
+        .filter(|u| u["sessionUpdate"] == "agent_message_chunk")
+        .filter_map(|u| u["content"]["text"].as_str())
+        .collect();
+    assert!(said.contains("`cancelled`"), "{said}");
+    // The delegate call shows itself again after the question showed the child's call.
+    let restated = notes.iter().map(update).any(|u| {
+        u["toolCallId"] == "d1"
+            && u["kind"] == "other"
+            && u["title"].as_str().is_some_and(|t| t.starts_with("Delegate to"))
+    });
+    assert!(restated, "{notes:?}");
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+/// A pier child runs a long command; the parent is SIGKILLed: the child's guard tells it
+/// (SIGTERM), it cancels its turn, which ends the command (its own session and cgroup).
+#[tokio::test]
+async fn a_sigkilled_parent_leaves_no_command_of_a_child_pier() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("sleepy", None) => delegate("d1", "child: sleep"),
+        ("child: sleep", None) => Reply::tool_call("c1", "run_command", &json!({"command": "sleep 600"}).to_string()),
+        (_, _) => Reply::Hang,
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f).arg("--allow").arg("execute")).await;
+    let _ = p.prompt(&sid, "sleepy").await;
+    let dir = workdir(&p);
+    let until = Instant::now() + LIMIT;
+    while !processes_in(&dir, p.pid).iter().any(|(_, cmd)| cmd.starts_with("sleep 600")) {
+        assert!(
+            Instant::now() < until,
+            "the child's command never started: {:?}\n{}",
+            processes_in(&dir, p.pid),
+            p.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    must(nix_kill(p.pid), "SIGKILL the parent");
+    p.wait_exit().await;
+    none_left_in(&dir, -1).await;
 }
 
 async fn child_stops_with(finish: &str, wire: &str) {
@@ -634,4 +751,33 @@ async fn a_parent_delegates_to_claude_agent_acp() {
 #[tokio::test]
 async fn a_parent_delegates_to_gemini_cli() {
     delegates_to_a_third_party("gemini").await;
+}
+
+#[tokio::test]
+async fn max_subagents_bounds_the_delegations_running_at_once() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).len()) {
+        ("three", 0) => delegate_calls(&[
+            ("a", json!({"prompt": "child: A"})),
+            ("b", json!({"prompt": "child: B"})),
+            ("c", json!({"prompt": "child: C"})),
+        ]),
+        ("three", _) => Reply::text(&tool_results(body).join(" + ")),
+        (who, _) => Reply::text(&format!("{} done", who.trim_start_matches("child: "))),
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f).arg("--max-subagents").arg("2")).await;
+    let id = p.prompt(&sid, "three").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    assert_eq!(support::agent_texts(&notes, &sid), vec!["A done + B done + C done"]);
+    // In the log: c started only once a or b had ended.
+    let log = support::read_log(&p.data_dir(), &sid);
+    let at = |call: &str, status: &str| {
+        log.iter()
+            .position(|r| r["call"]["id"] == call && r["call"]["status"] == status)
+            .unwrap_or_else(|| panic!("no {call} {status}: {log:?}"))
+    };
+    let first_end = at("a", "completed").min(at("b", "completed"));
+    assert!(at("c", "in_progress") > first_end, "c ran beside a and b");
+    assert!(at("b", "in_progress") < at("a", "completed"), "a and b ran at once");
 }

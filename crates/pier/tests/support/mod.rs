@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod host;
+
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;

@@ -1,0 +1,106 @@
+//! The host and its agents in conversation (seed 001 §2.4, §3): what the host tells an
+//! agent about the task it runs, through real `pier run` processes and a scripted agent
+//! that records what it receives.
+
+mod support;
+
+use std::path::Path;
+
+use pier_fake_model::{FakeModel, Reply};
+use serde_json::{Value, json};
+use support::host::{Host, lines, stderr};
+use support::must;
+
+fn record_agent(h: &Host) -> std::path::PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/record_agent.py");
+    let record = h.path("record.jsonl");
+    h.write(
+        "pier.toml",
+        &format!(
+            "[agents.rec]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ RECORD_FILE = \"{}\" }}\n",
+            script.display(),
+            record.display()
+        ),
+    );
+    record
+}
+
+fn recorded(path: &Path) -> Vec<Value> {
+    let text = must(std::fs::read_to_string(path), "the agent's record");
+    text.lines().map(|l| must(serde_json::from_str(l), "a recorded line")).collect()
+}
+
+#[tokio::test]
+async fn the_tasks_identity_and_metadata_reach_the_agent_in_meta() {
+    let h = Host::new(None);
+    let record = record_agent(&h);
+    let plan = h.write(
+        "plan.toml",
+        "[defaults]\nagent = \"rec\"\n\n[[tasks]]\nid = \"a\"\nprompt = \"first\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"second\"\n\
+         depends_on = [\"a\"]\nmetadata = { owner = \"docs\", priority = 2 }\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "meta"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let seen = recorded(&record);
+    let expected = json!({
+        "run": "meta",
+        "task": "b",
+        "attempt": 1,
+        "idempotencyKey": "pier:meta:b",
+        "dependsOn": ["a"],
+        "metadata": {"owner": "docs", "priority": 2},
+    });
+    for method in ["session/new", "session/prompt"] {
+        let of_b: Vec<&Value> = seen
+            .iter()
+            .filter(|m| m["method"] == method && m["params"]["_meta"]["pier.dev/task"]["task"] == "b")
+            .collect();
+        assert_eq!(of_b.len(), 1, "{method}: {seen:#?}");
+        assert_eq!(of_b[0]["params"]["_meta"]["pier.dev/task"], expected, "{method}");
+    }
+    // Task a has no dependencies and no metadata, and says so.
+    let a = seen.iter().find(|m| m["method"] == "session/new" && m["params"]["_meta"]["pier.dev/task"]["task"] == "a");
+    let a = must(a.ok_or("no session/new for a"), "a");
+    assert_eq!(a["params"]["_meta"]["pier.dev/task"]["dependsOn"], json!([]));
+    assert_eq!(a["params"]["_meta"]["pier.dev/task"]["metadata"], json!({}));
+}
+
+/// The system message of the model requests made for a prompt.
+fn system_of(f: &FakeModel) -> Vec<String> {
+    f.requests()
+        .iter()
+        .filter_map(|r| r.body["messages"].as_array().and_then(|m| m.first()).cloned())
+        .filter(|m| m["role"] == "system")
+        .filter_map(|m| m["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
+async fn own_agent_run(extra_toml: &str) -> Vec<String> {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| Reply::text("done"));
+    let h = Host::new(Some(f.base_url()));
+    h.write("pier.toml", extra_toml);
+    let plan = h.write(
+        "plan.toml",
+        "[[tasks]]\nid = \"doc\"\nagent = \"pier\"\nprompt = \"write the docs\"\nmetadata = { owner = \"docs\", ticket = \"PIER-7\" }\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "own"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(lines(&o).iter().any(|e| e["type"] == "transition" && e["to"] == "completed"), "{}", stderr(&o));
+    system_of(&f)
+}
+
+#[tokio::test]
+async fn pier_s_own_agent_tells_its_model_the_tasks_metadata() {
+    let systems = own_agent_run("").await;
+    assert_eq!(systems.len(), 1, "{systems:?}");
+    let system = &systems[0];
+    assert!(system.contains("task `doc` of run `own`"), "{system}");
+    assert!(system.contains("owner = docs") && system.contains("ticket = PIER-7"), "{system}");
+}
+
+#[tokio::test]
+async fn the_task_paragraph_can_be_turned_off() {
+    let systems = own_agent_run("task_context = false\n").await;
+    assert!(systems.iter().all(|s| !s.contains("owner")), "{systems:?}");
+}
