@@ -781,3 +781,20 @@ async fn max_subagents_bounds_the_delegations_running_at_once() {
     assert!(at("c", "in_progress") > first_end, "c ran beside a and b");
     assert!(at("b", "in_progress") < at("a", "completed"), "a and b ran at once");
 }
+
+#[tokio::test]
+async fn a_failed_question_to_the_parents_client_is_a_rejection_for_the_child() {
+    let f = fake().await;
+    let child = AskingChild::new();
+    let (mut p, sid) = PierProcess::start(asking_parent(&f, &child, "")).await;
+    let id = p.prompt(&sid, "ask 1").await;
+    let frames = frames_until(&mut p, |fr| fr["method"] == "session/request_permission").await;
+    let question = frames.last().map(|fr| fr["id"].clone()).unwrap_or_default();
+    // The parent's client fails the request instead of answering it.
+    p.send(&json!({"jsonrpc": "2.0", "id": question, "error": {"code": -32603, "message": "the editor crashed"}}))
+        .await;
+    let (_, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    assert_eq!(child.answers(), vec!["no"], "unavailable is a rejection, once");
+    none_left_in(&workdir(&p), p.pid).await;
+}
