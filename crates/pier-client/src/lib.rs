@@ -14,6 +14,7 @@
 pub mod event;
 pub mod fs;
 pub mod handler;
+pub mod partial;
 pub mod policy;
 pub mod process;
 pub mod registry;
@@ -23,6 +24,7 @@ pub mod store;
 pub mod terminal;
 
 pub use event::{ClientEvent, Evidence, SideEffects};
+pub use partial::Partial;
 pub use policy::{ClientPolicy, NonInteractive, Rule};
 pub use registry::{AgentCommand, AgentDef};
 pub use run::{Ending, RunOptions, RunOutcome, SessionTarget};

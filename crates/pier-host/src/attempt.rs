@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use pier_client::policy::ClientPolicy;
 use pier_client::run::{LiveAgent, RunOutcome};
-use pier_client::{ClientEvent, Ending as ClientEnding, RunOptions, SessionTarget, SideEffects, registry};
+use pier_client::{ClientEvent, Ending as ClientEnding, Partial, RunOptions, SessionTarget, SideEffects, registry};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -87,7 +87,15 @@ impl Run {
             }
         };
         heartbeat.abort();
-        let _ = recorder.await;
+        // What the attempt showed stays on it, however it ended (a cancelled task keeps its
+        // partial output).
+        if let Ok(partial) = recorder.await {
+            let output = serde_json::to_value(&partial).unwrap_or(Value::Null);
+            let a = attempt.clone();
+            if let Err(e) = blocking(&self.store, move |s| s.keep_output(&a, &output)).await {
+                tracing::warn!(error = %e, task = %attempt.task, "could not keep the attempt's output");
+            }
+        }
         if lease_lost.is_cancelled() {
             // Someone else owns the task now (or it was cancelled); our ending would be refused anyway.
             return Ok(());
@@ -330,9 +338,11 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
     exp.mul_f64(0.5 + fastrand::f64())
 }
 
-/// Writes a task's events to the log in batches and its side effects as evidence.
-async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Receiver<ClientEvent>) {
+/// Writes a task's events to the log in batches and its side effects as evidence; returns
+/// what the attempt showed (its text and tool calls), for the attempt's record.
+async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Receiver<ClientEvent>) -> Partial {
     let mut effects = SideEffects::default();
+    let mut partial = Partial::default();
     // After the store refused a batch (a full disk), the rest is drained unwritten so
     // the turn never blocks on a full queue; the attempt's ending reports the error.
     let mut failed = false;
@@ -350,6 +360,7 @@ async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Recei
         let mut rows = Vec::new();
         let mut evidence = Vec::new();
         for event in batch {
+            partial.see(&event);
             if let Some(effect) = effects.see(&event) {
                 evidence.push(serde_json::to_value(&effect).unwrap_or(Value::Null));
             }
@@ -367,6 +378,7 @@ async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Recei
             failed = true;
         }
     }
+    partial
 }
 
 #[cfg(test)]

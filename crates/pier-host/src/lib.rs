@@ -16,6 +16,6 @@ pub use host::{Host, HostConfig, Scope};
 pub use plan::{Plan, PlanError, TaskSpec};
 pub use state::TaskState;
 pub use store::{
-    Attempt, Ending, ErrorClass, Event, Held, Idem, LogEvent, NodeRow, PgStore, Question, SqliteStore, StoreError,
-    TaskRow, TaskStore,
+    Attempt, AttemptRow, Ending, ErrorClass, Event, Held, Idem, LogEvent, NodeRow, PgStore, Question, SqliteStore,
+    StoreError, TaskRow, TaskStore,
 };

@@ -421,3 +421,19 @@ fn nodes_starting_together_migrate_a_new_database_once() {
     store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(store.last_seq().unwrap_or_default(), 2);
 }
+
+#[test]
+fn an_attempts_output_is_kept_even_after_its_task_was_cancelled() {
+    each(|name, s| {
+        let a = claim(s, "a", "owner-1");
+        s.cancel("r", "a", "a person stopped it").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let output =
+            serde_json::json!({"text": "half done", "toolCalls": [{"toolCallId": "t1", "status": "completed"}]});
+        s.keep_output(&a, &output).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let attempts = s.attempts("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(attempts.len(), 1, "{name}");
+        assert_eq!((attempts[0].attempt, attempts[0].output.as_ref()), (1, Some(&output)), "{name}");
+        assert_eq!(state(s, "a"), TaskState::Cancelled, "{name}");
+        assert!(s.attempts("r", "b").unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}");
+    });
+}

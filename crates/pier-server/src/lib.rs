@@ -340,9 +340,11 @@ async fn show_task(
     Path((run, task)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     let row = find_task(&app, &run, &task).await?;
-    let (r, t, attempt) = (run.clone(), task.clone(), row.attempt);
-    let evidence = blocking(&app, move |s| s.evidence(&r, &t, attempt)).await?;
-    Ok(Json(json!({"task": row, "evidence": evidence})))
+    let (r, t) = (run.clone(), task.clone());
+    let attempts = blocking(&app, move |s| s.attempts(&r, &t)).await?;
+    // `evidence`: the current attempt's, as before `attempts` was added.
+    let evidence = attempts.iter().find(|a| a.attempt == row.attempt).map(|a| a.evidence.clone()).unwrap_or_default();
+    Ok(Json(json!({"task": row, "evidence": evidence, "attempts": attempts})))
 }
 
 async fn cancel_task(

@@ -1,8 +1,8 @@
 //! What the delegate call shows while the child works: the child's tool calls, one
 //! line each, and its text so far. Bounded, whatever the child sends.
 
-use agent_client_protocol_schema::v1::{ContentBlock, SessionUpdate, ToolCallStatus};
-use pier_client::ClientEvent;
+use agent_client_protocol_schema::v1::ToolCallStatus;
+use pier_client::{ClientEvent, Partial};
 use pier_tools::ToolContent;
 
 /// Most tool-call lines shown (the latest ones).
@@ -15,8 +15,7 @@ const TEXT_BYTES: usize = 8 * 1024;
 pub struct Progress {
     /// The child's session, once the child gave it.
     session_id: Option<String>,
-    calls: Vec<(String, String, ToolCallStatus)>,
-    text: String,
+    seen: Partial,
     /// Whether anything changed since the last [`Progress::take`].
     dirty: bool,
 }
@@ -24,40 +23,7 @@ pub struct Progress {
 impl Progress {
     /// Takes in one event of the child's run.
     pub fn see(&mut self, event: &ClientEvent) {
-        let ClientEvent::Update(n) = event else { return };
-        match &n.update {
-            SessionUpdate::AgentMessageChunk(chunk) => {
-                if let ContentBlock::Text(t) = &chunk.content {
-                    self.text.push_str(&t.text);
-                    if self.text.len() > 2 * TEXT_BYTES {
-                        let cut = floor_boundary(&self.text, self.text.len() - TEXT_BYTES);
-                        self.text.drain(..cut);
-                    }
-                    self.dirty = true;
-                }
-            }
-            SessionUpdate::ToolCall(call) => {
-                let id = call.tool_call_id.0.to_string();
-                self.calls.push((id, call.title.clone(), call.status));
-                if self.calls.len() > CALL_LINES {
-                    self.calls.remove(0);
-                }
-                self.dirty = true;
-            }
-            SessionUpdate::ToolCallUpdate(update) => {
-                let id = update.tool_call_id.0.as_ref();
-                if let Some(entry) = self.calls.iter_mut().find(|(i, ..)| i.as_str() == id) {
-                    if let Some(title) = &update.fields.title {
-                        entry.1.clone_from(title);
-                    }
-                    if let Some(status) = update.fields.status {
-                        entry.2 = status;
-                    }
-                    self.dirty = true;
-                }
-            }
-            _ => {}
-        }
+        self.dirty |= self.seen.see(event);
     }
 
     /// The child's session is open.
@@ -97,29 +63,22 @@ impl Progress {
 
     fn render(&self) -> String {
         let mut out = String::new();
-        for (_, title, status) in &self.calls {
-            let mark = match status {
+        let calls = &self.seen.tool_calls;
+        for call in &calls[calls.len().saturating_sub(CALL_LINES)..] {
+            let mark = match call.status {
                 ToolCallStatus::Completed => "✓",
                 ToolCallStatus::Failed => "✗",
                 _ => "…",
             };
-            out.push_str(&format!("{mark} {title}\n"));
+            out.push_str(&format!("{mark} {}\n", call.title));
         }
-        if !self.text.is_empty() {
+        let text = self.seen.text_tail(TEXT_BYTES);
+        if !text.is_empty() {
             if !out.is_empty() {
                 out.push('\n');
             }
-            let start = floor_boundary(&self.text, self.text.len().saturating_sub(TEXT_BYTES));
-            out.push_str(&self.text[start..]);
+            out.push_str(text);
         }
         out
     }
-}
-
-/// The largest char boundary at or before `at`.
-fn floor_boundary(s: &str, mut at: usize) -> usize {
-    while at > 0 && !s.is_char_boundary(at) {
-        at -= 1;
-    }
-    at
 }

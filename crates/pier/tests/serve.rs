@@ -457,3 +457,43 @@ async fn a_question_open_when_a_person_cancels_the_task_is_answered_cancelled() 
     let answer = after.last().cloned().unwrap_or_default();
     assert_eq!(answer["outcome"]["outcome"], "cancelled", "R088: {answer}");
 }
+
+/// Seed 001 §3.5: stopping a running task is graceful and at once; what it did is kept.
+#[tokio::test]
+async fn a_running_task_cancelled_over_http_ends_at_once_and_keeps_its_partial_output() {
+    use pier_fake_model::{Gate, Reply, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let never = Gate::new();
+    f.set_fallback(move |_| {
+        Reply::Stream(vec![
+            Step::Text("half of ".into()),
+            Step::Text("the answer".into()),
+            Step::Gate(never.clone()),
+            Step::Text(" and the rest".into()),
+            Step::Finish("stop".into()),
+            Step::Done,
+        ])
+    });
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"long\"\nprompt = \"a long job\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "stop"}))).await.0, 201);
+    s.events_until(Some(0), |e| {
+        e["type"] == "session_update" && e["update"]["content"]["text"].as_str() == Some("the answer")
+    })
+    .await;
+    let cancelled_at = std::time::Instant::now();
+    let (code, _) = s.call(reqwest::Method::POST, "/runs/stop/tasks/long/cancel", Some(json!({}))).await;
+    assert_eq!(code, 200);
+    let shown = loop {
+        let (_, shown) = s.call(reqwest::Method::GET, "/runs/stop/tasks/long", None).await;
+        if shown["attempts"][0]["output"].is_object() {
+            break shown;
+        }
+        assert!(cancelled_at.elapsed() < LIMIT, "the attempt's output was never kept: {shown}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    };
+    let took = cancelled_at.elapsed();
+    assert!(took < std::time::Duration::from_secs(1), "the attempt ended {took:?} after the cancel");
+    assert_eq!(shown["task"]["state"], "cancelled", "{shown}");
+    assert_eq!(shown["attempts"][0]["output"]["text"], "half of the answer", "{shown}");
+}

@@ -317,6 +317,25 @@ impl Idem {
     }
 }
 
+/// One attempt of a task as stored: its side effects and what it showed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AttemptRow {
+    pub attempt: i64,
+    pub evidence: Vec<Value>,
+    /// Its text and tool calls, once it ended.
+    pub output: Option<Value>,
+}
+
+impl AttemptRow {
+    fn decode(attempt: i64, evidence: &str, output: Option<&str>) -> Result<AttemptRow, StoreError> {
+        Ok(AttemptRow {
+            attempt,
+            evidence: serde_json::from_str(evidence)?,
+            output: output.map(serde_json::from_str).transpose()?,
+        })
+    }
+}
+
 /// A host node (a `pier serve` process driving runs) as the store knows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NodeRow {
@@ -396,6 +415,11 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Appends events that belong to no attempt (notes, benchmarks).
     fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError>;
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError>;
+    /// Keeps what an attempt showed (`pier_client::Partial`: its text and tool calls), when
+    /// it ends, however it ends.
+    fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError>;
+    /// A task's attempts, oldest first.
+    fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError>;
     fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError>;
     fn last_seq(&self) -> Result<i64, StoreError>;
     /// The runs that have a task with this id, newest first.

@@ -549,6 +549,16 @@ pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
 }
 
 /// Node `node` leaves: its run leases go back at once, and it is no longer listed.
+/// Keeps what an attempt showed; on its own row, so no fence is needed: a task cancelled
+/// under an attempt still keeps that attempt's partial output.
+pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &Value) -> Result<((), i64), StoreError> {
+    tx.exec(
+        "UPDATE attempts SET output = ?4 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Text(&output.to_string())],
+    )?;
+    Ok(((), 0))
+}
+
 pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), StoreError> {
     tx.exec("DELETE FROM run_leases WHERE owner = ?1", &[Arg::Text(node)])?;
     tx.exec("DELETE FROM nodes WHERE id = ?1", &[Arg::Text(node)])?;

@@ -128,6 +128,10 @@ CREATE TABLE run_leases (
 );
 CREATE INDEX run_leases_by_owner ON run_leases(owner);
 "#,
+    // What each attempt showed (its text, its tool calls), kept when it ends, whatever ended it.
+    r#"
+ALTER TABLE attempts ADD COLUMN output TEXT;
+"#,
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
@@ -1165,6 +1169,24 @@ impl TaskStore for PgStore {
         }
         let events = events.to_vec();
         self.write(move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
+    }
+
+    fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
+        let (a, output) = (attempt.clone(), output.clone());
+        self.write(move |tx| ops::keep_output(tx, &a, &output)).map(|_| ())
+    }
+
+    fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
+        let rows: Vec<(i64, String, Option<String>)> = self.read(|c| {
+            let rows = block_on(c.client.query(
+                "SELECT attempt, evidence, output FROM attempts WHERE run_id = $1 AND task_id = $2 ORDER BY attempt",
+                &[&run, &task],
+            ))?;
+            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
+        })?;
+        rows.into_iter()
+            .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
+            .collect()
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {

@@ -149,6 +149,10 @@ CREATE TABLE run_leases (
 );
 CREATE INDEX run_leases_by_owner ON run_leases(owner);
 "#,
+    // What each attempt showed (its text, its tool calls), kept when it ends, whatever ended it.
+    r#"
+ALTER TABLE attempts ADD COLUMN output TEXT;
+"#,
 ];
 
 /// How often the watcher asks SQLite whether another process committed.
@@ -519,6 +523,24 @@ impl TaskStore for SqliteStore {
         }
         let events = events.to_vec();
         self.write(move |tx| ops::append_events(tx, &events))
+    }
+
+    fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
+        let (a, output) = (attempt.clone(), output.clone());
+        self.write(move |tx| ops::keep_output(tx, &a, &output))
+    }
+
+    fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
+        let rows: Vec<(i64, String, Option<String>)> = self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT attempt, evidence, output FROM attempts WHERE run_id = ?1 AND task_id = ?2 ORDER BY attempt",
+            )?;
+            let rows = stmt.query_map(params![run, task], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })?;
+        rows.into_iter()
+            .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
+            .collect()
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
