@@ -401,6 +401,11 @@ impl LiveAgent {
         Ok(())
     }
 
+    /// The agent's `initialize` answer, as it gave it.
+    pub fn init(&self) -> &Value {
+        &self.init
+    }
+
     /// Whether the agent can take another turn: every turn so far was answered
     /// without a cancel, and the process and its connection are alive.
     pub fn reusable(&mut self) -> bool {

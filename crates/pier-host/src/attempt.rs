@@ -134,7 +134,17 @@ impl Run {
         // A stop during the handshake kills the agent at once, as one during the turn cancels it.
         let agent = match warm {
             Some(agent) => Ok(agent),
-            None => LiveAgent::start_or_stop(&opts, &events, &mut interrupts).await,
+            None => {
+                let started = LiveAgent::start_or_stop(&opts, &events, &mut interrupts).await;
+                if let Ok(agent) = &started {
+                    // What this agent spec can do, as its newest process says.
+                    let (spec, init) = (self.row.spec.agent.clone(), agent.init().clone());
+                    if let Err(e) = blocking(&self.store, move |s| s.record_agent(&spec, &init)).await {
+                        tracing::warn!(error = %e, "could not record the agent's capabilities");
+                    }
+                }
+                started
+            }
         };
         let mut outcome = match agent {
             Ok(mut agent) => {

@@ -4,6 +4,7 @@
 //! to ACP agents through `pier-client`.
 
 pub mod attempt;
+pub mod caps;
 pub mod decide;
 pub mod host;
 pub mod person;
@@ -16,6 +17,6 @@ pub use host::{Host, HostConfig, Scope};
 pub use plan::{Plan, PlanError, TaskSpec};
 pub use state::TaskState;
 pub use store::{
-    Attempt, AttemptRow, Ending, ErrorClass, Event, Held, Idem, LogEvent, NodeRow, PgStore, Question, SqliteStore,
-    StoreError, TaskRow, TaskStore,
+    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Event, Held, Idem, LogEvent, NodeRow, PgStore, Question,
+    SqliteStore, StoreError, TaskRow, TaskStore,
 };

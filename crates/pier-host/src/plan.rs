@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub tasks: Vec<TaskSpec>,
+    /// The line of each task's `[[tasks]]` header, for problems found after parsing.
+    #[serde(default, skip)]
+    pub lines: HashMap<String, usize>,
 }
 
 /// One task, with the defaults applied.
@@ -38,6 +41,10 @@ pub struct TaskSpec {
     /// Run on an agent process of its own, never a warm one another task used.
     #[serde(default)]
     pub fresh_agent: bool,
+    /// What the agent must be able to do ([`crate::caps::REQUIREMENTS`]; for a pull-worker
+    /// task, capabilities the worker must have besides its `worker:` one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requires: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -56,6 +63,7 @@ struct Defaults {
     roots: Vec<PathBuf>,
     writable: Option<Vec<PathBuf>>,
     fresh_agent: Option<bool>,
+    requires: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -80,6 +88,7 @@ struct TaskDef {
     roots: Vec<PathBuf>,
     writable: Option<Vec<PathBuf>>,
     fresh_agent: Option<bool>,
+    requires: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -257,6 +266,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
             permissions,
             roots,
             writable: t.writable.or_else(|| d.writable.clone()),
+            requires: t.requires.or_else(|| d.requires.clone()).unwrap_or_default(),
         });
     }
     if tasks.is_empty() {
@@ -289,6 +299,9 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
                 problems.push(Problem { line, message: format!("task `{}`: unknown permission rule `{rule}`", t.id) });
             }
         }
+        for why in crate::caps::unknown_requirements(t) {
+            problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
+        }
         for kind in t.permissions.keys() {
             if kind.parse::<pier_tools::ToolKind>().is_err() {
                 problems.push(Problem { line, message: format!("task `{}`: unknown tool kind `{kind}`", t.id) });
@@ -299,7 +312,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
         let line = lines.get(&cycle[0]).copied().unwrap_or(0);
         problems.push(Problem { line, message: format!("dependency cycle: {}", cycle_text(&cycle)) });
     }
-    if problems.is_empty() { Ok(Plan { tasks }) } else { Err(PlanError(problems)) }
+    if problems.is_empty() { Ok(Plan { tasks, lines }) } else { Err(PlanError(problems)) }
 }
 
 fn toml_to_json(v: toml::Value) -> serde_json::Value {

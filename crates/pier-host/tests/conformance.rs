@@ -437,3 +437,21 @@ fn an_attempts_output_is_kept_even_after_its_task_was_cancelled() {
         assert!(s.attempts("r", "b").unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}");
     });
 }
+
+#[test]
+fn an_agents_latest_initialize_answer_is_kept() {
+    each(|name, s| {
+        assert!(s.agents().unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}");
+        let first = serde_json::json!({"agentCapabilities": {"loadSession": false}});
+        let second = serde_json::json!({"agentCapabilities": {"loadSession": true}});
+        s.record_agent("pier", &first).unwrap_or_else(|e| panic!("{name}: {e}"));
+        s.record_agent("pier", &second).unwrap_or_else(|e| panic!("{name}: {e}"));
+        s.record_agent("codex", &first).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let pier = s.agent("pier").unwrap_or_else(|e| panic!("{name}: {e}")).unwrap_or_else(|| panic!("{name}"));
+        assert_eq!(pier.init, second, "{name}: the latest wins");
+        let specs: Vec<String> =
+            s.agents().unwrap_or_else(|e| panic!("{name}: {e}")).into_iter().map(|a| a.spec).collect();
+        assert_eq!(specs, vec!["codex", "pier"], "{name}");
+        assert!(s.agent("gemini").unwrap_or_else(|e| panic!("{name}: {e}")).is_none(), "{name}");
+    });
+}

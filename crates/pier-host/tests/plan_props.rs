@@ -128,6 +128,7 @@ proptest! {
             roots: vec![],
             writable: None,
             fresh_agent: false,
+            requires: vec![],
         };
         let _ = attempt_options(&spec, &config());
         for bad in [-1.0, 0.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e300] {

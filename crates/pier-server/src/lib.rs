@@ -227,6 +227,7 @@ pub fn router(app: Shared) -> Router {
         .route("/lease", post(lease))
         .route("/events", get(events))
         .route("/nodes", get(list_nodes))
+        .route("/agents", get(list_agents))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
 }
@@ -274,6 +275,11 @@ async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Resu
     if let Some(id) = &body.run_id {
         pier_host::plan::check_run_id(id).map_err(|why| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", why))?;
     }
+    pier_host::caps::check(&plan, &app.store, &app.config).await.map_err(|e| {
+        let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_plan", e.to_string());
+        err.extra = Some(serde_json::to_value(&e.0).unwrap_or(Value::Null));
+        err
+    })?;
     let run = body.run_id.unwrap_or_else(|| format!("run-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]));
     let r = run.clone();
     blocking(&app, move |s| s.create_run(&r, &plan, "http")).await?;
@@ -333,6 +339,12 @@ async fn find_task(app: &Shared, run: &str, task: &str) -> Result<pier_host::Tas
         s.task(&r, &t)?.ok_or(StoreError::UnknownTask(t))
     })
     .await
+}
+
+/// Each agent spec's last `initialize` answer (what it can do), as the host recorded it.
+async fn list_agents(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let agents = blocking(&app, |s| s.agents()).await?;
+    Ok(Json(json!({"agents": agents})))
 }
 
 async fn show_task(
@@ -409,8 +421,9 @@ async fn lease(State(app): State<Shared>, Body(body): Body<LeaseBody>) -> Result
     let claimed = blocking(&app, move |s| {
         for t in s.pending_tasks()? {
             let capability = t.spec.agent.strip_prefix("worker:").unwrap_or("");
-            let fits =
-                is_worker_task(&t) && (capability.is_empty() || body.capabilities.iter().any(|c| c == capability));
+            let has = |c: &str| c.is_empty() || body.capabilities.iter().any(|mine| mine == c);
+            // The task's `requires` are capabilities the worker must have too.
+            let fits = is_worker_task(&t) && has(capability) && t.spec.requires.iter().all(|r| has(r));
             if !fits || t.not_before_ms > pier_host::store::now_ms() {
                 continue;
             }

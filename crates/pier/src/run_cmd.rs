@@ -239,19 +239,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let store = open_store(&args.store)?;
     // Print what this invocation commits: a new run from its creation, a resumed one from now.
     let start_seq = store.last_seq()?;
-    let (run_id, base_dir) = match (&args.resume, &args.plan) {
+    let (run_id, base_dir, new_plan) = match (&args.resume, &args.plan) {
         (Some(run), _) => {
             anyhow::ensure!(store.run_exists(run)?, "there is no run `{run}` in the store");
-            (run.clone(), here.clone())
+            (run.clone(), here.clone(), None)
         }
         (None, Some(plan_path)) => {
             let plan = checked.ok_or_else(|| anyhow::anyhow!("the plan was not checked"))?;
             let base = plan_path.canonicalize()?.parent().map(PathBuf::from).unwrap_or(here.clone());
             let run_id = args.run_id.clone().unwrap_or_else(|| format!("run-{}", &uuid_short()));
-            if !store.run_exists(&run_id)? {
-                store.create_run(&run_id, &plan, &plan_path.display().to_string())?;
-            }
-            (run_id, base)
+            let new = (!store.run_exists(&run_id)?).then(|| (plan, plan_path.display().to_string()));
+            (run_id, base, new)
         }
         (None, None) => anyhow::bail!("give a plan file or --resume RUN"),
     };
@@ -267,6 +265,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         cancel_grace: Duration::from_millis(args.cancel_grace_ms),
         default_idle_timeout: Duration::from_secs(600),
     };
+    if let Some((plan, source)) = new_plan {
+        // What the tasks require of their agents, checked before anything is stored.
+        pier_host::caps::check(&plan, &store, &config).await?;
+        store.create_run(&run_id, &plan, &source)?;
+    }
     let stop = CancellationToken::new();
     let signals = {
         let stop = stop.clone();

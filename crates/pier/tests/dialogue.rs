@@ -104,3 +104,58 @@ async fn the_task_paragraph_can_be_turned_off() {
     let systems = own_agent_run("task_context = false\n").await;
     assert!(systems.iter().all(|s| !s.contains("owner")), "{systems:?}");
 }
+
+#[tokio::test]
+async fn a_plan_whose_agent_lacks_a_required_capability_is_refused_with_the_line() {
+    let h = Host::new(None);
+    record_agent(&h);
+    let plan = h.write(
+        "plan.toml",
+        "[[tasks]]\nid = \"fine\"\nagent = \"rec\"\nprompt = \"hi\"\n\n[[tasks]]\nid = \"look\"\nagent = \"rec\"\n\
+         prompt = \"describe the picture\"\nrequires = [\"image\", \"load_session\"]\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--run-id", "caps"]).await;
+    assert_ne!(o.status.code(), Some(0));
+    let err = stderr(&o);
+    assert!(err.contains("line 6: task `look` requires `image`, which agent `rec` does not offer"), "{err}");
+    assert!(err.contains("line 6: task `look` requires `load_session`"), "{err}");
+    // Nothing was stored: the plan was refused as a whole.
+    use pier_host::TaskStore;
+    assert!(!must(h.store().run_exists("caps"), "run_exists"), "{err}");
+    // The probe's answer is kept for the next plan.
+    let agents = must(h.store().agents(), "agents");
+    assert_eq!(agents.len(), 1, "{agents:?}");
+    assert_eq!(agents[0].spec, "rec");
+    assert_eq!(agents[0].init["agentInfo"]["name"], "record");
+}
+
+#[tokio::test]
+async fn a_plan_whose_agent_offers_what_it_requires_runs_and_the_answer_is_recorded() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| Reply::text("done"));
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write(
+        "plan.toml",
+        "[[tasks]]\nid = \"t\"\nagent = \"pier\"\nprompt = \"go\"\nrequires = [\"load_session\", \"embedded_context\", \"mcp_http\"]\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "ok"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    use pier_host::TaskStore;
+    let agents = must(h.store().agents(), "agents");
+    let pier = agents.iter().find(|a| a.spec == "pier").unwrap_or_else(|| panic!("{agents:?}"));
+    assert_eq!(pier.init["agentCapabilities"]["loadSession"], true, "{:?}", pier.init);
+    assert_eq!(pier.init["agentInfo"]["name"], "pier");
+}
+
+#[tokio::test]
+async fn an_unknown_requirement_is_refused_before_any_agent_is_asked() {
+    let h = Host::new(None);
+    let plan =
+        h.write("plan.toml", "[[tasks]]\nid = \"t\"\nagent = \"pier\"\nprompt = \"go\"\nrequires = [\"telepathy\"]\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default()]).await;
+    assert_ne!(o.status.code(), Some(0));
+    let err = stderr(&o);
+    assert!(err.contains("line 1: task `t`: unknown requirement `telepathy`"), "{err}");
+    use pier_host::TaskStore;
+    assert!(must(h.store().agents(), "agents").is_empty(), "no agent was started");
+}

@@ -273,7 +273,7 @@ fn store_run(home: &Path, tasks: Vec<pier_host::TaskSpec>) -> PathBuf {
     use pier_host::TaskStore;
     let db = home.join("data/pier.db");
     let store = must(pier_host::SqliteStore::open(&db), "open");
-    must(store.create_run("r", &pier_host::Plan { tasks }, "older pier"), "create run");
+    must(store.create_run("r", &pier_host::Plan { tasks, lines: Default::default() }, "older pier"), "create run");
     db
 }
 
@@ -294,6 +294,7 @@ fn spec(id: &str, prompt: &str) -> pier_host::TaskSpec {
         roots: vec![],
         writable: None,
         fresh_agent: false,
+        requires: vec![],
     }
 }
 

@@ -497,3 +497,38 @@ async fn a_running_task_cancelled_over_http_ends_at_once_and_keeps_its_partial_o
     assert_eq!(shown["task"]["state"], "cancelled", "{shown}");
     assert_eq!(shown["attempts"][0]["output"]["text"], "half of the answer", "{shown}");
 }
+
+/// Seed 001 §3.1, §3.3: a worker gets only tasks whose requirements it meets, and with the
+/// lease the task's requirements, metadata and prompt.
+#[tokio::test]
+async fn a_pull_worker_gets_only_tasks_it_can_do_with_their_requirements_and_metadata() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"train\"\nagent = \"worker:gpu\"\nprompt = \"train the model\"\nrequires = [\"cuda\"]\n\
+                metadata = { owner = \"ml\" }\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "w"}))).await.0, 201);
+    let body = |caps: Value| json!({"worker": "w1", "capabilities": caps, "ttl_ms": 10_000});
+    let (code, _) = s.call(reqwest::Method::POST, "/lease", Some(body(json!(["gpu"])))).await;
+    assert_eq!(code, 204, "a worker without cuda gets nothing");
+    let (code, leased) = s.call(reqwest::Method::POST, "/lease", Some(body(json!(["gpu", "cuda"])))).await;
+    assert_eq!(code, 200, "{leased}");
+    assert_eq!(leased["prompt"], "train the model");
+    assert_eq!(leased["task"]["spec"]["requires"], json!(["cuda"]));
+    assert_eq!(leased["task"]["spec"]["metadata"], json!({"owner": "ml"}));
+}
+
+#[tokio::test]
+async fn a_plan_needing_what_its_agent_lacks_is_a_bad_plan_and_agents_shows_why() {
+    let s = server(None).await;
+    let agent = sdk_agent();
+    let plan = format!("[[tasks]]\nid = \"pic\"\nagent = \"{agent}\"\nprompt = \"look\"\nrequires = [\"audio\"]\n");
+    let (code, body) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan}))).await;
+    assert_eq!(code, 400, "{body}");
+    assert_eq!(body["error"]["code"], "bad_plan", "{body}");
+    let problems = body["error"].to_string();
+    assert!(problems.contains("requires `audio`") && problems.contains("\"line\":1"), "{body}");
+    let (code, agents) = s.call(reqwest::Method::GET, "/agents", None).await;
+    assert_eq!(code, 200);
+    let sdk = &agents["agents"][0];
+    assert_eq!(sdk["spec"], agent.as_str(), "{agents}");
+    assert!(sdk["init"]["agentCapabilities"].is_object(), "{agents}");
+}

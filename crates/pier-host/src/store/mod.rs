@@ -317,6 +317,16 @@ impl Idem {
     }
 }
 
+/// What an agent spec answered to `initialize` when a process of it last started.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentRow {
+    pub spec: String,
+    /// The whole answer: `agentInfo`, `agentCapabilities`, `authMethods`.
+    pub init: Value,
+    pub seen_at_ms: i64,
+}
+
 /// One attempt of a task as stored: its side effects and what it showed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AttemptRow {
@@ -420,6 +430,12 @@ pub trait TaskStore: Send + Sync + 'static {
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError>;
     /// A task's attempts, oldest first.
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError>;
+    /// Keeps the `initialize` answer of a process of agent spec `spec` (the latest wins).
+    fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError>;
+    /// The last `initialize` answer recorded for `spec`.
+    fn agent(&self, spec: &str) -> Result<Option<AgentRow>, StoreError>;
+    /// Every agent spec's last `initialize` answer.
+    fn agents(&self) -> Result<Vec<AgentRow>, StoreError>;
     fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError>;
     fn last_seq(&self) -> Result<i64, StoreError>;
     /// The runs that have a task with this id, newest first.

@@ -559,6 +559,16 @@ pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &Value) -> Resul
     Ok(((), 0))
 }
 
+/// Keeps an agent spec's latest `initialize` answer.
+pub(super) fn record_agent(tx: &mut dyn Tx, spec: &str, init: &Value) -> Result<((), i64), StoreError> {
+    tx.exec(
+        "INSERT INTO agents (spec, init, seen_at_ms) VALUES (?1, ?2, ?3)
+         ON CONFLICT (spec) DO UPDATE SET init = excluded.init, seen_at_ms = excluded.seen_at_ms",
+        &[Arg::Text(spec), Arg::Text(&init.to_string()), Arg::Int(now_ms())],
+    )?;
+    Ok(((), 0))
+}
+
 pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), StoreError> {
     tx.exec("DELETE FROM run_leases WHERE owner = ?1", &[Arg::Text(node)])?;
     tx.exec("DELETE FROM nodes WHERE id = ?1", &[Arg::Text(node)])?;

@@ -132,6 +132,14 @@ CREATE INDEX run_leases_by_owner ON run_leases(owner);
     r#"
 ALTER TABLE attempts ADD COLUMN output TEXT;
 "#,
+    // Each agent spec's last `initialize` answer: what it can do.
+    r#"
+CREATE TABLE agents (
+    spec TEXT PRIMARY KEY,
+    init TEXT NOT NULL,
+    seen_at_ms BIGINT NOT NULL
+);
+"#,
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
@@ -482,6 +490,22 @@ pub struct PgStore {
 }
 
 impl PgStore {
+    /// The agents' answers, all or `spec`'s.
+    fn agents_where(&self, spec: Option<&str>) -> Result<Vec<super::AgentRow>, StoreError> {
+        let rows: Vec<(String, String, i64)> = self.read(|c| {
+            let rows = block_on(c.client.query(
+                "SELECT spec, init, seen_at_ms FROM agents WHERE $1::TEXT IS NULL OR spec = $1 ORDER BY spec",
+                &[&spec],
+            ))?;
+            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
+        })?;
+        rows.into_iter()
+            .map(|(spec, init, seen_at_ms)| {
+                Ok(super::AgentRow { spec, init: serde_json::from_str(&init)?, seen_at_ms })
+            })
+            .collect()
+    }
+
     /// Connects to `url` (`postgres://USER@HOST/DB`; the password from the URL, `PGPASSWORD`
     /// or the passfile) and migrates the schema, once across nodes starting together.
     pub fn open(url: &str) -> Result<PgStore, StoreError> {
@@ -1187,6 +1211,19 @@ impl TaskStore for PgStore {
         rows.into_iter()
             .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
             .collect()
+    }
+
+    fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
+        let (spec, init) = (spec.to_owned(), init.clone());
+        self.write(move |tx| ops::record_agent(tx, &spec, &init)).map(|_| ())
+    }
+
+    fn agent(&self, spec: &str) -> Result<Option<super::AgentRow>, StoreError> {
+        Ok(self.agents_where(Some(spec))?.pop())
+    }
+
+    fn agents(&self) -> Result<Vec<super::AgentRow>, StoreError> {
+        self.agents_where(None)
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {

@@ -153,6 +153,14 @@ CREATE INDEX run_leases_by_owner ON run_leases(owner);
     r#"
 ALTER TABLE attempts ADD COLUMN output TEXT;
 "#,
+    // Each agent spec's last `initialize` answer: what it can do.
+    r#"
+CREATE TABLE agents (
+    spec TEXT PRIMARY KEY,
+    init TEXT NOT NULL,
+    seen_at_ms INTEGER NOT NULL
+);
+"#,
 ];
 
 /// How often the watcher asks SQLite whether another process committed.
@@ -359,6 +367,22 @@ impl SqliteStore {
     fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
         f(&lock(&self.reader))
     }
+
+    /// The agents' answers, all or `spec`'s.
+    fn agents_where(&self, spec: Option<&str>) -> Result<Vec<super::AgentRow>, StoreError> {
+        let rows: Vec<(String, String, i64)> = self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT spec, init, seen_at_ms FROM agents WHERE ?1 IS NULL OR spec = ?1 ORDER BY spec",
+            )?;
+            let rows = stmt.query_map(params![spec], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })?;
+        rows.into_iter()
+            .map(|(spec, init, seen_at_ms)| {
+                Ok(super::AgentRow { spec, init: serde_json::from_str(&init)?, seen_at_ms })
+            })
+            .collect()
+    }
 }
 
 impl TaskStore for SqliteStore {
@@ -541,6 +565,19 @@ impl TaskStore for SqliteStore {
         rows.into_iter()
             .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
             .collect()
+    }
+
+    fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
+        let (spec, init) = (spec.to_owned(), init.clone());
+        self.write(move |tx| ops::record_agent(tx, &spec, &init))
+    }
+
+    fn agent(&self, spec: &str) -> Result<Option<super::AgentRow>, StoreError> {
+        Ok(self.agents_where(Some(spec))?.pop())
+    }
+
+    fn agents(&self) -> Result<Vec<super::AgentRow>, StoreError> {
+        self.agents_where(None)
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {

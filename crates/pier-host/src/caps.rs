@@ -1,0 +1,114 @@
+//! What agents can do (seed 001 §2.4, §3.3), used instead of found out by failure.
+//!
+//! The host keeps each agent spec's `initialize` answer in the store (refreshed whenever
+//! a process of that spec starts). A task may declare `requires` from [`REQUIREMENTS`];
+//! a plan is checked against the answers of the agents it names before it is stored
+//! ([`check`]): an agent that no process of this store has started yet is probed once
+//! (started, asked `initialize`, ended). A task whose agent cannot do what it requires is
+//! refused with its line and the capability, instead of failing at run time and being
+//! retried. Pull-worker tasks require capabilities of the worker instead, matched when a
+//! worker asks for a lease.
+
+use std::collections::BTreeMap;
+
+use pier_client::run::LiveAgent;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::host::{HostConfig, blocking};
+use crate::plan::{Plan, PlanError, Problem, TaskSpec};
+use crate::store::TaskStore;
+
+/// The requirement words of ACP agents, and where each is in an `initialize` answer.
+pub const REQUIREMENTS: &[(&str, &str)] = &[
+    ("image", "/agentCapabilities/promptCapabilities/image"),
+    ("audio", "/agentCapabilities/promptCapabilities/audio"),
+    ("embedded_context", "/agentCapabilities/promptCapabilities/embeddedContext"),
+    ("load_session", "/agentCapabilities/loadSession"),
+    ("mcp_http", "/agentCapabilities/mcpCapabilities/http"),
+];
+
+/// Whether `spec` is a pull workers' task (`worker` or `worker:CAPABILITY`).
+pub fn is_worker(agent: &str) -> bool {
+    agent == "worker" || agent.starts_with("worker:")
+}
+
+/// The requirements of `t` no check could ever meet: unknown words (for an ACP agent) or
+/// empty ones.
+pub fn unknown_requirements(t: &TaskSpec) -> Vec<String> {
+    let mut out = Vec::new();
+    for r in &t.requires {
+        if r.trim().is_empty() {
+            out.push("an empty requirement".to_owned());
+        } else if !is_worker(&t.agent) && !REQUIREMENTS.iter().any(|(w, _)| w == r) {
+            let known: Vec<&str> = REQUIREMENTS.iter().map(|(w, _)| *w).collect();
+            out.push(format!("unknown requirement `{r}`; an agent can be required to offer {}", known.join(", ")));
+        }
+    }
+    out
+}
+
+/// The requirements an agent whose `initialize` answer is `init` does not meet, each with
+/// where the answer says so.
+pub fn missing(init: &Value, requires: &[String]) -> Vec<(String, &'static str)> {
+    requires
+        .iter()
+        .filter_map(|r| {
+            let (_, pointer) = REQUIREMENTS.iter().find(|(w, _)| w == r)?;
+            let offered = init.pointer(pointer).and_then(Value::as_bool).unwrap_or(false);
+            (!offered).then(|| (r.clone(), *pointer))
+        })
+        .collect()
+}
+
+/// Checks every task with `requires` against its agent's capabilities: from the store, or
+/// from a probe of the agent (recorded for next time). The problems carry the task's line.
+pub async fn check(plan: &Plan, store: &std::sync::Arc<dyn TaskStore>, config: &HostConfig) -> Result<(), PlanError> {
+    let mut problems = Vec::new();
+    // One answer per agent spec, whichever task names it first.
+    let mut answers: BTreeMap<String, Result<Value, String>> = BTreeMap::new();
+    for t in plan.tasks.iter().filter(|t| !t.requires.is_empty() && !is_worker(&t.agent)) {
+        if !answers.contains_key(&t.agent) {
+            let answer = capabilities(t, store, config).await;
+            answers.insert(t.agent.clone(), answer);
+        }
+        let line = plan.lines.get(&t.id).copied().unwrap_or(0);
+        match &answers[&t.agent] {
+            Ok(init) => {
+                for (r, pointer) in missing(init, &t.requires) {
+                    let message = format!(
+                        "task `{}` requires `{r}`, which agent `{}` does not offer (its initialize answer has no \
+                         `{pointer}` = true)",
+                        t.id, t.agent
+                    );
+                    problems.push(Problem { line, message });
+                }
+            }
+            Err(why) => problems.push(Problem {
+                line,
+                message: format!("task `{}` has requirements, and agent `{}` could not be asked: {why}", t.id, t.agent),
+            }),
+        }
+    }
+    if problems.is_empty() { Ok(()) } else { Err(PlanError(problems)) }
+}
+
+/// The stored `initialize` answer of `t`'s agent, or a fresh one from a probe.
+async fn capabilities(
+    t: &TaskSpec,
+    store: &std::sync::Arc<dyn TaskStore>,
+    config: &HostConfig,
+) -> Result<Value, String> {
+    let spec = t.agent.clone();
+    if let Some(known) = blocking(store, move |s| s.agent(&spec)).await.map_err(|e| e.to_string())? {
+        return Ok(known.init);
+    }
+    let opts = crate::attempt::attempt_options(t, config)?;
+    let (events, _drain) = mpsc::channel(pier_client::run::EVENT_QUEUE);
+    let agent = LiveAgent::start(&opts, &events).await.map_err(|e| e.to_string())?;
+    let init = agent.init().clone();
+    agent.shutdown(&events).await;
+    let (spec, answer) = (t.agent.clone(), init.clone());
+    blocking(store, move |s| s.record_agent(&spec, &answer)).await.map_err(|e| e.to_string())?;
+    Ok(init)
+}
