@@ -55,7 +55,7 @@ pub struct ClientState {
     pub events: EventSender,
     /// Fires once the turn is being cancelled: every permission request is then
     /// answered `cancelled` (R088).
-    pub cancelling: CancellationToken,
+    cancelling: Mutex<CancellationToken>,
     /// Fires when `--non-interactive fail` met an *ask*.
     pub permission_failed: CancellationToken,
     /// Fires when the agent wrote something that is not JSON-RPC; the description is kept.
@@ -195,7 +195,7 @@ impl ClientState {
             policy,
             interactive,
             events,
-            cancelling: CancellationToken::new(),
+            cancelling: Mutex::new(CancellationToken::new()),
             permission_failed: CancellationToken::new(),
             protocol_broken: CancellationToken::new(),
             protocol_error: Mutex::new(None),
@@ -212,8 +212,20 @@ impl ClientState {
     /// memory of the last turn's tool calls.
     pub fn begin_turn(&self, asker: Option<Arc<dyn Asker>>) {
         *self.asker.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = asker;
+        // A turn after a cancelled one (a host's follow-up prompt) is not being cancelled.
+        let mut cancelling = lock(&self.cancelling);
+        if cancelling.is_cancelled() {
+            *cancelling = CancellationToken::new();
+        }
+        drop(cancelling);
         self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         lock(&self.granted).clear();
+    }
+
+    /// Fires once the current turn is being cancelled: every permission request is then
+    /// answered `cancelled` (R088).
+    pub fn cancelling(&self) -> CancellationToken {
+        lock(&self.cancelling).clone()
     }
 
     fn emit(&self, event: ClientEvent) {
@@ -249,12 +261,12 @@ impl ClientState {
             Some(k) => kind_of(Some(k)),
             None => lock(&self.kinds).get(&id).copied().unwrap_or(ToolKind::Other),
         };
-        let (mut choice, rule, mut reason) = if self.cancelling.is_cancelled() {
+        let (mut choice, rule, mut reason) = if self.cancelling().is_cancelled() {
             (Choice::Cancelled, Value::Null, String::new())
         } else {
             self.decide(&req, kind, &gone).await
         };
-        if self.cancelling.is_cancelled() {
+        if self.cancelling().is_cancelled() {
             (choice, reason) = (Choice::Cancelled, "the turn is being cancelled (R088)".to_owned());
         }
         let outcome = match &choice {
@@ -280,6 +292,7 @@ impl ClientState {
         kind: ToolKind,
         gone: &CancellationToken,
     ) -> (Choice, Value, String) {
+        let cancelling = self.cancelling();
         let id = req.tool_call.tool_call_id.0.to_string();
         let title = req.tool_call.fields.title.clone().unwrap_or_else(|| id.clone());
         let rule_json = |r: Rule| serde_json::to_value(r).unwrap_or(Value::Null);
@@ -312,7 +325,7 @@ impl ClientState {
             let _asking = Asking::start(&self.asking);
             let answer = tokio::select! {
                 answer = asker.ask(req) => answer,
-                _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+                _ = cancelling.cancelled() => AskAnswer::Nobody,
                 _ = gone.cancelled() => AskAnswer::Withdrawn,
             };
             let choice = match answer {
@@ -341,7 +354,7 @@ impl ClientState {
                 let _asking = Asking::start(&self.asking);
                 let asked = tokio::select! {
                     answer = ask_on_terminal(title, kind) => answer,
-                    _ = self.cancelling.cancelled() => None,
+                    _ = cancelling.cancelled() => None,
                     _ = gone.cancelled() => None,
                 };
                 match asked {
@@ -403,7 +416,8 @@ impl ClientState {
         if lock(&self.granted).values().any(|k| *k == kind) {
             return Ok(());
         }
-        if self.cancelling.is_cancelled() {
+        let cancelling = self.cancelling();
+        if cancelling.is_cancelled() {
             return Err(internal(format!("{method} is refused: the turn is being cancelled and nobody is asked")));
         }
         let title = format!("{method} {target}");
@@ -413,14 +427,14 @@ impl ClientState {
             let request = client_method_question(session_id, &title, kind)?;
             let answer = tokio::select! {
                 answer = asker.ask(&request) => answer,
-                _ = self.cancelling.cancelled() => AskAnswer::Nobody,
+                _ = cancelling.cancelled() => AskAnswer::Nobody,
                 _ = gone.cancelled() => AskAnswer::Withdrawn,
             };
             Some(answer == AskAnswer::Option(ALLOW_ONCE.to_owned()))
         } else if self.interactive {
             tokio::select! {
                 answer = ask_on_terminal(title, kind) => answer,
-                _ = self.cancelling.cancelled() => None,
+                _ = cancelling.cancelled() => None,
                 _ = gone.cancelled() => None,
             }
         } else {

@@ -432,30 +432,80 @@ impl LiveAgent {
             return outcome;
         }
         self.state.begin_turn(opts.asker.clone());
-        let mut outcome = match self.open_session(opts, target, setup_deadline(opts, started), interrupts).await {
+        let outcome = match self.open_session(opts, target, setup_deadline(opts, started), interrupts).await {
             Ok(session_id) => {
                 if let Some(tx) = &opts.session_ids {
                     let _ = tx.send(session_id.clone());
                 }
-                outcome.session_id = Some(session_id.clone());
-                let mut turn = Turn::new(opts, session_id, started);
-                let answer = turn.drive(self, prompt, events, interrupts).await;
-                outcome.text = turn.transcript.text();
-                outcome.usage = turn.transcript.usage.clone();
-                match answer {
-                    Ok(response) => {
-                        if let Some(usage) = response.usage {
-                            outcome.usage = Some(usage);
-                        }
-                        outcome.stop_reason = Some(response.stop_reason);
-                        outcome.ending = turn.phase.ending(response.stop_reason == StopReason::Cancelled);
-                        outcome
-                    }
-                    Err(stopped) => stopped.into_outcome(Some(outcome)),
-                }
+                self.prompt(opts, session_id, prompt, events, interrupts, started, outcome).await
             }
             Err(stopped) => stopped.into_outcome(Some(outcome)),
         };
+        self.end_turn(outcome, events, started).await
+    }
+
+    /// Sends another prompt in a session this agent has open (a task host's follow-up
+    /// message). Unlike [`LiveAgent::turn`] it does not need every earlier turn to have
+    /// ended cleanly: a turn cancelled to make room for this prompt (its cancel confirmed)
+    /// leaves the session able to go on. The process and connection must be alive.
+    pub async fn continue_turn(
+        &mut self,
+        opts: &RunOptions,
+        session_id: String,
+        prompt: Vec<ContentBlock>,
+        events: &mpsc::Sender<ClientEvent>,
+        interrupts: &mut Interrupts,
+    ) -> RunOutcome {
+        let started = Instant::now();
+        let mut outcome = RunOutcome::failed(None);
+        outcome.agent_info = self.info.clone();
+        if self.conn.is_closing() || self.process.try_exit().is_some() {
+            outcome.error = Some(agent_error(&mut self.process, "it is gone, so its session cannot go on".into()));
+            return outcome;
+        }
+        self.state.begin_turn(opts.asker.clone());
+        let outcome = self.prompt(opts, session_id, prompt, events, interrupts, started, outcome).await;
+        self.end_turn(outcome, events, started).await
+    }
+
+    /// One prompt in an open session, followed to its answer (or its stop).
+    #[allow(clippy::too_many_arguments)]
+    async fn prompt(
+        &mut self,
+        opts: &RunOptions,
+        session_id: String,
+        prompt: Vec<ContentBlock>,
+        events: &mpsc::Sender<ClientEvent>,
+        interrupts: &mut Interrupts,
+        started: Instant,
+        mut outcome: RunOutcome,
+    ) -> RunOutcome {
+        outcome.session_id = Some(session_id.clone());
+        let mut turn = Turn::new(opts, session_id, started);
+        let answer = turn.drive(self, prompt, events, interrupts).await;
+        outcome.text = turn.transcript.text();
+        outcome.usage = turn.transcript.usage.clone();
+        match answer {
+            Ok(response) => {
+                if let Some(usage) = response.usage {
+                    outcome.usage = Some(usage);
+                }
+                outcome.stop_reason = Some(response.stop_reason);
+                outcome.ending = turn.phase.ending(response.stop_reason == StopReason::Cancelled);
+                outcome
+            }
+            Err(stopped) => stopped.into_outcome(Some(outcome)),
+        }
+    }
+
+    /// What every turn ends with: a turn that did not end in an answer makes the agent unfit
+    /// for another task; the turn's terminals are killed and its last events passed on.
+    async fn end_turn(
+        &mut self,
+        mut outcome: RunOutcome,
+        events: &mpsc::Sender<ClientEvent>,
+        started: Instant,
+    ) -> RunOutcome {
         if outcome.ending != Ending::Answered || outcome.error.is_some() {
             self.clean = false;
         }
@@ -834,7 +884,7 @@ impl<'a> Turn<'a> {
     /// is answered `cancelled` (R088), and the agent is told with `session/cancel`.
     async fn cancel(&mut self, agent: &LiveAgent, cause: Cause) {
         self.phase = Phase::Cancelling { since: Instant::now(), cause };
-        agent.state.cancelling.cancel();
+        agent.state.cancelling().cancel();
         if let Err(e) = agent.conn.notify("session/cancel", &json!({ "sessionId": self.session_id })).await {
             tracing::warn!(error = %e, "could not send session/cancel");
         }

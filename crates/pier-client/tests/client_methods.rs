@@ -235,7 +235,7 @@ async fn permission_requests_follow_the_policy_and_cancellation() {
     assert_eq!(r["outcome"], json!({"outcome": "selected", "optionId": "yes"}));
     let r = s.call("session/request_permission", request("execute")).await.unwrap_or_default();
     assert_eq!(r["outcome"], json!({"outcome": "selected", "optionId": "no"}), "ask without a terminal: deny");
-    s.state.cancelling.cancel();
+    s.state.cancelling().cancel();
     let r = s.call("session/request_permission", request("read")).await.unwrap_or_default();
     assert_eq!(r["outcome"], json!({"outcome": "cancelled"}), "R088");
 }
@@ -337,7 +337,7 @@ async fn a_client_method_that_asks_is_served_while_a_granted_call_of_its_kind_ru
             break;
         }
     }
-    s.state.cancelling.cancel();
+    s.state.cancelling().cancel();
     let refused = must_join(pending).await;
     assert!(matches!(refused, Err(RequestError::Remote(ref e)) if e.message.contains("is refused")), "{refused:?}");
     assert!(!s.root().join("w.txt").exists());
@@ -358,7 +358,7 @@ async fn a_question_pending_with_the_host_is_answered_cancelled_once_cancelling_
     let request = permission_request("client-method-pending", "edit");
     let pending = tokio::spawn(async move { agent.request::<_, Value>("session/request_permission", &request).await });
     assert_eq!(asked.recv().await.as_deref(), Some("client-method-pending"));
-    s.state.cancelling.cancel();
+    s.state.cancelling().cancel();
     let answer = must_join(pending).await.unwrap_or_default();
     assert_eq!(answer["outcome"], json!({"outcome": "cancelled"}), "not a rejection: R088");
 }

@@ -148,7 +148,7 @@ impl Run {
         };
         let mut outcome = match agent {
             Ok(mut agent) => {
-                let outcome = agent.turn(&opts, SessionTarget::New, prompt, &events, &mut interrupts).await;
+                let outcome = self.converse(&mut agent, &opts, prompt, &events, &mut interrupts).await;
                 if fresh {
                     agent.shutdown(&events).await;
                 } else {
@@ -164,6 +164,70 @@ impl Run {
         };
         outcome.duration = started.elapsed();
         outcome
+    }
+
+    /// The task's turn on `agent`, then one more turn on the same session for each batch of
+    /// messages people sent it (`pier say`) while it ran: queued ones when a turn ends with
+    /// an answer, an interrupting one at once (the current turn is cancelled through the
+    /// handshake to make room). The task's outcome is the last turn's. A stop of the attempt
+    /// (the host's, a lost lease) ends it as before.
+    async fn converse(
+        &self,
+        agent: &mut LiveAgent,
+        opts: &RunOptions,
+        prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
+        events: &mpsc::Sender<ClientEvent>,
+        interrupts: &mut mpsc::UnboundedReceiver<()>,
+    ) -> RunOutcome {
+        use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
+        let mut commits = self.store.subscribe();
+        let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
+        let mut next = Some((prompt, None::<String>));
+        loop {
+            let Some((prompt, session)) = next.take() else { return RunOutcome::failed(None) };
+            let mut stopped = false;
+            let mut for_message = false;
+            let outcome = {
+                let turn = async {
+                    match session {
+                        None => agent.turn(opts, SessionTarget::New, prompt, events, &mut turn_interrupts).await,
+                        Some(id) => agent.continue_turn(opts, id, prompt, events, &mut turn_interrupts).await,
+                    }
+                };
+                tokio::pin!(turn);
+                loop {
+                    tokio::select! {
+                        outcome = &mut turn => break outcome,
+                        Some(()) = interrupts.recv(), if !stopped => {
+                            stopped = true;
+                            let _ = cancel_turn.send(());
+                        }
+                        Ok(()) = commits.changed(), if !stopped && !for_message => {
+                            let (run, task) = (self.attempt.run.clone(), self.attempt.task.clone());
+                            let waiting = blocking(&self.store, move |s| s.interrupt_waiting(&run, &task)).await;
+                            if matches!(waiting, Ok(true)) {
+                                for_message = true;
+                                let _ = cancel_turn.send(());
+                            }
+                        }
+                    }
+                }
+            };
+            let answered = outcome.ending == ClientEnding::Answered && outcome.stop_reason == Some(StopReason::EndTurn);
+            let made_room =
+                for_message && outcome.stop_reason == Some(StopReason::Cancelled) && outcome.error.is_none();
+            let Some(session) = outcome.session_id.clone() else { return outcome };
+            if stopped || !(answered || made_room) {
+                return outcome;
+            }
+            let a = self.attempt.clone();
+            let messages = match blocking(&self.store, move |s| s.take_messages(&a)).await {
+                Ok(m) if !m.is_empty() => m,
+                _ => return outcome,
+            };
+            let text = messages.into_iter().map(|(_, t)| t).collect::<Vec<_>>().join("\n\n");
+            next = Some((vec![ContentBlock::Text(TextContent::new(text))], Some(session)));
+        }
     }
 
     fn options(&self) -> Result<RunOptions, String> {

@@ -33,6 +33,43 @@ impl ActionError {
     }
 }
 
+/// A person's message to a running task (`pier say`, `POST …/messages`): queued and sent as
+/// the next prompt on the task's session when its current turn ends, or, with `interrupt`,
+/// sent at once after the current turn is cancelled through the handshake. Returns the
+/// message's number.
+pub fn say(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    text: &str,
+    interrupt: bool,
+    by: &str,
+) -> Result<i64, ActionError> {
+    if !store.run_exists(run)? {
+        return Err(StoreError::UnknownRun(run.to_owned()).into());
+    }
+    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    if is_worker_task(&row) {
+        return Err(ActionError::Refused {
+            code: "no_session",
+            message: format!(
+                "task `{task}` runs on a pull worker, which has no session to continue; cancel it and submit a \
+                 new task instead"
+            ),
+        });
+    }
+    if text.trim().is_empty() {
+        return Err(ActionError::Refused { code: "bad_request", message: "the message is empty".into() });
+    }
+    store.say(run, task, text, interrupt, by)?.ok_or_else(|| ActionError::Refused {
+        code: "not_running",
+        message: format!(
+            "task `{task}` is {}, not running: a message goes to a running task's session",
+            row.state.as_str()
+        ),
+    })
+}
+
 /// What an answer did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Answered {

@@ -455,3 +455,22 @@ fn an_agents_latest_initialize_answer_is_kept() {
         assert!(s.agent("gemini").unwrap_or_else(|e| panic!("{name}: {e}")).is_none(), "{name}");
     });
 }
+
+#[test]
+fn messages_go_to_running_tasks_and_are_taken_once_by_the_holder() {
+    each(|name, s| {
+        let ok = |r: Result<Option<i64>, pier_host::StoreError>| r.unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(ok(s.say("r", "a", "too early", false, "me")), None, "{name}: a pending task takes none");
+        let a = claim(s, "a", "owner-1");
+        assert_eq!(ok(s.say("r", "a", "first", false, "me")), Some(1), "{name}");
+        assert!(!s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+        assert_eq!(ok(s.say("r", "a", "second", true, "me")), Some(2), "{name}");
+        assert!(s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+        let foreign = Attempt { owner: "owner-2".into(), ..a.clone() };
+        assert!(s.take_messages(&foreign).is_err(), "{name}: fenced on the holder");
+        let taken = s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(taken, vec![(1, "first".to_owned()), (2, "second".to_owned())], "{name}");
+        assert!(s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}: taken once");
+        assert!(!s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+    });
+}

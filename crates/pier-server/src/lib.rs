@@ -222,6 +222,7 @@ pub fn router(app: Shared) -> Router {
         .route("/runs/{run}/tasks/{task}", get(show_task))
         .route("/runs/{run}/tasks/{task}/cancel", post(cancel_task))
         .route("/runs/{run}/tasks/{task}/answer", post(answer))
+        .route("/runs/{run}/tasks/{task}/messages", post(say))
         .route("/runs/{run}/tasks/{task}/heartbeat", post(heartbeat))
         .route("/runs/{run}/tasks/{task}/update", post(update))
         .route("/lease", post(lease))
@@ -406,6 +407,28 @@ async fn answer(
         Answered::Option(chosen) => json!({"answered": chosen}),
         Answered::Rerun(row) => json!({"task": row}),
     }))
+}
+
+#[derive(Deserialize)]
+struct SayBody {
+    text: String,
+    #[serde(default)]
+    interrupt: bool,
+}
+
+/// A person's message to a running task: queued for its next prompt, or at once.
+async fn say(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Body(body): Body<SayBody>,
+) -> Result<Response, ApiError> {
+    let store = app.store.clone();
+    let n = tokio::task::spawn_blocking(move || {
+        pier_host::person::say(store.as_ref(), &run, &task, &body.text, body.interrupt, "http")
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+    Ok((StatusCode::CREATED, Json(json!({"message": n}))).into_response())
 }
 
 #[derive(Deserialize)]

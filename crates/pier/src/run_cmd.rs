@@ -444,6 +444,42 @@ pub struct AnswerArgs {
     store: Option<String>,
 }
 
+#[derive(Debug, clap::Args)]
+pub struct SayArgs {
+    /// The running task
+    task: String,
+    /// What to tell it: sent as the next prompt on its session
+    text: String,
+    /// Cancel its current turn (through the cancel handshake) and send this at once
+    #[arg(long)]
+    interrupt: bool,
+    /// The run [default: the newest run with that task]
+    #[arg(long)]
+    run: Option<String>,
+    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
+    #[arg(long)]
+    store: Option<String>,
+}
+
+/// `pier say`: a message to a running task, whichever host runs it on this store.
+#[allow(clippy::print_stdout)]
+pub fn say(args: SayArgs) -> anyhow::Result<()> {
+    let store = open_store(&args.store)?;
+    let run = match &args.run {
+        Some(r) => r.clone(),
+        None => store
+            .runs_with_task(&args.task)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", args.task))?,
+    };
+    let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
+    let n = pier_host::person::say(store.as_ref(), &run, &args.task, &args.text, args.interrupt, &who)?;
+    let when = if args.interrupt { "now, after its current turn is cancelled" } else { "when its current turn ends" };
+    println!("message {n} for task `{}` of run `{run}`: it goes to the agent {when}", args.task);
+    Ok(())
+}
+
 /// `pier approve` (`allow` true) and `pier deny`: answer a task in `awaiting_input`.
 #[allow(clippy::print_stdout)]
 pub fn answer(args: AnswerArgs, allow: bool) -> anyhow::Result<()> {

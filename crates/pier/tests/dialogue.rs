@@ -159,3 +159,45 @@ async fn an_unknown_requirement_is_refused_before_any_agent_is_asked() {
     use pier_host::TaskStore;
     assert!(must(h.store().agents(), "agents").is_empty(), "no agent was started");
 }
+
+#[tokio::test]
+async fn pier_say_reaches_a_task_that_another_process_runs() {
+    use pier_fake_model::{Gate, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| {
+        let last = body["messages"]
+            .as_array()
+            .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        match last.as_str() {
+            "draft the notes" => Reply::Stream(vec![
+                Step::Text("draft".into()),
+                Step::Gate(g.clone()),
+                Step::Finish("stop".into()),
+                Step::Done,
+            ]),
+            _ => Reply::text(&format!("revised: {last}")),
+        }
+    });
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("plan.toml", "[[tasks]]\nid = \"notes\"\nprompt = \"draft the notes\"\n");
+    let host = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", "say"]).spawn(), "pier run");
+    must(tokio::time::timeout(support::LIMIT, f.wait_for_requests(1)).await, "the task runs");
+    let said = h.run(&["say", "notes", "add a summary"]).await;
+    assert_eq!(said.status.code(), Some(0), "{}", stderr(&said));
+    assert!(String::from_utf8_lossy(&said.stdout).contains("message 1 for task `notes` of run `say`"));
+    gate.open();
+    let o = must(must(tokio::time::timeout(support::LIMIT, host.wait_with_output()).await, "pier run ends"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    use pier_host::TaskStore;
+    let t = must(h.store().task("say", "notes"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.result.as_deref(), Some("revised: add a summary"));
+    // A task that has ended takes no message, and says why.
+    let late = h.run(&["say", "notes", "one more thing"]).await;
+    assert_ne!(late.status.code(), Some(0));
+    assert!(stderr(&late).contains("not running"), "{}", stderr(&late));
+}

@@ -532,3 +532,82 @@ async fn a_plan_needing_what_its_agent_lacks_is_a_bad_plan_and_agents_shows_why(
     assert_eq!(sdk["spec"], agent.as_str(), "{agents}");
     assert!(sdk["init"]["agentCapabilities"].is_object(), "{agents}");
 }
+
+/// The user messages of a model request, in order.
+fn user_messages(body: &Value) -> Vec<String> {
+    body["messages"]
+        .as_array()
+        .map(|m| {
+            m.iter().filter(|m| m["role"] == "user").filter_map(|m| m["content"].as_str().map(str::to_owned)).collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn task_result(s: &Server, run: &str, task: &str) -> Value {
+    s.events_until(Some(0), |e| e["task"] == task && e["type"] == "transition" && e["to"] == "completed").await;
+    s.call(reqwest::Method::GET, &format!("/runs/{run}/tasks/{task}"), None).await.1
+}
+
+/// Seed 001 §3.5: a message to a running task waits for its turn to end, then goes to the
+/// agent on the same session; the task's result is the last answer.
+#[tokio::test]
+async fn a_queued_message_is_the_next_prompt_of_the_same_session() {
+    use pier_fake_model::{Gate, Reply, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| match user_messages(body).last().map(String::as_str) {
+        Some("write a long essay") => Reply::Stream(vec![
+            Step::Text("a very long draft".into()),
+            Step::Gate(g.clone()),
+            Step::Finish("stop".into()),
+            Step::Done,
+        ]),
+        Some("make it shorter") => Reply::text("short"),
+        other => Reply::text(&format!("unexpected {other:?}")),
+    });
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"essay\"\nprompt = \"write a long essay\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "m"}))).await.0, 201);
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await, "the first turn runs");
+    let (code, said) =
+        s.call(reqwest::Method::POST, "/runs/m/tasks/essay/messages", Some(json!({"text": "make it shorter"}))).await;
+    assert_eq!(code, 201, "{said}");
+    gate.open();
+    let shown = task_result(&s, "m", "essay").await;
+    assert_eq!(shown["task"]["result"], "short", "{shown}");
+    // The same session: the second request carries the first turn.
+    let last = f.requests().pop().map(|r| r.body).unwrap_or_default();
+    assert_eq!(user_messages(&last), vec!["write a long essay", "make it shorter"]);
+    let events = s.events_until(Some(0), |e| e["type"] == "message_sent").await;
+    let message = events.iter().find(|e| e["type"] == "message").cloned().unwrap_or_default();
+    assert_eq!((message["text"].as_str(), message["interrupt"].as_bool()), (Some("make it shorter"), Some(false)));
+    // A task that has ended takes no message.
+    let (code, refused) =
+        s.call(reqwest::Method::POST, "/runs/m/tasks/essay/messages", Some(json!({"text": "more"}))).await;
+    assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("not_running")), "{refused}");
+}
+
+#[tokio::test]
+async fn an_interrupting_message_cancels_the_turn_and_goes_at_once() {
+    use pier_fake_model::{Gate, Reply, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let never = Gate::new();
+    f.set_fallback(move |body| match user_messages(body).last().map(String::as_str) {
+        Some("count to a million") => {
+            Reply::Stream(vec![Step::Text("1, 2, 3".into()), Step::Gate(never.clone()), Step::Done])
+        }
+        Some("stop counting, just say done") => Reply::text("done"),
+        other => Reply::text(&format!("unexpected {other:?}")),
+    });
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"count\"\nprompt = \"count to a million\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "i"}))).await.0, 201);
+    must(tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await, "the first turn runs");
+    let body = json!({"text": "stop counting, just say done", "interrupt": true});
+    let (code, said) = s.call(reqwest::Method::POST, "/runs/i/tasks/count/messages", Some(body)).await;
+    assert_eq!(code, 201, "{said}");
+    let shown = task_result(&s, "i", "count").await;
+    assert_eq!(shown["task"]["result"], "done", "{shown}");
+    assert_eq!(shown["task"]["attempt"], 1, "the same attempt went on: {shown}");
+}

@@ -203,6 +203,19 @@ pub enum LogEvent {
         option: String,
         by: String,
     },
+    /// A person's message to a running task (`pier say`): queued for the next prompt, or
+    /// (`interrupt`) sent at once after the current turn is cancelled.
+    Message {
+        n: i64,
+        text: String,
+        interrupt: bool,
+        by: String,
+    },
+    /// A message went to the agent as a prompt of this attempt.
+    MessageSent {
+        n: i64,
+        attempt: i64,
+    },
 }
 
 impl LogEvent {
@@ -430,6 +443,14 @@ pub trait TaskStore: Send + Sync + 'static {
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError>;
     /// A task's attempts, oldest first.
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError>;
+    /// Queues a person's message for a running task; its number, or `None` when the task is
+    /// not running (nothing is queued).
+    fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError>;
+    /// The messages not sent yet, oldest first, taken by the attempt holding the task (they
+    /// are marked sent by it); fenced on the attempt.
+    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError>;
+    /// Whether a message asking to interrupt waits for the task.
+    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
     /// Keeps the `initialize` answer of a process of agent spec `spec` (the latest wins).
     fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError>;
     /// The last `initialize` answer recorded for `spec`.

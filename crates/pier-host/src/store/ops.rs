@@ -559,6 +559,67 @@ pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &Value) -> Resul
     Ok(((), 0))
 }
 
+/// Queues a message for a running task (`None` if it is not running).
+pub(super) fn say(
+    tx: &mut dyn Tx,
+    run: &str,
+    task: &str,
+    text: &str,
+    interrupt: bool,
+    by: &str,
+) -> Result<(Option<i64>, i64), StoreError> {
+    let row = load_task(tx, run, task)?;
+    if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) {
+        return Ok((None, 0));
+    }
+    let n = tx
+        .int(
+            "SELECT COALESCE(MAX(n), 0) + 1 FROM messages WHERE run_id = ?1 AND task_id = ?2",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?
+        .unwrap_or(1);
+    tx.exec(
+        "INSERT INTO messages (run_id, task_id, n, text, interrupt, at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        &[
+            Arg::Text(run),
+            Arg::Text(task),
+            Arg::Int(n),
+            Arg::Text(text),
+            Arg::Int(i64::from(interrupt)),
+            Arg::Int(now_ms()),
+        ],
+    )?;
+    let said = LogEvent::Message { n, text: text.to_owned(), interrupt, by: by.to_owned() };
+    let seq = log(tx, run, Some(task), &said)?;
+    Ok((Some(n), seq))
+}
+
+/// The messages the holding attempt has not sent yet, marked sent by it.
+pub(super) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, String)>, i64), StoreError> {
+    let row = load_task(tx, &a.run, &a.task)?;
+    if !holds(&row, a, now_ms()) {
+        return Err(lease_lost(a));
+    }
+    let mut out = Vec::new();
+    let mut seq = 0;
+    let where_ = [Arg::Text(&a.run), Arg::Text(&a.task)];
+    while let Some(next) = tx.texts(
+        "SELECT CAST(n AS TEXT), text FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
+         ORDER BY n LIMIT 1",
+        &where_,
+    )? {
+        let n: i64 = next.first().cloned().flatten().and_then(|n| n.parse().ok()).unwrap_or(0);
+        let text = next.get(1).cloned().flatten().unwrap_or_default();
+        tx.exec(
+            "UPDATE messages SET sent_attempt = ?4 WHERE run_id = ?1 AND task_id = ?2 AND n = ?3",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(n), Arg::Int(a.n)],
+        )?;
+        seq = log(tx, &a.run, Some(&a.task), &LogEvent::MessageSent { n, attempt: a.n })?;
+        out.push((n, text));
+    }
+    Ok((out, seq))
+}
+
 /// Keeps an agent spec's latest `initialize` answer.
 pub(super) fn record_agent(tx: &mut dyn Tx, spec: &str, init: &Value) -> Result<((), i64), StoreError> {
     tx.exec(

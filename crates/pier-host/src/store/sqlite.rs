@@ -161,6 +161,19 @@ CREATE TABLE agents (
     seen_at_ms INTEGER NOT NULL
 );
 "#,
+    // People's messages to running tasks (`pier say`), and which attempt sent each.
+    r#"
+CREATE TABLE messages (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    interrupt INTEGER NOT NULL,
+    at_ms INTEGER NOT NULL,
+    sent_attempt INTEGER,
+    PRIMARY KEY (run_id, task_id, n)
+);
+"#,
 ];
 
 /// How often the watcher asks SQLite whether another process committed.
@@ -565,6 +578,27 @@ impl TaskStore for SqliteStore {
         rows.into_iter()
             .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
             .collect()
+    }
+
+    fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError> {
+        let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
+        self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by))
+    }
+
+    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
+        let a = attempt.clone();
+        self.write(move |tx| ops::take_messages(tx, &a))
+    }
+
+    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
+        self.read(|c| {
+            Ok(c.query_row(
+                "SELECT EXISTS (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
+                 AND interrupt = 1)",
+                params![run, task],
+                |r| r.get(0),
+            )?)
+        })
     }
 
     fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
