@@ -28,6 +28,12 @@ pub enum ClientEvent {
     ClientCall { method: String, target: String, error: Option<Value> },
     /// The agent wrote something to stdout that is not a JSON-RPC message.
     ProtocolError(String),
+    /// A question from the agent (`elicitation/create`) and the answer it got.
+    Elicitation {
+        request: Box<agent_client_protocol_schema::v1::CreateElicitationRequest>,
+        response: Value,
+        reason: String,
+    },
 }
 
 /// The wire shape of [`ClientEvent`]: `type` first, then the event's own fields.
@@ -54,6 +60,11 @@ enum Wire<'a> {
     ProtocolError {
         message: &'a str,
     },
+    Elicitation {
+        request: &'a agent_client_protocol_schema::v1::CreateElicitationRequest,
+        response: &'a Value,
+        reason: &'a str,
+    },
 }
 
 impl Serialize for ClientEvent {
@@ -72,6 +83,7 @@ impl Serialize for ClientEvent {
                 Wire::ClientCall { method, target, ok: error.is_none(), error }
             }
             ClientEvent::ProtocolError(message) => Wire::ProtocolError { message },
+            ClientEvent::Elicitation { request, response, reason } => Wire::Elicitation { request, response, reason },
         };
         wire.serialize(serializer)
     }
@@ -85,6 +97,7 @@ impl ClientEvent {
             ClientEvent::Permission { .. } => "permission",
             ClientEvent::ClientCall { .. } => "client_call",
             ClientEvent::ProtocolError(_) => "protocol_error",
+            ClientEvent::Elicitation { .. } => "elicitation",
         }
     }
 }

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use agent_client_protocol_schema::v1::{
-    AgentRequest, Error, RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    SelectedPermissionOutcome, SessionNotification, SessionUpdate, ToolCallStatus,
+    AgentRequest, CreateElicitationRequest, Error, RequestPermissionOutcome, RequestPermissionRequest,
+    RequestPermissionResponse, SelectedPermissionOutcome, SessionNotification, SessionUpdate, ToolCallStatus,
 };
 use futures::future::BoxFuture;
 use pier_acp::error::internal;
@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::elicit::{ElicitAnswer, form_schema};
 use crate::policy::{Choice, ClientPolicy, NonInteractive, Rule, choose, kind_of};
 use crate::sandbox::Sandbox;
 use crate::terminal::Terminals;
@@ -41,6 +42,11 @@ pub enum AskAnswer {
 /// that person is not at this terminal (the task host, for example).
 pub trait Asker: Send + Sync + 'static {
     fn ask(&self, request: &RequestPermissionRequest) -> BoxFuture<'static, AskAnswer>;
+    /// A question from the agent for the person (`elicitation/create`, form mode). Without
+    /// a way to reach one, it is declined.
+    fn elicit(&self, _request: &CreateElicitationRequest) -> BoxFuture<'static, ElicitAnswer> {
+        Box::pin(async { ElicitAnswer::Decline })
+    }
 }
 
 /// What the client serves, shared by the handler and the driver.
@@ -281,6 +287,37 @@ impl ClientState {
         self.note_grant(&id, kind, &choice);
         tracing::info!(tool_call = %id, ?choice, %reason, "permission decided");
         self.emit(ClientEvent::Permission { request: Box::new(req), outcome: response.outcome, rule, reason });
+        Ok(value)
+    }
+
+    /// Answers a question from the agent: through the host's asker (a person answers with
+    /// `pier answer`), declined at once when nobody can be asked, `cancel` once the turn is
+    /// being cancelled or the request is gone.
+    async fn elicitation(
+        self: Arc<Self>,
+        req: CreateElicitationRequest,
+        gone: CancellationToken,
+    ) -> Result<Value, Error> {
+        let cancelling = self.cancelling();
+        let asker = lock(&self.asker).clone();
+        let (answer, reason) = if cancelling.is_cancelled() {
+            (ElicitAnswer::Cancel, "the turn is being cancelled (R088)")
+        } else if form_schema(&req).is_none() {
+            (ElicitAnswer::Decline, "pier answers form questions only")
+        } else if let Some(asker) = asker {
+            let _asking = Asking::start(&self.asking);
+            tokio::select! {
+                answer = asker.elicit(&req) => (answer, "answered through the host"),
+                _ = cancelling.cancelled() => (ElicitAnswer::Cancel, "the turn is being cancelled (R088)"),
+                _ = gone.cancelled() => (ElicitAnswer::Cancel, "the agent withdrew the question"),
+            }
+        } else {
+            (ElicitAnswer::Decline, "nobody can answer here (unattended), so it was declined")
+        };
+        let response = answer.response();
+        let value = serde_json::to_value(&response).map_err(|e| internal(e.to_string()))?;
+        tracing::info!(message = %req.message, %reason, "question answered");
+        self.emit(ClientEvent::Elicitation { request: Box::new(req), response: value.clone(), reason: reason.into() });
         Ok(value)
     }
 
@@ -567,6 +604,7 @@ impl Handler for ClientHandler {
         let state = self.0.clone();
         match AgentRequest::from_method_and_params(&method, &params) {
             Ok(AgentRequest::RequestPermissionRequest(req)) => Box::pin(state.permission(req, cx.cancel)),
+            Ok(AgentRequest::CreateElicitationRequest(req)) => Box::pin(state.elicitation(req, cx.cancel)),
             Ok(request) => Box::pin(state.client_method(method, request, cx.cancel)),
             Err(agent_client_protocol_schema::MethodDispatchError::UnknownMethod { .. }) => {
                 Box::pin(async move { Err(Error::method_not_found().data(json!({ "method": method }))) })

@@ -11,6 +11,7 @@
 //! - [`store`]: named sessions that survive a restart.
 //! - [`event`]: what happens in a run, typed once at this edge ([`ClientEvent`], [`Evidence`]).
 
+pub mod elicit;
 pub mod event;
 pub mod fs;
 pub mod handler;

@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
-    ClientCapabilities, ContentBlock, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
-    LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
-    SessionNotification, SessionUpdate, StopReason,
+    ClientCapabilities, ContentBlock, ElicitationCapabilities, ElicitationFormCapabilities, FileSystemCapabilities,
+    Implementation, InitializeRequest, InitializeResponse, LoadSessionRequest, NewSessionRequest, NewSessionResponse,
+    PromptRequest, PromptResponse, ResumeSessionRequest, SessionNotification, SessionUpdate, StopReason,
 };
 use pier_acp::{Connection, ConnectionConfig, RequestError};
 use serde::Serialize;
@@ -375,9 +375,11 @@ impl LiveAgent {
         deadline: Instant,
         interrupts: &mut Interrupts,
     ) -> Result<(), Stopped> {
+        // Form questions are answered by the host's person, or declined when nobody is there.
         let caps = ClientCapabilities::new()
             .fs(FileSystemCapabilities::new().read_text_file(opts.fs).write_text_file(opts.fs))
-            .terminal(opts.terminal);
+            .terminal(opts.terminal)
+            .elicitation(ElicitationCapabilities::new().form(ElicitationFormCapabilities::new()));
         let init = InitializeRequest::new(ProtocolVersion::V1)
             .client_capabilities(caps)
             .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));

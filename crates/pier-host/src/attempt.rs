@@ -379,30 +379,61 @@ impl pier_client::handler::Asker for HostAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
-        let (store, attempt) = (self.store.clone(), self.attempt.clone());
+        let asker = HostAsker { store: self.store.clone(), attempt: self.attempt.clone() };
         let request = serde_json::to_value(request).unwrap_or(Value::Null);
         Box::pin(async move {
-            let mut commits = store.subscribe();
-            let a = attempt.clone();
-            let Ok(n) = blocking(&store, move |s| s.park(&a, &request)).await else { return AskAnswer::Nobody };
-            let answer = loop {
-                let a = attempt.clone();
-                match blocking(&store, move |s| s.answer_of(&a, n)).await {
-                    Ok(Some(option)) if !option.is_empty() => break option,
-                    // Voided: the task was cancelled or the attempt ended while it waited.
-                    Ok(Some(_)) => return AskAnswer::Withdrawn,
-                    Err(_) => return AskAnswer::Nobody,
-                    Ok(None) => {
-                        if commits.changed().await.is_err() {
-                            return AskAnswer::Nobody;
-                        }
-                    }
-                }
-            };
-            let a = attempt.clone();
-            let _ = blocking(&store, move |s| s.resume(&a)).await;
-            AskAnswer::Option(answer)
+            match asker.put(request).await {
+                Some(option) => AskAnswer::Option(option),
+                // Voided (the task was cancelled or the attempt ended), or the store failed.
+                None => AskAnswer::Withdrawn,
+            }
         })
+    }
+
+    /// A question for the person: the task waits in `awaiting_input` with the message and
+    /// the fields asked for, until `pier answer`, the HTTP route or a cancel.
+    fn elicit(
+        &self,
+        request: &agent_client_protocol_schema::v1::CreateElicitationRequest,
+    ) -> futures::future::BoxFuture<'static, pier_client::elicit::ElicitAnswer> {
+        use pier_client::elicit::ElicitAnswer;
+        let asker = HostAsker { store: self.store.clone(), attempt: self.attempt.clone() };
+        let request = serde_json::json!({ crate::person::ELICITATION: request });
+        Box::pin(async move {
+            let Some(answer) = asker.put(request).await else { return ElicitAnswer::Cancel };
+            let answer: Value = serde_json::from_str(&answer).unwrap_or(Value::Null);
+            match answer["action"].as_str() {
+                Some("accept") => {
+                    let content = serde_json::from_value(answer["content"].clone()).unwrap_or_default();
+                    ElicitAnswer::Accept(content)
+                }
+                Some("decline") => ElicitAnswer::Decline,
+                _ => ElicitAnswer::Cancel,
+            }
+        })
+    }
+}
+
+impl HostAsker {
+    /// Parks the task on `request` (a question event), waits for the answer a person gives
+    /// through the store, and resumes the task. `None` when the question was voided (the
+    /// task was cancelled or the attempt ended while it waited) or the store failed.
+    async fn put(&self, request: Value) -> Option<String> {
+        let (store, attempt) = (self.store.clone(), self.attempt.clone());
+        let mut commits = store.subscribe();
+        let a = attempt.clone();
+        let n = blocking(&store, move |s| s.park(&a, &request)).await.ok()?;
+        let answer = loop {
+            let a = attempt.clone();
+            match blocking(&store, move |s| s.answer_of(&a, n)).await {
+                Ok(Some(answer)) if !answer.is_empty() => break answer,
+                Ok(Some(_)) | Err(_) => return None,
+                Ok(None) => commits.changed().await.ok()?,
+            }
+        };
+        let a = attempt.clone();
+        let _ = blocking(&store, move |s| s.resume(&a)).await;
+        Some(answer)
     }
 }
 

@@ -70,6 +70,63 @@ pub fn say(
     })
 }
 
+/// The key of a parked question's request under which an agent's question
+/// (`elicitation/create`) is kept, as opposed to a permission request.
+pub const ELICITATION: &str = "elicitation";
+
+/// How a person answers an agent's question.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// `pier answer TASK field=value …`.
+    Pairs(Vec<(String, String)>),
+    /// The HTTP route's `content`.
+    Json(serde_json::Map<String, Value>),
+    Decline,
+}
+
+/// A person's answer to the question a task waits on (`awaiting_input`): checked against
+/// the fields the agent asked for, recorded (an event), and handed to the waiting attempt.
+pub fn answer_input(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    input: Input,
+    by: &str,
+) -> Result<Value, ActionError> {
+    use agent_client_protocol_schema::v1::CreateElicitationRequest;
+    if !store.run_exists(run)? {
+        return Err(StoreError::UnknownRun(run.to_owned()).into());
+    }
+    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    let refused = |message: String| ActionError::Refused { code: "bad_request", message };
+    let question =
+        store.open_question(run, task)?.filter(|q| q.request.get(ELICITATION).is_some()).ok_or_else(|| {
+            refused(format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()))
+        })?;
+    let request: CreateElicitationRequest = serde_json::from_value(question.request[ELICITATION].clone())
+        .map_err(|e| refused(format!("the stored question does not decode: {e}")))?;
+    let schema = pier_client::elicit::form_schema(&request)
+        .ok_or_else(|| refused("the question is not a form; it cannot be answered here".into()))?;
+    let answer = match input {
+        Input::Decline => serde_json::json!({"action": "decline"}),
+        Input::Pairs(pairs) => {
+            let content = pier_client::elicit::check_pairs(schema, &pairs).map_err(refused)?;
+            serde_json::json!({"action": "accept", "content": content})
+        }
+        Input::Json(map) => {
+            let content = pier_client::elicit::check(schema, &map).map_err(refused)?;
+            serde_json::json!({"action": "accept", "content": content})
+        }
+    };
+    if !store.answer(run, task, &question, &answer.to_string(), by)? {
+        return Err(ActionError::Refused {
+            code: "bad_transition",
+            message: "the question was answered already".into(),
+        });
+    }
+    Ok(answer)
+}
+
 /// What an answer did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Answered {
@@ -100,6 +157,13 @@ pub fn answer(
         });
     }
     match store.open_question(run, task)? {
+        Some(question) if question.request.get(ELICITATION).is_some() => Err(ActionError::Refused {
+            code: "bad_request",
+            message: format!(
+                "task `{task}` asks a question, not for a permission: answer it with `pier answer {task} FIELD=VALUE \
+                 …` (or `--decline`)"
+            ),
+        }),
         Some(question) => {
             let wanted = match (option, allow) {
                 (Some(o), true) => o.to_owned(),

@@ -403,23 +403,25 @@ fn a_run_is_driven_by_one_live_node_and_handed_back_when_it_leaves() {
 
 #[test]
 fn nodes_starting_together_migrate_a_new_database_once() {
-    // Only PostgreSQL has several processes migrating one database at once (a SQLite file's
-    // migration runs in its write transaction).
-    let fresh = postgres();
-    let openers: Vec<_> = (0..6)
-        .map(|_| {
-            let spec = fresh.spec.clone();
-            std::thread::spawn(move || pier_host::store::open(&spec).map(|s| s.last_seq()))
-        })
-        .collect();
-    for o in openers {
-        let opened = o.join().unwrap_or_else(|_| panic!("an opener panicked"));
-        assert!(matches!(opened, Ok(Ok(0))), "{opened:?}");
+    // Several processes may open a new store at once: `pier serve` nodes on one database,
+    // `pier run` beside `pier answer` on one file. Each migration must run once.
+    for (name, make) in backends() {
+        let fresh = make();
+        let openers: Vec<_> = (0..6)
+            .map(|_| {
+                let spec = fresh.spec.clone();
+                std::thread::spawn(move || pier_host::store::open(&spec).map(|s| s.last_seq()))
+            })
+            .collect();
+        for o in openers {
+            let opened = o.join().unwrap_or_else(|_| panic!("an opener panicked"));
+            assert!(matches!(opened, Ok(Ok(0))), "{name}: {opened:?}");
+        }
+        let store = open(&fresh.spec);
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(store.last_seq().unwrap_or_default(), 2, "{name}");
     }
-    let store = open(&fresh.spec);
-    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
-    store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(store.last_seq().unwrap_or_default(), 2);
 }
 
 #[test]

@@ -388,8 +388,15 @@ async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Resul
 
 #[derive(Deserialize)]
 struct AnswerBody {
+    /// A permission request or a re-run decision.
+    #[serde(default)]
     allow: bool,
     option: Option<String>,
+    /// An agent's question: the values of the fields it asked for.
+    content: Option<serde_json::Map<String, Value>>,
+    /// An agent's question: declined.
+    #[serde(default)]
+    decline: bool,
 }
 
 async fn answer(
@@ -398,6 +405,18 @@ async fn answer(
     Body(body): Body<AnswerBody>,
 ) -> Result<Json<Value>, ApiError> {
     let store = app.store.clone();
+    if body.content.is_some() || body.decline {
+        let input = match body.content {
+            Some(content) if !body.decline => pier_host::person::Input::Json(content),
+            _ => pier_host::person::Input::Decline,
+        };
+        let answer = tokio::task::spawn_blocking(move || {
+            pier_host::person::answer_input(store.as_ref(), &run, &task, input, "http")
+        })
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+        return Ok(Json(json!({"answered": answer})));
+    }
     let answered = tokio::task::spawn_blocking(move || {
         pier_host::person::answer(store.as_ref(), &run, &task, body.allow, body.option.as_deref(), "http")
     })

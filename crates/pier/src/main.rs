@@ -43,6 +43,8 @@ enum Command {
     Approve(run_cmd::AnswerArgs),
     /// Answer a task waiting for input: reject its permission request, or cancel it
     Deny(run_cmd::AnswerArgs),
+    /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
+    Answer(run_cmd::InputArgs),
     /// Tell a running task something: queued for its next prompt, or at once with --interrupt
     Say(run_cmd::SayArgs),
     /// Serve the task host over HTTP (bearer token, SSE events, pull workers)
@@ -109,6 +111,7 @@ fn main() {
             Command::Approve(args) => run_cmd::answer(args, true).map(|()| 0),
             Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
             Command::Say(args) => run_cmd::say(args).map(|()| 0),
+            Command::Answer(args) => run_cmd::answer_input(args).map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),
             Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),

@@ -238,6 +238,10 @@ impl Renderer {
                 }
             }
             ClientEvent::ProtocolError(message) => eprintln!("pier: protocol error from the agent: {message}"),
+            ClientEvent::Elicitation { request, response, reason } => {
+                let action = response["action"].as_str().unwrap_or("?");
+                eprintln!("pier: the agent asked: {} — {action} ({reason})", request.message);
+            }
         }
     }
 

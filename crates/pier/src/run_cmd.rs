@@ -445,6 +445,56 @@ pub struct AnswerArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct InputArgs {
+    /// The task whose agent asked a question
+    task: String,
+    /// The answers, FIELD=VALUE each (a list field takes comma-separated values)
+    #[arg(value_name = "FIELD=VALUE")]
+    fields: Vec<String>,
+    /// Decline to answer
+    #[arg(long, conflicts_with = "fields")]
+    decline: bool,
+    /// The run [default: the newest run with that task]
+    #[arg(long)]
+    run: Option<String>,
+    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
+    #[arg(long)]
+    store: Option<String>,
+}
+
+/// `pier answer`: answer the question a task's agent asked (it waits in awaiting_input).
+#[allow(clippy::print_stdout)]
+pub fn answer_input(args: InputArgs) -> anyhow::Result<()> {
+    let store = open_store(&args.store)?;
+    let run = match &args.run {
+        Some(r) => r.clone(),
+        None => store
+            .runs_with_task(&args.task)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", args.task))?,
+    };
+    let input = if args.decline {
+        pier_host::person::Input::Decline
+    } else {
+        let pairs = args
+            .fields
+            .iter()
+            .map(|f| {
+                f.split_once('=')
+                    .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
+                    .ok_or_else(|| anyhow::anyhow!("`{f}` is not FIELD=VALUE"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        pier_host::person::Input::Pairs(pairs)
+    };
+    let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
+    let answer = pier_host::person::answer_input(store.as_ref(), &run, &args.task, input, &who)?;
+    println!("answered task `{}` of run `{run}`: {answer}", args.task);
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
 pub struct SayArgs {
     /// The running task
     task: String,

@@ -201,3 +201,96 @@ async fn pier_say_reaches_a_task_that_another_process_runs() {
     assert_ne!(late.status.code(), Some(0));
     assert!(stderr(&late).contains("not running"), "{}", stderr(&late));
 }
+
+/// A host whose agent `ask` is the question-asking fixture; the answers it got go to a file.
+fn elicit_host(f: Option<&FakeModel>) -> (Host, std::path::PathBuf) {
+    let h = Host::new(f.map(FakeModel::base_url));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/elicit_agent.py");
+    let record = h.path("answers.jsonl");
+    h.write(
+        "pier.toml",
+        &format!(
+            "[agents.ask]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ ELICIT_RECORD = \"{}\" }}\n",
+            script.display(),
+            record.display()
+        ),
+    );
+    (h, record)
+}
+
+/// Starts `pier run` of one task on the asking agent and waits until it waits for the person.
+async fn parked(h: &Host, run: &str) -> tokio::process::Child {
+    let plan = h.write("plan.toml", "[[tasks]]\nid = \"q\"\nagent = \"ask\"\nprompt = \"print the labels\"\n");
+    let mut child = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", run]).spawn(), "pier run");
+    let until = std::time::Instant::now() + support::LIMIT;
+    use pier_host::TaskStore;
+    loop {
+        let state = match h.store().task(run, "q") {
+            Ok(t) => t.map(|t| t.state),
+            Err(e) => panic!("{e}"),
+        };
+        if state == Some(pier_host::TaskState::AwaitingInput) {
+            return child;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let out = must(child.wait_with_output().await, "output");
+            panic!("pier run ended ({status}) before its task waited: {}", stderr(&out));
+        }
+        assert!(std::time::Instant::now() < until, "the task never waited for input: {state:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn an_agents_question_parks_the_task_until_pier_answer() {
+    let (h, record) = elicit_host(None);
+    let host = parked(&h, "q1").await;
+    // The question is on record, with its message and fields.
+    let events = lines(&h.run(&["events", "--run", "q1", "--format", "json"]).await);
+    let question = events.iter().find(|e| e["type"] == "question").cloned().unwrap_or_default();
+    assert_eq!(question["request"]["elicitation"]["message"], "Who is this for, and how many copies?", "{events:?}");
+    // An answer that does not fit the fields is refused, and nothing is answered.
+    let bad = h.run(&["answer", "q", "name=Ada", "count=eleven"]).await;
+    assert_ne!(bad.status.code(), Some(0));
+    assert!(stderr(&bad).contains("`count` must be a whole number"), "{}", stderr(&bad));
+    let bad = h.run(&["answer", "q", "count=3"]).await;
+    assert!(stderr(&bad).contains("required fields are missing: name"), "{}", stderr(&bad));
+    let ok = h.run(&["answer", "q", "name=Ada", "count=3"]).await;
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr(&ok));
+    let o = must(must(tokio::time::timeout(support::LIMIT, host.wait_with_output()).await, "pier run ends"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let got: Vec<Value> = recorded(&record);
+    assert_eq!(got, vec![json!({"action": "accept", "content": {"name": "Ada", "count": 3}})]);
+    use pier_host::TaskStore;
+    let t = must(h.store().task("q1", "q"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.state, pier_host::TaskState::Completed);
+    assert!(t.result.as_deref().is_some_and(|r| r.contains("\"Ada\"")), "{:?}", t.result);
+}
+
+#[tokio::test]
+async fn a_question_open_when_its_task_is_cancelled_is_answered_cancel() {
+    let (h, record) = elicit_host(None);
+    let mut host = parked(&h, "q2").await;
+    use pier_host::TaskStore;
+    must(h.store().cancel("q2", "q", "a person stopped it"), "cancel");
+    let until = std::time::Instant::now() + support::LIMIT;
+    while recorded_if_any(&record).is_empty() {
+        assert!(std::time::Instant::now() < until, "the agent was never answered");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(recorded(&record), vec![json!({"action": "cancel"})]);
+    let _ = host.kill().await;
+}
+
+fn recorded_if_any(path: &Path) -> Vec<Value> {
+    if path.exists() { recorded(path) } else { Vec::new() }
+}
+
+#[tokio::test]
+async fn pier_exec_unattended_declines_a_question_at_once_and_says_so() {
+    let (h, record) = elicit_host(None);
+    let o = h.run(&["exec", "--agent", "ask", "print the labels"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(recorded(&record), vec![json!({"action": "decline"})]);
+    assert!(stderr(&o).contains("the agent asked: Who is this for, and how many copies? — decline"), "{}", stderr(&o));
+}

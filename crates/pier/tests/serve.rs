@@ -611,3 +611,27 @@ async fn an_interrupting_message_cancels_the_turn_and_goes_at_once() {
     assert_eq!(shown["task"]["result"], "done", "{shown}");
     assert_eq!(shown["task"]["attempt"], 1, "the same attempt went on: {shown}");
 }
+
+/// Seed 001 §3.5: a question from the agent is answered over HTTP, checked against its fields.
+#[tokio::test]
+async fn an_agents_question_is_answered_over_http() {
+    let s = server(None).await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/elicit_agent.py");
+    let record = tempfile::NamedTempFile::new().map(|f| f.into_temp_path()).unwrap_or_else(|e| panic!("{e}"));
+    let plan = format!(
+        "[[tasks]]\nid = \"q\"\nagent = \"env ELICIT_RECORD={} python3 {}\"\nprompt = \"labels\"\n",
+        record.display(),
+        script.display()
+    );
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "h"}))).await.0, 201);
+    s.events_until(Some(0), |e| e["type"] == "question").await;
+    let bad = json!({"content": {"name": "Ada", "count": 99}});
+    let (code, body) = s.call(reqwest::Method::POST, "/runs/h/tasks/q/answer", Some(bad)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (400, Some("bad_request")), "{body}");
+    let good = json!({"content": {"name": "Ada", "count": 2}});
+    let (code, body) = s.call(reqwest::Method::POST, "/runs/h/tasks/q/answer", Some(good)).await;
+    assert_eq!(code, 200, "{body}");
+    let shown = task_result(&s, "h", "q").await;
+    let result = shown["task"]["result"].as_str().unwrap_or_default();
+    assert_eq!(result, r#"got: {"action": "accept", "content": {"count": 2, "name": "Ada"}}"#, "{shown}");
+}

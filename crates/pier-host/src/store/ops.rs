@@ -250,7 +250,11 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
             "UPDATE tasks SET state = 'awaiting_input', version = version + 1 WHERE run_id = ?1 AND id = ?2",
             &[Arg::Text(&a.run), Arg::Text(&a.task)],
         )?;
-        let reason = "a permission request waits for a person";
+        let reason = if request.get(crate::person::ELICITATION).is_some() {
+            "the agent asks the person a question"
+        } else {
+            "a permission request waits for a person"
+        };
         seq = transition_event(tx, &row, TaskState::AwaitingInput, a.n, reason, Extra::default())?;
     }
     let held = [Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)];

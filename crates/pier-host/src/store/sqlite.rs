@@ -197,6 +197,28 @@ fn savepoint<T>(
     }
 }
 
+/// Brings the schema up to date. Processes opening a new store at once (two `pier serve`
+/// on one file, `pier run` beside `pier answer`) migrate one after another: the write lock
+/// is taken first and the version read again under it, so each migration runs once.
+fn migrate(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let migrated = (|| -> Result<(), StoreError> {
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+        for (i, migration) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
+            conn.execute_batch(migration)?;
+            conn.pragma_update(None, "user_version", (i + 1) as i64)?;
+        }
+        Ok(())
+    })();
+    match migrated {
+        Ok(()) => Ok(conn.execute_batch("COMMIT")?),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e)
+        }
+    }
+}
+
 impl SqliteStore {
     /// Opens (and migrates) the store at `path`.
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
@@ -226,11 +248,8 @@ impl SqliteStore {
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        for (i, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
-            let tx = conn.unchecked_transaction()?;
-            tx.execute_batch(migration)?;
-            tx.pragma_update(None, "user_version", (i + 1) as i64)?;
-            tx.commit()?;
+        if version < MIGRATIONS.len() as i64 {
+            migrate(&conn)?;
         }
         let last: i64 = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?;
         let seq_tx = Arc::new(watch::Sender::new(last));
