@@ -6,6 +6,7 @@
 //! the token is set by the prompt's handler before the handler yields, so a
 //! `session/cancel` that follows a prompt on the wire always finds it.
 
+pub mod ask;
 pub mod mcp;
 pub mod permission;
 pub mod profile;
@@ -94,6 +95,8 @@ pub struct AcpAgent {
     initialized: AtomicBool,
     /// The client advertised `subagents` in `initialize`.
     client_subagents: AtomicBool,
+    /// The client advertised form elicitation: sessions are offered `ask_user`.
+    client_elicitation: AtomicBool,
     sessions: Mutex<HashMap<String, Arc<SessionEntry>>>,
 }
 
@@ -144,6 +147,7 @@ impl AcpAgent {
             options,
             initialized: AtomicBool::new(false),
             client_subagents: AtomicBool::new(false),
+            client_elicitation: AtomicBool::new(false),
             sessions: Mutex::new(HashMap::new()),
         })
     }
@@ -183,6 +187,8 @@ impl AcpAgent {
         tracing::info!(requested = req.protocol_version.as_u16(), "initialize");
         self.initialized.store(true, Ordering::SeqCst);
         self.client_subagents.store(req.client_capabilities.subagents.is_some(), Ordering::SeqCst);
+        let form = req.client_capabilities.elicitation.as_ref().is_some_and(|e| e.supports_form());
+        self.client_elicitation.store(form, Ordering::SeqCst);
         let response = InitializeResponse::new(ProtocolVersion::V1)
             .agent_capabilities(self.profile.capabilities(self.options.vision))
             .auth_methods(Vec::new())
@@ -426,7 +432,7 @@ impl Handler for AgentHandler {
                 let result = agent.initialize(r);
                 Box::pin(async move { result })
             }
-            ClientRequest::NewSessionRequest(r) => Box::pin(agent.new_session(cx.cancel.clone(), r)),
+            ClientRequest::NewSessionRequest(r) => Box::pin(agent.new_session(cx, r)),
             ClientRequest::PromptRequest(r) => agent.start_prompt(cx, r),
             ClientRequest::LoadSessionRequest(r) => Box::pin(agent.load_session(cx, r)),
             ClientRequest::ResumeSessionRequest(r) => Box::pin(agent.resume_session(cx, r)),

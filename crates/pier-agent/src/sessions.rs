@@ -18,7 +18,6 @@ use pier_acp::error::invalid_params;
 use pier_engine::log::LogRecord;
 use pier_engine::{EngineError, SessionOptions, ToolCallRecord};
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
 
 use crate::{AcpAgent, Profile, SessionEntry, engine_error, lock, mcp, profile, to_value};
 
@@ -72,15 +71,13 @@ impl AcpAgent {
         Ok(Setup { options, mcp })
     }
 
-    pub(crate) async fn new_session(
-        self: Arc<Self>,
-        cancel: CancellationToken,
-        req: NewSessionRequest,
-    ) -> Result<Value, Error> {
+    pub(crate) async fn new_session(self: Arc<Self>, cx: RequestCx, req: NewSessionRequest) -> Result<Value, Error> {
+        let cancel = cx.cancel.clone();
         let Setup { mut options, mcp } = self.setup(req.cwd, req.additional_directories, &req.mcp_servers).await?;
         if self.options.task_context {
             options.note = task_note(req.meta.as_ref());
         }
+        let ask_cell = self.offer_ask(&mut options, &cx.conn);
         let session = match self.engine.create(options).await {
             Ok(s) => s,
             Err(e) => {
@@ -88,6 +85,9 @@ impl AcpAgent {
                 return Err(engine_error(&e));
             }
         };
+        if let Some(cell) = ask_cell {
+            let _ = cell.set(session.id.clone());
+        }
         let entry = Arc::new(SessionEntry::new(session, mcp));
         if cancel.is_cancelled() {
             // Lost the race with close: dispose of the handle nobody will ever see.
@@ -106,18 +106,18 @@ impl AcpAgent {
 
     pub(crate) async fn load_session(self: Arc<Self>, cx: RequestCx, req: LoadSessionRequest) -> Result<Value, Error> {
         let id = req.session_id.0.to_string();
-        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, Some(&cx)).await?;
+        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, &cx.conn, true).await?;
         let response = LoadSessionResponse::new().modes(self.modes(&entry)).config_options(self.config_options(&entry));
         to_value(&response)
     }
 
     pub(crate) async fn resume_session(
         self: Arc<Self>,
-        _cx: RequestCx,
+        cx: RequestCx,
         req: ResumeSessionRequest,
     ) -> Result<Value, Error> {
         let id = req.session_id.0.to_string();
-        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, None).await?;
+        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, &cx.conn, false).await?;
         let response =
             ResumeSessionResponse::new().modes(self.modes(&entry)).config_options(self.config_options(&entry));
         to_value(&response)
@@ -132,7 +132,8 @@ impl AcpAgent {
         cwd: PathBuf,
         additional: Vec<PathBuf>,
         servers: &[McpServer],
-        replay: Option<&RequestCx>,
+        conn: &pier_acp::Connection,
+        replay: bool,
     ) -> Result<Arc<SessionEntry>, Error> {
         self.require_initialized()?;
         if !self.engine.store().exists(id) {
@@ -146,7 +147,10 @@ impl AcpAgent {
             lock(&self.sessions).remove(id);
             self.dispose(&live).await;
         }
-        let Setup { options, mcp } = self.setup(cwd, additional, servers).await?;
+        let Setup { mut options, mcp } = self.setup(cwd, additional, servers).await?;
+        if let Some(cell) = self.offer_ask(&mut options, conn) {
+            let _ = cell.set(id.to_owned());
+        }
         let reopened = match self.engine.open(id, options).await {
             Ok(r) => r,
             Err(e) => {
@@ -161,12 +165,12 @@ impl AcpAgent {
             entry.session.set_model(&model.name, model.provider.clone());
             *lock(&entry.model) = Some(model.name.clone());
         }
-        if let Some(cx) = replay {
+        if replay {
             for update in replay_updates(&reopened.records) {
-                Self::send_update(&cx.conn, id, update).await;
+                Self::send_update(conn, id, update).await;
             }
         }
-        tracing::info!(session = %id, replayed = replay.is_some(), "session reopened");
+        tracing::info!(session = %id, replayed = replay, "session reopened");
         lock(&self.sessions).insert(id.to_owned(), entry.clone());
         Ok(entry)
     }
@@ -239,6 +243,23 @@ impl AcpAgent {
 async fn stop(mcp: Option<mcp::Servers>) {
     if let Some(servers) = mcp {
         servers.shutdown().await;
+    }
+}
+
+impl AcpAgent {
+    /// Offers the session `ask_user` when its client answers form questions; the cell takes
+    /// the session's id once it has one.
+    fn offer_ask(
+        &self,
+        options: &mut SessionOptions,
+        conn: &pier_acp::Connection,
+    ) -> Option<Arc<std::sync::OnceLock<String>>> {
+        if !self.client_elicitation.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        let (tool, cell) = crate::ask::AskUser::new(conn.clone());
+        options.tools.push(Arc::new(tool));
+        Some(cell)
     }
 }
 

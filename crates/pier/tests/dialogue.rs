@@ -294,3 +294,69 @@ async fn pier_exec_unattended_declines_a_question_at_once_and_says_so() {
     assert_eq!(recorded(&record), vec![json!({"action": "decline"})]);
     assert!(stderr(&o).contains("the agent asked: Who is this for, and how many copies? — decline"), "{}", stderr(&o));
 }
+
+fn tool_names(body: &Value) -> Vec<String> {
+    body["tools"]
+        .as_array()
+        .map(|t| t.iter().filter_map(|t| t["function"]["name"].as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+fn tool_results(body: &Value) -> Vec<String> {
+    body["messages"]
+        .as_array()
+        .map(|m| {
+            m.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["content"].as_str().map(str::to_owned)).collect()
+        })
+        .unwrap_or_default()
+}
+
+/// pier's own agent asks the person through the host: `ask_user` → `elicitation/create` →
+/// the task waits → `pier answer` → the model reads the answer.
+#[tokio::test]
+async fn pier_s_own_agent_asks_the_person_through_the_host() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|body| match tool_results(body).pop() {
+        None => Reply::tool_call(
+            "a1",
+            "ask_user",
+            &json!({"message": "Which colour?", "fields": [{"name": "colour", "options": ["red", "blue"]}]})
+                .to_string(),
+        ),
+        Some(answer) => Reply::text(&format!("noted: {}", answer.replace('\n', " "))),
+    });
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("plan.toml", "[[tasks]]\nid = \"q\"\nagent = \"pier\"\nprompt = \"paint the shed\"\n");
+    let mut host = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", "own"]).spawn(), "pier run");
+    let until = std::time::Instant::now() + support::LIMIT;
+    use pier_host::TaskStore;
+    while h.store().open_question("own", "q").ok().flatten().is_none() {
+        if let Ok(Some(status)) = host.try_wait() {
+            panic!("pier run ended ({status}) before the question");
+        }
+        assert!(std::time::Instant::now() < until, "the agent never asked");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(tool_names(&f.requests()[0].body).contains(&"ask_user".to_owned()), "offered under a client that answers");
+    let bad = h.run(&["answer", "q", "colour=green"]).await;
+    assert!(stderr(&bad).contains("`colour` must be one of: red, blue"), "{}", stderr(&bad));
+    let ok = h.run(&["answer", "q", "colour=blue"]).await;
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr(&ok));
+    let o = must(must(tokio::time::timeout(support::LIMIT, host.wait_with_output()).await, "pier run ends"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = must(h.store().task("own", "q"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.result.as_deref(), Some("noted: The user answered: - colour: blue"));
+}
+
+#[tokio::test]
+async fn ask_user_is_not_offered_to_a_client_that_cannot_answer() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| Reply::text("ok"));
+    let (mut p, sid) =
+        support::PierProcess::start(support::Options::model(f.base_url()).arg("--profile").arg("editor")).await;
+    let id = p.prompt(&sid, "hello").await;
+    let (_, resp) = p.read_until_response(id).await;
+    assert_eq!(support::stop_reason(&resp), "end_turn");
+    let names = tool_names(&f.requests()[0].body);
+    assert!(!names.contains(&"ask_user".to_owned()) && names.contains(&"read_file".to_owned()), "{names:?}");
+}
