@@ -87,6 +87,77 @@ pub fn check_pairs(schema: &ElicitationSchema, pairs: &[(String, String)]) -> Re
     check(schema, &json)
 }
 
+/// Checks one field's text answer (as `check_pairs` reads it) on its own, for asking field
+/// by field.
+pub fn check_field(schema: &ElicitationSchema, name: &str, text: &str) -> Result<ElicitationContentValue, String> {
+    let mut one = schema.clone();
+    one.properties.retain(|k, _| k == name);
+    one.required = None;
+    let mut checked = check_pairs(&one, &[(name.to_owned(), text.to_owned())])?;
+    checked.remove(name).ok_or_else(|| format!("`{name}` is not asked for"))
+}
+
+/// Asks the person at this terminal, field by field, each answer checked as it is given
+/// (a bad one is asked again); `.decline` declines. `None` when stdin is not a terminal or
+/// it ended.
+pub fn ask_on_terminal(request: &CreateElicitationRequest) -> Option<ElicitAnswer> {
+    use std::io::{BufRead, IsTerminal};
+    let schema = form_schema(request)?;
+    if !std::io::stdin().is_terminal() {
+        return None;
+    }
+    eprintln!("\npier: the agent asks: {}", request.message);
+    eprintln!("pier: (answer each field; an empty answer skips an optional one; `.decline` declines)");
+    let required: Vec<&str> = schema.required.iter().flatten().map(String::as_str).collect();
+    let mut content = Content::new();
+    for (name, property) in &schema.properties {
+        let needed = required.contains(&name.as_str());
+        loop {
+            eprint!("  {name}{}{}: ", describe(property), if needed { " (required)" } else { "" });
+            let mut line = String::new();
+            if std::io::stdin().lock().read_line(&mut line).ok()? == 0 {
+                return None;
+            }
+            let text = line.trim_end_matches(['\n', '\r']);
+            if text.trim() == ".decline" {
+                return Some(ElicitAnswer::Decline);
+            }
+            if text.is_empty() && !needed {
+                break;
+            }
+            match check_field(schema, name, text) {
+                Ok(value) => {
+                    content.insert(name.clone(), value);
+                    break;
+                }
+                Err(why) => eprintln!("  pier: {why}"),
+            }
+        }
+    }
+    Some(ElicitAnswer::Accept(content))
+}
+
+/// A field's kind and choices, for the prompt.
+fn describe(property: &ElicitationPropertySchema) -> String {
+    match property {
+        ElicitationPropertySchema::String(p) => {
+            let choices: Vec<&str> = p
+                .enum_values
+                .iter()
+                .flatten()
+                .map(String::as_str)
+                .chain(p.one_of.iter().flatten().map(|o| o.value.as_str()))
+                .collect();
+            if choices.is_empty() { String::new() } else { format!(" [{}]", choices.join("/")) }
+        }
+        ElicitationPropertySchema::Number(_) => " (a number)".into(),
+        ElicitationPropertySchema::Integer(_) => " (a whole number)".into(),
+        ElicitationPropertySchema::Boolean(_) => " (yes/no)".into(),
+        ElicitationPropertySchema::Array(_) => " (comma-separated)".into(),
+        _ => String::new(),
+    }
+}
+
 /// Checked answer values, by field.
 pub type Content = BTreeMap<String, ElicitationContentValue>;
 

@@ -311,6 +311,18 @@ impl ClientState {
                 _ = cancelling.cancelled() => (ElicitAnswer::Cancel, "the turn is being cancelled (R088)"),
                 _ = gone.cancelled() => (ElicitAnswer::Cancel, "the agent withdrew the question"),
             }
+        } else if self.interactive {
+            let _asking = Asking::start(&self.asking);
+            let request = req.clone();
+            let asked = tokio::task::spawn_blocking(move || crate::elicit::ask_on_terminal(&request));
+            tokio::select! {
+                answer = asked => match answer.ok().flatten() {
+                    Some(answer) => (answer, "answered at the terminal"),
+                    None => (ElicitAnswer::Decline, "nobody answered at the terminal, so it was declined"),
+                },
+                _ = cancelling.cancelled() => (ElicitAnswer::Cancel, "the turn is being cancelled (R088)"),
+                _ = gone.cancelled() => (ElicitAnswer::Cancel, "the agent withdrew the question"),
+            }
         } else {
             (ElicitAnswer::Decline, "nobody can answer here (unattended), so it was declined")
         };

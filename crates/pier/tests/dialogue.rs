@@ -360,3 +360,30 @@ async fn ask_user_is_not_offered_to_a_client_that_cannot_answer() {
     let names = tool_names(&f.requests()[0].body);
     assert!(!names.contains(&"ask_user".to_owned()) && names.contains(&"read_file".to_owned()), "{names:?}");
 }
+
+/// `pier exec` on a terminal (a pty from `script`) asks field by field, re-asking a bad answer.
+#[tokio::test]
+async fn pier_exec_on_a_terminal_asks_the_person_field_by_field() {
+    use tokio::io::AsyncWriteExt;
+    let (h, record) = elicit_host(None);
+    let pier = support::pier_exe();
+    let mut cmd = tokio::process::Command::new("script");
+    cmd.args(["-q", "-e", "-c", &format!("{pier} exec --agent ask 'print the labels'"), "/dev/null"])
+        .current_dir(h.path(""))
+        .env_clear()
+        .envs(h.vars.iter().map(|(k, v)| (k, v)))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = must(cmd.spawn(), "script");
+    let mut stdin = child.stdin.take().unwrap_or_else(|| panic!("stdin"));
+    // Fields in order: count (a whole number, asked again after a bad answer), then name.
+    must(stdin.write_all(b"eleven\n3\nAda\n").await, "answers");
+    let o = must(must(tokio::time::timeout(support::LIMIT, child.wait_with_output()).await, "exec ends"), "wait");
+    let screen = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{screen}");
+    assert!(screen.contains("the agent asks: Who is this for, and how many copies?"), "{screen}");
+    assert!(screen.contains("`count` must be a whole number"), "{screen}");
+    assert_eq!(recorded(&record), vec![json!({"action": "accept", "content": {"count": 3, "name": "Ada"}})]);
+}
