@@ -96,6 +96,26 @@ pub fn event_json(e: &Event) -> serde_json::Value {
     v
 }
 
+/// What a task waiting on a person waits for, and how to answer.
+fn waiting_for(task: &str, request: &serde_json::Value) -> String {
+    if let Some(q) = request.get(pier_host::person::ELICITATION) {
+        let fields: Vec<&str> = q["requestedSchema"]["properties"]
+            .as_object()
+            .map(|p| p.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        format!(
+            "asks: {} — answer with `pier answer {task} {}` or `--decline`",
+            q["message"].as_str().unwrap_or("?"),
+            fields.iter().map(|f| format!("{f}=…")).collect::<Vec<_>>().join(" ")
+        )
+    } else {
+        format!(
+            "asks permission for {} — `pier approve {task}` or `pier deny {task}`",
+            request["toolCall"]["title"].as_str().unwrap_or("a tool call")
+        )
+    }
+}
+
 fn event_text(e: &Event) -> Option<String> {
     let task = e.task.as_deref().unwrap_or("-");
     match e.kind.as_str() {
@@ -113,6 +133,14 @@ fn event_text(e: &Event) -> Option<String> {
             Some(line)
         }
         "run_created" => Some(format!("[{}] run {} created with {} tasks", e.seq, e.run, e.data["tasks"])),
+        "question" => Some(format!("[{}] {task}: {}", e.seq, waiting_for(task, &e.data["request"]))),
+        "message" => Some(format!(
+            "[{}] {task}: message {} from {}{}",
+            e.seq,
+            e.data["n"],
+            e.data["by"].as_str().unwrap_or("?"),
+            if e.data["interrupt"] == true { ", interrupting" } else { ", for its next prompt" }
+        )),
         "permission" => Some(format!(
             "[{}] {task}: permission {} ({})",
             e.seq,
@@ -129,12 +157,20 @@ struct LiveView {
     started: std::time::Instant,
     states: BTreeMap<String, String>,
     running: BTreeMap<String, (std::time::Instant, String)>,
+    /// Tasks waiting on a person, with what they wait for.
+    waiting: BTreeMap<String, String>,
     height: usize,
 }
 
 impl LiveView {
     fn new() -> LiveView {
-        LiveView { started: std::time::Instant::now(), states: BTreeMap::new(), running: BTreeMap::new(), height: 0 }
+        LiveView {
+            started: std::time::Instant::now(),
+            states: BTreeMap::new(),
+            running: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            height: 0,
+        }
     }
 
     fn see(&mut self, e: &Event, out: &mut String) {
@@ -150,7 +186,17 @@ impl LiveView {
                 } else {
                     self.running.remove(&task);
                 }
+                if to != "awaiting_input" {
+                    self.waiting.remove(&task);
+                }
                 self.states.insert(task, to);
+                if let Some(line) = event_text(e) {
+                    out.push_str(&line);
+                    out.push('\n');
+                }
+            }
+            "question" => {
+                self.waiting.insert(task.clone(), waiting_for(&task, &e.data["request"]));
                 if let Some(line) = event_text(e) {
                     out.push_str(&line);
                     out.push('\n');
@@ -181,6 +227,9 @@ impl LiveView {
         let mut block = vec![format!("── {:.0}s · {}", self.started.elapsed().as_secs_f64(), summary.join(" · "))];
         for (task, (since, tool)) in self.running.iter().take(12) {
             block.push(format!("  ▸ {task} ({:.1}s) {tool}", since.elapsed().as_secs_f64()));
+        }
+        for (task, what) in self.waiting.iter().take(6) {
+            block.push(format!("  ? {task} {what}"));
         }
         let mut out = String::new();
         if self.height > 0 {

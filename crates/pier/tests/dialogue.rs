@@ -259,6 +259,12 @@ async fn an_agents_question_parks_the_task_until_pier_answer() {
     assert_eq!(ok.status.code(), Some(0), "{}", stderr(&ok));
     let o = must(must(tokio::time::timeout(support::LIMIT, host.wait_with_output()).await, "pier run ends"), "wait");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // The progress lines say what the task waits for and how to answer it.
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        shown.contains("q: asks: Who is this for, and how many copies? — answer with `pier answer q count=… name=…`"),
+        "{shown}"
+    );
     let got: Vec<Value> = recorded(&record);
     assert_eq!(got, vec![json!({"action": "accept", "content": {"name": "Ada", "count": 3}})]);
     use pier_host::TaskStore;
