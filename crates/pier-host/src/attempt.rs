@@ -220,8 +220,10 @@ impl Run {
             if stopped || !(answered || made_room) {
                 return outcome;
             }
-            let a = self.attempt.clone();
-            let messages = match blocking(&self.store, move |s| s.take_messages(&a)).await {
+            // After an answer with nothing queued the attempt takes no more messages, in the
+            // same transaction: one sent later is refused, not accepted and left unsent.
+            let (a, close) = (self.attempt.clone(), answered);
+            let messages = match blocking(&self.store, move |s| s.take_messages(&a, close)).await {
                 Ok(m) if !m.is_empty() => m,
                 _ => return outcome,
             };

@@ -64,8 +64,9 @@ pub fn say(
     store.say(run, task, text, interrupt, by)?.ok_or_else(|| ActionError::Refused {
         code: "not_running",
         message: format!(
-            "task `{task}` is {}, not running: a message goes to a running task's session",
-            row.state.as_str()
+            "task `{task}` is {}: a message goes to a running task's session, and this one has ended or is \
+             finishing its last answer",
+            store.task(run, task).ok().flatten().map_or(row.state, |t| t.state).as_str()
         ),
     })
 }

@@ -469,10 +469,12 @@ fn messages_go_to_running_tasks_and_are_taken_once_by_the_holder() {
         assert_eq!(ok(s.say("r", "a", "second", true, "me")), Some(2), "{name}");
         assert!(s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
         let foreign = Attempt { owner: "owner-2".into(), ..a.clone() };
-        assert!(s.take_messages(&foreign).is_err(), "{name}: fenced on the holder");
-        let taken = s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(s.take_messages(&foreign, false).is_err(), "{name}: fenced on the holder");
+        let taken = s.take_messages(&a, true).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(taken, vec![(1, "first".to_owned()), (2, "second".to_owned())], "{name}");
-        assert!(s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}: taken once");
         assert!(!s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+        // Nothing left, and closing: a later message is refused, never left unsent.
+        assert!(s.take_messages(&a, true).unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}: taken once");
+        assert_eq!(ok(s.say("r", "a", "too late", false, "me")), None, "{name}: the attempt is finishing");
     });
 }

@@ -199,7 +199,7 @@ async fn pier_say_reaches_a_task_that_another_process_runs() {
     // A task that has ended takes no message, and says why.
     let late = h.run(&["say", "notes", "one more thing"]).await;
     assert_ne!(late.status.code(), Some(0));
-    assert!(stderr(&late).contains("not running"), "{}", stderr(&late));
+    assert!(stderr(&late).contains("is completed: a message goes to a running task"), "{}", stderr(&late));
 }
 
 /// A host whose agent `ask` is the question-asking fixture; the answers it got go to a file.

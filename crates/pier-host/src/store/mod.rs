@@ -447,8 +447,10 @@ pub trait TaskStore: Send + Sync + 'static {
     /// not running (nothing is queued).
     fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError>;
     /// The messages not sent yet, oldest first, taken by the attempt holding the task (they
-    /// are marked sent by it); fenced on the attempt.
-    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError>;
+    /// are marked sent by it); fenced on the attempt. With `close`, when there are none, the
+    /// attempt takes no more (in the same transaction): a later message is refused as the
+    /// task is finishing, never accepted and left unsent.
+    fn take_messages(&self, attempt: &Attempt, close: bool) -> Result<Vec<(i64, String)>, StoreError>;
     /// Whether a message asking to interrupt waits for the task.
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
     /// Keeps the `initialize` answer of a process of agent spec `spec` (the latest wins).

@@ -576,6 +576,13 @@ pub(super) fn say(
     if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) {
         return Ok((None, 0));
     }
+    let closed = tx.int(
+        "SELECT COUNT(*) FROM messages_closed WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+        &[Arg::Text(run), Arg::Text(task), Arg::Int(row.attempt)],
+    )?;
+    if closed.unwrap_or(0) > 0 {
+        return Ok((None, 0));
+    }
     let n = tx
         .int(
             "SELECT COALESCE(MAX(n), 0) + 1 FROM messages WHERE run_id = ?1 AND task_id = ?2",
@@ -599,7 +606,11 @@ pub(super) fn say(
 }
 
 /// The messages the holding attempt has not sent yet, marked sent by it.
-pub(super) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, String)>, i64), StoreError> {
+pub(super) fn take_messages(
+    tx: &mut dyn Tx,
+    a: &Attempt,
+    close: bool,
+) -> Result<(Vec<(i64, String)>, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
@@ -620,6 +631,12 @@ pub(super) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, S
         )?;
         seq = log(tx, &a.run, Some(&a.task), &LogEvent::MessageSent { n, attempt: a.n })?;
         out.push((n, text));
+    }
+    if out.is_empty() && close {
+        tx.exec(
+            "INSERT INTO messages_closed (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)],
+        )?;
     }
     Ok((out, seq))
 }

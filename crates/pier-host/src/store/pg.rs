@@ -152,6 +152,12 @@ CREATE TABLE messages (
     sent_attempt BIGINT,
     PRIMARY KEY (run_id, task_id, n)
 );
+CREATE TABLE messages_closed (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt BIGINT NOT NULL,
+    PRIMARY KEY (run_id, task_id, attempt)
+);
 "#,
 ];
 
@@ -1231,9 +1237,9 @@ impl TaskStore for PgStore {
         self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by)).map(|(n, _)| n)
     }
 
-    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
+    fn take_messages(&self, attempt: &Attempt, close: bool) -> Result<Vec<(i64, String)>, StoreError> {
         let a = attempt.clone();
-        self.write(move |tx| ops::take_messages(tx, &a)).map(|(m, _)| m)
+        self.write(move |tx| ops::take_messages(tx, &a, close)).map(|(m, _)| m)
     }
 
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {

@@ -173,6 +173,12 @@ CREATE TABLE messages (
     sent_attempt INTEGER,
     PRIMARY KEY (run_id, task_id, n)
 );
+CREATE TABLE messages_closed (
+    run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    PRIMARY KEY (run_id, task_id, attempt)
+);
 "#,
 ];
 
@@ -604,9 +610,9 @@ impl TaskStore for SqliteStore {
         self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by))
     }
 
-    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
+    fn take_messages(&self, attempt: &Attempt, close: bool) -> Result<Vec<(i64, String)>, StoreError> {
         let a = attempt.clone();
-        self.write(move |tx| ops::take_messages(tx, &a))
+        self.write(move |tx| ops::take_messages(tx, &a, close))
     }
 
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
