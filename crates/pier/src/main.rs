@@ -9,6 +9,7 @@ mod models_cmd;
 mod render;
 mod run_cmd;
 mod serve_cmd;
+mod show_cmd;
 
 use std::path::PathBuf;
 
@@ -43,6 +44,8 @@ enum Command {
     Approve(run_cmd::AnswerArgs),
     /// Answer a task waiting for input: reject its permission request, or cancel it
     Deny(run_cmd::AnswerArgs),
+    /// Show a run, or one task: its result, attempts, what it waits on, what its agent can do
+    Show(show_cmd::ShowArgs),
     /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
     Answer(run_cmd::InputArgs),
     /// Tell a running task something: queued for its next prompt, or at once with --interrupt
@@ -112,6 +115,7 @@ fn main() {
             Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
             Command::Say(args) => run_cmd::say(args).map(|()| 0),
             Command::Answer(args) => run_cmd::answer_input(args).map(|()| 0),
+            Command::Show(args) => show_cmd::show(args).map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),
             Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),

@@ -97,7 +97,7 @@ pub fn event_json(e: &Event) -> serde_json::Value {
 }
 
 /// What a task waiting on a person waits for, and how to answer.
-fn waiting_for(task: &str, request: &serde_json::Value) -> String {
+pub fn waiting_for(task: &str, request: &serde_json::Value) -> String {
     if let Some(q) = request.get(pier_host::person::ELICITATION) {
         let fields: Vec<&str> = q["requestedSchema"]["properties"]
             .as_object()

@@ -63,6 +63,19 @@ async fn the_tasks_identity_and_metadata_reach_the_agent_in_meta() {
     let a = must(a.ok_or("no session/new for a"), "a");
     assert_eq!(a["params"]["_meta"]["pier.dev/task"]["dependsOn"], json!([]));
     assert_eq!(a["params"]["_meta"]["pier.dev/task"]["metadata"], json!({}));
+    // `pier show` lists the run, and shows one task whole.
+    let listed = String::from_utf8_lossy(&h.run(&["show", "meta"]).await.stdout).into_owned();
+    assert!(
+        listed.lines().any(|l| l.starts_with("b ") && l.contains("completed") && l.contains("recorded")),
+        "{listed}"
+    );
+    let one = h.run(&["show", "meta", "b", "--format", "json"]).await;
+    let one: Value = must(serde_json::from_slice(&one.stdout), "show json");
+    assert_eq!(one["task"]["spec"]["metadata"], json!({"owner": "docs", "priority": 2}));
+    assert_eq!(one["attempts"][0]["output"]["text"], "recorded");
+    assert_eq!(one["agent"]["init"]["agentInfo"]["name"], "record");
+    let text = String::from_utf8_lossy(&h.run(&["show", "meta", "b"]).await.stdout).into_owned();
+    assert!(text.contains("metadata: owner = \"docs\"; priority = 2") && text.contains("depends on: a"), "{text}");
 }
 
 /// The system message of the model requests made for a prompt.
@@ -249,6 +262,15 @@ async fn an_agents_question_parks_the_task_until_pier_answer() {
     let events = lines(&h.run(&["events", "--run", "q1", "--format", "json"]).await);
     let question = events.iter().find(|e| e["type"] == "question").cloned().unwrap_or_default();
     assert_eq!(question["request"]["elicitation"]["message"], "Who is this for, and how many copies?", "{events:?}");
+    // `pier show` says what the task waits for, and what its agent is.
+    let shown = h.run(&["show", "q1", "q"]).await;
+    let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+    assert!(shown.contains("task q of run q1: awaiting_input"), "{shown}");
+    assert!(
+        shown.contains("waits: asks: Who is this for, and how many copies? — answer with `pier answer q"),
+        "{shown}"
+    );
+    assert!(shown.contains("agent: ask (elicit 1; offers: none of the requirement words)"), "{shown}");
     // An answer that does not fit the fields is refused, and nothing is answered.
     let bad = h.run(&["answer", "q", "name=Ada", "count=eleven"]).await;
     assert_ne!(bad.status.code(), Some(0));
@@ -285,6 +307,15 @@ async fn a_question_open_when_its_task_is_cancelled_is_answered_cancel() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(recorded(&record), vec![json!({"action": "cancel"})]);
+    // The attempt keeps what it showed, and `pier show` shows it.
+    while h.store().attempts("q2", "q").ok().and_then(|a| a.first().and_then(|a| a.output.clone())).is_none() {
+        assert!(std::time::Instant::now() < until, "the attempt's output was never kept");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let shown = h.run(&["show", "q2", "q"]).await;
+    let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
+    assert!(shown.contains("task q of run q2: cancelled"), "{shown}");
+    assert!(shown.contains("said:") && shown.contains(r#"got: {"action": "cancel"}"#), "{shown}");
     let _ = host.kill().await;
 }
 
