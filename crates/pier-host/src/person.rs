@@ -167,11 +167,24 @@ pub fn answer(
         }),
         Some(question) => {
             let wanted = match (option, allow) {
-                (Some(o), true) => o.to_owned(),
+                (Some(o), _) => o.to_owned(),
                 (None, true) => "allow_once".to_owned(),
-                (_, false) => "reject_once".to_owned(),
+                (None, false) => "reject_once".to_owned(),
             };
             let chosen = crate::plan::offered_option(&question.request, &wanted).map_err(ActionError::BadOption)?;
+            // Approving picks an allow option and denying a reject one, whatever was named.
+            let kind = question.request["options"]
+                .as_array()
+                .and_then(|o| o.iter().find(|o| o["optionId"] == chosen.as_str()))
+                .and_then(|o| o["kind"].as_str())
+                .unwrap_or("");
+            if kind.starts_with("allow") != allow {
+                let verb = if allow { "approve" } else { "deny" };
+                return Err(ActionError::BadOption(format!(
+                    "`{wanted}` is a {kind} option; {verb} takes {} options",
+                    if allow { "allow" } else { "reject" }
+                )));
+            }
             if !store.answer(run, task, &question, &chosen, by)? {
                 return Err(ActionError::Refused {
                     code: "bad_transition",

@@ -211,10 +211,14 @@ impl App {
 /// The largest plan `POST /runs` takes, in bytes.
 pub const MAX_PLAN_BYTES: usize = 64 << 20;
 
-/// The router, with the token check on every route.
+/// The router: the token check on every route but the two probes a supervisor needs,
+/// `/health` (liveness, no data) and `/ready` (whether the store answers, no data either).
 pub fn router(app: Shared) -> Router {
-    Router::new()
+    let probes = Router::new()
         .route("/health", get(|| async { Json(json!({"ok": true})) }))
+        .route("/ready", get(ready))
+        .with_state(app.clone());
+    Router::new()
         // A plan of 100,000 tasks is several megabytes of TOML.
         .route("/runs", post(submit).layer(axum::extract::DefaultBodyLimit::max(MAX_PLAN_BYTES)).get(list_runs))
         .route("/runs/{run}", get(show_run))
@@ -231,6 +235,19 @@ pub fn router(app: Shared) -> Router {
         .route("/agents", get(list_agents))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
+        .merge(probes)
+}
+
+/// Whether the store answers a read: 200, or 503 with the store's error code.
+async fn ready(State(app): State<Shared>) -> Response {
+    match blocking(&app, |s| s.last_seq()).await {
+        Ok(_) => Json(json!({"ready": true})).into_response(),
+        Err(e) => {
+            let mut e = e;
+            e.status = StatusCode::SERVICE_UNAVAILABLE;
+            e.into_response()
+        }
+    }
 }
 
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.

@@ -44,6 +44,8 @@ enum Command {
     Approve(run_cmd::AnswerArgs),
     /// Answer a task waiting for input: reject its permission request, or cancel it
     Deny(run_cmd::AnswerArgs),
+    /// List the runs of the store, newest first, with their tasks' states
+    Runs(run_cmd::RunsArgs),
     /// Show a run, or one task: its result, attempts, what it waits on, what its agent can do
     Show(show_cmd::ShowArgs),
     /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
@@ -116,6 +118,7 @@ fn main() {
             Command::Say(args) => run_cmd::say(args).map(|()| 0),
             Command::Answer(args) => run_cmd::answer_input(args).map(|()| 0),
             Command::Show(args) => show_cmd::show(args).map(|()| 0),
+            Command::Runs(args) => run_cmd::runs(args).map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),
             Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),

@@ -297,8 +297,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             let plan = checked.ok_or_else(|| anyhow::anyhow!("the plan was not checked"))?;
             let base = plan_path.canonicalize()?.parent().map(PathBuf::from).unwrap_or(here.clone());
             let run_id = args.run_id.clone().unwrap_or_else(|| format!("run-{}", &uuid_short()));
-            let new = (!store.run_exists(&run_id)?).then(|| (plan, plan_path.display().to_string()));
-            (run_id, base, new)
+            // A run id names one plan: a second plan under it is refused, never silently ignored.
+            anyhow::ensure!(
+                !store.run_exists(&run_id)?,
+                "run `{run_id}` already exists; resume it with `pier run --resume {run_id}`, or give this plan \
+                 another --run-id"
+            );
+            (run_id, base, Some((plan, plan_path.display().to_string())))
         }
         (None, None) => anyhow::bail!("give a plan file or --resume RUN"),
     };
@@ -428,7 +433,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    Ok(if completed == total && !stop.is_cancelled() { 0 } else { 1 })
+    // Interrupted (Ctrl-C, SIGTERM) exits 130, as `pier exec` does; unfinished or failed work 1.
+    Ok(if stop.is_cancelled() {
+        130
+    } else if completed == total {
+        0
+    } else {
+        1
+    })
 }
 
 /// Whether a plan's agent can run: a pull-worker task, or an agent the registry resolves.
@@ -458,6 +470,9 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
         .await;
     }
     let store = open_store(&args.store)?;
+    if let Some(run) = &args.run {
+        anyhow::ensure!(store.run_exists(run)?, "there is no run `{run}` in the store; `pier runs` lists them");
+    }
     let mut rx = store.subscribe();
     let mut after = args.after;
     loop {
@@ -480,10 +495,44 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct RunsArgs {
+    /// text for a person, json for scripts
+    #[arg(long, value_enum, default_value_t = EventFormat::Text)]
+    format: EventFormat,
+    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
+    #[arg(long)]
+    store: Option<String>,
+}
+
+/// `pier runs`: every run of the store with its tasks' states, newest first.
+#[allow(clippy::print_stdout)]
+pub fn runs(args: RunsArgs) -> anyhow::Result<()> {
+    let store = open_store(&args.store)?;
+    let mut ids = store.run_ids()?;
+    ids.reverse();
+    for run in ids {
+        let tasks = store.tasks(&run)?;
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for t in &tasks {
+            *counts.entry(t.state.as_str()).or_default() += 1;
+        }
+        match args.format {
+            EventFormat::Json => println!("{}", json!({"run": run, "tasks": tasks.len(), "counts": counts})),
+            EventFormat::Text => {
+                let counts: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+                println!("{run:<28} {:>5} tasks  {}", tasks.len(), counts.join(", "));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
 pub struct AnswerArgs {
     /// The task waiting for input
     task: String,
-    /// approve: the option to choose, by id or kind (allow_once, allow_always) [default: allow_once]
+    /// The option to choose, by id or kind: approve allow_once (default) or allow_always, deny
+    /// reject_once (default) or reject_always
     option: Option<String>,
     /// The run [default: the newest run with that task]
     #[arg(long)]

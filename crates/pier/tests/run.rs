@@ -592,7 +592,7 @@ async fn ctrl_c_cancels_running_tasks_through_the_handshake_and_resume_finishes(
     let pid = child.id().map_or(0, |p| p as i32);
     must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGINT), "SIGINT");
     let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(130), "interrupted: {}", stderr(&o));
     let back = lines(&o).into_iter().find(|e| e["type"] == "transition" && e["to"] == "pending").unwrap_or_default();
     assert!(back["reason"].as_str().is_some_and(|r| r.contains("the host stopped the attempt")), "{back}");
     must(tokio::time::timeout(LIMIT, f.wait_for_disconnects(1)).await, "the agent's model stream was dropped");
@@ -724,7 +724,7 @@ async fn a_question_open_when_the_host_stops_is_answered_cancelled() {
         rest.push(must(serde_json::from_str::<Value>(&line), "json"));
     }
     let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "exit in time"), "wait");
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(130), "interrupted: {}", stderr(&o));
     let answer =
         rest.iter().find(|e| e["type"] == "permission").unwrap_or_else(|| panic!("no permission in {rest:#?}"));
     assert_eq!(answer["outcome"]["outcome"], "cancelled", "R088: {answer}");
@@ -887,7 +887,7 @@ async fn ctrl_c_while_an_agent_is_stuck_in_its_handshake_stops_the_host_at_once(
     let pid = child.id().map_or(0, |p| p as i32);
     must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGINT), "SIGINT");
     let o = must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "pier run stopped at once"), "wait");
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(130), "interrupted: {}", stderr(&o));
     assert!(!support::group_alive(pgid), "the stuck agent's group survived");
     let t = &h.store().tasks("stuck")[0];
     assert_eq!((t.state, t.failures), (pier_host::TaskState::Pending, 0), "a host stop is not a failure");

@@ -98,8 +98,10 @@ impl Server {
 async fn every_route_needs_the_token() {
     let s = server(None).await;
     let routes = [
-        ("GET", "/health"),
         ("GET", "/runs"),
+        ("GET", "/agents"),
+        ("GET", "/nodes"),
+        ("POST", "/runs/r/tasks/t/messages"),
         ("POST", "/runs"),
         ("GET", "/runs/r"),
         ("GET", "/runs/r/tasks/t"),
@@ -123,7 +125,13 @@ async fn every_route_needs_the_token() {
             assert_eq!(body["error"]["code"], "unauthorized");
         }
     }
-    assert_eq!(s.call(reqwest::Method::GET, "/health", None).await, (200, json!({"ok": true})));
+    // The two probes a supervisor needs answer without the token, and give nothing away.
+    for (path, body) in [("/health", json!({"ok": true})), ("/ready", json!({"ready": true}))] {
+        let resp = must(s.http.get(format!("{}{path}", s.base)).send().await, "probe");
+        assert_eq!(resp.status().as_u16(), 200, "{path}");
+        let got: Value = must(serde_json::from_str(&must(resp.text().await, "text")), "json");
+        assert_eq!(got, body, "{path}");
+    }
 }
 
 #[tokio::test]
