@@ -478,3 +478,25 @@ fn messages_go_to_running_tasks_and_are_taken_once_by_the_holder() {
         assert_eq!(ok(s.say("r", "a", "too late", false, "me")), None, "{name}: the attempt is finishing");
     });
 }
+
+#[test]
+fn of_two_writers_creating_one_run_one_wins_and_the_other_is_told_it_exists() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let store = open(&fresh.spec);
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        let racers: Vec<_> = (0..4)
+            .map(|_| {
+                let (spec, plan) = (fresh.spec.clone(), plan.clone());
+                std::thread::spawn(move || open(&spec).create_run("same", &plan, "test"))
+            })
+            .collect();
+        let results: Vec<_> = racers.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
+        assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{name}: {results:?}");
+        assert!(
+            results.iter().filter_map(|r| r.as_ref().err()).all(|e| matches!(e, pier_host::StoreError::RunExists(_))),
+            "{name}: {results:?}"
+        );
+        assert_eq!(store.tasks("same").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}");
+    }
+}

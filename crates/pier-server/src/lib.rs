@@ -74,6 +74,7 @@ impl From<StoreError> for ApiError {
         let status = match &e {
             StoreError::IllegalTransition { .. }
             | StoreError::RunExists(_)
+            | StoreError::Duplicate(_)
             | StoreError::LeaseLost { .. }
             | StoreError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
             StoreError::UnknownRun(_) | StoreError::UnknownTask(_) => StatusCode::NOT_FOUND,

@@ -54,6 +54,9 @@ pub enum StoreError {
     UnknownRun(String),
     #[error("run `{0}` already exists")]
     RunExists(String),
+    /// A row that must be unique was written twice (two writers racing to create it).
+    #[error("the store refused a duplicate: {0}")]
+    Duplicate(String),
     /// A row that does not decode: the store was damaged or edited; nothing is written.
     #[error("the store is corrupt: task `{task}` of run `{run}`: {what}")]
     Corrupt { run: String, task: String, what: String },
@@ -73,6 +76,7 @@ impl StoreError {
             StoreError::UnknownTask(_) => "unknown_task",
             StoreError::UnknownRun(_) => "unknown_run",
             StoreError::RunExists(_) => "run_exists",
+            StoreError::Duplicate(_) => "duplicate",
             StoreError::Corrupt { .. } => "store_corrupt",
             StoreError::Full { .. } => "disk_full",
             StoreError::Db(_) => "store",

@@ -166,6 +166,9 @@ const MIGRATION_LOCK: i64 = 0x0070_6965_726d_6967; // "piermig"
 
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
+        if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+            return StoreError::Duplicate(describe(&e));
+        }
         StoreError::Db(describe(&e))
     }
 }
@@ -1055,7 +1058,7 @@ impl TaskStore for PgStore {
         let (r, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
         match self.op(move |tx| ops::create_run(tx, &r, &plan, &source).map(|seq| ((), seq))) {
             // Two nodes creating one run: the loser's insert meets the winner's row.
-            Err(StoreError::Db(m)) if m.contains("(23505)") => Err(StoreError::RunExists(run.to_owned())),
+            Err(StoreError::Duplicate(_)) => Err(StoreError::RunExists(run.to_owned())),
             other => other,
         }
     }
