@@ -137,6 +137,51 @@ pub fn ask_on_terminal(request: &CreateElicitationRequest) -> Option<ElicitAnswe
     Some(ElicitAnswer::Accept(content))
 }
 
+/// Whether `s` has the shape a string format asks for (the checks a form would make).
+fn fits_format(format: &agent_client_protocol_schema::v1::StringFormat, s: &str) -> bool {
+    use agent_client_protocol_schema::v1::StringFormat as F;
+    let date = |d: &str| {
+        let parts: Vec<&str> = d.split('-').collect();
+        parts.len() == 3
+            && parts[0].len() == 4
+            && parts[1].len() == 2
+            && parts[2].len() == 2
+            && parts.iter().all(|p| p.chars().all(|c| c.is_ascii_digit()))
+            && (1..=12).contains(&parts[1].parse::<u32>().unwrap_or(0))
+            && (1..=31).contains(&parts[2].parse::<u32>().unwrap_or(0))
+    };
+    match format {
+        F::Email => s.split_once('@').is_some_and(|(user, domain)| {
+            !user.is_empty()
+                && domain.contains('.')
+                && !domain.starts_with('.')
+                && !domain.ends_with('.')
+                && !s.contains(' ')
+        }),
+        F::Uri => s.split_once(':').is_some_and(|(scheme, rest)| {
+            !rest.is_empty()
+                && scheme.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+                && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+        }),
+        F::Date => date(s),
+        F::DateTime => {
+            s.split_once(['T', 't']).is_some_and(|(d, t)| date(d) && t.len() >= 8 && t.as_bytes()[2] == b':')
+        }
+        _ => true,
+    }
+}
+
+fn format_name(format: &agent_client_protocol_schema::v1::StringFormat) -> &'static str {
+    use agent_client_protocol_schema::v1::StringFormat as F;
+    match format {
+        F::Email => "an email address",
+        F::Uri => "a URI",
+        F::Date => "a date (YYYY-MM-DD)",
+        F::DateTime => "a date and time (YYYY-MM-DDTHH:MM:SS…)",
+        _ => "in its format",
+    }
+}
+
 /// A field's kind and choices, for the prompt.
 fn describe(property: &ElicitationPropertySchema) -> String {
     match property {
@@ -198,6 +243,19 @@ fn value_of(
             if !allowed.is_empty() && !allowed.contains(&s) {
                 return Err(format!("`{name}` must be one of: {}", allowed.join(", ")));
             }
+            if let Some(pattern) = &p.pattern {
+                // The agent's pattern, compiled with a bound; one that does not compile cannot
+                // be checked and is left to the agent.
+                let compiled = regex::RegexBuilder::new(pattern).size_limit(1 << 20).build();
+                if compiled.is_ok_and(|re| !re.is_match(s)) {
+                    return Err(format!("`{name}` must match the pattern {pattern}"));
+                }
+            }
+            if let Some(format) = &p.format
+                && !fits_format(format, s)
+            {
+                return Err(format!("`{name}` must be {}", format_name(format)));
+            }
             Ok(ElicitationContentValue::String(s.to_owned()))
         }
         ElicitationPropertySchema::Number(p) => {
@@ -236,5 +294,70 @@ fn value_of(
             Ok(ElicitationContentValue::StringArray(items))
         }
         _ => Err(format!("`{name}` has a field type pier cannot fill")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn schema() -> ElicitationSchema {
+        serde_json::from_value(json!({
+            "type": "object",
+            "required": ["name", "email"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "pattern": "^[A-Z][a-z]+$"},
+                "email": {"type": "string", "format": "email"},
+                "when": {"type": "string", "format": "date"},
+                "size": {"type": "string", "enum": ["s", "m", "l"]},
+                "count": {"type": "integer", "minimum": 1, "maximum": 10},
+                "ok": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}}
+            }
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn pairs(p: &[(&str, &str)]) -> Result<Content, String> {
+        let p: Vec<(String, String)> = p.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        check_pairs(&schema(), &p)
+    }
+
+    #[test]
+    fn a_fitting_answer_is_typed() {
+        let got = pairs(&[
+            ("name", "Ada"),
+            ("email", "ada@example.org"),
+            ("when", "2026-12-03"),
+            ("size", "m"),
+            ("count", "3"),
+            ("ok", "yes"),
+            ("tags", "a, b"),
+        ]);
+        let got = got.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(got["count"], ElicitationContentValue::Integer(3));
+        assert_eq!(got["ok"], ElicitationContentValue::Boolean(true));
+        assert_eq!(got["tags"], ElicitationContentValue::StringArray(vec!["a".into(), "b".into()]));
+    }
+
+    #[test]
+    fn each_rule_of_the_schema_refuses_what_breaks_it() {
+        let base = [("name", "Ada"), ("email", "ada@example.org")];
+        let with = |k: &'static str, v: &'static str| {
+            let mut p: Vec<(&str, &str)> = base.iter().copied().filter(|(n, _)| *n != k).collect();
+            p.push((k, v));
+            pairs(&p).err().unwrap_or_else(|| panic!("{k}={v} was accepted"))
+        };
+        assert!(with("name", "ada").contains("pattern"));
+        assert!(with("email", "not-an-address").contains("email"));
+        assert!(with("when", "03/12/2026").contains("date"));
+        assert!(with("size", "xl").contains("one of"));
+        assert!(with("count", "11").contains("range"));
+        assert!(with("count", "three").contains("whole number"));
+        assert!(with("ok", "maybe").contains("true or false"));
+        assert!(with("tags", "c").contains("not one of"));
+        assert!(with("colour", "red").contains("not asked for"));
+        assert!(pairs(&[("name", "Ada")]).err().is_some_and(|e| e.contains("missing: email")));
     }
 }

@@ -181,10 +181,11 @@ impl Run {
     ) -> RunOutcome {
         use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
         let mut commits = self.store.subscribe();
-        let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
         let mut next = Some((prompt, None::<String>));
         loop {
             let Some((prompt, session)) = next.take() else { return RunOutcome::failed(None) };
+            // A channel per turn: an interrupt meant for one turn never cancels the next.
+            let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
             let mut stopped = false;
             let mut for_message = false;
             let outcome = {
@@ -214,8 +215,9 @@ impl Run {
                 }
             };
             let answered = outcome.ending == ClientEnding::Answered && outcome.stop_reason == Some(StopReason::EndTurn);
-            let made_room =
-                for_message && outcome.stop_reason == Some(StopReason::Cancelled) && outcome.error.is_none();
+            // Cancelled to make room for a message, or answered before the cancel landed: either
+            // way the session is there and the message goes next.
+            let made_room = for_message && outcome.stop_reason.is_some() && outcome.error.is_none();
             let Some(session) = outcome.session_id.clone() else { return outcome };
             if stopped || !(answered || made_room) {
                 return outcome;
@@ -425,6 +427,9 @@ impl HostAsker {
         let mut commits = store.subscribe();
         let a = attempt.clone();
         let n = blocking(&store, move |s| s.park(&a, &request)).await.ok()?;
+        // Dropped before an answer (the agent withdrew the question, the turn is being
+        // cancelled): the question is withdrawn, so it is neither left open nor answered late.
+        let mut open = OpenQuestion { store: store.clone(), attempt: attempt.clone(), n: Some(n) };
         let answer = loop {
             let a = attempt.clone();
             match blocking(&store, move |s| s.answer_of(&a, n)).await {
@@ -433,9 +438,33 @@ impl HostAsker {
                 Ok(None) => commits.changed().await.ok()?,
             }
         };
+        open.n = None;
         let a = attempt.clone();
         let _ = blocking(&store, move |s| s.resume(&a)).await;
         Some(answer)
+    }
+}
+
+/// A question the host put to a person and still waits on; withdrawn if dropped so.
+struct OpenQuestion {
+    store: Arc<dyn TaskStore>,
+    attempt: Attempt,
+    n: Option<i64>,
+}
+
+impl Drop for OpenQuestion {
+    fn drop(&mut self) {
+        let Some(n) = self.n.take() else { return };
+        let (store, attempt) = (self.store.clone(), self.attempt.clone());
+        let withdraw = move || {
+            if let Err(e) = store.withdraw(&attempt, n) {
+                tracing::warn!(error = %e, task = %attempt.task, "could not withdraw a question");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(withdraw)),
+            Err(_) => withdraw(),
+        }
     }
 }
 

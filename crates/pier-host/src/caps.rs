@@ -20,6 +20,8 @@ use crate::plan::{Plan, PlanError, Problem, TaskSpec};
 use crate::store::TaskStore;
 
 /// The requirement words of ACP agents, and where each is in an `initialize` answer.
+/// (`elicitation`, that the agent's questions are answered, is the host's own: pier's client
+/// serves form elicitation, so it always holds.)
 pub const REQUIREMENTS: &[(&str, &str)] = &[
     ("image", "/agentCapabilities/promptCapabilities/image"),
     ("audio", "/agentCapabilities/promptCapabilities/audio"),
@@ -40,8 +42,9 @@ pub fn unknown_requirements(t: &TaskSpec) -> Vec<String> {
     for r in &t.requires {
         if r.trim().is_empty() {
             out.push("an empty requirement".to_owned());
-        } else if !is_worker(&t.agent) && !REQUIREMENTS.iter().any(|(w, _)| w == r) {
-            let known: Vec<&str> = REQUIREMENTS.iter().map(|(w, _)| *w).collect();
+        } else if !is_worker(&t.agent) && r != "elicitation" && !REQUIREMENTS.iter().any(|(w, _)| w == r) {
+            let mut known: Vec<&str> = REQUIREMENTS.iter().map(|(w, _)| *w).collect();
+            known.push("elicitation");
             out.push(format!("unknown requirement `{r}`; an agent can be required to offer {}", known.join(", ")));
         }
     }
@@ -69,8 +72,13 @@ pub async fn check(plan: &Plan, store: &std::sync::Arc<dyn TaskStore>, config: &
     let mut answers: BTreeMap<String, Result<Value, String>> = BTreeMap::new();
     for t in plan.tasks.iter().filter(|t| !t.requires.is_empty() && !is_worker(&t.agent)) {
         if !answers.contains_key(&t.agent) {
-            let answer = capabilities(t, store, config).await;
-            answers.insert(t.agent.clone(), answer);
+            let mut answer = capabilities(t, store, config, false).await;
+            // A stored answer that falls short may be old (the agent was upgraded since): ask
+            // the agent itself before refusing.
+            if answer.as_ref().is_ok_and(|(init, cached)| *cached && !missing(init, &t.requires).is_empty()) {
+                answer = capabilities(t, store, config, true).await;
+            }
+            answers.insert(t.agent.clone(), answer.map(|(init, _)| init));
         }
         let line = plan.lines.get(&t.id).copied().unwrap_or(0);
         match &answers[&t.agent] {
@@ -93,15 +101,17 @@ pub async fn check(plan: &Plan, store: &std::sync::Arc<dyn TaskStore>, config: &
     if problems.is_empty() { Ok(()) } else { Err(PlanError(problems)) }
 }
 
-/// The stored `initialize` answer of `t`'s agent, or a fresh one from a probe.
+/// The stored `initialize` answer of `t`'s agent (and `true`), or with `fresh` or none
+/// stored a new one from a probe (and `false`).
 async fn capabilities(
     t: &TaskSpec,
     store: &std::sync::Arc<dyn TaskStore>,
     config: &HostConfig,
-) -> Result<Value, String> {
+    fresh: bool,
+) -> Result<(Value, bool), String> {
     let spec = t.agent.clone();
-    if let Some(known) = blocking(store, move |s| s.agent(&spec)).await.map_err(|e| e.to_string())? {
-        return Ok(known.init);
+    if !fresh && let Some(known) = blocking(store, move |s| s.agent(&spec)).await.map_err(|e| e.to_string())? {
+        return Ok((known.init, true));
     }
     let opts = crate::attempt::attempt_options(t, config)?;
     let (events, _drain) = mpsc::channel(pier_client::run::EVENT_QUEUE);
@@ -110,5 +120,5 @@ async fn capabilities(
     agent.shutdown(&events).await;
     let (spec, answer) = (t.agent.clone(), init.clone());
     blocking(store, move |s| s.record_agent(&spec, &answer)).await.map_err(|e| e.to_string())?;
-    Ok(init)
+    Ok((init, false))
 }

@@ -61,6 +61,12 @@ pub fn say(
     if text.trim().is_empty() {
         return Err(ActionError::Refused { code: "bad_request", message: "the message is empty".into() });
     }
+    if text.len() > MAX_MESSAGE_BYTES {
+        return Err(ActionError::Refused {
+            code: "bad_request",
+            message: format!("the message is {} bytes; at most {MAX_MESSAGE_BYTES} go to an agent", text.len()),
+        });
+    }
     store.say(run, task, text, interrupt, by)?.ok_or_else(|| ActionError::Refused {
         code: "not_running",
         message: format!(
@@ -70,6 +76,9 @@ pub fn say(
         ),
     })
 }
+
+/// Longest message a person may send a task, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
 /// The key of a parked question's request under which an agent's question
 /// (`elicitation/create`) is kept, as opposed to a permission request.
@@ -102,10 +111,17 @@ pub fn answer_input(
     let refused = |message: String| ActionError::Refused { code: "bad_request", message };
     let question =
         store.open_question(run, task)?.filter(|q| q.request.get(ELICITATION).is_some()).ok_or_else(|| {
-            refused(format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()))
+            ActionError::Refused {
+                code: "bad_transition",
+                message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
+            }
         })?;
-    let request: CreateElicitationRequest = serde_json::from_value(question.request[ELICITATION].clone())
-        .map_err(|e| refused(format!("the stored question does not decode: {e}")))?;
+    let request: CreateElicitationRequest =
+        serde_json::from_value(question.request[ELICITATION].clone()).map_err(|e| StoreError::Corrupt {
+            run: run.to_owned(),
+            task: task.to_owned(),
+            what: format!("its question: {e}"),
+        })?;
     let schema = pier_client::elicit::form_schema(&request)
         .ok_or_else(|| refused("the question is not a form; it cannot be answered here".into()))?;
     let answer = match input {

@@ -425,8 +425,11 @@ async fn answer(
     let store = app.store.clone();
     if body.content.is_some() || body.decline {
         let input = match body.content {
-            Some(content) if !body.decline => pier_host::person::Input::Json(content),
-            _ => pier_host::person::Input::Decline,
+            Some(_) if body.decline => {
+                return Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", "give content or decline, not both"));
+            }
+            Some(content) => pier_host::person::Input::Json(content),
+            None => pier_host::person::Input::Decline,
         };
         let answer = tokio::task::spawn_blocking(move || {
             pier_host::person::answer_input(store.as_ref(), &run, &task, input, "http")

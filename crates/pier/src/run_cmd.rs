@@ -297,13 +297,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             let plan = checked.ok_or_else(|| anyhow::anyhow!("the plan was not checked"))?;
             let base = plan_path.canonicalize()?.parent().map(PathBuf::from).unwrap_or(here.clone());
             let run_id = args.run_id.clone().unwrap_or_else(|| format!("run-{}", &uuid_short()));
-            // A run id names one plan: a second plan under it is refused, never silently ignored.
-            anyhow::ensure!(
-                !store.run_exists(&run_id)?,
-                "run `{run_id}` already exists; resume it with `pier run --resume {run_id}`, or give this plan \
-                 another --run-id"
-            );
-            (run_id, base, Some((plan, plan_path.display().to_string())))
+            // A run id names one plan: the same plan joins the run (a second host driving it);
+            // another plan under it is refused, never silently ignored.
+            let new = if store.run_exists(&run_id)? {
+                let stored: Vec<pier_host::TaskSpec> = store.tasks(&run_id)?.into_iter().map(|t| t.spec).collect();
+                anyhow::ensure!(
+                    stored == plan.tasks,
+                    "run `{run_id}` already exists with another plan; resume it with `pier run --resume {run_id}`, or \
+                     give this plan another --run-id"
+                );
+                None
+            } else {
+                Some((plan, plan_path.display().to_string()))
+            };
+            (run_id, base, new)
         }
         (None, None) => anyhow::bail!("give a plan file or --resume RUN"),
     };

@@ -424,3 +424,45 @@ async fn pier_exec_on_a_terminal_asks_the_person_field_by_field() {
     assert!(screen.contains("`count` must be a whole number"), "{screen}");
     assert_eq!(recorded(&record), vec![json!({"action": "accept", "content": {"count": 3, "name": "Ada"}})]);
 }
+
+/// An interrupting message while the task waits on its agent's question: the question is
+/// withdrawn (the agent gets `cancel`), the message goes on the same session, and the
+/// agent's next question is the one a person answers.
+#[tokio::test]
+async fn an_interrupting_message_withdraws_the_open_question() {
+    let (h, record) = elicit_host(None);
+    let host = parked(&h, "q3").await;
+    let said = h.run(&["say", "--interrupt", "q", "use the blue labels"]).await;
+    assert_eq!(said.status.code(), Some(0), "{}", stderr(&said));
+    use pier_host::TaskStore;
+    let until = std::time::Instant::now() + support::LIMIT;
+    // The first question is withdrawn; the agent, prompted again, asks a second one.
+    while h.store().open_question("q3", "q").ok().flatten().is_none_or(|q| q.n < 2) {
+        assert!(std::time::Instant::now() < until, "no second question: {:?}", recorded_if_any(&record));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(recorded(&record), vec![json!({"action": "cancel"})]);
+    let t = must(h.store().task("q3", "q"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.state, pier_host::TaskState::AwaitingInput);
+    let ok = h.run(&["answer", "q", "name=Bo"]).await;
+    assert_eq!(ok.status.code(), Some(0), "{}", stderr(&ok));
+    let o = must(must(tokio::time::timeout(support::LIMIT, host.wait_with_output()).await, "pier run ends"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = must(h.store().task("q3", "q"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.attempt, 1, "the same attempt went on");
+    assert!(t.result.as_deref().is_some_and(|r| r.contains("\"Bo\"")), "{:?}", t.result);
+    // The withdrawn question let the task run again before the second one parked it.
+    let events = lines(&h.run(&["events", "--run", "q3", "--format", "json"]).await);
+    let kinds: Vec<String> = events
+        .iter()
+        .filter(|e| e["type"] == "question" || (e["type"] == "transition" && e["to"] == "running"))
+        .map(|e| format!("{} {}", e["type"].as_str().unwrap_or(""), e["reason"].as_str().unwrap_or("")))
+        .collect();
+    let withdrawn = kinds.iter().position(|k| k.contains("its question was withdrawn"));
+    let second = kinds.iter().enumerate().filter(|(_, k)| k.starts_with("question")).nth(1).map(|(i, _)| i);
+    assert!(withdrawn.is_some() && withdrawn < second, "{kinds:?}");
+    // No question is left open behind the task: a late answer reaches nobody and is refused.
+    let late = h.run(&["answer", "q", "name=Late"]).await;
+    assert_ne!(late.status.code(), Some(0), "a withdrawn question took an answer");
+    assert!(stderr(&late).contains("asks no question"), "{}", stderr(&late));
+}

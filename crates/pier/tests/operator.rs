@@ -27,10 +27,12 @@ async fn runs_are_listed_and_a_run_id_names_one_plan() {
     let o = h.run(&["run", other.to_str().unwrap_or_default(), "--run-id", "first"]).await;
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("run `first` already exists; resume it with `pier run --resume first`"),
+        stderr(&o).contains("run `first` already exists with another plan; resume it with `pier run --resume first`"),
         "{}",
         stderr(&o)
     );
+    // The same plan under it joins the run (a second host driving it), with nothing left to do.
+    assert_eq!(h.run(&["run", p, "--run-id", "first"]).await.status.code(), Some(0));
     // Events of a run that is not there: an error, not silence.
     let o = h.run(&["events", "--run", "frist"]).await;
     assert_eq!(o.status.code(), Some(1));

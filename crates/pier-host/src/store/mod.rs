@@ -447,6 +447,9 @@ pub trait TaskStore: Send + Sync + 'static {
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError>;
     /// A task's attempts, oldest first.
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError>;
+    /// The attempt stopped waiting for its question `n` (withdrawn, or its turn cancelled):
+    /// the question is void and the task runs again if it waits on nothing else. Fenced.
+    fn withdraw(&self, attempt: &Attempt, question: i64) -> Result<(), StoreError>;
     /// Queues a person's message for a running task; its number, or `None` when the task is
     /// not running (nothing is queued).
     fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError>;

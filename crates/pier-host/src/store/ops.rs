@@ -275,6 +275,11 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
 }
 
 pub(super) fn resume(tx: &mut dyn Tx, a: &Attempt) -> Result<(bool, i64), StoreError> {
+    go_on(tx, a, "a person answered")
+}
+
+/// The attempt runs again if its task waits on no open question; `why` says what ended the wait.
+fn go_on(tx: &mut dyn Tx, a: &Attempt, why: &str) -> Result<(bool, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Ok((false, 0));
@@ -292,15 +297,24 @@ pub(super) fn resume(tx: &mut dyn Tx, a: &Attempt) -> Result<(bool, i64), StoreE
         "UPDATE tasks SET state = 'running', version = version + 1 WHERE run_id = ?1 AND id = ?2",
         &[Arg::Text(&a.run), Arg::Text(&a.task)],
     )?;
-    let seq = transition_event(
-        tx,
-        &row,
-        TaskState::Running,
-        a.n,
-        "a person answered the permission request",
-        Extra::default(),
-    )?;
+    let seq = transition_event(tx, &row, TaskState::Running, a.n, why, Extra::default())?;
     Ok((true, seq))
+}
+
+/// The attempt stopped waiting for question `n` (the agent withdrew it, its turn was
+/// cancelled): the question is void, so nobody answers it, and the task runs again if it
+/// waits on nothing else.
+pub(super) fn withdraw(tx: &mut dyn Tx, a: &Attempt, n: i64) -> Result<(bool, i64), StoreError> {
+    let row = load_task(tx, &a.run, &a.task)?;
+    if !holds(&row, a, now_ms()) {
+        return Ok((false, 0));
+    }
+    tx.exec(
+        "UPDATE questions SET answer = '', answered_by = 'withdrawn'
+         WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4 AND answer IS NULL",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Int(n)],
+    )?;
+    go_on(tx, a, "its question was withdrawn")
 }
 
 /// Applies an ending to a task whose attempt `n` ends (the caller has checked who may).
@@ -573,7 +587,9 @@ pub(super) fn say(
     by: &str,
 ) -> Result<(Option<i64>, i64), StoreError> {
     let row = load_task(tx, run, task)?;
-    if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) {
+    // A live attempt (running, or parked on a question) takes messages; a task waiting for
+    // a re-run decision has none, and a message to it would never be sent.
+    if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) || row.lease_owner.is_none() {
         return Ok((None, 0));
     }
     let closed = tx.int(

@@ -605,6 +605,11 @@ impl TaskStore for SqliteStore {
             .collect()
     }
 
+    fn withdraw(&self, attempt: &Attempt, question: i64) -> Result<(), StoreError> {
+        let a = attempt.clone();
+        self.write(move |tx| ops::withdraw(tx, &a, question)).map(|_| ())
+    }
+
     fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError> {
         let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
         self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by))
