@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use agent_client_protocol_schema::v1::Error;
 use futures::future::BoxFuture;
 use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx};
+use pier_fake_model::body::first_user;
 use pier_fake_model::{FakeModel, Reply, Step};
 use serde_json::{Value, json};
 
@@ -51,15 +52,6 @@ impl Seen {
         let at = |s: &str| seen.iter().find(|(i, st, _)| i == id && st == s).map(|(.., t)| *t);
         Some(at("completed")?.duration_since(at("in_progress")?))
     }
-}
-
-fn first_user(body: &Value) -> String {
-    body["messages"]
-        .as_array()
-        .and_then(|m| m.iter().find(|m| m["role"] == "user"))
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or_default()
-        .to_owned()
 }
 
 fn command(pier: &Path, args: &[&str], env: &[(String, String)], cwd: &Path) -> tokio::process::Command {

@@ -182,17 +182,21 @@ fn format_name(format: &agent_client_protocol_schema::v1::StringFormat) -> &'sta
     }
 }
 
+/// The values a text field may take (its `enum` or `oneOf`); empty when any text goes.
+fn choices(p: &agent_client_protocol_schema::v1::StringPropertySchema) -> Vec<&str> {
+    p.enum_values
+        .iter()
+        .flatten()
+        .map(String::as_str)
+        .chain(p.one_of.iter().flatten().map(|o| o.value.as_str()))
+        .collect()
+}
+
 /// A field's kind and choices, for the prompt.
 fn describe(property: &ElicitationPropertySchema) -> String {
     match property {
         ElicitationPropertySchema::String(p) => {
-            let choices: Vec<&str> = p
-                .enum_values
-                .iter()
-                .flatten()
-                .map(String::as_str)
-                .chain(p.one_of.iter().flatten().map(|o| o.value.as_str()))
-                .collect();
+            let choices = choices(p);
             if choices.is_empty() { String::new() } else { format!(" [{}]", choices.join("/")) }
         }
         ElicitationPropertySchema::Number(_) => " (a number)".into(),
@@ -233,13 +237,7 @@ fn value_of(
                     p.max_length.map_or("∞".into(), |m| m.to_string())
                 ));
             }
-            let allowed: Vec<&str> = p
-                .enum_values
-                .iter()
-                .flatten()
-                .map(String::as_str)
-                .chain(p.one_of.iter().flatten().map(|o| o.value.as_str()))
-                .collect();
+            let allowed = choices(p);
             if !allowed.is_empty() && !allowed.contains(&s) {
                 return Err(format!("`{name}` must be one of: {}", allowed.join(", ")));
             }

@@ -15,6 +15,7 @@
 //!
 //! It is also the scripted model behind `pier demo`.
 
+pub mod body;
 pub mod check;
 mod encode;
 pub mod peers;

@@ -21,6 +21,9 @@ use crate::plan::{TaskSpec, render};
 use crate::pool::AgentPool;
 use crate::store::{Attempt, ErrorClass, StoreError, TaskRow, TaskStore, now_ms};
 
+/// How often, at most, a running turn looks in the store for an interrupting message.
+const CHECK_EVERY: Duration = Duration::from_millis(50);
+
 /// A claimed attempt, ready to run.
 pub(crate) struct Run {
     pub store: Arc<dyn TaskStore>,
@@ -188,6 +191,10 @@ impl Run {
             let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
             let mut stopped = false;
             let mut for_message = false;
+            let now = tokio::time::Instant::now();
+            let (mut check_due, mut last_check) = (false, now.checked_sub(CHECK_EVERY).unwrap_or(now));
+            let next_check = tokio::time::sleep_until(last_check);
+            tokio::pin!(next_check);
             let outcome = {
                 let turn = async {
                     match session {
@@ -203,7 +210,15 @@ impl Run {
                             stopped = true;
                             let _ = cancel_turn.send(());
                         }
-                        Ok(()) = commits.changed(), if !stopped && !for_message => {
+                        // Every commit of the store rings here (this attempt's own events too), so
+                        // the look for an interrupting message is taken at most every CHECK_EVERY.
+                        Ok(()) = commits.changed(), if !stopped && !for_message && !check_due => {
+                            check_due = true;
+                            next_check.as_mut().reset(last_check + CHECK_EVERY);
+                        }
+                        () = &mut next_check, if check_due && !stopped && !for_message => {
+                            check_due = false;
+                            last_check = tokio::time::Instant::now();
                             let (run, task) = (self.attempt.run.clone(), self.attempt.task.clone());
                             let waiting = blocking(&self.store, move |s| s.interrupt_waiting(&run, &task)).await;
                             if matches!(waiting, Ok(true)) {

@@ -10,6 +10,14 @@ use crate::host::is_worker_task;
 use crate::state::TaskState;
 use crate::store::{Attempt, Ending, ErrorClass, Idem, StoreError, TaskRow, TaskStore, now_ms};
 
+/// The task a person names, or which of run and task is unknown.
+fn task_of(store: &dyn TaskStore, run: &str, task: &str) -> Result<TaskRow, StoreError> {
+    if !store.run_exists(run)? {
+        return Err(StoreError::UnknownRun(run.to_owned()));
+    }
+    store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))
+}
+
 /// Why an outside action was refused.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ActionError {
@@ -45,10 +53,7 @@ pub fn say(
     interrupt: bool,
     by: &str,
 ) -> Result<i64, ActionError> {
-    if !store.run_exists(run)? {
-        return Err(StoreError::UnknownRun(run.to_owned()).into());
-    }
-    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    let row = task_of(store, run, task)?;
     if is_worker_task(&row) {
         return Err(ActionError::Refused {
             code: "no_session",
@@ -104,10 +109,7 @@ pub fn answer_input(
     by: &str,
 ) -> Result<Value, ActionError> {
     use agent_client_protocol_schema::v1::CreateElicitationRequest;
-    if !store.run_exists(run)? {
-        return Err(StoreError::UnknownRun(run.to_owned()).into());
-    }
-    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    let row = task_of(store, run, task)?;
     let refused = |message: String| ActionError::Refused { code: "bad_request", message };
     let question =
         store.open_question(run, task)?.filter(|q| q.request.get(ELICITATION).is_some()).ok_or_else(|| {
@@ -163,10 +165,7 @@ pub fn answer(
     option: Option<&str>,
     by: &str,
 ) -> Result<Answered, ActionError> {
-    if !store.run_exists(run)? {
-        return Err(StoreError::UnknownRun(run.to_owned()).into());
-    }
-    let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
+    let row = task_of(store, run, task)?;
     if row.state != TaskState::AwaitingInput {
         return Err(ActionError::Refused {
             code: "bad_transition",

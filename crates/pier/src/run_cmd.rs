@@ -536,11 +536,18 @@ pub fn runs(args: RunsArgs) -> anyhow::Result<()> {
 
 #[derive(Debug, clap::Args)]
 pub struct AnswerArgs {
-    /// The task waiting for input
-    task: String,
+    #[command(flatten)]
+    target: TaskTarget,
     /// The option to choose, by id or kind: approve allow_once (default) or allow_always, deny
     /// reject_once (default) or reject_always
     option: Option<String>,
+}
+
+/// A task named on the command line: in a run (the newest with that task by default) of a store.
+#[derive(Debug, clap::Args)]
+pub struct TaskTarget {
+    /// The task
+    task: String,
     /// The run [default: the newest run with that task]
     #[arg(long)]
     run: Option<String>,
@@ -549,36 +556,44 @@ pub struct AnswerArgs {
     store: Option<String>,
 }
 
+impl TaskTarget {
+    /// The store and the run the task is in.
+    fn open(&self) -> anyhow::Result<(std::sync::Arc<dyn TaskStore>, String)> {
+        let store = open_store(&self.store)?;
+        let run = match &self.run {
+            Some(r) => r.clone(),
+            None => store
+                .runs_with_task(&self.task)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", self.task))?,
+        };
+        Ok((store, run))
+    }
+}
+
+/// Who a person at this command line is, for the record.
+fn person() -> String {
+    format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()))
+}
+
 #[derive(Debug, clap::Args)]
 pub struct InputArgs {
-    /// The task whose agent asked a question
-    task: String,
+    #[command(flatten)]
+    target: TaskTarget,
     /// The answers, FIELD=VALUE each (a list field takes comma-separated values)
     #[arg(value_name = "FIELD=VALUE")]
     fields: Vec<String>,
     /// Decline to answer
     #[arg(long, conflicts_with = "fields")]
     decline: bool,
-    /// The run [default: the newest run with that task]
-    #[arg(long)]
-    run: Option<String>,
-    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
-    #[arg(long)]
-    store: Option<String>,
 }
 
 /// `pier answer`: answer the question a task's agent asked (it waits in awaiting_input).
 #[allow(clippy::print_stdout)]
 pub fn answer_input(args: InputArgs) -> anyhow::Result<()> {
-    let store = open_store(&args.store)?;
-    let run = match &args.run {
-        Some(r) => r.clone(),
-        None => store
-            .runs_with_task(&args.task)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", args.task))?,
-    };
+    let (store, run) = args.target.open()?;
+    let task = &args.target.task;
     let input = if args.decline {
         pier_host::person::Input::Decline
     } else {
@@ -593,73 +608,50 @@ pub fn answer_input(args: InputArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         pier_host::person::Input::Pairs(pairs)
     };
-    let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
-    let answer = pier_host::person::answer_input(store.as_ref(), &run, &args.task, input, &who)?;
-    println!("answered task `{}` of run `{run}`: {answer}", args.task);
+    let answer = pier_host::person::answer_input(store.as_ref(), &run, task, input, &person())?;
+    println!("answered task `{task}` of run `{run}`: {answer}");
     Ok(())
 }
 
 #[derive(Debug, clap::Args)]
 pub struct SayArgs {
-    /// The running task
-    task: String,
+    #[command(flatten)]
+    target: TaskTarget,
     /// What to tell it: sent as the next prompt on its session
     text: String,
     /// Cancel its current turn (through the cancel handshake) and send this at once
     #[arg(long)]
     interrupt: bool,
-    /// The run [default: the newest run with that task]
-    #[arg(long)]
-    run: Option<String>,
-    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
-    #[arg(long)]
-    store: Option<String>,
 }
 
 /// `pier say`: a message to a running task, whichever host runs it on this store.
 #[allow(clippy::print_stdout)]
 pub fn say(args: SayArgs) -> anyhow::Result<()> {
-    let store = open_store(&args.store)?;
-    let run = match &args.run {
-        Some(r) => r.clone(),
-        None => store
-            .runs_with_task(&args.task)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", args.task))?,
-    };
-    let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
-    let n = pier_host::person::say(store.as_ref(), &run, &args.task, &args.text, args.interrupt, &who)?;
+    let (store, run) = args.target.open()?;
+    let task = &args.target.task;
+    let n = pier_host::person::say(store.as_ref(), &run, task, &args.text, args.interrupt, &person())?;
     let when = if args.interrupt { "now, after its current turn is cancelled" } else { "when its current turn ends" };
-    println!("message {n} for task `{}` of run `{run}`: it goes to the agent {when}", args.task);
+    println!("message {n} for task `{task}` of run `{run}`: it goes to the agent {when}");
     Ok(())
 }
 
 /// `pier approve` (`allow` true) and `pier deny`: answer a task in `awaiting_input`.
 #[allow(clippy::print_stdout)]
 pub fn answer(args: AnswerArgs, allow: bool) -> anyhow::Result<()> {
-    let store = open_store(&args.store)?;
-    let run = match &args.run {
-        Some(r) => r.clone(),
-        None => store
-            .runs_with_task(&args.task)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("no run has a task `{}`", args.task))?,
-    };
+    let (store, run) = args.target.open()?;
+    let task = &args.target.task;
     let task = store
         .tasks(&run)?
         .into_iter()
-        .find(|t| t.id == args.task)
-        .ok_or_else(|| anyhow::anyhow!("run `{run}` has no task `{}`", args.task))?;
+        .find(|t| &t.id == task)
+        .ok_or_else(|| anyhow::anyhow!("run `{run}` has no task `{task}`"))?;
     anyhow::ensure!(
         task.state == pier_host::TaskState::AwaitingInput,
         "task `{}` of run `{run}` is {}, not awaiting_input",
         task.id,
         task.state.as_str()
     );
-    let who = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
-    let answered = pier_host::person::answer(store.as_ref(), &run, &task.id, allow, args.option.as_deref(), &who)?;
+    let answered = pier_host::person::answer(store.as_ref(), &run, &task.id, allow, args.option.as_deref(), &person())?;
     match answered {
         pier_host::person::Answered::Option(chosen) => {
             println!("answered `{chosen}` for task `{}` of run `{run}`", task.id);

@@ -6,6 +6,7 @@ mod support;
 
 use std::path::Path;
 
+use pier_fake_model::body::{tool_names, tool_results};
 use pier_fake_model::{FakeModel, Reply};
 use serde_json::{Value, json};
 use support::host::{Host, lines, stderr};
@@ -330,22 +331,6 @@ async fn pier_exec_unattended_declines_a_question_at_once_and_says_so() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(recorded(&record), vec![json!({"action": "decline"})]);
     assert!(stderr(&o).contains("the agent asked: Who is this for, and how many copies? — decline"), "{}", stderr(&o));
-}
-
-fn tool_names(body: &Value) -> Vec<String> {
-    body["tools"]
-        .as_array()
-        .map(|t| t.iter().filter_map(|t| t["function"]["name"].as_str().map(str::to_owned)).collect())
-        .unwrap_or_default()
-}
-
-fn tool_results(body: &Value) -> Vec<String> {
-    body["messages"]
-        .as_array()
-        .map(|m| {
-            m.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["content"].as_str().map(str::to_owned)).collect()
-        })
-        .unwrap_or_default()
 }
 
 /// pier's own agent asks the person through the host: `ask_user` → `elicitation/create` →

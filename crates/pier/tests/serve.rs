@@ -7,6 +7,7 @@ use std::process::Stdio;
 
 use futures::StreamExt;
 use pier_fake_model::FakeModel;
+use pier_fake_model::body::user_messages;
 use pier_model::sse::SseDecoder;
 use serde_json::{Value, json};
 use support::{LIMIT, echo, must, sdk_agent};
@@ -541,16 +542,6 @@ async fn a_plan_needing_what_its_agent_lacks_is_a_bad_plan_and_agents_shows_why(
     assert!(sdk["init"]["agentCapabilities"].is_object(), "{agents}");
 }
 
-/// The user messages of a model request, in order.
-fn user_messages(body: &Value) -> Vec<String> {
-    body["messages"]
-        .as_array()
-        .map(|m| {
-            m.iter().filter(|m| m["role"] == "user").filter_map(|m| m["content"].as_str().map(str::to_owned)).collect()
-        })
-        .unwrap_or_default()
-}
-
 async fn task_result(s: &Server, run: &str, task: &str) -> Value {
     s.events_until(Some(0), |e| e["task"] == task && e["type"] == "transition" && e["to"] == "completed").await;
     s.call(reqwest::Method::GET, &format!("/runs/{run}/tasks/{task}"), None).await.1
@@ -642,4 +633,14 @@ async fn an_agents_question_is_answered_over_http() {
     let shown = task_result(&s, "h", "q").await;
     let result = shown["task"]["result"].as_str().unwrap_or_default();
     assert_eq!(result, r#"got: {"action": "accept", "content": {"count": 2, "name": "Ada"}}"#, "{shown}");
+}
+
+#[tokio::test]
+async fn a_message_to_a_pull_worker_task_is_refused_for_want_of_a_session() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "pw"}))).await.0, 201);
+    lease(&s, "w1", 10_000).await;
+    let (code, body) = s.call(reqwest::Method::POST, "/runs/pw/tasks/w/messages", Some(json!({"text": "hello"}))).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (409, Some("no_session")), "{body}");
 }

@@ -8,39 +8,13 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use pier_fake_model::body::{first_user, tool_names, tool_results};
 use pier_fake_model::{FakeModel, Gate, Reply, Step};
 use serde_json::{Value, json};
 use support::{LIMIT, Options, PierProcess, must, stop_reason};
 
 async fn fake() -> FakeModel {
     must(FakeModel::start().await, "start the fake model")
-}
-
-/// The text of the first user message of a request: which conversation it belongs to.
-fn first_user(body: &Value) -> String {
-    body["messages"]
-        .as_array()
-        .and_then(|m| m.iter().find(|m| m["role"] == "user"))
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or_default()
-        .to_owned()
-}
-
-/// The tool results of a request, in order.
-fn tool_results(body: &Value) -> Vec<String> {
-    body["messages"]
-        .as_array()
-        .map(|m| {
-            m.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["content"].as_str().map(str::to_owned)).collect()
-        })
-        .unwrap_or_default()
-}
-
-fn tool_names(body: &Value) -> Vec<String> {
-    body["tools"]
-        .as_array()
-        .map(|t| t.iter().filter_map(|t| t["function"]["name"].as_str().map(str::to_owned)).collect())
-        .unwrap_or_default()
 }
 
 /// A model message calling `delegate` once per prompt, in one message.
@@ -796,5 +770,32 @@ async fn a_failed_question_to_the_parents_client_is_a_rejection_for_the_child() 
     let (_, resp) = p.read_until_response(id).await;
     assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
     assert_eq!(child.answers(), vec!["no"], "unavailable is a rejection, once");
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
+#[tokio::test]
+async fn a_child_gets_no_directory_outside_the_parents_roots_and_stops_at_its_timeout() {
+    let f = fake().await;
+    f.set_fallback(|body| match (first_user(body).as_str(), tool_results(body).len()) {
+        ("limits", 0) => delegate_calls(&[
+            ("out", json!({"prompt": "child: escape", "cwd": "/"})),
+            ("slow", json!({"prompt": "child: forever", "timeout_s": 0.5})),
+        ]),
+        ("limits", _) => Reply::text(&tool_results(body).join(" | ")),
+        _ => Reply::Hang,
+    });
+    let (mut p, sid) = PierProcess::start(parent(&f)).await;
+    let id = p.prompt(&sid, "limits").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    let said = support::agent_texts(&notes, &sid).join("");
+    let (out, slow) = said.split_once(" | ").unwrap_or_else(|| panic!("{said}"));
+    assert!(out.starts_with("error: ") && out.contains("outside"), "{out}");
+    assert!(slow.contains("did not finish within its timeout"), "{slow}");
+    assert_eq!(
+        f.requests().iter().filter(|r| first_user(&r.body) == "child: escape").count(),
+        0,
+        "no child ran outside"
+    );
     none_left_in(&workdir(&p), p.pid).await;
 }
