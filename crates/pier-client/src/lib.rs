@@ -28,7 +28,7 @@ pub use event::{ClientEvent, Evidence, SideEffects};
 pub use partial::Partial;
 pub use policy::{ClientPolicy, NonInteractive, Rule};
 pub use registry::{AgentCommand, AgentDef};
-pub use run::{Ending, RunOptions, RunOutcome, SessionTarget};
+pub use run::{Ending, RunOptions, RunOutcome, SessionTarget, TimeLimit};
 
 /// Why a run could not do its job.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -24,9 +24,10 @@ use std::time::{Duration, Instant};
 
 use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
-    ClientCapabilities, ContentBlock, ElicitationCapabilities, ElicitationFormCapabilities, FileSystemCapabilities,
-    Implementation, InitializeRequest, InitializeResponse, LoadSessionRequest, NewSessionRequest, NewSessionResponse,
-    PromptRequest, PromptResponse, ResumeSessionRequest, SessionNotification, SessionUpdate, StopReason,
+    ClientCapabilities, ContentBlock, ElicitationCapabilities, ElicitationFormCapabilities, EmbeddedResource,
+    EmbeddedResourceResource, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
+    LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
+    SessionNotification, SessionUpdate, StopReason, TextContent,
 };
 use pier_acp::{Connection, ConnectionConfig, RequestError};
 use serde::Serialize;
@@ -84,6 +85,9 @@ impl std::fmt::Debug for dyn crate::handler::Asker {
 #[derive(Debug, Clone)]
 pub enum SessionTarget {
     New,
+    /// A new session that must be continuable later (`pier prompt -s`): refused before
+    /// it is opened when the agent offers neither `session/resume` nor `session/load`.
+    NewContinuable,
     /// An existing session, continued with `session/resume` or `session/load`.
     Continue {
         session_id: String,
@@ -96,13 +100,48 @@ pub enum Ending {
     /// The agent answered the prompt.
     Answered,
     /// `--timeout` or `--max-time` fired; `confirmed` says whether the agent confirmed the cancel.
-    TimedOut { confirmed: bool },
+    TimedOut { confirmed: bool, limit: TimeLimit },
     /// Ctrl-C or SIGTERM.
     Interrupted { confirmed: bool },
     /// `--non-interactive fail` met a permission request that asks.
     PermissionRequired,
     /// Something failed; see `error`.
     Failed,
+}
+
+/// Which time limit ended a run, and how long it was: what a person is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeLimit {
+    /// The agent sent nothing for this long during the turn (`--timeout`, a task's `timeout`).
+    Idle(Duration),
+    /// The turn ran this long in all (`--max-time`, a task's `max_time`).
+    Total(Duration),
+    /// The agent did not start or open its session within this long.
+    Setup(Duration),
+}
+
+impl TimeLimit {
+    pub fn duration(self) -> Duration {
+        match self {
+            TimeLimit::Idle(d) | TimeLimit::Total(d) | TimeLimit::Setup(d) => d,
+        }
+    }
+}
+
+impl std::fmt::Display for TimeLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secs = |d: Duration| {
+            let s = d.as_secs_f64();
+            if s.fract() == 0.0 { format!("{s:.0}s") } else { format!("{s:.1}s") }
+        };
+        match *self {
+            TimeLimit::Idle(d) => write!(f, "timed out after {} without any update from the agent", secs(d)),
+            TimeLimit::Total(d) => write!(f, "timed out: the turn reached its time limit of {}", secs(d)),
+            TimeLimit::Setup(d) => {
+                write!(f, "timed out: the agent did not start and open its session within {}", secs(d))
+            }
+        }
+    }
 }
 
 /// Everything a renderer needs at the end.
@@ -270,10 +309,20 @@ impl Stopped {
     }
 }
 
-/// The latest instant a setup request (handshake, session) may be answered by.
-fn setup_deadline(opts: &RunOptions, from: Instant) -> Instant {
-    let bound = opts.max_time.map_or(opts.setup_timeout, |m| m.min(opts.setup_timeout));
-    from + bound
+/// The latest instant a setup request (handshake, session) may be answered by, and
+/// the limit that sets it.
+#[derive(Debug, Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    limit: TimeLimit,
+}
+
+fn setup_deadline(opts: &RunOptions, from: Instant) -> Deadline {
+    let limit = match opts.max_time {
+        Some(max) if max < opts.setup_timeout => TimeLimit::Total(max),
+        _ => TimeLimit::Setup(opts.setup_timeout),
+    };
+    Deadline { at: from + limit.duration(), limit }
 }
 
 /// An agent process that has answered `initialize`: the connection's state, which
@@ -372,7 +421,7 @@ impl LiveAgent {
     async fn handshake(
         &mut self,
         opts: &RunOptions,
-        deadline: Instant,
+        deadline: Deadline,
         interrupts: &mut Interrupts,
     ) -> Result<(), Stopped> {
         // Form questions are answered by the host's person, or declined when nobody is there.
@@ -483,6 +532,7 @@ impl LiveAgent {
         mut outcome: RunOutcome,
     ) -> RunOutcome {
         outcome.session_id = Some(session_id.clone());
+        let prompt = fit_prompt(prompt, &self.init);
         let mut turn = Turn::new(opts, session_id, started);
         let answer = turn.drive(self, prompt, events, interrupts).await;
         outcome.text = turn.transcript.text();
@@ -551,11 +601,14 @@ impl LiveAgent {
         &mut self,
         opts: &RunOptions,
         target: SessionTarget,
-        deadline: Instant,
+        deadline: Deadline,
         interrupts: &mut Interrupts,
     ) -> Result<String, Stopped> {
         let session_id = match target {
-            SessionTarget::New => {
+            SessionTarget::NewContinuable if !self.resume_session && !self.load_session => {
+                return Err(Stopped::failed(self.cannot_continue()));
+            }
+            SessionTarget::New | SessionTarget::NewContinuable => {
                 let mut request = NewSessionRequest::new(opts.cwd.clone()).meta(opts.meta.clone());
                 // The directories besides cwd this run may use, told to an agent that confines
                 // itself to its session's roots; sent only when it advertises
@@ -587,12 +640,7 @@ impl LiveAgent {
                     self.state.replaying.store(false, Ordering::SeqCst);
                     loaded?;
                 } else {
-                    return Err(Stopped::failed(ClientError::Agent {
-                        agent: self.process.name.clone(),
-                        message: "it cannot continue sessions (it offers neither session/resume nor session/load); \
-                                  start a new session instead"
-                            .into(),
-                    }));
+                    return Err(Stopped::failed(self.cannot_continue()));
                 }
                 session_id
             }
@@ -600,8 +648,17 @@ impl LiveAgent {
         Ok(session_id)
     }
 
+    fn cannot_continue(&self) -> ClientError {
+        ClientError::Agent {
+            agent: self.process.name.clone(),
+            message: "it cannot continue sessions (it offers neither session/resume nor session/load), \
+                      so a named session of it could never go on; use `pier exec` for a one-off prompt"
+                .into(),
+        }
+    }
+
     /// Authenticates with the first env-var method whose variables are all set.
-    async fn authenticate(&mut self, deadline: Instant, interrupts: &mut Interrupts) -> Result<(), Stopped> {
+    async fn authenticate(&mut self, deadline: Deadline, interrupts: &mut Interrupts) -> Result<(), Stopped> {
         let methods = self.init["authMethods"].as_array().cloned().unwrap_or_default();
         let usable = methods.iter().find(|m| {
             let vars: Vec<&str> =
@@ -637,7 +694,7 @@ impl LiveAgent {
         &mut self,
         what: &str,
         params: &impl Serialize,
-        deadline: Instant,
+        deadline: Deadline,
         interrupts: &mut Interrupts,
     ) -> Result<T, Stopped> {
         let answer = self.setup_raw(what, params, deadline, interrupts).await?;
@@ -651,7 +708,7 @@ impl LiveAgent {
         &mut self,
         what: &str,
         params: &impl Serialize,
-        deadline: Instant,
+        deadline: Deadline,
         interrupts: &mut Interrupts,
     ) -> Result<Result<T, RequestError>, Stopped> {
         enum Wake<T> {
@@ -662,7 +719,7 @@ impl LiveAgent {
         }
         let wake = tokio::select! {
             answer = self.conn.request::<_, T>(what, params) => Wake::Answered(answer),
-            _ = tokio::time::sleep_until(deadline.into()) => Wake::TimedOut,
+            _ = tokio::time::sleep_until(deadline.at.into()) => Wake::TimedOut,
             _ = self.state.protocol_broken.cancelled() => Wake::Broken,
             Some(()) = interrupts.recv() => Wake::Interrupted,
         };
@@ -671,11 +728,9 @@ impl LiveAgent {
             Wake::Broken => Err(Stopped::failed(protocol_error(&mut self.process, &self.state))),
             Wake::TimedOut => {
                 self.process.kill().await;
-                let error = agent_error(
-                    &mut self.process,
-                    format!("it did not answer {what} in time (--timeout, --max-time); it was killed"),
-                );
-                Err(Stopped { ending: Ending::TimedOut { confirmed: false }, error })
+                let limit = deadline.limit;
+                let error = agent_error(&mut self.process, format!("{limit}: it did not answer {what}; it was killed"));
+                Err(Stopped { ending: Ending::TimedOut { confirmed: false, limit }, error })
             }
             Wake::Interrupted => {
                 self.process.kill().await;
@@ -714,7 +769,7 @@ enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Cause {
     /// `--timeout` or `--max-time`.
-    Timeout,
+    Timeout(TimeLimit),
     /// Ctrl-C, SIGTERM or the host's stop.
     Interrupt,
     /// `--non-interactive fail` met an *ask*.
@@ -726,7 +781,7 @@ impl Phase {
     fn ending(self, confirmed: bool) -> Ending {
         match self {
             Phase::Prompting => Ending::Answered,
-            Phase::Cancelling { cause: Cause::Timeout, .. } => Ending::TimedOut { confirmed },
+            Phase::Cancelling { cause: Cause::Timeout(limit), .. } => Ending::TimedOut { confirmed, limit },
             Phase::Cancelling { cause: Cause::Interrupt, .. } => Ending::Interrupted { confirmed },
             Phase::Cancelling { cause: Cause::Permission, .. } => Ending::PermissionRequired,
         }
@@ -785,6 +840,15 @@ impl<'a> Turn<'a> {
         idle.min(max)
     }
 
+    /// Which limit `timeout_at` found reached.
+    fn limit_reached(&self, asking: bool) -> TimeLimit {
+        match (self.opts.max_time, self.opts.idle_timeout) {
+            (Some(max), _) if Instant::now() >= self.started + max => TimeLimit::Total(max),
+            (_, Some(idle)) if !asking => TimeLimit::Idle(idle),
+            (max, _) => TimeLimit::Total(max.unwrap_or_default()),
+        }
+    }
+
     fn grace_over_at(&self) -> Instant {
         match self.phase {
             Phase::Cancelling { since, .. } => since + self.opts.cancel_grace,
@@ -838,7 +902,10 @@ impl<'a> Turn<'a> {
                 }
                 // A question opened or closed: the idle timer starts afresh either way.
                 Wake::Asking => self.last_activity = Instant::now(),
-                Wake::TimedOut => self.cancel(agent, Cause::Timeout).await,
+                Wake::TimedOut => {
+                    let limit = self.limit_reached(asked);
+                    self.cancel(agent, Cause::Timeout(limit)).await
+                }
                 Wake::PermissionRequired => self.cancel(agent, Cause::Permission).await,
                 Wake::Interrupted if prompting => self.cancel(agent, Cause::Interrupt).await,
                 Wake::Interrupted => {
@@ -891,6 +958,28 @@ impl<'a> Turn<'a> {
             tracing::warn!(error = %e, "could not send session/cancel");
         }
     }
+}
+
+/// The prompt as this agent may take it: an embedded resource goes as a text block
+/// (its path, then its text) to an agent that does not advertise
+/// `promptCapabilities.embeddedContext`, which a client must not send it otherwise.
+fn fit_prompt(prompt: Vec<ContentBlock>, init: &Value) -> Vec<ContentBlock> {
+    if init["agentCapabilities"]["promptCapabilities"]["embeddedContext"] == Value::Bool(true) {
+        return prompt;
+    }
+    prompt
+        .into_iter()
+        .map(|block| match block {
+            ContentBlock::Resource(r) => match r.resource {
+                EmbeddedResourceResource::TextResourceContents(t) => {
+                    let path = t.uri.strip_prefix("file://").unwrap_or(&t.uri).to_owned();
+                    ContentBlock::Text(TextContent::new(format!("{path}:\n{}", t.text)))
+                }
+                other => ContentBlock::Resource(EmbeddedResource::new(other)),
+            },
+            other => other,
+        })
+        .collect()
 }
 
 /// An agent failure with the last lines of its stderr.

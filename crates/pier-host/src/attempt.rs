@@ -291,8 +291,8 @@ fn outcome_of(o: &RunOutcome) -> Outcome {
             error: error.unwrap_or_else(|| "a permission request needed a person and none could be asked".into()),
             class: ErrorClass::Business,
         },
-        (ClientEnding::TimedOut { .. }, _) => Outcome::Failed {
-            error: error.unwrap_or_else(|| "the attempt timed out".into()),
+        (ClientEnding::TimedOut { limit, .. }, _) => Outcome::Failed {
+            error: error.unwrap_or_else(|| format!("the attempt {limit} (the task's timeout / max_time)")),
             class: ErrorClass::Business,
         },
         _ => Outcome::Failed { error: error.unwrap_or_else(|| "the agent failed".into()), class },

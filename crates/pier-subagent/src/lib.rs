@@ -338,10 +338,9 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
             out.content = progress.finished(Some("end_turn".into()), outcome.text);
             Ok(out)
         }
-        (Ending::TimedOut { .. }, _) => Err(ToolError::new(format!(
-            "the subagent `{name}` did not finish within its timeout and was stopped{}",
-            last_text(&outcome.text)
-        ))),
+        (Ending::TimedOut { limit, .. }, _) => {
+            Err(ToolError::new(format!("the subagent `{name}` {limit} and was stopped{}", last_text(&outcome.text))))
+        }
         (_, Some(reason)) => Err(ToolError::new(format!(
             "the subagent `{name}` stopped with `{}`{}",
             wire(&reason),

@@ -4,7 +4,9 @@ use std::io::{IsTerminal, Read};
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use agent_client_protocol_schema::v1::{ContentBlock, TextContent};
+use agent_client_protocol_schema::v1::{
+    ContentBlock, EmbeddedResource, EmbeddedResourceResource, TextContent, TextResourceContents,
+};
 use anyhow::Context;
 use pier_client::store::{SessionRecord, SessionStore};
 use pier_client::{ClientError, ClientPolicy, NonInteractive, RunOptions, RunOutcome, SessionTarget, registry};
@@ -29,9 +31,12 @@ pub struct ClientArgs {
     /// The session's working directory [default: the current directory]
     #[arg(long)]
     cwd: Option<PathBuf>,
-    /// Read the prompt from this file
+    /// Add this file to the prompt, after the arguments (as an embedded resource where the agent takes one)
     #[arg(short = 'f', long = "file")]
     file: Option<PathBuf>,
+    /// Do not add stdin to the prompt even when it is not a terminal
+    #[arg(long)]
+    no_stdin: bool,
     /// Output: text, json (NDJSON events, then a result line) or quiet (the final text) [default: text]
     #[arg(long, value_enum)]
     format: Option<Format>,
@@ -72,7 +77,7 @@ pub struct ClientArgs {
     /// Show the agent's stderr and every client call
     #[arg(long, short)]
     verbose: bool,
-    /// The prompt; `-` or nothing reads stdin when it is not a terminal
+    /// The prompt. Then come the -f file and stdin (when it is not a terminal), each as a block of its own
     prompt: Vec<String>,
 }
 
@@ -90,24 +95,37 @@ fn secs(s: f64) -> Result<Duration, ClientError> {
     Duration::try_from_secs_f64(s).map_err(|_| ClientError::usage(format!("{s} is not a number of seconds")))
 }
 
-fn read_prompt(args: &ClientArgs) -> Result<String, ClientError> {
-    let text = if let Some(file) = &args.file {
-        std::fs::read_to_string(file).map_err(|e| ClientError::usage(format!("cannot read {}: {e}", file.display())))?
-    } else if !args.prompt.is_empty() && args.prompt != ["-"] {
-        args.prompt.join(" ")
-    } else if !std::io::stdin().is_terminal() {
+/// The prompt's blocks, as `llm` and `aichat` combine them: the arguments, then the
+/// `-f` file, then stdin when it is not a terminal (unless `--no-stdin`), each a block
+/// of its own. A lone `-` argument only says "stdin".
+fn read_prompt(args: &ClientArgs) -> Result<Vec<ContentBlock>, ClientError> {
+    let mut blocks = Vec::new();
+    let words: Vec<&String> = args.prompt.iter().filter(|w| w.as_str() != "-").collect();
+    if !words.is_empty() {
+        blocks.push(ContentBlock::Text(TextContent::new(args.prompt.join(" "))));
+    }
+    if let Some(file) = &args.file {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| ClientError::usage(format!("cannot read -f {}: {e}", file.display())))?;
+        let path = std::path::absolute(file).unwrap_or_else(|_| file.clone());
+        let uri = format!("file://{}", path.display());
+        blocks.push(ContentBlock::Resource(EmbeddedResource::new(EmbeddedResourceResource::TextResourceContents(
+            TextResourceContents::new(text, uri),
+        ))));
+    }
+    if !args.no_stdin && !std::io::stdin().is_terminal() {
         let mut text = String::new();
         std::io::stdin()
             .read_to_string(&mut text)
-            .map_err(|e| ClientError::usage(format!("cannot read stdin: {e}")))?;
-        text
-    } else {
-        String::new()
-    };
-    if text.trim().is_empty() {
+            .map_err(|e| ClientError::usage(format!("cannot read stdin: {e} (--no-stdin leaves it out)")))?;
+        if !text.trim().is_empty() {
+            blocks.push(ContentBlock::Text(TextContent::new(text)));
+        }
+    }
+    if blocks.is_empty() {
         return Err(ClientError::usage("no prompt: give it as arguments, with -f FILE, or on stdin"));
     }
-    Ok(text)
+    Ok(blocks)
 }
 
 fn policy(args: &ClientArgs, files: &FileConfig) -> Result<ClientPolicy, ClientError> {
@@ -137,7 +155,7 @@ fn policy(args: &ClientArgs, files: &FileConfig) -> Result<ClientPolicy, ClientE
     Ok(p)
 }
 
-fn options(args: &ClientArgs) -> Result<(RunOptions, String), ClientError> {
+fn options(args: &ClientArgs) -> Result<(RunOptions, Vec<ContentBlock>), ClientError> {
     let env = ProcessEnv;
     let here =
         std::env::current_dir().map_err(|e| ClientError::usage(format!("cannot read the current directory: {e}")))?;
@@ -189,7 +207,7 @@ enum Signalled {
 async fn run_with_signals(
     opts: RunOptions,
     target: SessionTarget,
-    prompt: String,
+    prompt: Vec<ContentBlock>,
     renderer: &mut Renderer,
 ) -> (RunOutcome, Option<Signalled>) {
     let (events_tx, mut events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
@@ -214,8 +232,7 @@ async fn run_with_signals(
             }
         }
     });
-    let blocks = vec![ContentBlock::Text(TextContent::new(prompt))];
-    let run = pier_client::run::run(opts, target, blocks, events_tx, int_rx);
+    let run = pier_client::run::run(opts, target, prompt, events_tx, int_rx);
     tokio::pin!(run);
     let outcome = loop {
         tokio::select! {
@@ -286,7 +303,7 @@ async fn prompt_inner(
         .map_err(|e| ClientError::usage(format!("cannot read the session record: {e}")))?;
     let target = match &existing {
         Some(r) => SessionTarget::Continue { session_id: r.session_id.clone() },
-        None => SessionTarget::New,
+        None => SessionTarget::NewContinuable,
     };
     let (outcome, signalled) = run_with_signals(opts, target, prompt, renderer).await;
     if let Some(session_id) = &outcome.session_id {

@@ -391,27 +391,76 @@ impl Renderer {
                         if outcome.text.ends_with('\n') { outcome.text.clone() } else { format!("{}\n", outcome.text) };
                     self.out(&text);
                 }
-                if let Some(e) = &outcome.error {
-                    eprintln!("pier: {e}");
+                if let Some(line) = failure_line(outcome, code) {
+                    eprintln!("pier: {line}");
                 }
             }
             Format::Text => {
                 self.flush_diffs();
                 self.end_line();
-                let stop = stop.and_then(|s| s.as_str().map(str::to_owned)).unwrap_or_else(|| "none".into());
-                let usage = outcome.usage.as_ref().map(|u| format!(" · {}", usage_text(u))).unwrap_or_default();
-                eprintln!("pier: stop reason {stop}{usage} · {:.1}s", outcome.duration.as_secs_f64());
-                if let Some(e) = &outcome.error {
-                    eprintln!("pier: {e}");
+                match failure_line(outcome, code) {
+                    Some(line) => eprintln!("pier: {line}"),
+                    None => {
+                        let stop = stop.and_then(|s| s.as_str().map(str::to_owned)).unwrap_or_else(|| "none".into());
+                        let usage = outcome.usage.as_ref().map(|u| format!(" · {}", usage_text(u))).unwrap_or_default();
+                        eprintln!("pier: stop reason {stop}{usage} · {:.1}s", outcome.duration.as_secs_f64());
+                    }
                 }
             }
         }
     }
 }
 
+/// What a failed run tells a person, in one line (the agent's stderr tail may follow):
+/// the cause, and what to do next. `None` for a run that succeeded.
+fn failure_line(outcome: &RunOutcome, code: i32) -> Option<String> {
+    use agent_client_protocol_schema::v1::StopReason as S;
+    if code == exit::OK {
+        return None;
+    }
+    let unconfirmed =
+        |confirmed: bool| if confirmed { "" } else { " (the agent did not confirm the cancel and was killed)" };
+    let line = match (outcome.ending, &outcome.error) {
+        (Ending::TimedOut { .. }, Some(e)) => e.to_string(),
+        (Ending::TimedOut { confirmed, limit }, None) => {
+            let flag = match limit {
+                pier_client::TimeLimit::Idle(_) => "--timeout",
+                pier_client::TimeLimit::Total(_) => "--max-time",
+                pier_client::TimeLimit::Setup(_) => "--timeout (it also bounds the start)",
+            };
+            format!("{limit}; the turn was cancelled{}; raise {flag} to wait longer", unconfirmed(confirmed))
+        }
+        (Ending::Interrupted { confirmed }, _) => {
+            format!(
+                "interrupted; the turn was cancelled{} after {:.1}s",
+                unconfirmed(confirmed),
+                outcome.duration.as_secs_f64()
+            )
+        }
+        (Ending::PermissionRequired, _) => "a permission request needed a person and --non-interactive fail was set; \
+             allow the tool kind with --approve-all or [client.permissions], or run on a terminal"
+            .to_owned(),
+        (_, Some(e)) => e.to_string(),
+        (_, None) => match outcome.stop_reason {
+            Some(S::MaxTokens) => "the model reached its output limit (max_tokens) before finishing; \
+                 raise the provider's max_tokens or ask for less"
+                .to_owned(),
+            Some(S::MaxTurnRequests) => "the turn made as many model requests as it may (max_turn_requests); \
+                 raise max_turn_requests in pier.toml or split the task"
+                .to_owned(),
+            Some(S::Refusal) => "the agent refused the prompt (stop reason refusal)".to_owned(),
+            Some(S::Cancelled) => "the agent cancelled the turn (stop reason cancelled)".to_owned(),
+            _ => format!(
+                "the run failed (exit {code}) without an answer; run again with --verbose to see the agent's stderr"
+            ),
+        },
+    };
+    Some(line)
+}
+
 fn error_json(outcome: &RunOutcome) -> Option<Value> {
     let kind = match (&outcome.error, outcome.ending) {
-        (_, Ending::TimedOut { confirmed }) => Some(("timeout", confirmed)),
+        (_, Ending::TimedOut { confirmed, .. }) => Some(("timeout", confirmed)),
         (_, Ending::Interrupted { confirmed }) => Some(("cancelled", confirmed)),
         (_, Ending::PermissionRequired) => Some(("permission_required", true)),
         (Some(ClientError::Usage(_)), _) => Some(("usage", true)),
@@ -421,7 +470,10 @@ fn error_json(outcome: &RunOutcome) -> Option<Value> {
         (None, _) => None,
     }?;
     let message = outcome.error.as_ref().map(ToString::to_string).unwrap_or_else(|| match kind.0 {
-        "timeout" => "the turn timed out and was cancelled".to_owned(),
+        "timeout" => match outcome.ending {
+            Ending::TimedOut { limit, .. } => format!("{limit}; the turn was cancelled"),
+            _ => "the turn timed out and was cancelled".to_owned(),
+        },
         "cancelled" => "the turn was cancelled by the user".to_owned(),
         "permission_required" => "a permission request needed an answer and --non-interactive fail was set".to_owned(),
         _ => String::new(),

@@ -226,6 +226,53 @@ async fn exec_quiet_prints_only_the_final_text_and_reads_stdin() {
     assert!(f.requests()[0].body.to_string().contains("prompt on stdin"));
 }
 
+/// Runs `args` with `input` on stdin; returns the output.
+async fn run_with_stdin(env: &Env, args: &[&str], input: &[u8]) -> Output {
+    let mut cmd = env.command(args);
+    cmd.stdin(Stdio::piped());
+    let mut child = must(cmd.spawn(), "spawn");
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt;
+        must(stdin.write_all(input).await, "write");
+    }
+    must(must(tokio::time::timeout(LIMIT, child.wait_with_output()).await, "in time"), "wait")
+}
+
+#[tokio::test]
+async fn the_argument_the_file_and_stdin_all_reach_the_agent_in_that_order() {
+    let f = fake().await;
+    let env = Env::new(Some(f.base_url()));
+    let file = env.cwd().join("notes.txt");
+    must(std::fs::write(&file, "FILE-TEXT"), "write file");
+    let file_arg = file.display().to_string();
+
+    // `git diff | pier exec "Review this diff"`: both go along.
+    f.push(Reply::text("ok"));
+    let o = run_with_stdin(&env, &["exec", "--format", "quiet", "Review this diff"], b"STDIN-DIFF").await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let body = f.requests()[0].body.to_string();
+    let at = |needle: &str| body.find(needle).unwrap_or_else(|| panic!("{needle} missing from {body}"));
+    assert!(at("Review this diff") < at("STDIN-DIFF"), "{body}");
+
+    // All three, as blocks of their own, in order: pier's own agent takes the file as a resource.
+    f.push(Reply::text("ok"));
+    let o = run_with_stdin(&env, &["exec", "--format", "quiet", "-f", &file_arg, "Summarise"], b"STDIN-TEXT").await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let body = f.requests()[1].body.to_string();
+    let at = |needle: &str| body.find(needle).unwrap_or_else(|| panic!("{needle} missing from {body}"));
+    assert!(at("Summarise") < at("FILE-TEXT") && at("FILE-TEXT") < at("STDIN-TEXT"), "{body}");
+
+    // An agent without embeddedContext gets the file as text, under its path.
+    f.push(Reply::text("ok"));
+    let automation = format!("{PIER} agent --profile automation");
+    let args = ["exec", "--agent", &automation, "--format", "quiet", "--no-stdin", "-f", &file_arg, "Summarise"];
+    let o = run_with_stdin(&env, &args, b"NOT-SENT").await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let body = f.requests()[2].body.to_string();
+    assert!(body.contains("Summarise") && body.contains("FILE-TEXT") && body.contains(&file_arg), "{body}");
+    assert!(!body.contains("NOT-SENT"), "--no-stdin leaves stdin out: {body}");
+}
+
 #[tokio::test]
 async fn exit_codes_follow_the_stop_reason() {
     let f = fake().await;
@@ -312,6 +359,35 @@ async fn an_idle_timeout_cancels_and_exits_124() {
     let r = result(&o);
     assert_eq!(r["stopReason"], "cancelled");
     assert_eq!(r["error"]["kind"], "timeout");
+}
+
+#[tokio::test]
+async fn a_failure_in_text_mode_is_one_line_naming_the_cause_and_the_next_step() {
+    let f = fake().await;
+    f.push(Reply::Hang);
+    let env = Env::new(Some(f.base_url()));
+    let o = env.run(&["exec", "--timeout", "0.5", "slow"]).await;
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    let err = stderr(&o);
+    let last: Vec<&str> = err.lines().filter(|l| l.starts_with("pier: ")).collect();
+    assert_eq!(last.len(), 1, "{err}");
+    assert!(
+        last[0].contains("timed out after 0.5s without any update") && last[0].contains("raise --timeout"),
+        "{err}"
+    );
+    assert!(!err.contains("stop reason none"), "{err}");
+
+    // The whole-turn limit says which limit it was.
+    f.push(Reply::Hang);
+    let o = env.run(&["exec", "--max-time", "0.4", "slow"]).await;
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    assert!(stderr(&o).contains("time limit of 0.4s") && stderr(&o).contains("--max-time"), "{}", stderr(&o));
+
+    // An agent that cannot be started: its cause, no `stop reason none · 0.0s`.
+    let o = env.run(&["exec", "--agent", "/nonexistent/agent", "x"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("/nonexistent/agent") && !err.contains("stop reason"), "{err}");
 }
 
 #[tokio::test]
@@ -412,16 +488,15 @@ async fn pier_prompt_continues_a_session_with_pier_s_own_agent_and_says_plainly_
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(stdout(&env.run(&["sessions", "list"]).await), "");
 
-    // The automation profile cannot load sessions: say so, never start afresh.
-    f.push(Reply::text("third answer"));
+    // The automation profile cannot load sessions: refused up front, before any session
+    // or record exists that could never be continued.
     let automation = format!("{} agent --profile automation", env!("CARGO_BIN_EXE_pier"));
     let o = env.run(&["prompt", "-s", "auto", "--agent", &automation, "--format", "json", "hello"]).await;
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let o = env.run(&["prompt", "-s", "auto", "--agent", &automation, "--format", "json", "again"]).await;
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     let msg = result(&o)["error"]["message"].as_str().unwrap_or_default().to_owned();
-    assert!(msg.contains("cannot continue sessions"), "{msg}");
-    assert_eq!(f.requests().len(), 3, "no new conversation was started");
+    assert!(msg.contains("cannot continue sessions") && msg.contains("pier exec"), "{msg}");
+    assert_eq!(f.requests().len(), 2, "no conversation was started");
+    assert_eq!(stdout(&env.run(&["sessions", "list"]).await), "", "no record was stored");
 }
 
 #[tokio::test]
