@@ -24,7 +24,7 @@ fn peak_rss_mb() -> f64 {
 async fn main() {
     let path = std::env::args().nth(1).unwrap_or_else(|| "target/test-peers/models/smollm2.q8_0.gguf".into());
     let mut config = LocalConfig::new(path.into());
-    config.max_tokens = 200;
+    config.max_tokens = Some(200);
     let provider = LocalProvider::new(config);
     let request = |text: &str| ModelRequest { messages: vec![ChatMessage::new(Role::User, text)], tools: vec![] };
     for round in 0..3 {

@@ -88,9 +88,26 @@ async fn it_answers_and_stops_on_its_own() {
 }
 
 #[tokio::test]
+async fn by_default_an_answer_may_use_the_context_the_prompt_leaves() {
+    // Under the old fixed limit of 256 tokens this story ended `length`.
+    let p = LocalProvider::new(LocalConfig::new(model()));
+    let events: Vec<_> = p.stream(ask("Write a 250-word story about a lighthouse keeper.")).collect().await;
+    let usage = events.iter().find_map(|e| match e {
+        Ok(ModelEvent::Usage(u)) => Some(u.completion_tokens),
+        _ => None,
+    });
+    assert!(
+        matches!(events.last(), Some(Ok(ModelEvent::Finish { reason: FinishReason::Stop, .. }))),
+        "{:?} after {usage:?} tokens",
+        events.last()
+    );
+    assert!(usage.is_some_and(|n| n > 256), "{usage:?} tokens");
+}
+
+#[tokio::test]
 async fn the_token_limit_is_max_tokens() {
     let mut config = LocalConfig::new(model());
-    config.max_tokens = 5;
+    config.max_tokens = Some(5);
     let p = LocalProvider::new(config);
     let events: Vec<_> = p.stream(ask("Write a long essay about the sea.")).collect().await;
     assert!(
@@ -103,7 +120,7 @@ async fn the_token_limit_is_max_tokens() {
 #[tokio::test]
 async fn dropping_the_stream_stops_generation_within_a_token_or_two() {
     let mut config = LocalConfig::new(model());
-    config.max_tokens = 2000;
+    config.max_tokens = Some(2000);
     let p = LocalProvider::new(config);
     let mut stream = p.stream(ask("Write a very long essay about the history of the sea, in many paragraphs."));
     let first =

@@ -272,17 +272,27 @@ pub fn choose_model(
     }
     #[cfg(feature = "local")]
     {
-        let path = env
-            .var("PIER_LOCAL_MODEL")
-            .map(std::path::PathBuf::from)
-            .or_else(|| files.local_model.clone())
+        let named = match env.var("PIER_LOCAL_MODEL") {
+            Some(p) => Some((std::path::PathBuf::from(p), "PIER_LOCAL_MODEL")),
+            None => files.local_model.clone().map(|p| (p, "local_model in pier.toml")),
+        };
+        // A file someone named and got wrong is an error, not a quiet fall back to no model.
+        if let Some((path, source)) = &named
+            && !path.is_file()
+        {
+            anyhow::bail!(
+                "the embedded model file {} ({source}) does not exist; fix the path, or unset it and run `pier models install`",
+                path.display()
+            );
+        }
+        let path = named
+            .map(|(p, _)| p)
             .unwrap_or_else(|| pier_model::local::model_path(home, pier_model::local::DEFAULT_MODEL));
         if wants_local || path.is_file() {
             tracing::info!(model = %path.display(), "using the embedded model");
-            return Ok((
-                Arc::new(pier_model::local::LocalProvider::new(pier_model::local::LocalConfig::new(path))),
-                true,
-            ));
+            let mut local = pier_model::local::LocalConfig::new(path);
+            local.max_tokens = files.providers.get("local").and_then(|t| t.max_tokens);
+            return Ok((Arc::new(pier_model::local::LocalProvider::new(local)), true));
         }
     }
     let _ = home;

@@ -634,3 +634,31 @@ async fn exec_text_shows_the_diffs_of_pier_editor_profile() {
     }
     assert!(out.ends_with("Edited.\n"), "{out}");
 }
+
+fn test_model() -> PathBuf {
+    let path = std::env::var("PIER_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/models/smollm2.q8_0.gguf")
+    });
+    assert!(path.is_file(), "the embedded model is missing at {}; run scripts/test", path.display());
+    path
+}
+
+#[tokio::test]
+async fn a_missing_model_file_is_named_and_the_local_answer_limit_is_configurable() {
+    let mut env = Env::new(None);
+    env.vars.push(("PIER_LOCAL_MODEL".into(), "/nonexistent/dir/model.gguf".into()));
+    let o = env.run(&["exec", "hello"]).await;
+    assert_ne!(o.status.code(), Some(0));
+    let err = stderr(&o);
+    assert!(err.contains("/nonexistent/dir/model.gguf") && err.contains("does not exist"), "{err}");
+
+    // `[providers.local] max_tokens` caps the embedded model's answer.
+    let mut env = Env::new(None);
+    env.vars.push(("PIER_LOCAL_MODEL".into(), test_model().display().to_string()));
+    must(std::fs::write(env.work.path().join("pier.toml"), "[providers.local]\nmax_tokens = 3\n"), "pier.toml");
+    let o = env
+        .run_within(LIMIT * 3, &["exec", "--format", "json", "Write a 250-word story about a lighthouse keeper."])
+        .await;
+    assert_eq!(o.status.code(), Some(4), "max_tokens: {}", stderr(&o));
+    assert_eq!(result(&o)["stopReason"], "max_tokens");
+}

@@ -82,3 +82,56 @@ async fn deny_help_speaks_of_reject_options_and_deny_never_picks_an_allow_one() 
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let _ = must(tokio::time::timeout(support::LIMIT, child.wait()).await, "pier run ends");
 }
+
+#[tokio::test]
+async fn demo_prints_every_json_rpc_line_both_ways_and_leaves_no_directory_behind() {
+    let tmp = must(tempfile::tempdir(), "tmp");
+    let dir = must(tempfile::tempdir(), "dir");
+    std::fs::write(dir.path().join("README.md"), "# a readme\n").unwrap_or_default();
+    let vars = vec![("TMPDIR".to_owned(), tmp.path().display().to_string())];
+    let o = support::pier_command(dir.path(), &vars, &["demo"]).output();
+    let o = must(must(tokio::time::timeout(support::LIMIT, o).await, "demo ends"), "demo");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let (mut sent, mut received) = (Vec::new(), Vec::new());
+    for line in out.lines() {
+        if let Some(frame) = line.strip_prefix("-> ") {
+            sent.push(must(support::check_frame(frame), "a line the client wrote"));
+        } else if let Some(frame) = line.strip_prefix("<- ") {
+            received.push(must(support::check_frame(frame), "a line the agent wrote"));
+        } else {
+            assert!(line.starts_with("# "), "only frames and # remarks: {line}");
+        }
+    }
+    let methods: Vec<&str> = sent.iter().filter_map(|f| f["method"].as_str()).collect();
+    assert_eq!(methods, ["initialize", "session/new", "session/prompt", "session/prompt"], "{out}");
+    assert!(received.iter().any(|f| f["params"]["update"]["sessionUpdate"] == "agent_message_chunk"), "{out}");
+    let stops = received.iter().filter(|f| f["result"]["stopReason"] == "end_turn").count();
+    assert_eq!(stops, 2, "{out}");
+    let left: Vec<_> =
+        must(std::fs::read_dir(tmp.path()), "tmp").filter_map(Result::ok).map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "the demo left {left:?} in its temporary directory");
+}
+
+#[tokio::test]
+async fn a_plan_task_s_idle_timeout_is_reset_by_the_answer_as_it_streams() {
+    let f = must(FakeModel::start().await, "fake");
+    // Longer than the task's timeout as a whole, but never silent for that long.
+    f.set_fallback(|_| {
+        let mut steps = Vec::new();
+        for i in 0..6 {
+            steps.push(Step::Text(format!("part{i} ")));
+            steps.push(Step::Pause(std::time::Duration::from_millis(300)));
+        }
+        steps.extend([Step::Finish("stop".into()), Step::Done]);
+        Reply::Stream(steps)
+    });
+    let h = Host::new(Some(f.base_url()));
+    let plan =
+        h.write("plan.toml", "[[tasks]]\nid = \"long\"\nprompt = \"write at length\"\ntimeout = 1\nmax_attempts = 1\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--run-id", "slow"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let shown = lines(&h.run(&["show", "slow", "long", "--format", "json"]).await);
+    assert_eq!(shown[0]["task"]["state"], "completed");
+    assert_eq!(shown[0]["task"]["result"], "part0 part1 part2 part3 part4 part5 ", "{shown:?}");
+}

@@ -38,8 +38,13 @@ pub struct LocalConfig {
     pub top_p: f64,
     pub repeat_penalty: f32,
     pub repeat_last_n: usize,
-    pub max_tokens: u32,
+    /// The most tokens of one answer; `None`: whatever the context leaves after the prompt.
+    pub max_tokens: Option<u32>,
 }
+
+/// The part of the context a long prompt leaves for the answer at least (the prompt's
+/// oldest tokens are dropped to make room), when no `max_tokens` is set.
+const MIN_ANSWER_TOKENS: usize = 1024;
 
 impl LocalConfig {
     /// The settings SmolLM2's authors recommend, with a fixed seed.
@@ -51,7 +56,7 @@ impl LocalConfig {
             top_p: 0.9,
             repeat_penalty: 1.1,
             repeat_last_n: 64,
-            max_tokens: 256,
+            max_tokens: None,
         }
     }
 }
@@ -166,11 +171,14 @@ fn generate(loaded: &Loaded, config: &LocalConfig, prompt: &str, tx: &mpsc::Send
         Err(e) => return fail(format!("cannot tokenize the prompt: {e}")),
     };
     let mut tokens: Vec<u32> = encoding.get_ids().to_vec();
-    let budget = loaded.context.saturating_sub(config.max_tokens as usize).max(1);
+    let reserve = config.max_tokens.map_or(MIN_ANSWER_TOKENS, |m| m as usize).min(loaded.context / 2);
+    let budget = loaded.context.saturating_sub(reserve).max(1);
     if tokens.len() > budget {
         tokens.drain(..tokens.len() - budget);
     }
     let prompt_tokens = tokens.len();
+    let room = loaded.context.saturating_sub(prompt_tokens);
+    let limit = config.max_tokens.map_or(room, |m| (m as usize).min(room));
     let mut weights = loaded.weights.clone();
     let mut sampler = LogitsProcessor::from_sampling(
         config.seed,
@@ -181,7 +189,7 @@ fn generate(loaded: &Loaded, config: &LocalConfig, prompt: &str, tx: &mpsc::Send
     let mut finish = FinishReason::Length;
     let mut input: Vec<u32> = tokens.clone();
     let mut pos = 0usize;
-    for _ in 0..config.max_tokens {
+    for _ in 0..limit {
         if tx.is_closed() {
             return; // Cancelled: the stream was dropped.
         }
