@@ -5,6 +5,7 @@
 
 pub mod attempt;
 pub mod caps;
+pub mod code;
 pub mod decide;
 pub mod host;
 pub mod person;
@@ -13,6 +14,7 @@ pub mod pool;
 pub mod state;
 pub mod store;
 
+pub use code::ErrorCode;
 pub use host::{Host, HostConfig, Scope};
 pub use plan::{Plan, PlanError, TaskSpec};
 pub use state::TaskState;

@@ -5,6 +5,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::ErrorCode;
 use crate::decide::{Context, Outcome, decide};
 use crate::host::is_worker_task;
 use crate::state::TaskState;
@@ -28,15 +29,15 @@ pub enum ActionError {
     BadOption(String),
     /// The request is malformed (an unknown status, a report on a task no worker runs).
     #[error("{message}")]
-    Refused { code: &'static str, message: String },
+    Refused { code: ErrorCode, message: String },
 }
 
 impl ActionError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             ActionError::Store(e) => e.code(),
-            ActionError::BadOption(_) => "bad_request",
-            ActionError::Refused { code, .. } => code,
+            ActionError::BadOption(_) => ErrorCode::BadRequest,
+            ActionError::Refused { code, .. } => *code,
         }
     }
 }
@@ -56,7 +57,7 @@ pub fn say(
     let row = task_of(store, run, task)?;
     if is_worker_task(&row) {
         return Err(ActionError::Refused {
-            code: "no_session",
+            code: ErrorCode::NoSession,
             message: format!(
                 "task `{task}` runs on a pull worker, which has no session to continue; cancel it and submit a \
                  new task instead"
@@ -64,16 +65,16 @@ pub fn say(
         });
     }
     if text.trim().is_empty() {
-        return Err(ActionError::Refused { code: "bad_request", message: "the message is empty".into() });
+        return Err(ActionError::Refused { code: ErrorCode::BadRequest, message: "the message is empty".into() });
     }
     if text.len() > MAX_MESSAGE_BYTES {
         return Err(ActionError::Refused {
-            code: "bad_request",
+            code: ErrorCode::BadRequest,
             message: format!("the message is {} bytes; at most {MAX_MESSAGE_BYTES} go to an agent", text.len()),
         });
     }
     store.say(run, task, text, interrupt, by)?.ok_or_else(|| ActionError::Refused {
-        code: "not_running",
+        code: ErrorCode::NotRunning,
         message: format!(
             "task `{task}` is {}: a message goes to a running task's session, and this one has ended or is \
              finishing its last answer",
@@ -110,11 +111,11 @@ pub fn answer_input(
 ) -> Result<Value, ActionError> {
     use agent_client_protocol_schema::v1::CreateElicitationRequest;
     let row = task_of(store, run, task)?;
-    let refused = |message: String| ActionError::Refused { code: "bad_request", message };
+    let refused = |message: String| ActionError::Refused { code: ErrorCode::BadRequest, message };
     let question =
         store.open_question(run, task)?.filter(|q| q.request.get(ELICITATION).is_some()).ok_or_else(|| {
             ActionError::Refused {
-                code: "bad_transition",
+                code: ErrorCode::BadTransition,
                 message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
             }
         })?;
@@ -139,7 +140,7 @@ pub fn answer_input(
     };
     if !store.answer(run, task, &question, &answer.to_string(), by)? {
         return Err(ActionError::Refused {
-            code: "bad_transition",
+            code: ErrorCode::BadTransition,
             message: "the question was answered already".into(),
         });
     }
@@ -168,13 +169,13 @@ pub fn answer(
     let row = task_of(store, run, task)?;
     if row.state != TaskState::AwaitingInput {
         return Err(ActionError::Refused {
-            code: "bad_transition",
+            code: ErrorCode::BadTransition,
             message: format!("task `{task}` of run `{run}` is {}, not awaiting_input", row.state.as_str()),
         });
     }
     match store.open_question(run, task)? {
         Some(question) if question.request.get(ELICITATION).is_some() => Err(ActionError::Refused {
-            code: "bad_request",
+            code: ErrorCode::BadRequest,
             message: format!(
                 "task `{task}` asks a question, not for a permission: answer it with `pier answer {task} FIELD=VALUE \
                  …` (or `--decline`)"
@@ -202,7 +203,7 @@ pub fn answer(
             }
             if !store.answer(run, task, &question, &chosen, by)? {
                 return Err(ActionError::Refused {
-                    code: "bad_transition",
+                    code: ErrorCode::BadTransition,
                     message: "the question was answered already".into(),
                 });
             }
@@ -247,7 +248,7 @@ pub fn report(
     let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
     if !is_worker_task(&row) {
         return Err(ActionError::Refused {
-            code: "not_a_worker_task",
+            code: ErrorCode::NotAWorkerTask,
             message: format!(
                 "task `{task}` is run by agent `{}`, not by a pull worker; only its host ends it",
                 row.spec.agent
@@ -265,7 +266,7 @@ pub fn report(
         "cancelled" => None,
         other => {
             return Err(ActionError::Refused {
-                code: "bad_transition",
+                code: ErrorCode::BadTransition,
                 message: format!("a worker reports completed, failed or cancelled, not `{other}`"),
             });
         }

@@ -1,11 +1,10 @@
 //! `pier serve`: the task host as an HTTP service.
 //!
-//! Every route needs `Authorization: Bearer TOKEN`. Errors are JSON,
-//! `{"error": {"code", "message"}}`, with stable codes that keep protocol errors
-//! (`bad_plan`, `bad_transition`, `lease_lost`, `idempotency_conflict`,
-//! `not_a_worker_task`, `unknown_run`, `unknown_task`, `unauthorized`, `bad_request`)
-//! apart from task failures, which are task states, not HTTP errors. A body that is not
-//! JSON or not the right shape is `bad_request` in the same envelope.
+//! Every route but the probes needs `Authorization: Bearer TOKEN`. Every error response
+//! is JSON, `{"error": {"code", "message"}}`, with a stable [`ErrorCode`] ([`status_of`]
+//! pairs it with the status): the host's refusals from their handlers, and axum's own
+//! rejections (an unknown route, a wrong method, a body or query it cannot take) through
+//! [`Body`] and the `envelope` layer. Task failures are task states, not HTTP errors.
 //!
 //! | route | does |
 //! |---|---|
@@ -40,7 +39,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use pier_host::host::is_worker_task;
 use pier_host::person::{ActionError, Answered, Report};
-use pier_host::{Attempt, Host, HostConfig, Scope, StoreError, TaskState, TaskStore};
+use pier_host::{Attempt, ErrorCode, Host, HostConfig, Scope, StoreError, TaskState, TaskStore};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -48,14 +47,57 @@ use tokio_util::sync::CancellationToken;
 /// A JSON error with a stable code.
 pub struct ApiError {
     status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
     extra: Option<Value>,
 }
 
+/// The HTTP status of each code: the one place that pairs them (README's table lists both).
+pub fn status_of(code: ErrorCode) -> StatusCode {
+    match code {
+        ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+        ErrorCode::BadRequest | ErrorCode::BadPlan => StatusCode::BAD_REQUEST,
+        ErrorCode::NotFound | ErrorCode::UnknownRun | ErrorCode::UnknownTask => StatusCode::NOT_FOUND,
+        ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+        ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ErrorCode::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::RunExists
+        | ErrorCode::Duplicate
+        | ErrorCode::BadTransition
+        | ErrorCode::LeaseLost
+        | ErrorCode::IdempotencyConflict
+        | ErrorCode::NotAWorkerTask
+        | ErrorCode::NotRunning
+        | ErrorCode::NoSession => StatusCode::CONFLICT,
+        ErrorCode::DiskFull => StatusCode::INSUFFICIENT_STORAGE,
+        ErrorCode::StoreCorrupt | ErrorCode::Store | ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, code, message: message.into(), extra: None }
+    fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError { status: status_of(code), code, message: message.into(), extra: None }
+    }
+
+    /// An error response axum (or a layer) made on its own, in the envelope: the code the
+    /// status stands for, and its text as the message.
+    fn of_status(status: StatusCode, text: &str) -> ApiError {
+        let code = match status {
+            StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+            StatusCode::NOT_FOUND => ErrorCode::NotFound,
+            StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+            StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::TooLarge,
+            s if s.is_client_error() => ErrorCode::BadRequest,
+            _ => ErrorCode::Internal,
+        };
+        let message = match (code, text.trim()) {
+            (ErrorCode::NotFound, _) => "no such route; the routes are listed in the README (pier serve)".to_owned(),
+            (ErrorCode::MethodNotAllowed, _) => "this route does not take that method".to_owned(),
+            (_, "") => status.canonical_reason().unwrap_or("error").to_owned(),
+            (_, t) => t.to_owned(),
+        };
+        ApiError { status, code, message, extra: None }
     }
 }
 
@@ -71,35 +113,18 @@ impl IntoResponse for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
-        let status = match &e {
-            StoreError::IllegalTransition { .. }
-            | StoreError::RunExists(_)
-            | StoreError::Duplicate(_)
-            | StoreError::LeaseLost { .. }
-            | StoreError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
-            StoreError::UnknownRun(_) | StoreError::UnknownTask(_) => StatusCode::NOT_FOUND,
-            StoreError::Full { .. } => StatusCode::INSUFFICIENT_STORAGE,
-            StoreError::Corrupt { .. } | StoreError::Db(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError::new(status, e.code(), e.to_string())
+        ApiError::new(e.code(), e.to_string())
     }
 }
 
 impl From<ActionError> for ApiError {
     fn from(e: ActionError) -> Self {
-        match e {
-            ActionError::Store(e) => e.into(),
-            ActionError::BadOption(m) => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m),
-            ActionError::Refused { code, message } => {
-                let status = if code == "bad_request" { StatusCode::BAD_REQUEST } else { StatusCode::CONFLICT };
-                ApiError::new(status, code, message)
-            }
-        }
+        ApiError::new(e.code(), e.to_string())
     }
 }
 
-/// A JSON body whose rejection (not JSON, the wrong shape, the wrong content type) is the
-/// JSON error envelope with code `bad_request`, never axum's plain text.
+/// A JSON body whose rejection (not JSON, the wrong shape, the wrong content type, too
+/// large) is the JSON error envelope, never axum's plain text.
 pub struct Body<T>(pub T);
 
 impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for Body<T> {
@@ -108,9 +133,33 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(value)) => Ok(Body(value)),
-            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text())),
+            Err(rejection) => {
+                let mut e = ApiError::of_status(rejection.status(), &rejection.body_text());
+                if e.code == ErrorCode::BadRequest {
+                    // Not JSON (400) and the wrong shape (422) are one code, one status.
+                    e.status = StatusCode::BAD_REQUEST;
+                }
+                Err(e)
+            }
         }
     }
+}
+
+/// The envelope for every error response a handler did not make itself (axum's own
+/// rejections of a path or query, an unknown route, a wrong method, a body limit): one
+/// mechanism, so no route can answer an error in plain text.
+async fn envelope(resp: Response) -> Response {
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let text = axum::body::to_bytes(resp.into_body(), 64 * 1024).await.unwrap_or_default();
+    ApiError::of_status(status, &String::from_utf8_lossy(&text)).into_response()
 }
 
 /// What the service shares between requests.
@@ -152,7 +201,7 @@ async fn blocking<T: Send + 'static>(
     let store = app.store.clone();
     tokio::task::spawn_blocking(move || f(store.as_ref()))
         .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))?
+        .map_err(|e| ApiError::new(ErrorCode::Store, e.to_string()))?
         .map_err(ApiError::from)
 }
 
@@ -237,6 +286,8 @@ pub fn router(app: Shared) -> Router {
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
         .merge(probes)
+        .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND, "") })
+        .layer(axum::middleware::map_response(envelope))
 }
 
 /// Whether the store answers a read: 200, or 503 with the store's error code.
@@ -261,12 +312,8 @@ async fn auth(State(app): State<Shared>, req: Request, next: Next) -> Response {
         req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     match given {
         Some(t) if same(t.as_bytes(), app.token.as_bytes()) => next.run(req).await,
-        _ => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "send Authorization: Bearer TOKEN (see the token file)",
-        )
-        .into_response(),
+        _ => ApiError::new(ErrorCode::Unauthorized, "send Authorization: Bearer TOKEN (see the token file)")
+            .into_response(),
     }
 }
 
@@ -287,15 +334,15 @@ async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Resu
         pier_client::registry::resolve(a, &agents, &exe, path.as_deref()).map(|_| ()).map_err(|e| e.to_string())
     };
     let plan = pier_host::plan::parse(&body.plan, &known).map_err(|e| {
-        let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_plan", e.to_string());
+        let mut err = ApiError::new(ErrorCode::BadPlan, e.to_string());
         err.extra = Some(serde_json::to_value(&e.0).unwrap_or(Value::Null));
         err
     })?;
     if let Some(id) = &body.run_id {
-        pier_host::plan::check_run_id(id).map_err(|why| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", why))?;
+        pier_host::plan::check_run_id(id).map_err(|why| ApiError::new(ErrorCode::BadRequest, why))?;
     }
     pier_host::caps::check(&plan, &app.store, &app.config).await.map_err(|e| {
-        let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_plan", e.to_string());
+        let mut err = ApiError::new(ErrorCode::BadPlan, e.to_string());
         err.extra = Some(serde_json::to_value(&e.0).unwrap_or(Value::Null));
         err
     })?;
@@ -426,7 +473,7 @@ async fn answer(
     if body.content.is_some() || body.decline {
         let input = match body.content {
             Some(_) if body.decline => {
-                return Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", "give content or decline, not both"));
+                return Err(ApiError::new(ErrorCode::BadRequest, "give content or decline, not both"));
             }
             Some(content) => pier_host::person::Input::Json(content),
             None => pier_host::person::Input::Decline,
@@ -435,14 +482,14 @@ async fn answer(
             pier_host::person::answer_input(store.as_ref(), &run, &task, input, "http")
         })
         .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+        .map_err(|e| ApiError::new(ErrorCode::Store, e.to_string()))??;
         return Ok(Json(json!({"answered": answer})));
     }
     let answered = tokio::task::spawn_blocking(move || {
         pier_host::person::answer(store.as_ref(), &run, &task, body.allow, body.option.as_deref(), "http")
     })
     .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+    .map_err(|e| ApiError::new(ErrorCode::Store, e.to_string()))??;
     Ok(Json(match answered {
         Answered::Option(chosen) => json!({"answered": chosen}),
         Answered::Rerun(row) => json!({"task": row}),
@@ -467,7 +514,7 @@ async fn say(
         pier_host::person::say(store.as_ref(), &run, &task, &body.text, body.interrupt, "http")
     })
     .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+    .map_err(|e| ApiError::new(ErrorCode::Store, e.to_string()))??;
     Ok((StatusCode::CREATED, Json(json!({"message": n}))).into_response())
 }
 
@@ -541,11 +588,7 @@ async fn heartbeat(
     let attempt = Attempt { run, task, n: body.attempt, owner: body.worker };
     let ok = blocking(&app, move |s| s.heartbeat(&attempt, expires)).await?;
     if !ok {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "lease_lost",
-            "the lease is not yours any more; stop working on this task",
-        ));
+        return Err(ApiError::new(ErrorCode::LeaseLost, "the lease is not yours any more; stop working on this task"));
     }
     Ok(Json(json!({"lease_expires_at_ms": expires})))
 }
@@ -556,13 +599,13 @@ async fn update(
     Body(body): Body<Value>,
 ) -> Result<Json<Value>, ApiError> {
     let report: Report = serde_json::from_value(body.clone())
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("the report is not valid: {e}")))?;
+        .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("the report is not valid: {e}")))?;
     let (store, retry_base) = (app.store.clone(), app.config.retry_base);
     let row = tokio::task::spawn_blocking(move || {
         pier_host::person::report(store.as_ref(), &run, &task, &report, &body, retry_base)
     })
     .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", e.to_string()))??;
+    .map_err(|e| ApiError::new(ErrorCode::Store, e.to_string()))??;
     Ok(Json(json!({"task": row})))
 }
 
@@ -580,8 +623,7 @@ struct EventsQuery {
 fn sequence(what: &str, text: &str) -> Result<i64, ApiError> {
     text.trim().parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
+            ErrorCode::BadRequest,
             format!("{what} must be an event sequence number (a whole number, 0 or more), not {text:?}"),
         )
     })
@@ -632,11 +674,7 @@ async fn events(
         None | Some("true") => true,
         Some("false") => false,
         Some(other) => {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                format!("follow must be true or false, not {other:?}"),
-            ));
+            return Err(ApiError::new(ErrorCode::BadRequest, format!("follow must be true or false, not {other:?}")));
         }
     };
     // While one batch is being sent, the next is read (a blocking thread reads and

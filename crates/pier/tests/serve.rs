@@ -644,3 +644,49 @@ async fn a_message_to_a_pull_worker_task_is_refused_for_want_of_a_session() {
     let (code, body) = s.call(reqwest::Method::POST, "/runs/pw/tasks/w/messages", Some(json!({"text": "hello"}))).await;
     assert_eq!((code, body["error"]["code"].as_str()), (409, Some("no_session")), "{body}");
 }
+
+#[tokio::test]
+async fn every_error_is_the_json_envelope_with_a_documented_code() {
+    let s = server(None).await;
+    let send = |req: reqwest::RequestBuilder| async move {
+        let resp = must(must(tokio::time::timeout(LIMIT, req.bearer_auth(TOKEN).send()).await, "in time"), "send");
+        let status = resp.status().as_u16();
+        let text = must(resp.text().await, "body");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not the JSON envelope ({e}): {text:?}"));
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        (status, v["error"]["code"].as_str().unwrap_or_default().to_owned())
+    };
+    let url = |p: &str| format!("{}{p}", s.base);
+    let cases = [
+        (s.http.get(url("/no/such/route")), 404, "not_found"),
+        (s.http.delete(url("/runs")), 405, "method_not_allowed"),
+        (s.http.post(url("/runs")).header("content-type", "text/plain").body("plan"), 415, "unsupported_media_type"),
+        (s.http.post(url("/runs")).body("{}"), 415, "unsupported_media_type"),
+        (s.http.post(url("/runs")).header("content-type", "application/json").body("{oops"), 400, "bad_request"),
+        (
+            s.http.post(url("/runs")).header("content-type", "application/json").body("{\"plan\": 7}"),
+            400,
+            "bad_request",
+        ),
+        (
+            s.http.post(url("/lease")).header("content-type", "application/json").body(vec![b' '; 3 << 20]),
+            413,
+            "too_large",
+        ),
+        (s.http.get(url("/runs/%FF%FE")), 400, "bad_request"),
+        (s.http.get(url("/events?after=x")), 400, "bad_request"),
+        (s.http.get(url("/runs/nope")), 404, "unknown_run"),
+    ];
+    for (req, status, code) in cases {
+        assert_eq!(send(req).await, (status, code.to_owned()));
+    }
+}
+
+#[test]
+fn the_readme_lists_every_error_code_with_its_status() {
+    let readme = must(std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")), "README");
+    for code in pier_host::ErrorCode::ALL {
+        let row = format!("| `{code}` | {} |", pier_server::status_of(code).as_u16());
+        assert!(readme.contains(&row), "README's error table lacks {row}");
+    }
+}

@@ -68,18 +68,19 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode;
         match self {
-            StoreError::IllegalTransition { .. } => "bad_transition",
-            StoreError::LeaseLost { .. } => "lease_lost",
-            StoreError::IdempotencyConflict { .. } => "idempotency_conflict",
-            StoreError::UnknownTask(_) => "unknown_task",
-            StoreError::UnknownRun(_) => "unknown_run",
-            StoreError::RunExists(_) => "run_exists",
-            StoreError::Duplicate(_) => "duplicate",
-            StoreError::Corrupt { .. } => "store_corrupt",
-            StoreError::Full { .. } => "disk_full",
-            StoreError::Db(_) => "store",
+            StoreError::IllegalTransition { .. } => ErrorCode::BadTransition,
+            StoreError::LeaseLost { .. } => ErrorCode::LeaseLost,
+            StoreError::IdempotencyConflict { .. } => ErrorCode::IdempotencyConflict,
+            StoreError::UnknownTask(_) => ErrorCode::UnknownTask,
+            StoreError::UnknownRun(_) => ErrorCode::UnknownRun,
+            StoreError::RunExists(_) => ErrorCode::RunExists,
+            StoreError::Duplicate(_) => ErrorCode::Duplicate,
+            StoreError::Corrupt { .. } => ErrorCode::StoreCorrupt,
+            StoreError::Full { .. } => ErrorCode::DiskFull,
+            StoreError::Db(_) => ErrorCode::Store,
         }
     }
 
