@@ -393,7 +393,26 @@ async fn run_tasks(app: &Shared, run: &str) -> Result<Vec<pier_host::TaskRow>, A
 
 async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
     let tasks = run_tasks(&app, &run).await?;
-    Ok(Json(json!({"run": run, "counts": counts(&tasks), "tasks": tasks})))
+    let counts = counts(&tasks);
+    // A task waiting on a person carries the question it waits on.
+    let r = run.clone();
+    let rows = blocking(&app, move |s| {
+        let mut rows = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            let question = match t.state {
+                TaskState::AwaitingInput => s.open_question(&r, &t.id)?,
+                _ => None,
+            };
+            let mut row = serde_json::to_value(&t).unwrap_or(Value::Null);
+            if let Some(q) = question {
+                row["question"] = json!({"attempt": q.attempt, "n": q.n, "request": q.request});
+            }
+            rows.push(row);
+        }
+        Ok(rows)
+    })
+    .await?;
+    Ok(Json(json!({"run": run, "counts": counts, "tasks": rows})))
 }
 
 async fn find_task(app: &Shared, run: &str, task: &str) -> Result<pier_host::TaskRow, ApiError> {
@@ -419,10 +438,13 @@ async fn show_task(
 ) -> Result<Json<Value>, ApiError> {
     let row = find_task(&app, &run, &task).await?;
     let (r, t) = (run.clone(), task.clone());
-    let attempts = blocking(&app, move |s| s.attempts(&r, &t)).await?;
+    let agent_spec = row.spec.agent.clone();
+    let (attempts, question, agent) =
+        blocking(&app, move |s| Ok((s.attempts(&r, &t)?, s.open_question(&r, &t)?, s.agent(&agent_spec)?))).await?;
     // `evidence`: the current attempt's, as before `attempts` was added.
     let evidence = attempts.iter().find(|a| a.attempt == row.attempt).map(|a| a.evidence.clone()).unwrap_or_default();
-    Ok(Json(json!({"task": row, "evidence": evidence, "attempts": attempts})))
+    let question = question.map(|q| json!({"attempt": q.attempt, "n": q.n, "request": q.request}));
+    Ok(Json(json!({"task": row, "evidence": evidence, "attempts": attempts, "question": question, "agent": agent})))
 }
 
 async fn cancel_task(

@@ -10,6 +10,7 @@ mod render;
 mod run_cmd;
 mod serve_cmd;
 mod show_cmd;
+mod waiting;
 
 use std::path::PathBuf;
 
@@ -45,7 +46,7 @@ enum Command {
     /// Answer a task waiting for input: reject its permission request, or cancel it
     Deny(run_cmd::AnswerArgs),
     /// List the runs of the store, newest first, with their tasks' states
-    Runs(run_cmd::RunsArgs),
+    Runs(show_cmd::RunsArgs),
     /// Show a run, or one task: its result, attempts, what it waits on, what its agent can do
     Show(show_cmd::ShowArgs),
     /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
@@ -56,7 +57,7 @@ enum Command {
     Serve(serve_cmd::ServeArgs),
     /// Submit a plan to a running `pier serve`
     Submit(serve_cmd::SubmitArgs),
-    /// Show runs and tasks of a running `pier serve`
+    /// Show the runs of a running `pier serve`, or one run's tasks (`pier runs`/`pier show --server`)
     Status(serve_cmd::StatusArgs),
     /// Cancel a run or a task on a running `pier serve`
     Cancel(serve_cmd::CancelArgs),
@@ -117,8 +118,8 @@ fn main() {
             Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
             Command::Say(args) => run_cmd::say(args).map(|()| 0),
             Command::Answer(args) => run_cmd::answer_input(args).map(|()| 0),
-            Command::Show(args) => show_cmd::show(args).map(|()| 0),
-            Command::Runs(args) => run_cmd::runs(args).map(|()| 0),
+            Command::Show(args) => show_cmd::show(args).await.map(|()| 0),
+            Command::Runs(args) => show_cmd::runs(args).await.map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),
             Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),

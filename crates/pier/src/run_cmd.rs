@@ -13,6 +13,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, ProcessEnv};
+use crate::waiting::waiting_for;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum EventFormat {
@@ -96,26 +97,6 @@ pub fn event_json(e: &Event) -> serde_json::Value {
     v
 }
 
-/// What a task waiting on a person waits for, and how to answer.
-pub fn waiting_for(task: &str, request: &serde_json::Value) -> String {
-    if let Some(q) = request.get(pier_host::person::ELICITATION) {
-        let fields: Vec<&str> = q["requestedSchema"]["properties"]
-            .as_object()
-            .map(|p| p.keys().map(String::as_str).collect())
-            .unwrap_or_default();
-        format!(
-            "asks: {} — answer with `pier answer {task} {}` or `--decline`",
-            q["message"].as_str().unwrap_or("?"),
-            fields.iter().map(|f| format!("{f}=…")).collect::<Vec<_>>().join(" ")
-        )
-    } else {
-        format!(
-            "asks permission for {} — `pier approve {task}` or `pier deny {task}`",
-            request["toolCall"]["title"].as_str().unwrap_or("a tool call")
-        )
-    }
-}
-
 fn event_text(e: &Event) -> Option<String> {
     let task = e.task.as_deref().unwrap_or("-");
     match e.kind.as_str() {
@@ -130,10 +111,14 @@ fn event_text(e: &Event) -> Option<String> {
             if let Some(err) = e.data["error"].as_str() {
                 line.push_str(&format!(" error: {}", err.lines().next().unwrap_or("")));
             }
+            // Parked on evidence (not on a question, which has an event of its own).
+            if e.data["to"] == "awaiting_input" && e.data.get("evidence").is_some() {
+                line.push_str(&format!("; {}", waiting_for(&e.run, task, None)));
+            }
             Some(line)
         }
         "run_created" => Some(format!("[{}] run {} created with {} tasks", e.seq, e.run, e.data["tasks"])),
-        "question" => Some(format!("[{}] {task}: {}", e.seq, waiting_for(task, &e.data["request"]))),
+        "question" => Some(format!("[{}] {task}: {}", e.seq, waiting_for(&e.run, task, Some(&e.data["request"])))),
         "message" => Some(format!(
             "[{}] {task}: message {} from {}{}",
             e.seq,
@@ -188,6 +173,8 @@ impl LiveView {
                 }
                 if to != "awaiting_input" {
                     self.waiting.remove(&task);
+                } else if e.data.get("evidence").is_some() {
+                    self.waiting.insert(task.clone(), waiting_for(&e.run, &task, None));
                 }
                 self.states.insert(task, to);
                 if let Some(line) = event_text(e) {
@@ -196,7 +183,7 @@ impl LiveView {
                 }
             }
             "question" => {
-                self.waiting.insert(task.clone(), waiting_for(&task, &e.data["request"]));
+                self.waiting.insert(task.clone(), waiting_for(&e.run, &task, Some(&e.data["request"])));
                 if let Some(line) = event_text(e) {
                     out.push_str(&line);
                     out.push('\n');
@@ -423,7 +410,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     match args.format {
         EventFormat::Json => {
             let counts: BTreeMap<&str, usize> = summary.clone();
-            println!("{}", json!({"type": "summary", "run": run_id, "counts": counts}));
+            let waiting: Vec<_> = waiting_tasks(store.as_ref(), &run_id)?
+                .into_iter()
+                .map(|(task, asks)| json!({"task": task, "asks": asks}))
+                .collect();
+            println!("{}", json!({"type": "summary", "run": run_id, "counts": counts, "waiting": waiting}));
         }
         EventFormat::Text => {
             let tasks = store.tasks(&run_id)?;
@@ -432,6 +423,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 let result = t.result.as_deref().or(t.error.as_deref()).unwrap_or("").replace('\n', " ");
                 let short: String = result.chars().take(60).collect();
                 println!("{:<24} {:<15} {:>8}  {short}", t.id, t.state.as_str(), t.attempt);
+            }
+            for (task, asks) in waiting_tasks(store.as_ref(), &run_id)? {
+                println!("? {task} {asks}");
             }
             let counts: Vec<String> = summary.iter().map(|(k, v)| format!("{v} {k}")).collect();
             println!("run {run_id}: {}", counts.join(", "));
@@ -448,6 +442,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else {
         1
     })
+}
+
+/// The run's tasks waiting on a person, each with what it waits for.
+fn waiting_tasks(store: &dyn TaskStore, run: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for t in store.tasks(run)?.into_iter().filter(|t| t.state == pier_host::TaskState::AwaitingInput) {
+        let question = store.open_question(run, &t.id)?;
+        out.push((t.id.clone(), waiting_for(run, &t.id, question.as_ref().map(|q| &q.request))));
+    }
+    Ok(out)
 }
 
 /// Whether a plan's agent can run: a pull-worker task, or an agent the registry resolves.
@@ -499,39 +503,6 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
             return Ok(());
         }
     }
-}
-
-#[derive(Debug, clap::Args)]
-pub struct RunsArgs {
-    /// text for a person, json for scripts
-    #[arg(long, value_enum, default_value_t = EventFormat::Text)]
-    format: EventFormat,
-    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
-    #[arg(long)]
-    store: Option<String>,
-}
-
-/// `pier runs`: every run of the store with its tasks' states, newest first.
-#[allow(clippy::print_stdout)]
-pub fn runs(args: RunsArgs) -> anyhow::Result<()> {
-    let store = open_store(&args.store)?;
-    let mut ids = store.run_ids()?;
-    ids.reverse();
-    for run in ids {
-        let tasks = store.tasks(&run)?;
-        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-        for t in &tasks {
-            *counts.entry(t.state.as_str()).or_default() += 1;
-        }
-        match args.format {
-            EventFormat::Json => println!("{}", json!({"run": run, "tasks": tasks.len(), "counts": counts})),
-            EventFormat::Text => {
-                let counts: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
-                println!("{run:<28} {:>5} tasks  {}", tasks.len(), counts.join(", "));
-            }
-        }
-    }
-    Ok(())
 }
 
 #[derive(Debug, clap::Args)]

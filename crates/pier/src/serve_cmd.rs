@@ -11,6 +11,7 @@ use pier_server::App;
 use serde_json::{Value, json};
 
 use crate::config::{self, ProcessEnv};
+use crate::run_cmd::EventFormat;
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -135,12 +136,15 @@ pub struct ServerArgs {
     server: Option<String>,
 }
 
-fn client(args: &ServerArgs) -> anyhow::Result<(reqwest::Client, String, String)> {
-    let server = args
-        .server
+fn server_url(args: &ServerArgs) -> anyhow::Result<String> {
+    args.server
         .clone()
-        .or_else(|| std::env::var("PIER_SERVER").ok())
-        .context("name the server with --server URL or PIER_SERVER")?;
+        .or_else(|| std::env::var("PIER_SERVER").ok().filter(|s| !s.is_empty()))
+        .context("name the server with --server URL or PIER_SERVER")
+}
+
+fn client(args: &ServerArgs) -> anyhow::Result<(reqwest::Client, String, String)> {
+    let server = server_url(args)?;
     let token = match std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty()) {
         Some(t) => t,
         None => {
@@ -192,20 +196,23 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
+    /// One run's tasks [default: every run, newest first]
     run: Option<String>,
+    /// text for a person, json for scripts
+    #[arg(long, value_enum, default_value_t = EventFormat::Text)]
+    format: EventFormat,
     #[command(flatten)]
     server: ServerArgs,
 }
 
-#[allow(clippy::print_stdout)]
+/// `pier status [RUN]`: `pier runs` or `pier show RUN` against a server.
 pub async fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let path = match &args.run {
-        Some(r) => format!("/runs/{r}"),
-        None => "/runs".to_owned(),
-    };
-    let v = call(&args.server, reqwest::Method::GET, &path, None).await?;
-    println!("{}", serde_json::to_string_pretty(&v)?);
-    Ok(())
+    let server = Some(server_url(&args.server)?);
+    let source = crate::show_cmd::Source::remote(server);
+    match args.run {
+        Some(run) => crate::show_cmd::show(crate::show_cmd::ShowArgs::new(run, args.format, source)).await,
+        None => crate::show_cmd::runs(crate::show_cmd::RunsArgs::new(args.format, source)).await,
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -213,6 +220,9 @@ pub struct CancelArgs {
     run: String,
     /// Only this task
     task: Option<String>,
+    /// text for a person, json for scripts
+    #[arg(long, value_enum, default_value_t = EventFormat::Text)]
+    format: EventFormat,
     #[command(flatten)]
     server: ServerArgs,
 }
@@ -220,12 +230,43 @@ pub struct CancelArgs {
 #[allow(clippy::print_stdout)]
 pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
     let path = match &args.task {
-        Some(t) => format!("/runs/{}/tasks/{t}/cancel", args.run),
-        None => format!("/runs/{}/cancel", args.run),
+        Some(t) => format!("/runs/{}/tasks/{}/cancel", segment(&args.run), segment(t)),
+        None => format!("/runs/{}/cancel", segment(&args.run)),
     };
     let v = call(&args.server, reqwest::Method::POST, &path, Some(json!({}))).await?;
-    println!("{v}");
+    match (args.format, &args.task) {
+        (EventFormat::Json, _) => println!("{v}"),
+        (EventFormat::Text, Some(task)) => {
+            let state = v["task"]["state"].as_str().unwrap_or("?");
+            if state == "cancelled" {
+                println!("task {task} of run {}: cancelled", args.run);
+            } else {
+                println!("task {task} of run {} is {state}; there was nothing to cancel", args.run);
+            }
+        }
+        (EventFormat::Text, None) => {
+            println!("run {}: {} unfinished task(s) cancelled", args.run, v["cancelled"]);
+        }
+    }
     Ok(())
+}
+
+/// A GET of `path` on the server (`--server` or `PIER_SERVER`), its JSON answer.
+pub async fn get(server: Option<String>, path: &str) -> anyhow::Result<Value> {
+    call(&ServerArgs { server }, reqwest::Method::GET, path, None).await
+}
+
+/// One path segment, percent-encoded: run and task ids are the user's text.
+pub fn segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// Streams events from a running server (SSE), resuming after the last one seen

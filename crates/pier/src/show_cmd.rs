@@ -1,13 +1,98 @@
-//! `pier show RUN [TASK]`: a run or a task as the store has it, for a person (or `--format
-//! json`): states, results and errors, each attempt with what it showed and its side effects,
-//! the question a task waits on with the command that answers it, and what its agent can do.
+//! `pier runs`, `pier show RUN [TASK]` and `pier status`: runs and tasks as the store has
+//! them, read from the local store or, with `--server`, from a running `pier serve` (the
+//! same views either way), for a person (or `--format json`): states, results and errors,
+//! each attempt with what it showed and its side effects, the question a task waits on with
+//! the command that answers it, and what its agent can do.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 
-use pier_host::{TaskRow, TaskStore};
 use serde_json::{Value, json};
 
-use crate::run_cmd::{EventFormat, open_store, waiting_for};
+use crate::run_cmd::{EventFormat, open_store};
+use crate::waiting::waiting_for;
+
+/// Where the runs are read: the local store, or a server.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Source {
+    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
+    #[arg(long, conflicts_with = "server")]
+    store: Option<String>,
+    /// Read from a running `pier serve` instead of the local store (token from PIER_TOKEN)
+    /// [env: PIER_SERVER]
+    #[arg(long)]
+    server: Option<String>,
+}
+
+impl Source {
+    /// The server to read from, if any: `--server`, else `PIER_SERVER` unless `--store` is given.
+    fn server(&self) -> Option<String> {
+        self.server.clone().or_else(|| {
+            if self.store.is_some() {
+                return None;
+            }
+            std::env::var("PIER_SERVER").ok().filter(|s| !s.is_empty())
+        })
+    }
+
+    pub fn remote(server: Option<String>) -> Source {
+        Source { store: None, server }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunsArgs {
+    /// text for a person, json for scripts
+    #[arg(long, value_enum, default_value_t = EventFormat::Text)]
+    format: EventFormat,
+    #[command(flatten)]
+    source: Source,
+}
+
+impl RunsArgs {
+    pub fn new(format: EventFormat, source: Source) -> RunsArgs {
+        RunsArgs { format, source }
+    }
+}
+
+/// `pier runs`: every run with its tasks' states, newest first.
+#[allow(clippy::print_stdout)]
+pub async fn runs(args: RunsArgs) -> anyhow::Result<()> {
+    // Each: {run, counts}.
+    let mut runs: Vec<Value> = match args.source.server() {
+        Some(server) => {
+            let v = crate::serve_cmd::get(Some(server), "/runs").await?;
+            v["runs"].as_array().cloned().unwrap_or_default()
+        }
+        None => {
+            let store = open_store(&args.source.store)?;
+            let mut out = Vec::new();
+            for run in store.run_ids()? {
+                let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+                for t in store.tasks(&run)? {
+                    *counts.entry(t.state.as_str()).or_default() += 1;
+                }
+                out.push(json!({"run": run, "counts": counts}));
+            }
+            out
+        }
+    };
+    runs.reverse();
+    for r in &runs {
+        let counts = r["counts"].as_object().cloned().unwrap_or_default();
+        let total: u64 = counts.values().filter_map(Value::as_u64).sum();
+        match args.format {
+            EventFormat::Json => println!("{}", json!({"run": r["run"], "tasks": total, "counts": counts})),
+            EventFormat::Text => {
+                let counts: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+                println!("{:<28} {total:>5} tasks  {}", r["run"].as_str().unwrap_or("?"), counts.join(", "));
+            }
+        }
+    }
+    if runs.is_empty() && args.format == EventFormat::Text {
+        eprintln!("pier: no runs yet; `pier run PLAN` starts one");
+    }
+    Ok(())
+}
 
 #[derive(Debug, clap::Args)]
 pub struct ShowArgs {
@@ -18,63 +103,114 @@ pub struct ShowArgs {
     /// text for a person, json for scripts
     #[arg(long, value_enum, default_value_t = EventFormat::Text)]
     format: EventFormat,
-    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
-    #[arg(long)]
-    store: Option<String>,
+    #[command(flatten)]
+    source: Source,
+}
+
+impl ShowArgs {
+    pub fn new(run: String, format: EventFormat, source: Source) -> ShowArgs {
+        ShowArgs { run, task: None, format, source }
+    }
 }
 
 #[allow(clippy::print_stdout)]
-pub fn show(args: ShowArgs) -> anyhow::Result<()> {
-    let store = open_store(&args.store)?;
-    anyhow::ensure!(
-        store.run_exists(&args.run)?,
-        "there is no run `{}` in the store; `pier runs` lists them",
-        args.run
-    );
-    let tasks = store.tasks(&args.run)?;
-    let shown = match &args.task {
-        Some(id) => {
-            let task = tasks
-                .iter()
-                .find(|t| &t.id == id)
-                .ok_or_else(|| anyhow::anyhow!("run `{}` has no task `{id}`", args.run))?;
-            task_json(&store, task)?
-        }
-        None => json!({
-            "run": args.run,
-            "tasks": tasks.iter().map(|t| json!({
-                "id": t.id, "state": t.state.as_str(), "attempts": t.attempt, "agent": t.spec.agent,
-                "result": t.result, "error": t.error,
-            })).collect::<Vec<_>>(),
-        }),
+pub async fn show(args: ShowArgs) -> anyhow::Result<()> {
+    let shown = match args.source.server() {
+        Some(server) => remote(server, &args.run, args.task.as_deref()).await?,
+        None => local(&args.source.store, &args.run, args.task.as_deref())?,
     };
     match args.format {
         EventFormat::Json => println!("{shown}"),
         EventFormat::Text if args.task.is_some() => print!("{}", task_text(&args.run, &shown)),
-        EventFormat::Text => {
-            println!("run {}", args.run);
-            println!("{:<24} {:<15} {:>8}  result", "task", "state", "attempts");
-            for t in &tasks {
-                let result = t.result.as_deref().or(t.error.as_deref()).unwrap_or("");
-                let first: String = result.lines().next().unwrap_or("").chars().take(60).collect();
-                println!("{:<24} {:<15} {:>8}  {first}", t.id, t.state.as_str(), t.attempt);
-            }
-        }
+        EventFormat::Text => print!("{}", run_text(&args.run, &shown)),
     }
     Ok(())
 }
 
-/// Everything about one task.
-fn task_json(store: &Arc<dyn TaskStore>, t: &TaskRow) -> anyhow::Result<Value> {
-    let attempts = store.attempts(&t.run_id, &t.id)?;
-    let question = store.open_question(&t.run_id, &t.id)?;
-    let agent = store.agent(&t.spec.agent)?;
-    Ok(json!({
-        "task": t,
-        "attempts": attempts,
-        "question": question.map(|q| json!({"attempt": q.attempt, "n": q.n, "request": q.request})),
-        "agent": agent,
-    }))
+/// A run (`{run, tasks: [{id, state, attempts, agent, result, error, asks?}]}`) or one task
+/// whole (`{task, attempts, question, agent}`), from the local store.
+fn local(store: &Option<String>, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
+    let store = open_store(store)?;
+    anyhow::ensure!(store.run_exists(run)?, "there is no run `{run}` in the store; `pier runs` lists them");
+    let tasks = store.tasks(run)?;
+    match task {
+        Some(id) => {
+            let t = tasks
+                .iter()
+                .find(|t| t.id == id)
+                .ok_or_else(|| anyhow::anyhow!("run `{run}` has no task `{id}`; `pier show {run}` lists them"))?;
+            let question = store.open_question(run, id)?;
+            Ok(json!({
+                "task": t,
+                "attempts": store.attempts(run, id)?,
+                "question": question.map(|q| json!({"attempt": q.attempt, "n": q.n, "request": q.request})),
+                "agent": store.agent(&t.spec.agent)?,
+            }))
+        }
+        None => {
+            let mut rows = Vec::new();
+            for t in &tasks {
+                let mut row = json!({
+                    "id": t.id, "state": t.state.as_str(), "attempts": t.attempt, "agent": t.spec.agent,
+                    "result": t.result, "error": t.error,
+                });
+                if t.state == pier_host::TaskState::AwaitingInput {
+                    let q = store.open_question(run, &t.id)?;
+                    row["asks"] = json!(waiting_for(run, &t.id, q.as_ref().map(|q| &q.request)));
+                }
+                rows.push(row);
+            }
+            Ok(json!({"run": run, "tasks": rows}))
+        }
+    }
+}
+
+/// The same views from a server's `GET /runs/{run}` and `GET /runs/{run}/tasks/{task}`.
+async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
+    use crate::serve_cmd::{get, segment};
+    if let Some(id) = task {
+        return get(Some(server), &format!("/runs/{}/tasks/{}", segment(run), segment(id))).await;
+    }
+    let v = get(Some(server), &format!("/runs/{}", segment(run))).await?;
+    let rows: Vec<Value> = v["tasks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            let mut row = json!({
+                "id": t["id"], "state": t["state"], "attempts": t["attempt"], "agent": t["spec"]["agent"],
+                "result": t["result"], "error": t["error"],
+            });
+            if t["state"] == "awaiting_input" {
+                let id = t["id"].as_str().unwrap_or("?");
+                let request = &t["question"]["request"];
+                row["asks"] = json!(waiting_for(run, id, (!request.is_null()).then_some(request)));
+            }
+            row
+        })
+        .collect();
+    Ok(json!({"run": run, "tasks": rows}))
+}
+
+fn run_text(run: &str, v: &Value) -> String {
+    let mut out = format!("run {run}\n{:<24} {:<15} {:>8}  result\n", "task", "state", "attempts");
+    let tasks = v["tasks"].as_array().cloned().unwrap_or_default();
+    for t in &tasks {
+        let result = t["result"].as_str().or(t["error"].as_str()).unwrap_or("");
+        let first: String = result.lines().next().unwrap_or("").chars().take(60).collect();
+        out.push_str(&format!(
+            "{:<24} {:<15} {:>8}  {first}\n",
+            t["id"].as_str().unwrap_or("?"),
+            t["state"].as_str().unwrap_or("?"),
+            t["attempts"]
+        ));
+    }
+    for t in &tasks {
+        if let Some(asks) = t["asks"].as_str() {
+            out.push_str(&format!("? {} {asks}\n", t["id"].as_str().unwrap_or("?")));
+        }
+    }
+    out
 }
 
 fn task_text(run: &str, v: &Value) -> String {
@@ -101,7 +237,9 @@ fn task_text(run: &str, v: &Value) -> String {
         out.push_str(&format!("requires: {}\n", words.join(", ")));
     }
     if let Some(q) = v["question"].as_object() {
-        out.push_str(&format!("waits: {}\n", waiting_for(id, &q["request"])));
+        out.push_str(&format!("waits: {}\n", waiting_for(run, id, Some(&q["request"]))));
+    } else if t["state"] == "awaiting_input" {
+        out.push_str(&format!("waits: {}\n", waiting_for(run, id, None)));
     }
     if let Some(result) = t["result"].as_str() {
         out.push_str(&format!("result:\n{}\n", indent(result)));

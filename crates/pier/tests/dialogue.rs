@@ -268,7 +268,7 @@ async fn an_agents_question_parks_the_task_until_pier_answer() {
     let shown = String::from_utf8_lossy(&shown.stdout).into_owned();
     assert!(shown.contains("task q of run q1: awaiting_input"), "{shown}");
     assert!(
-        shown.contains("waits: asks: Who is this for, and how many copies? — answer with `pier answer q"),
+        shown.contains("waits: asks: Who is this for, and how many copies? — answer with `pier answer --run q1 q"),
         "{shown}"
     );
     assert!(shown.contains("agent: ask (elicit 1; offers: none of the requirement words)"), "{shown}");
@@ -285,7 +285,9 @@ async fn an_agents_question_parks_the_task_until_pier_answer() {
     // The progress lines say what the task waits for and how to answer it.
     let shown = String::from_utf8_lossy(&o.stdout);
     assert!(
-        shown.contains("q: asks: Who is this for, and how many copies? — answer with `pier answer q count=… name=…`"),
+        shown.contains(
+            "q: asks: Who is this for, and how many copies? — answer with `pier answer --run q1 q count=… name=…`"
+        ),
         "{shown}"
     );
     let got: Vec<Value> = recorded(&record);

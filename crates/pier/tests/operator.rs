@@ -75,6 +75,16 @@ async fn deny_help_speaks_of_reject_options_and_deny_never_picks_an_allow_one() 
         assert!(std::time::Instant::now() < until, "no question");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+    // Everywhere it is shown, the task says what it is asked, the options, and the command.
+    let shown = String::from_utf8_lossy(&h.run(&["show", "p"]).await.stdout).into_owned();
+    let asked = shown.lines().find(|l| l.starts_with("? t asks permission: ")).unwrap_or_else(|| panic!("{shown}"));
+    assert!(
+        asked.contains("options allow, reject")
+            && asked.contains("`pier approve --run p t [OPTION]` or `pier deny --run p t [OPTION]`"),
+        "{asked}"
+    );
+    let events = String::from_utf8_lossy(&h.run(&["events", "--run", "p"]).await.stdout).into_owned();
+    assert!(events.lines().any(|l| l.ends_with(asked.trim_start_matches("? t "))), "{events}");
     let o = h.run(&["deny", "t", "allow"]).await;
     assert_ne!(o.status.code(), Some(0));
     assert!(stderr(&o).contains("deny takes reject options"), "{}", stderr(&o));

@@ -250,6 +250,15 @@ async fn a_lost_attempt_with_side_effects_waits_for_a_person_unless_idempotent()
     assert!(waiting["reason"].as_str().is_some_and(|r| r.contains("side effects")), "{waiting}");
     assert_eq!(waiting["evidence"][0]["kind"], "execute", "{waiting}");
     assert_eq!(lines(&o).last().map(|l| l["counts"]["awaiting_input"].clone()), Some(1.into()));
+    // The summary, `pier show` and `pier events` say what it waits for and the command that answers.
+    let run = run_of(&o);
+    let asks = lines(&o).last().map(|l| l["waiting"][0]["asks"].clone()).unwrap_or_default();
+    let answer = format!("`pier approve --run {run} t` runs it, `pier deny --run {run} t` cancels it");
+    assert!(asks.as_str().is_some_and(|a| a.contains(&answer)), "{asks}");
+    let shown = String::from_utf8_lossy(&h.run(&["show", &run]).await.stdout).into_owned();
+    assert!(shown.contains(&format!("? t a person decides whether it runs again — {answer}")), "{shown}");
+    let events = String::from_utf8_lossy(&h.run(&["events", "--run", &run]).await.stdout).into_owned();
+    assert!(events.lines().any(|l| l.contains("-> awaiting_input") && l.contains(&answer)), "{events}");
     // A person approves running it again; the resumed run completes it.
     let approved = h.run(&["approve", "t"]).await;
     assert_eq!(approved.status.code(), Some(0), "{}", stderr(&approved));

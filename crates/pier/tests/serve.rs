@@ -305,9 +305,25 @@ async fn submit_status_events_and_cancel_talk_to_the_server() {
         (Some(0), "cli-run".to_owned())
     );
     s.events_until(None, |e| e["task"] == "only" && e["to"] == "completed").await;
+    // For a person by default, the same views as `pier runs` and `pier show`; JSON on request.
+    let text = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).into_owned();
+    let o = cli(&s, &["status"]).await;
+    assert!(text(&o).starts_with("cli-run") && text(&o).contains("1 tasks  1 completed"), "{}", text(&o));
+    assert_eq!(text(&o), text(&cli(&s, &["runs"]).await), "pier runs reads the server PIER_SERVER names");
     let o = cli(&s, &["status", "cli-run"]).await;
+    assert!(text(&o).lines().any(|l| l.starts_with("only") && l.contains("completed")), "{}", text(&o));
+    let o = cli(&s, &["status", "cli-run", "--format", "json"]).await;
     let status: Value = must(serde_json::from_slice(&o.stdout), "status json");
-    assert_eq!(status["counts"]["completed"], 1);
+    assert_eq!(status["tasks"][0]["state"], "completed", "{status}");
+    let o = cli(&s, &["show", "cli-run", "only", "--server", &s.base]).await;
+    assert!(text(&o).starts_with("task only of run cli-run: completed"), "{}", text(&o));
+    assert!(text(&o).contains("agent: pier (pier "), "{}", text(&o));
+    let o = cli(&s, &["cancel", "cli-run"]).await;
+    assert_eq!(text(&o).trim(), "run cli-run: 0 unfinished task(s) cancelled");
+    let o = cli(&s, &["cancel", "cli-run", "only"]).await;
+    assert_eq!(text(&o).trim(), "task only of run cli-run is completed; there was nothing to cancel");
+    let o = cli(&s, &["show", "nope", "--server", &s.base]).await;
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown_run"), "{}", String::from_utf8_lossy(&o.stderr));
     let o = cli(&s, &["events", "--run", "cli-run", "--format", "json"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     let seqs: Vec<i64> = String::from_utf8_lossy(&o.stdout)
