@@ -384,7 +384,8 @@ struct RunView {
     index: HashMap<String, usize>,
     /// Tasks this host is attempting (claiming or running).
     busy: HashSet<String>,
-    /// Rows before this one have all ended (an ended task never moves again): passes start here.
+    /// Rows before this one have all ended: passes start here. An ended task moves again
+    /// only by a person's retry, which [`View::put`] meets by moving the cursor back.
     cursor: usize,
 }
 
@@ -473,7 +474,12 @@ impl View {
         let run = self.runs.entry(row.run_id.clone()).or_default();
         let newly_bad = bad(&row) && !run.get(&row.id).is_some_and(bad);
         match run.index.get(&row.id) {
-            Some(&i) => run.rows[i] = row,
+            Some(&i) => {
+                if !row.state.is_terminal() {
+                    run.cursor = run.cursor.min(i);
+                }
+                run.rows[i] = row;
+            }
             None => {
                 run.index.insert(row.id.clone(), run.rows.len());
                 run.rows.push(row);

@@ -42,6 +42,43 @@ impl ActionError {
     }
 }
 
+/// A person's retry of a failed or cancelled task (`pier retry`, `POST …/retry`), with
+/// `dependents` also the cancelled tasks below it: each is `pending` again, with its whole
+/// `max_attempts`; the run's host (or the next `pier run --resume`) starts a new attempt.
+pub fn retry(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    dependents: bool,
+    by: &str,
+) -> Result<Vec<TaskRow>, ActionError> {
+    let row = task_of(store, run, task)?;
+    if !row.state.retryable() {
+        return Err(ActionError::Refused {
+            code: ErrorCode::BadTransition,
+            message: format!(
+                "task `{task}` of run `{run}` is {}; only a failed or cancelled task can be retried",
+                row.state.as_str()
+            ),
+        });
+    }
+    // A task below a failed one would only be cancelled again: retry from the top.
+    for dep in &row.spec.depends_on {
+        if let Some(d) = store.task(run, dep)?
+            && d.state.retryable()
+        {
+            return Err(ActionError::Refused {
+                code: ErrorCode::BadTransition,
+                message: format!(
+                    "task `{task}` depends on `{dep}`, which is {}; retry that with --with-dependents",
+                    d.state.as_str()
+                ),
+            });
+        }
+    }
+    Ok(store.retry(run, task, dependents, by)?)
+}
+
 /// A person's message to a running task (`pier say`, `POST …/messages`): queued and sent as
 /// the next prompt on the task's session when its current turn ends, or, with `interrupt`,
 /// sent at once after the current turn is cancelled through the handshake. Returns the

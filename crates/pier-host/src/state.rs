@@ -52,6 +52,12 @@ impl TaskState {
     }
 
     /// Whether `self → to` is legal.
+    /// Whether a person may retry the task (`pier retry`): the one way out of an ending,
+    /// taken only by that explicit action, never by the scheduler or a worker's report.
+    pub fn retryable(self) -> bool {
+        matches!(self, TaskState::Failed | TaskState::Cancelled)
+    }
+
     pub fn can_move_to(self, to: TaskState) -> bool {
         use TaskState::*;
         matches!(

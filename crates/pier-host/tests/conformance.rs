@@ -500,3 +500,67 @@ fn of_two_writers_creating_one_run_one_wins_and_the_other_is_told_it_exists() {
         assert_eq!(store.tasks("same").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}");
     }
 }
+
+#[test]
+fn a_person_retries_a_failed_task_and_with_dependents_the_cancelled_ones_below_it() {
+    each(|name, s| {
+        let plan = "[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\ndepends_on = [\"a\"]\n\n\
+                    [[tasks]]\nid = \"c\"\nprompt = \"z\"\ndepends_on = [\"b\"]\n\n[[tasks]]\nid = \"d\"\nprompt = \"w\"\n";
+        let plan = parse(plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("q", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let fail = |task: &str| {
+            let (a, _) = s.claim("q", task, "o", FAR).ok().flatten().unwrap_or_else(|| panic!("{name}: claim {task}"));
+            let failed = Ending::Failed {
+                error: "boom".into(),
+                class: ErrorClass::Business,
+                reason: "gave up".into(),
+                failure: true,
+            };
+            s.finish(&a, &failed, None).unwrap_or_else(|e| panic!("{e}"));
+        };
+        fail("a");
+        for t in ["b", "c"] {
+            s.cancel("q", t, "a dependency failed").unwrap_or_else(|e| panic!("{e}"));
+        }
+        let st = |t: &str| s.task("q", t).ok().flatten().map(|t| t.state).unwrap_or_else(|| panic!("no {t}"));
+        // Only failed and cancelled tasks can be retried.
+        let refused = s.retry("q", "d", false, "tester");
+        assert!(matches!(refused, Err(StoreError::IllegalTransition { .. })), "{name}: a pending task {refused:?}");
+        // Alone: the task, its failures forgotten; what is below it stays cancelled.
+        let rows = s.retry("q", "a", false, "tester").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            rows.iter().map(|r| (r.id.as_str(), r.state, r.failures)).collect::<Vec<_>>(),
+            [("a", TaskState::Pending, 0)],
+            "{name}"
+        );
+        assert_eq!(
+            (rows[0].error.as_deref(), st("b"), st("c")),
+            (None, TaskState::Cancelled, TaskState::Cancelled),
+            "{name}"
+        );
+        fail("a");
+        assert_eq!(s.task("q", "a").ok().flatten().map(|t| t.attempt), Some(2), "{name}: a new attempt");
+        // With its dependents: the cancelled tasks below it, transitively, and nothing else.
+        let rows = s.retry("q", "a", true, "tester").unwrap_or_else(|e| panic!("{e}"));
+        let ids: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "c"], "{name}");
+        assert!(rows.iter().all(|r| r.state == TaskState::Pending), "{name}");
+        let reasons: Vec<String> = s
+            .events_after(Some("q"), 0, 1000)
+            .unwrap_or_default()
+            .iter()
+            .filter(|e| e.kind == "transition" && e.data["to"] == "pending")
+            .filter_map(|e| e.data["reason"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                "a person retried it (tester)",
+                "a person retried it (tester)",
+                "retried with a, which it depends on (tester)",
+                "retried with a, which it depends on (tester)"
+            ],
+            "{name}"
+        );
+    });
+}

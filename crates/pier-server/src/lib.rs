@@ -14,6 +14,7 @@
 //! | `GET /runs/{run}/tasks/{task}` | one task with its current attempt's evidence |
 //! | `POST /runs/{run}/cancel` | cancel every unfinished task of a run |
 //! | `POST /runs/{run}/tasks/{task}/cancel` | cancel a task |
+//! | `POST /runs/{run}/tasks/{task}/retry` `{with_dependents?}` | a failed or cancelled task runs again |
 //! | `POST /runs/{run}/tasks/{task}/answer` `{allow, option?}` | answer `awaiting_input` |
 //! | `GET /events?after=SEQ&run=ID&follow=BOOL` | SSE; `Last-Event-ID` resumes exactly after that seq; `follow=false` ends when caught up |
 //! | `POST /lease` `{worker, capabilities, ttl_ms}` | a pull worker claims a runnable task |
@@ -275,6 +276,7 @@ pub fn router(app: Shared) -> Router {
         .route("/runs/{run}/cancel", post(cancel_run))
         .route("/runs/{run}/tasks/{task}", get(show_task))
         .route("/runs/{run}/tasks/{task}/cancel", post(cancel_task))
+        .route("/runs/{run}/tasks/{task}/retry", post(retry_task))
         .route("/runs/{run}/tasks/{task}/answer", post(answer))
         .route("/runs/{run}/tasks/{task}/messages", post(say))
         .route("/runs/{run}/tasks/{task}/heartbeat", post(heartbeat))
@@ -459,6 +461,34 @@ async fn cancel_task(
         None => find_task(&app, &run, &task).await?,
     };
     Ok(Json(json!({"task": row})))
+}
+
+#[derive(Deserialize, Default)]
+struct RetryBody {
+    #[serde(default)]
+    with_dependents: bool,
+}
+
+/// A person's retry: the task (and with `with_dependents` the cancelled tasks below it)
+/// back to `pending`; the host drives it like any other pending task.
+async fn retry_task(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> Result<Json<Value>, ApiError> {
+    // The body is optional: no body is `{}`.
+    let body: RetryBody = if raw.iter().all(u8::is_ascii_whitespace) {
+        RetryBody::default()
+    } else {
+        serde_json::from_slice(&raw).map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("the body: {e}")))?
+    };
+    let (r, t) = (run.clone(), task.clone());
+    let rows = tokio::task::spawn_blocking(move || {
+        pier_host::person::retry(app.store.as_ref(), &r, &t, body.with_dependents, "http")
+    })
+    .await
+    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))??;
+    Ok(Json(json!({"run": run, "tasks": rows})))
 }
 
 async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {

@@ -7,6 +7,7 @@ mod demo;
 mod logging;
 mod models_cmd;
 mod render;
+mod retry_cmd;
 mod run_cmd;
 mod serve_cmd;
 mod show_cmd;
@@ -49,6 +50,8 @@ enum Command {
     Runs(show_cmd::RunsArgs),
     /// Show a run, or one task: its result, attempts, what it waits on, what its agent can do
     Show(show_cmd::ShowArgs),
+    /// Run a failed or cancelled task again, as a new attempt (and the tasks cancelled below it)
+    Retry(retry_cmd::RetryArgs),
     /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
     Answer(run_cmd::InputArgs),
     /// Tell a running task something: queued for its next prompt, or at once with --interrupt
@@ -118,6 +121,7 @@ fn main() {
             Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
             Command::Say(args) => run_cmd::say(args).map(|()| 0),
             Command::Answer(args) => run_cmd::answer_input(args).map(|()| 0),
+            Command::Retry(args) => retry_cmd::retry(args).await.map(|()| 0),
             Command::Show(args) => show_cmd::show(args).await.map(|()| 0),
             Command::Runs(args) => show_cmd::runs(args).await.map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),

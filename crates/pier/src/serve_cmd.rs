@@ -256,6 +256,11 @@ pub async fn get(server: Option<String>, path: &str) -> anyhow::Result<Value> {
     call(&ServerArgs { server }, reqwest::Method::GET, path, None).await
 }
 
+/// A POST of `body` to `path` on the server, its JSON answer.
+pub async fn post(server: Option<String>, path: &str, body: Value) -> anyhow::Result<Value> {
+    call(&ServerArgs { server }, reqwest::Method::POST, path, Some(body)).await
+}
+
 /// One path segment, percent-encoded: run and task ids are the user's text.
 pub fn segment(text: &str) -> String {
     let mut out = String::with_capacity(text.len());

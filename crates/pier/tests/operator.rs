@@ -145,3 +145,42 @@ async fn a_plan_task_s_idle_timeout_is_reset_by_the_answer_as_it_streams() {
     assert_eq!(shown[0]["task"]["state"], "completed");
     assert_eq!(shown[0]["task"]["result"], "part0 part1 part2 part3 part4 part5 ", "{shown:?}");
 }
+
+#[tokio::test]
+async fn a_failed_task_is_retried_with_the_tasks_cancelled_below_it() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::Stream(vec![Step::Finish("content_filter".into()), Step::Done]));
+    f.set_fallback(|_| Reply::text("ok"));
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write(
+        "plan.toml",
+        "[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\ndepends_on = [\"a\"]\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--run-id", "r"]).await;
+    assert_eq!(o.status.code(), Some(1), "a refusal fails a; b is cancelled: {}", stderr(&o));
+    // A task that did not fail cannot be retried; the message says which can.
+    let o = h.run(&["retry", "r", "nope"]).await;
+    assert!(stderr(&o).contains("unknown task"), "{}", stderr(&o));
+    let o = h.run(&["retry", "r", "b"]).await;
+    assert!(
+        stderr(&o).contains("depends on `a`, which is failed; retry that with --with-dependents"),
+        "{}",
+        stderr(&o)
+    );
+    let o = h.run(&["retry", "r", "a", "--with-dependents"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("task a of run r: pending again (attempt 2 next)"), "{out}");
+    assert!(out.contains("task b of run r: pending again (attempt 1 next)"), "{out}");
+    assert!(out.contains("pier run --resume r"), "{out}");
+    let o = h.run(&["run", "--resume", "r"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    use pier_host::TaskStore;
+    let tasks = must(h.store().tasks("r"), "tasks");
+    let got: Vec<_> = tasks.iter().map(|t| (t.id.as_str(), t.state.as_str(), t.attempt)).collect();
+    assert_eq!(got, [("a", "completed", 2), ("b", "completed", 1)]);
+    let events = String::from_utf8_lossy(&h.run(&["events", "--run", "r"]).await.stdout).into_owned();
+    assert!(events.lines().any(|l| l.contains("a: failed -> pending (a person retried it (cli:")), "{events}");
+    let o = h.run(&["retry", "r", "a"]).await;
+    assert!(stderr(&o).contains("is completed; only a failed or cancelled task can be retried"), "{}", stderr(&o));
+}

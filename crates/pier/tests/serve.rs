@@ -706,3 +706,25 @@ fn the_readme_lists_every_error_code_with_its_status() {
         assert!(readme.contains(&row), "README's error table lacks {row}");
     }
 }
+
+#[tokio::test]
+async fn a_failed_task_retried_over_http_runs_again_on_the_server() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(pier_fake_model::Reply::Stream(vec![
+        pier_fake_model::Step::Finish("content_filter".into()),
+        pier_fake_model::Step::Done,
+    ]));
+    f.set_fallback(echo);
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"a\"\nprompt = \"hello\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "rt"}))).await.0, 201);
+    s.events_until(None, |e| e["task"] == "a" && e["to"] == "failed").await;
+    // A running or completed task cannot be retried: 409 bad_transition, after the retry too.
+    let o = cli(&s, &["retry", "rt", "a"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("task a of run rt: pending again (attempt 2 next)"));
+    s.events_until(None, |e| e["task"] == "a" && e["to"] == "completed").await;
+    assert_eq!(task_result(&s, "rt", "a").await["task"]["attempt"], 2);
+    let (code, v) = s.call(reqwest::Method::POST, "/runs/rt/tasks/a/retry", None).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (409, Some("bad_transition")), "{v}");
+}

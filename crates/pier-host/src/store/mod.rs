@@ -433,6 +433,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// A person's decision on a task that waits for one with no attempt alive: run it
     /// again (`pending`) or not (`cancelled`).
     fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError>;
+    /// A person's retry of a failed or cancelled task, and with `dependents` of the cancelled
+    /// tasks below it: back to `pending`, failures forgotten; the rows as they are now.
+    fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError>;
     /// Answers an open question; false if it was answered (or voided) already.
     fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError>;
     /// The answer to a question, once there is one.

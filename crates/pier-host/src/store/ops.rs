@@ -488,6 +488,62 @@ pub(super) fn decide_rerun(
     Ok((load_task(tx, run, task)?, seq))
 }
 
+/// A person's retry of a failed or cancelled task (and, with `dependents`, of the cancelled
+/// tasks below it, transitively): each goes back to `pending` with its failures forgotten,
+/// so it gets its whole `max_attempts` again; the next claim is a new attempt. Each move
+/// is a transition event naming who retried it.
+pub(super) fn retry(
+    tx: &mut dyn Tx,
+    run: &str,
+    task: &str,
+    dependents: bool,
+    by: &str,
+) -> Result<(Vec<TaskRow>, i64), StoreError> {
+    let row = load_task(tx, run, task)?;
+    if !row.state.retryable() {
+        return Err(StoreError::IllegalTransition {
+            task: task.to_owned(),
+            from: row.state.as_str(),
+            to: TaskState::Pending.as_str(),
+        });
+    }
+    let mut chosen = vec![(row, format!("a person retried it ({by})"))];
+    if dependents {
+        let mut cancelled = Vec::new();
+        for id in tx
+            .strings("SELECT id FROM tasks WHERE run_id = ?1 AND state = 'cancelled' ORDER BY ord", &[Arg::Text(run)])?
+        {
+            if id != task {
+                cancelled.push(load_task(tx, run, &id)?);
+            }
+        }
+        // Breadth first from the task: a cancelled task whose dependency is being retried.
+        let mut frontier = vec![task.to_owned()];
+        while let Some(dep) = frontier.pop() {
+            let (below, rest): (Vec<TaskRow>, Vec<TaskRow>) =
+                cancelled.into_iter().partition(|t| t.spec.depends_on.contains(&dep));
+            cancelled = rest;
+            for t in below {
+                frontier.push(t.id.clone());
+                chosen.push((t, format!("retried with {task}, which it depends on ({by})")));
+            }
+        }
+    }
+    let mut seq = 0;
+    let mut rows = Vec::with_capacity(chosen.len());
+    for (t, reason) in chosen {
+        tx.exec(
+            "UPDATE tasks SET state = 'pending', version = version + 1, failures = 0, not_before_ms = 0,
+                 result = NULL, error = NULL, lease_owner = NULL, lease_expires_at_ms = NULL
+             WHERE run_id = ?1 AND id = ?2",
+            &[Arg::Text(run), Arg::Text(&t.id)],
+        )?;
+        seq = transition_event(tx, &t, TaskState::Pending, t.attempt, &reason, Extra::default())?;
+        rows.push(load_task(tx, run, &t.id)?);
+    }
+    Ok((rows, seq))
+}
+
 pub(super) fn answer(
     tx: &mut dyn Tx,
     run: &str,

@@ -1165,6 +1165,11 @@ impl TaskStore for PgStore {
         self.op(move |tx| ops::cancel(tx, &run, &task, &reason))
     }
 
+    fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.op(move |tx| ops::retry(tx, &run, &task, dependents, &by))
+    }
+
     fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
         let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
         self.op(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))

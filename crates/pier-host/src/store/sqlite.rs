@@ -539,6 +539,11 @@ impl TaskStore for SqliteStore {
         self.write(move |tx| ops::cancel(tx, &run, &task, &reason))
     }
 
+    fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.write(move |tx| ops::retry(tx, &run, &task, dependents, &by))
+    }
+
     fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
         let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
         self.write(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))
