@@ -82,6 +82,8 @@ impl AgentProcess {
                 kept.push_back(line);
             }
         });
+        // Live agent processes, for `pier serve`'s /metrics (a no-op without a recorder).
+        metrics::gauge!("pier_agent_processes").increment(1.0);
         Ok((
             AgentProcess {
                 name: command.name.clone(),
@@ -162,6 +164,7 @@ impl AgentProcess {
 
 impl Drop for AgentProcess {
     fn drop(&mut self) {
+        metrics::gauge!("pier_agent_processes").decrement(1.0);
         self.kill_group();
     }
 }

@@ -53,6 +53,7 @@ impl Run {
                     match blocking(&store, move |s| s.heartbeat(&a2, now_ms() + ttl)).await {
                         Ok(true) => {}
                         Ok(false) | Err(_) => {
+                            crate::telemetry::lease_lost();
                             lost.cancel();
                             return;
                         }
@@ -114,9 +115,18 @@ impl Run {
             now_ms: now_ms(),
         };
         let ending = decide(&outcome, &cx);
+        let applied = ending.clone();
         match blocking(&self.store, move |s| s.finish(&attempt, &ending, None)).await {
-            Ok(_) => Ok(()),
-            Err(e) if e.is_race() => Ok(()),
+            Ok(_) => {
+                crate::telemetry::attempt_ended(&outcome, &applied);
+                Ok(())
+            }
+            Err(e) if e.is_race() => {
+                if matches!(e, StoreError::LeaseLost { .. }) {
+                    crate::telemetry::lease_lost();
+                }
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }

@@ -339,7 +339,10 @@ impl Host {
                 let (r, t) = key.clone();
                 let claimed = blocking(&store, move |s| s.claim(&r, &t, &owner, until)).await;
                 let (attempt, row) = match claimed {
-                    Ok(Some(claimed)) => claimed,
+                    Ok(Some(claimed)) => {
+                        crate::telemetry::attempt_started();
+                        claimed
+                    }
                     Ok(None) => return (key, None),
                     Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => return (key, Some(e)),
                     Err(e) => {

@@ -13,6 +13,7 @@ pub mod plan;
 pub mod pool;
 pub mod state;
 pub mod store;
+pub mod telemetry;
 
 pub use code::ErrorCode;
 pub use host::{Host, HostConfig, Scope};

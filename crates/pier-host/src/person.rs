@@ -308,7 +308,7 @@ pub fn report(
             });
         }
     };
-    let ending = match (report.status.as_str(), outcome) {
+    let ending = match (report.status.as_str(), &outcome) {
         ("completed", _) => Ending::Completed { result: report.result.clone().unwrap_or_default(), usage: None },
         (_, Some(outcome)) => {
             let cx = Context {
@@ -319,10 +319,23 @@ pub fn report(
                 retry_delay: crate::attempt::backoff(retry_base, row.failures as u32),
                 now_ms: now_ms(),
             };
-            decide(&outcome, &cx)
+            decide(outcome, &cx)
         }
         _ => Ending::Cancelled { reason: format!("worker {} cancelled it", report.worker) },
     };
     let idem = Idem::worker_report(&attempt, &report.idempotency_key, body);
-    Ok(store.finish(&attempt, &ending, Some(&idem))?)
+    match store.finish(&attempt, &ending, Some(&idem)) {
+        Ok(row) => {
+            if let Some(outcome) = &outcome {
+                crate::telemetry::attempt_ended(outcome, &ending);
+            }
+            Ok(row)
+        }
+        Err(e) => {
+            if matches!(e, StoreError::LeaseLost { .. }) {
+                crate::telemetry::lease_lost();
+            }
+            Err(e.into())
+        }
+    }
 }

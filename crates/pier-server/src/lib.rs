@@ -9,6 +9,7 @@
 //! | route | does |
 //! |---|---|
 //! | `GET /health` | liveness |
+//! | `GET /metrics` | Prometheus text (also without the token on `--metrics-listen`) |
 //! | `POST /runs` `{plan, run_id?}` | submit a plan (TOML text) |
 //! | `GET /runs`, `GET /runs/{run}` | runs with counts; one run with its tasks |
 //! | `GET /runs/{run}/tasks/{task}` | one task with its current attempt's evidence |
@@ -23,6 +24,8 @@
 //!
 //! The server claims nothing itself: one [`Host`] drives every run of the store, and the
 //! routes call the same functions as the CLI ([`pier_host::person`]).
+
+mod telemetry;
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -265,6 +268,8 @@ pub const MAX_PLAN_BYTES: usize = 64 << 20;
 /// The router: the token check on every route but the two probes a supervisor needs,
 /// `/health` (liveness, no data) and `/ready` (whether the store answers, no data either).
 pub fn router(app: Shared) -> Router {
+    // Installed before the first request, so every request and attempt is counted.
+    let _ = telemetry::handle();
     let probes = Router::new()
         .route("/health", get(|| async { Json(json!({"ok": true})) }))
         .route("/ready", get(ready))
@@ -285,9 +290,22 @@ pub fn router(app: Shared) -> Router {
         .route("/events", get(events))
         .route("/nodes", get(list_nodes))
         .route("/agents", get(list_agents))
+        .route("/metrics", get(telemetry::scrape))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
         .merge(probes)
+        .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND, "") })
+        .layer(axum::middleware::from_fn(telemetry::track))
+        .layer(axum::middleware::map_response(envelope))
+}
+
+/// `/metrics` alone and without the token, for `pier serve --metrics-listen` (an address
+/// only the scraper can reach).
+pub fn metrics_router(app: Shared) -> Router {
+    let _ = telemetry::handle();
+    Router::new()
+        .route("/metrics", get(telemetry::scrape))
+        .with_state(app)
         .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND, "") })
         .layer(axum::middleware::map_response(envelope))
 }
@@ -606,6 +624,7 @@ async fn lease(State(app): State<Shared>, Body(body): Body<LeaseBody>) -> Result
     .await?;
     match claimed {
         Some(row) => {
+            pier_host::telemetry::attempt_started();
             let (r, deps) = (row.run_id.clone(), row.spec.depends_on.clone());
             let results: HashMap<String, String> = blocking(&app, move |s| {
                 let mut results = HashMap::new();
@@ -791,13 +810,15 @@ async fn events(
             }
         }
     });
-    let queued = futures::stream::unfold((rx, Some(cut_rx)), |(mut rx, cut)| async move {
+    // The client is counted while its response lives (dropped when it disconnects).
+    let client = telemetry::SseClient::new();
+    let queued = futures::stream::unfold((rx, Some(cut_rx), client), |(mut rx, cut, client)| async move {
         if let Some(e) = rx.recv().await {
-            return Some((Ok(e), (rx, cut)));
+            return Some((Ok(e), (rx, cut, client)));
         }
         let seq = cut?.await.ok()?;
         let note = SseEvent::default().comment(format!("too slow; reconnect with Last-Event-ID {seq}"));
-        Some((Ok(note), (rx, None)))
+        Some((Ok(note), (rx, None, client)))
     });
     Ok(Sse::new(queued).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }

@@ -35,6 +35,9 @@ pub struct ServeArgs {
     /// an attempt back this long after its host died
     #[arg(long, default_value_t = 15_000, hide = true)]
     lease_ttl_ms: u64,
+    /// Also serve `GET /metrics` here, without the token (an address only the scraper reaches)
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
     /// Events queued at most for one /events client
     #[arg(long, default_value_t = 1024, hide = true)]
     sse_buffer: usize,
@@ -94,6 +97,17 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
     eprintln!("pier serve: listening on http://{addr}");
+    if let Some(at) = args.metrics_listen {
+        let metrics = tokio::net::TcpListener::bind(at).await.with_context(|| format!("cannot listen on {at}"))?;
+        eprintln!("pier serve: metrics on http://{}/metrics", metrics.local_addr()?);
+        let router = pier_server::metrics_router(app.clone());
+        // It ends with the process; it holds no work to finish.
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(metrics, router).await {
+                tracing::error!(error = %e, "the metrics listener stopped");
+            }
+        });
+    }
     let shutdown_app = app.clone();
     let fatal = Arc::new(std::sync::Mutex::new(None));
     let fatal_seen = fatal.clone();

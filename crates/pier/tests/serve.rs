@@ -25,9 +25,15 @@ struct Server {
 }
 
 async fn server(base_url: Option<String>) -> Server {
+    server_with(base_url, &[]).await.0
+}
+
+/// A server started with `extra` arguments; with `--metrics-listen`, also its metrics URL.
+async fn server_with(base_url: Option<String>, extra: &[&str]) -> (Server, Option<String>) {
     let dir = must(tempfile::tempdir(), "dir");
     let mut cmd = Command::new(PIER);
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN])
+        .args(extra)
         .current_dir(dir.path())
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -44,15 +50,19 @@ async fn server(base_url: Option<String>) -> Server {
     let mut child = must(cmd.spawn(), "spawn pier serve");
     let stderr = child.stderr.take().unwrap_or_else(|| panic!("stderr"));
     let mut lines = tokio::io::BufReader::new(stderr).lines();
-    let base = loop {
+    let wants_metrics = extra.contains(&"--metrics-listen");
+    let (mut base, mut metrics) = (None, None);
+    while base.is_none() || (wants_metrics && metrics.is_none()) {
         let line = must(tokio::time::timeout(LIMIT, lines.next_line()).await, "serve started");
         let line = must(line, "read").unwrap_or_else(|| panic!("pier serve exited"));
         if let Some(url) = line.strip_prefix("pier serve: listening on ") {
-            break url.to_owned();
+            base = Some(url.to_owned());
+        } else if let Some(url) = line.strip_prefix("pier serve: metrics on ") {
+            metrics = Some(url.to_owned());
         }
-    };
+    }
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Server { _dir: dir, _child: child, base, http: reqwest::Client::new() }
+    (Server { _dir: dir, _child: child, base: base.unwrap_or_default(), http: reqwest::Client::new() }, metrics)
 }
 
 impl Server {
@@ -113,6 +123,7 @@ async fn every_route_needs_the_token() {
         ("POST", "/runs/r/tasks/t/update"),
         ("POST", "/lease"),
         ("GET", "/events"),
+        ("GET", "/metrics"),
     ];
     for (method, path) in routes {
         for auth in [None, Some("Bearer wrong"), Some("Basic abc")] {
@@ -727,4 +738,62 @@ async fn a_failed_task_retried_over_http_runs_again_on_the_server() {
     assert_eq!(task_result(&s, "rt", "a").await["task"]["attempt"], 2);
     let (code, v) = s.call(reqwest::Method::POST, "/runs/rt/tasks/a/retry", None).await;
     assert_eq!((code, v["error"]["code"].as_str()), (409, Some("bad_transition")), "{v}");
+}
+
+#[tokio::test]
+async fn metrics_are_prometheus_text_behind_the_token_or_on_their_own_address() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let (s, metrics_url) = server_with(Some(f.base_url()), &["--metrics-listen", "127.0.0.1:0"]).await;
+    let plan = "[[tasks]]\nid = \"a\"\nprompt = \"hello\"\n\n[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n\n[defaults]\nmax_attempts = 2\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "m"}))).await.0, 201);
+    s.events_until(None, |e| e["task"] == "a" && e["to"] == "completed").await;
+    // A worker's business failure is retried: counted by class.
+    let leased = lease(&s, "wk", 60_000).await;
+    let body = report(&leased, "wk", "failed", "k1", json!({"error": "down", "class": "business"}));
+    assert_eq!(s.call(reqwest::Method::POST, "/runs/m/tasks/w/update", Some(body)).await.0, 200);
+    // An SSE client is counted while it is connected.
+    let sse = must(s.http.get(format!("{}/events", s.base)).bearer_auth(TOKEN).send().await, "sse");
+    let scrape = |url: String, token: bool| {
+        let req = s.http.get(url);
+        let req = if token { req.bearer_auth(TOKEN) } else { req };
+        async move {
+            let resp = must(must(tokio::time::timeout(LIMIT, req.send()).await, "in time"), "send");
+            let status = resp.status().as_u16();
+            let ctype = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            (status, ctype, must(resp.text().await, "text"))
+        }
+    };
+    let (status, ctype, text) = scrape(format!("{}/metrics", s.base), true).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(ctype.starts_with("text/plain"), "{ctype}");
+    for line in [
+        "pier_tasks{state=\"completed\"} 1",
+        "pier_tasks{state=\"pending\"} 1",
+        "pier_tasks{state=\"failed\"} 0",
+        "pier_attempts_total 2",
+        "pier_retries_total{class=\"business\"} 1",
+        "pier_sse_clients 1",
+        "pier_agent_processes 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+    }
+    assert!(text.lines().any(|l| l.starts_with("pier_events_total ")), "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("pier_http_request_duration_seconds_bucket{")
+            && l.contains("route=\"/runs\"")
+            && l.contains("method=\"POST\"")
+            && l.contains("status=\"201\"")),
+        "{text}"
+    );
+    drop(sse);
+    // Without the token on the API address: refused; on the metrics address: served.
+    assert_eq!(scrape(format!("{}/metrics", s.base), false).await.0, 401);
+    let url = metrics_url.unwrap_or_else(|| panic!("no metrics address"));
+    let (status, _, text) = scrape(url.clone(), false).await;
+    assert_eq!(status, 200);
+    assert!(text.contains("pier_tasks{state=\"completed\"} 1"), "{text}");
+    // Only /metrics lives there.
+    let (status, _, _) = scrape(url.replace("/metrics", "/runs"), false).await;
+    assert_eq!(status, 404);
 }

@@ -476,6 +476,9 @@ pub trait TaskStore: Send + Sync + 'static {
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
     /// Every run id, oldest first.
     fn run_ids(&self) -> Result<Vec<String>, StoreError>;
+    /// How many tasks of the whole store are in each state (for `/metrics`): one aggregate
+    /// query, whatever the number of runs.
+    fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError>;
     /// Renews node `node`'s presence and its run leases until `until_ms`, hands back runs
     /// beyond its fair share and takes free or expired ones up to it; the runs it drives.
     /// Exactly one live node holds a run's lease at a time.

@@ -1336,6 +1336,14 @@ impl TaskStore for PgStore {
         })
     }
 
+    fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        self.read(|c| {
+            let rows =
+                block_on(c.client.query("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state", &[]))?;
+            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+        })
+    }
+
     fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
         let node = node.to_owned();
         self.write(move |tx| ops::lease_runs(tx, &node, until_ms)).map(|(held, _)| held)

@@ -713,6 +713,14 @@ impl TaskStore for SqliteStore {
         })
     }
 
+    fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state")?;
+            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
         self.read(|c| {
             let mut stmt = c.prepare_cached(
