@@ -3,6 +3,7 @@
 mod agent_cmd;
 mod client_cmd;
 mod config;
+mod config_cmd;
 mod demo;
 mod logging;
 mod models_cmd;
@@ -69,6 +70,13 @@ enum Command {
     Models(models_cmd::ModelsCmd),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
+    /// Print the effective configuration and where each value came from (flag, env, file, default)
+    Config(config_cmd::ConfigArgs),
+    /// Print a shell completion script: `pier completions bash > /etc/bash_completion.d/pier`
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Lead a subagent's process group: run PROGRAM, and end the whole group when the parent dies
     #[command(hide = true)]
     SubagentGuard {
@@ -130,6 +138,12 @@ fn main() {
             Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
             Command::Models(cmd) => models_cmd::run(cmd).map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
+            Command::Config(args) => config_cmd::show(args).map(|()| 0),
+            Command::Completions { shell } => {
+                use clap::CommandFactory;
+                clap_complete::generate(shell, &mut Cli::command(), "pier", &mut std::io::stdout());
+                Ok(0)
+            }
             Command::SubagentGuard { .. } => Ok(0),
         }
     });

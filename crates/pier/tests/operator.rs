@@ -184,3 +184,70 @@ async fn a_failed_task_is_retried_with_the_tasks_cancelled_below_it() {
     let o = h.run(&["retry", "r", "a"]).await;
     assert!(stderr(&o).contains("is completed; only a failed or cancelled task can be retried"), "{}", stderr(&o));
 }
+
+#[tokio::test]
+async fn config_says_where_each_value_came_from_and_never_prints_a_secret() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let user = dir.path().join(".config/pier");
+    must(std::fs::create_dir_all(&user), "config dir");
+    must(std::fs::write(user.join("config.toml"), "mode = \"auto\"\n[providers.ds]\nmodel = \"user-model\"\n"), "user");
+    must(
+        std::fs::write(
+            dir.path().join("pier.toml"),
+            "provider = \"ds\"\n[providers.ds]\nmodel = \"project-model\"\nbase_url = \"http://127.0.0.1:9/v1\"\n",
+        ),
+        "project",
+    );
+    let home = dir.path().display().to_string();
+    let vars: Vec<(String, String)> = vec![
+        ("HOME".into(), home.clone()),
+        ("PIER_API_KEY".into(), "sk-very-secret".into()),
+        ("PIER_STORE".into(), "postgres://pier:hunter2@127.0.0.1/db".into()),
+    ];
+    let run = |args: &'static [&'static str]| {
+        let cmd = support::pier_command(dir.path(), &vars, args).output();
+        async move { must(must(tokio::time::timeout(support::LIMIT, cmd).await, "in time"), "config") }
+    };
+    let o = run(&["config", "--provider", "ds"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let line = |key: &str| {
+        text.lines()
+            .find(|l| l.split(" = ").next().map(str::trim) == Some(key))
+            .unwrap_or_else(|| panic!("no {key} in:\n{text}"))
+            .to_owned()
+    };
+    let project = dir.path().join("pier.toml").display().to_string();
+    let user_file = user.join("config.toml").display().to_string();
+    assert!(line("provider").ends_with("= ds  # flag --provider"), "{text}");
+    assert!(line("providers.ds.model").ends_with(&format!("= project-model  # {project}")), "{text}");
+    assert!(line("mode").ends_with(&format!("= auto  # {user_file}")), "{text}");
+    assert!(line("profile").ends_with("= automation  # default"), "{text}");
+    assert!(line("api_key").ends_with("= (set)  # env PIER_API_KEY"), "{text}");
+    assert!(line("store").contains("# env PIER_STORE"), "{text}");
+    assert!(line("model (effective)").contains("project-model at http://127.0.0.1:9/v1"), "{text}");
+    assert!(!text.contains("sk-very-secret") && !text.contains("hunter2"), "a secret was printed:\n{text}");
+    let json: serde_json::Value =
+        must(serde_json::from_slice(&run(&["config", "--format", "json"]).await.stdout), "json");
+    assert_eq!(json["provider"], serde_json::json!({"value": "ds", "source": project}));
+}
+
+#[tokio::test]
+async fn completions_are_generated_for_each_shell() {
+    let dir = must(tempfile::tempdir(), "dir");
+    for (shell, marker) in [
+        ("bash", "_pier()"),
+        ("zsh", "#compdef pier"),
+        ("fish", "complete -c pier"),
+        ("elvish", "pier"),
+        ("powershell", "pier"),
+    ] {
+        let o = support::pier_command(dir.path(), &[], &["completions", shell]).output();
+        let o = must(must(tokio::time::timeout(support::LIMIT, o).await, "in time"), "completions");
+        assert_eq!(o.status.code(), Some(0), "{shell}");
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.contains(marker) && text.contains("retry"), "{shell}: {text}");
+    }
+    let o = must(support::pier_command(dir.path(), &[], &["completions", "tcsh"]).output().await, "bad shell");
+    assert_eq!(o.status.code(), Some(2));
+}
