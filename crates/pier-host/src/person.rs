@@ -203,6 +203,21 @@ pub fn answer(
     option: Option<&str>,
     by: &str,
 ) -> Result<Answered, ActionError> {
+    answer_to(store, run, task, None, allow, option, by)
+}
+
+/// [`answer`], refused unless what the task waits on is still what the person saw:
+/// `expect` is the question's number (0: the re-run decision, no question). A form
+/// submitted twice, or after someone else answered, is refused and applies nothing.
+pub fn answer_to(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    expect: Option<i64>,
+    allow: bool,
+    option: Option<&str>,
+    by: &str,
+) -> Result<Answered, ActionError> {
     let row = task_of(store, run, task)?;
     if row.state != TaskState::AwaitingInput {
         return Err(ActionError::Refused {
@@ -210,7 +225,18 @@ pub fn answer(
             message: format!("task `{task}` of run `{run}` is {}, not awaiting_input", row.state.as_str()),
         });
     }
-    match store.open_question(run, task)? {
+    let open = store.open_question(run, task)?;
+    if let Some(n) = expect
+        && open.as_ref().map_or(0, |q| q.n) != n
+    {
+        return Err(ActionError::Refused {
+            code: ErrorCode::BadTransition,
+            message: format!(
+                "task `{task}` no longer waits on what you answered (someone answered it already, or it was withdrawn); nothing was applied"
+            ),
+        });
+    }
+    match open {
         Some(question) if question.request.get(ELICITATION).is_some() => Err(ActionError::Refused {
             code: ErrorCode::BadRequest,
             message: format!(

@@ -25,9 +25,11 @@
 //! The server claims nothing itself: one [`Host`] drives every run of the store, and the
 //! routes call the same functions as the CLI ([`pier_host::person`]).
 
+mod dashboard;
 mod telemetry;
+pub mod views;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -179,6 +181,8 @@ pub struct App {
     fatal: Mutex<Option<StoreError>>,
     failed: CancellationToken,
     sse: SseLimits,
+    /// The dashboard's login sessions.
+    ui: dashboard::Sessions,
 }
 
 /// What one `/events` client may hold: at most `buffer` events queued for it, and a
@@ -220,6 +224,7 @@ impl App {
             fatal: Mutex::new(None),
             failed: CancellationToken::new(),
             sse: SseLimits::default(),
+            ui: dashboard::Sessions::default(),
         })
     }
 
@@ -270,6 +275,7 @@ pub const MAX_PLAN_BYTES: usize = 64 << 20;
 pub fn router(app: Shared) -> Router {
     // Installed before the first request, so every request and attempt is counted.
     let _ = telemetry::handle();
+    let ui = dashboard::router(app.clone());
     let probes = Router::new()
         .route("/health", get(|| async { Json(json!({"ok": true})) }))
         .route("/ready", get(ready))
@@ -294,6 +300,7 @@ pub fn router(app: Shared) -> Router {
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth))
         .with_state(app)
         .merge(probes)
+        .merge(ui)
         .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND, "") })
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(axum::middleware::map_response(envelope))
@@ -372,30 +379,21 @@ async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Resu
     Ok((StatusCode::CREATED, Json(json!({"run": run}))).into_response())
 }
 
-fn counts(tasks: &[pier_host::TaskRow]) -> BTreeMap<&'static str, usize> {
-    let mut c = BTreeMap::new();
-    for t in tasks {
-        *c.entry(t.state.as_str()).or_default() += 1;
-    }
-    c
-}
-
 async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
-    let runs = blocking(&app, |s| {
-        let mut out = Vec::new();
-        for run in s.run_ids()? {
-            let tasks = s.tasks(&run)?;
-            out.push(json!({"run": run, "counts": counts(&tasks)}));
-        }
-        Ok(out)
-    })
-    .await?;
+    let runs = blocking(&app, views::runs).await?;
+    let runs: Vec<Value> = runs
+        .iter()
+        .map(|r| {
+            json!({"run": r.run, "counts": r.counts, "state": r.state(), "created_at_ms": r.created_at_ms,
+                   "updated_at_ms": r.updated_at_ms, "attempts": r.attempts})
+        })
+        .collect();
     Ok(Json(json!({"runs": runs})))
 }
 
 /// The live `pier serve` nodes on this store, each with the runs it drives and its last heartbeat.
 async fn list_nodes(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
-    let nodes = blocking(&app, |s| s.nodes()).await?;
+    let nodes = blocking(&app, views::nodes).await?;
     Ok(Json(json!({"node": app.config.node, "nodes": nodes})))
 }
 
@@ -412,26 +410,21 @@ async fn run_tasks(app: &Shared, run: &str) -> Result<Vec<pier_host::TaskRow>, A
 }
 
 async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
-    let tasks = run_tasks(&app, &run).await?;
-    let counts = counts(&tasks);
-    // A task waiting on a person carries the question it waits on.
     let r = run.clone();
-    let rows = blocking(&app, move |s| {
-        let mut rows = Vec::with_capacity(tasks.len());
-        for t in tasks {
-            let question = match t.state {
-                TaskState::AwaitingInput => s.open_question(&r, &t.id)?,
-                _ => None,
-            };
+    let tasks = blocking(&app, move |s| views::run(s, &r)).await?;
+    let rows: Vec<pier_host::TaskRow> = tasks.iter().map(|(t, _)| t.clone()).collect();
+    let counts = views::counts(&rows);
+    // A task waiting on a person carries the question it waits on.
+    let rows: Vec<Value> = tasks
+        .into_iter()
+        .map(|(t, q)| {
             let mut row = serde_json::to_value(&t).unwrap_or(Value::Null);
-            if let Some(q) = question {
+            if let Some(q) = q {
                 row["question"] = json!({"attempt": q.attempt, "n": q.n, "request": q.request});
             }
-            rows.push(row);
-        }
-        Ok(rows)
-    })
-    .await?;
+            row
+        })
+        .collect();
     Ok(Json(json!({"run": run, "counts": counts, "tasks": rows})))
 }
 
@@ -456,15 +449,14 @@ async fn show_task(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    let row = find_task(&app, &run, &task).await?;
-    let (r, t) = (run.clone(), task.clone());
-    let agent_spec = row.spec.agent.clone();
-    let (attempts, question, agent) =
-        blocking(&app, move |s| Ok((s.attempts(&r, &t)?, s.open_question(&r, &t)?, s.agent(&agent_spec)?))).await?;
+    let v = blocking(&app, move |s| views::task(s, &run, &task)).await?;
     // `evidence`: the current attempt's, as before `attempts` was added.
-    let evidence = attempts.iter().find(|a| a.attempt == row.attempt).map(|a| a.evidence.clone()).unwrap_or_default();
-    let question = question.map(|q| json!({"attempt": q.attempt, "n": q.n, "request": q.request}));
-    Ok(Json(json!({"task": row, "evidence": evidence, "attempts": attempts, "question": question, "agent": agent})))
+    let evidence =
+        v.attempts.iter().find(|a| a.attempt == v.row.attempt).map(|a| a.evidence.clone()).unwrap_or_default();
+    let question = v.question.map(|q| json!({"attempt": q.attempt, "n": q.n, "request": q.request}));
+    Ok(Json(
+        json!({"task": v.row, "evidence": evidence, "attempts": v.attempts, "question": question, "agent": v.agent}),
+    ))
 }
 
 async fn cancel_task(

@@ -476,6 +476,9 @@ pub trait TaskStore: Send + Sync + 'static {
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;
     /// Every run id, oldest first.
     fn run_ids(&self) -> Result<Vec<String>, StoreError>;
+    /// Every run with when it was created and when its last event was written, oldest
+    /// first: `(id, created_at_ms, last_event_at_ms)`.
+    fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError>;
     /// How many tasks of the whole store are in each state (for `/metrics`): one aggregate
     /// query, whatever the number of runs.
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError>;

@@ -1336,6 +1336,16 @@ impl TaskStore for PgStore {
         })
     }
 
+    fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError> {
+        self.read(|c| {
+            let rows = block_on(c.client.query(
+                "SELECT r.id, r.created_at_ms, COALESCE((SELECT e.at_ms FROM events e WHERE e.run_id = r.id ORDER BY e.seq DESC LIMIT 1), r.created_at_ms) FROM runs r ORDER BY r.created_at_ms, r.id",
+                &[],
+            ))?;
+            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
+        })
+    }
+
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
         self.read(|c| {
             let rows =

@@ -713,6 +713,16 @@ impl TaskStore for SqliteStore {
         })
     }
 
+    fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT r.id, r.created_at_ms, COALESCE((SELECT e.at_ms FROM events e WHERE e.run_id = r.id ORDER BY e.seq DESC LIMIT 1), r.created_at_ms) FROM runs r ORDER BY r.created_at_ms, r.id",
+            )?;
+            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
         self.read(|c| {
             let mut stmt = c.prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state")?;

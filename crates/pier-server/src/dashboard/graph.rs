@@ -1,0 +1,100 @@
+//! The task graph as SVG, laid out in layers by dependency: a task sits one layer below the
+//! deepest task it depends on, so every edge points down. Linear in tasks and edges.
+
+use std::collections::HashMap;
+
+use maud::{Markup, html};
+use pier_host::TaskRow;
+
+const W: usize = 168;
+const H: usize = 34;
+const GAP_X: usize = 16;
+const GAP_Y: usize = 44;
+
+/// A glyph per state, so a state is never told by colour alone.
+pub fn glyph(state: &str) -> &'static str {
+    match state {
+        "pending" => "○",
+        "running" => "▶",
+        "awaiting_input" => "?",
+        "completed" => "✓",
+        "failed" => "✗",
+        "cancelled" => "⊘",
+        _ => "·",
+    }
+}
+
+/// Each task's layer: 0 for a task without dependencies, else one more than its deepest.
+fn layers(tasks: &[TaskRow]) -> Vec<usize> {
+    let index: HashMap<&str, usize> = tasks.iter().enumerate().map(|(i, t)| (t.id.as_str(), i)).collect();
+    let mut layer = vec![0usize; tasks.len()];
+    // Kahn's order: plans are checked acyclic before they are stored.
+    let mut waiting: Vec<usize> = tasks.iter().map(|t| t.spec.depends_on.len()).collect();
+    let mut below: Vec<Vec<usize>> = vec![Vec::new(); tasks.len()];
+    for (i, t) in tasks.iter().enumerate() {
+        for d in &t.spec.depends_on {
+            match index.get(d.as_str()) {
+                Some(&j) => below[j].push(i),
+                None => waiting[i] -= 1,
+            }
+        }
+    }
+    let mut ready: Vec<usize> = (0..tasks.len()).filter(|&i| waiting[i] == 0).collect();
+    while let Some(j) = ready.pop() {
+        for &i in &below[j] {
+            layer[i] = layer[i].max(layer[j] + 1);
+            waiting[i] -= 1;
+            if waiting[i] == 0 {
+                ready.push(i);
+            }
+        }
+    }
+    layer
+}
+
+pub fn svg(run: &str, tasks: &[TaskRow]) -> Markup {
+    let layer = layers(tasks);
+    let mut column = vec![0usize; tasks.len()];
+    let mut width_of: Vec<usize> = Vec::new();
+    for (i, &l) in layer.iter().enumerate() {
+        if width_of.len() <= l {
+            width_of.resize(l + 1, 0);
+        }
+        column[i] = width_of[l];
+        width_of[l] += 1;
+    }
+    let cols = width_of.iter().copied().max().unwrap_or(1).max(1);
+    let (width, height) = (cols * (W + GAP_X) + GAP_X, width_of.len().max(1) * (H + GAP_Y) + GAP_Y / 2);
+    let at = |i: usize| (GAP_X + column[i] * (W + GAP_X), GAP_Y / 2 + layer[i] * (H + GAP_Y));
+    let index: HashMap<&str, usize> = tasks.iter().enumerate().map(|(i, t)| (t.id.as_str(), i)).collect();
+    html! {
+        svg class="graph" role="img" aria-label={ "task graph of run " (run) } viewBox={ "0 0 " (width) " " (height) }
+            width=(width) height=(height) xmlns="http://www.w3.org/2000/svg" {
+            g class="edges" {
+                @for (i, t) in tasks.iter().enumerate() {
+                    @for d in &t.spec.depends_on {
+                        @if let Some(&j) = index.get(d.as_str()) {
+                            @let ((x1, y1), (x2, y2)) = (at(j), at(i));
+                            line x1=(x1 + W / 2) y1=(y1 + H) x2=(x2 + W / 2) y2=(y2) {}
+                        }
+                    }
+                }
+            }
+            @for (i, t) in tasks.iter().enumerate() {
+                @let (x, y) = at(i);
+                @let state = t.state.as_str();
+                a href={ "/ui/runs/" (super::pages::seg(run)) "/tasks/" (super::pages::seg(&t.id)) } {
+                    g class={ "node state-" (state) } data-task=(t.id) data-state=(state) transform={ "translate(" (x) "," (y) ")" } {
+                        title { (t.id) ": " (state) }
+                        rect width=(W) height=(H) rx="6" {}
+                        text x="10" y="22" { (glyph(state)) " " (short(&t.id)) }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn short(id: &str) -> String {
+    if id.chars().count() <= 18 { id.to_owned() } else { format!("{}…", id.chars().take(17).collect::<String>()) }
+}

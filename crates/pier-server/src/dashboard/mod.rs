@@ -1,0 +1,257 @@
+//! The dashboard: server-rendered pages under `/ui` (the API owns `/runs`), read through
+//! [`crate::views`] — the API's own reads — and kept live by one small ES module that
+//! listens to the same `/events` stream and re-renders the page's live region.
+//!
+//! Invariants: every value the plan, the agent or the model wrote reaches the page through
+//! maud's escaping (no `PreEscaped` of data); every state-changing form carries the
+//! session's CSRF token; every response carries a strict CSP (no inline script or style);
+//! a session is a random id in an `HttpOnly`, `SameSite=Strict` cookie, held in memory
+//! with an expiry (a restart revokes every session).
+
+mod auth;
+mod graph;
+mod pages;
+mod transcript;
+
+use axum::Router;
+use axum::extract::{Form, Path, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+
+pub use auth::Sessions;
+
+use crate::{ApiError, Shared, blocking, views};
+
+/// The dashboard's routes, merged into the server's router.
+pub fn router(app: Shared) -> Router {
+    let open = Router::new()
+        .route("/", get(|| async { Redirect::to("/ui/") }))
+        .route("/ui/login", get(pages::login_page).post(auth::login))
+        .route("/ui/assets/{name}", get(asset));
+    let guarded = Router::new()
+        .route("/ui/", get(runs_page))
+        .route("/ui/approvals", get(approvals_page))
+        .route("/ui/nodes", get(nodes_page))
+        .route("/ui/runs/{run}", get(run_page))
+        .route("/ui/runs/{run}/cancel", post(cancel_run))
+        .route("/ui/runs/{run}/tasks/{task}", get(task_page))
+        .route("/ui/runs/{run}/tasks/{task}/answer", post(answer))
+        .route("/ui/events", get(crate::events))
+        .route("/ui/logout", post(auth::logout))
+        .layer(axum::middleware::from_fn_with_state(app.clone(), auth::require));
+    open.merge(guarded).layer(axum::middleware::from_fn(headers)).with_state(app)
+}
+
+/// The headers every dashboard response carries.
+async fn headers(req: Request, next: Next) -> Response {
+    let mut resp = next.run(req).await;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
+             form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    resp
+}
+
+/// The embedded assets, named by content hash so they can be cached for good.
+pub struct Assets {
+    pub js: (String, &'static str),
+    pub css: (String, &'static str),
+}
+
+const JS: &str = include_str!("assets/app.js");
+const CSS: &str = include_str!("assets/app.css");
+
+pub fn assets() -> &'static Assets {
+    static ASSETS: std::sync::OnceLock<Assets> = std::sync::OnceLock::new();
+    ASSETS.get_or_init(|| {
+        let name = |stem: &str, ext: &str, text: &str| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            text.hash(&mut h);
+            format!("{stem}.{:016x}.{ext}", h.finish())
+        };
+        Assets { js: (name("app", "js", JS), JS), css: (name("app", "css", CSS), CSS) }
+    })
+}
+
+async fn asset(Path(name): Path<String>) -> Response {
+    let a = assets();
+    let (body, ctype) = if name == a.js.0 {
+        (a.js.1, "text/javascript; charset=utf-8")
+    } else if name == a.css.0 {
+        (a.css.1, "text/css; charset=utf-8")
+    } else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    ([(header::CONTENT_TYPE, ctype), (header::CACHE_CONTROL, "public, max-age=31536000, immutable")], body)
+        .into_response()
+}
+
+/// A page, or the error page in the same layout.
+fn page(result: Result<maud::Markup, ApiError>) -> Response {
+    match result {
+        Ok(markup) => axum::response::Html(markup.into_string()).into_response(),
+        Err(e) => {
+            let status = e.status;
+            (status, axum::response::Html(pages::error_page(&e.message).into_string())).into_response()
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct RunsQuery {
+    state: Option<String>,
+}
+
+async fn runs_page(State(app): State<Shared>, s: auth::Session, Query(q): Query<RunsQuery>) -> Response {
+    let read = blocking(&app, |st| Ok((views::runs(st)?, st.last_seq()?))).await;
+    page(read.map(|(mut runs, seq)| {
+        runs.reverse();
+        pages::runs(&s, &runs, q.state.as_deref(), seq)
+    }))
+}
+
+#[derive(Deserialize, Default)]
+struct Notice {
+    notice: Option<String>,
+}
+
+async fn run_page(
+    State(app): State<Shared>,
+    s: auth::Session,
+    Path(run): Path<String>,
+    Query(n): Query<Notice>,
+) -> Response {
+    let r = run.clone();
+    let read = blocking(&app, move |st| Ok((views::run(st, &r)?, st.last_seq()?))).await;
+    page(read.map(|(tasks, seq)| pages::run(&s, &run, &tasks, seq, n.notice.as_deref())))
+}
+
+async fn task_page(
+    State(app): State<Shared>,
+    s: auth::Session,
+    Path((run, task)): Path<(String, String)>,
+    Query(n): Query<Notice>,
+) -> Response {
+    let (r, t) = (run.clone(), task.clone());
+    let read = blocking(&app, move |st| {
+        let view = views::task(st, &r, &t)?;
+        // The prompt as the agent got it: with its dependencies' results in place.
+        let mut results = std::collections::HashMap::new();
+        for d in &view.row.spec.depends_on {
+            if let Some(dep) = st.task(&r, d)? {
+                results.insert(dep.id, dep.result.unwrap_or_default());
+            }
+        }
+        let prompt = pier_host::plan::render(&view.row.spec.prompt, &results);
+        Ok((view, prompt, views::task_events(st, &r, &t)?, st.last_seq()?))
+    })
+    .await;
+    page(
+        read.map(|(view, prompt, events, seq)| {
+            pages::task(&s, &run, &view, &prompt, &events, seq, n.notice.as_deref())
+        }),
+    )
+}
+
+async fn approvals_page(State(app): State<Shared>, s: auth::Session, Query(n): Query<Notice>) -> Response {
+    let read = blocking(&app, |st| Ok((views::approvals(st)?, st.last_seq()?))).await;
+    page(read.map(|(waiting, seq)| pages::approvals(&s, &waiting, seq, n.notice.as_deref())))
+}
+
+async fn nodes_page(State(app): State<Shared>, s: auth::Session) -> Response {
+    let read = blocking(&app, views::nodes).await;
+    page(read.map(|nodes| pages::nodes(&s, &nodes)))
+}
+
+#[derive(Deserialize)]
+struct CancelForm {
+    csrf: String,
+}
+
+async fn cancel_run(
+    State(app): State<Shared>,
+    s: auth::Session,
+    Path(run): Path<String>,
+    Form(f): Form<CancelForm>,
+) -> Response {
+    if let Err(refused) = s.check(&f.csrf) {
+        return refused;
+    }
+    let r = run.clone();
+    let done = blocking(&app, move |st| {
+        let mut n = 0;
+        for (t, _) in views::run(st, &r)?.into_iter().filter(|(t, _)| !t.state.is_terminal()) {
+            n += usize::from(st.cancel(&r, &t.id, "run cancelled from the dashboard")?.is_some());
+        }
+        Ok(n)
+    })
+    .await;
+    let notice = match done {
+        Ok(n) => format!("{n} unfinished task(s) cancelled"),
+        Err(e) => format!("refused: {}", e.message),
+    };
+    back(&format!("/ui/runs/{}", pages::seg(&run)), &notice)
+}
+
+#[derive(Deserialize)]
+struct AnswerForm {
+    csrf: String,
+    /// The question answered (0: the re-run decision), as the page showed it.
+    n: i64,
+    /// `allow` or `reject`.
+    decision: String,
+    option: Option<String>,
+    /// Where to go back to.
+    from: Option<String>,
+}
+
+async fn answer(
+    State(app): State<Shared>,
+    s: auth::Session,
+    Path((run, task)): Path<(String, String)>,
+    Form(f): Form<AnswerForm>,
+) -> Response {
+    if let Err(refused) = s.check(&f.csrf) {
+        return refused;
+    }
+    let allow = f.decision == "allow";
+    let (r, t, option) = (run.clone(), task.clone(), f.option.clone());
+    let by = format!("dashboard:{}", s.short());
+    let answered = tokio::task::spawn_blocking(move || {
+        pier_host::person::answer_to(app_store(&app).as_ref(), &r, &t, Some(f.n), allow, option.as_deref(), &by)
+    })
+    .await;
+    let notice = match answered {
+        Ok(Ok(pier_host::person::Answered::Option(o))) => format!("answered `{o}` for task {task}"),
+        Ok(Ok(pier_host::person::Answered::Rerun(row))) => format!("task {task} is now {}", row.state.as_str()),
+        Ok(Err(e)) => format!("refused: {e}"),
+        Err(e) => format!("refused: {e}"),
+    };
+    // Back to the page the form was on (only dashboard paths), else the task's page.
+    let to = f
+        .from
+        .filter(|p| p.starts_with("/ui/") && !p.contains("//"))
+        .unwrap_or_else(|| format!("/ui/runs/{}/tasks/{}", pages::seg(&run), pages::seg(&task)));
+    back(&to, &notice)
+}
+
+fn app_store(app: &Shared) -> std::sync::Arc<dyn pier_host::TaskStore> {
+    app.store.clone()
+}
+
+/// POST-redirect-GET, with a notice for the page to show.
+fn back(path: &str, notice: &str) -> Response {
+    let sep = if path.contains('?') { '&' } else { '?' };
+    Redirect::to(&format!("{path}{sep}notice={}", pages::query_escape(notice))).into_response()
+}

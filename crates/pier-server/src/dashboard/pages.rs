@@ -1,0 +1,451 @@
+//! The pages, in maud: markup checked at compile time and escaped by default, so nothing
+//! the plan, the agent or the model wrote can become markup (this file has no `PreEscaped`).
+
+use maud::{DOCTYPE, Markup, html};
+use pier_host::{NodeRow, Question, TaskRow};
+use serde_json::Value;
+
+use super::auth::Session;
+use super::graph::{glyph, svg};
+use super::transcript::{Item, build, diff_lines};
+use crate::views::{RunSummary, TaskView};
+
+/// A path segment, percent-encoded (ids are the user's text).
+pub fn seg(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+pub fn query_escape(text: &str) -> String {
+    seg(text)
+}
+
+fn time(ms: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_seconds(t).to_string().replace('T', " ").replace('Z', " UTC")
+}
+
+fn duration(ms: i64) -> String {
+    let s = ms.max(0) / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {}s", s / 60, s % 60),
+        _ => format!("{}h {}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+fn state(s: &str) -> Markup {
+    html! { span class={ "state state-" (s) } { (glyph(s)) " " (s) } }
+}
+
+/// The frame of every page. `live`: the `/events` query that keeps it current.
+fn layout(
+    title: &str,
+    session: Option<&Session>,
+    live: Option<(String, i64)>,
+    notice: Option<&str>,
+    body: Markup,
+) -> Markup {
+    let (live, after) = match live {
+        Some((q, seq)) => (Some(q), Some(seq)),
+        None => (None, None),
+    };
+    let assets = super::assets();
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · pier" }
+                link rel="stylesheet" href={ "/ui/assets/" (assets.css.0) };
+                script type="module" src={ "/ui/assets/" (assets.js.0) } {}
+            }
+            body {
+                header {
+                    a class="brand" href="/ui/" { "pier" }
+                    @if let Some(s) = session {
+                        nav aria-label="main" {
+                            a href="/ui/" { "Runs" }
+                            a href="/ui/approvals" { "Approvals" }
+                            a href="/ui/nodes" { "Nodes" }
+                        }
+                        form method="post" action="/ui/logout" class="logout" {
+                            input type="hidden" name="csrf" value=(s.csrf);
+                            button type="submit" { "Log out" }
+                        }
+                    }
+                }
+                main id="main" data-live=[live] data-after=[after] {
+                    @if let Some(n) = notice {
+                        p class={ "notice" @if n.starts_with("refused") { " refused" } } role="status" { (n) }
+                    }
+                    (body)
+                }
+            }
+        }
+    }
+}
+
+pub fn login(error: Option<&str>) -> Markup {
+    layout(
+        "Log in",
+        None,
+        None,
+        error,
+        html! {
+            h1 { "Log in" }
+            form method="post" action="/ui/login" class="login" {
+                label for="token" { "The server's token (" code { "$PIER_HOME/serve.token" } " or " code { "--token" } ")" }
+                input id="token" name="token" type="password" autocomplete="current-password" required autofocus;
+                button type="submit" { "Log in" }
+            }
+        },
+    )
+}
+
+pub async fn login_page() -> axum::response::Html<String> {
+    axum::response::Html(login(None).into_string())
+}
+
+pub fn error_page(message: &str) -> Markup {
+    layout("Error", None, None, None, html! { h1 { "Not here" } p { (message) } p { a href="/ui/" { "All runs" } } })
+}
+
+pub fn runs(s: &Session, runs: &[RunSummary], filter: Option<&str>, seq: i64) -> Markup {
+    let shown: Vec<&RunSummary> = runs.iter().filter(|r| filter.is_none_or(|f| r.state() == f)).collect();
+    let body = html! {
+        h1 { "Runs" }
+        nav class="filters" aria-label="filter by state" {
+            @for (label, f) in [("all", None), ("running", Some("running")), ("completed", Some("completed")), ("failed", Some("failed"))] {
+                @let href = match f { Some(f) => format!("/ui/?state={f}"), None => "/ui/".to_owned() };
+                a href=(href) aria-current=[(filter == f).then_some("page")] { (label) }
+            }
+        }
+        @if shown.is_empty() {
+            p { "No runs" @if filter.is_some() { " in this state" } ". Submit one with " code { "pier submit PLAN" } "." }
+        } @else {
+            table class="runs" {
+                thead { tr { th { "run" } th { "state" } th { "tasks" } th { "attempts" } th { "waiting" } th { "started" } th { "finished" } th { "took" } } }
+                tbody {
+                    @for r in &shown {
+                        @let st = r.state();
+                        tr data-run=(r.run) {
+                            td { a href={ "/ui/runs/" (seg(&r.run)) } { (r.run) } }
+                            td { (state(st)) }
+                            td class="counts" {
+                                (r.tasks) ": "
+                                @for (i, (k, v)) in r.counts.iter().enumerate() {
+                                    @if i > 0 { " · " }
+                                    (v) " " (k)
+                                }
+                            }
+                            td { (r.attempts) }
+                            td { @if r.waiting() > 0 { a href="/ui/approvals" { (r.waiting()) } } @else { "0" } }
+                            td { (time(r.created_at_ms)) }
+                            td { @if st != "running" { (time(r.updated_at_ms)) } @else { "—" } }
+                            td { (duration(r.updated_at_ms - r.created_at_ms)) }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    layout("Runs", Some(s), Some(("follow=true".into(), seq)), None, body)
+}
+
+pub fn run(s: &Session, run: &str, tasks: &[(TaskRow, Option<Question>)], seq: i64, notice: Option<&str>) -> Markup {
+    let rows: Vec<TaskRow> = tasks.iter().map(|(t, _)| t.clone()).collect();
+    let counts = crate::views::counts(&rows);
+    let unfinished = rows.iter().any(|t| !t.state.is_terminal());
+    let body = html! {
+        h1 { "Run " (run) }
+        div data-region="run" {
+        p class="counts" {
+            @for (i, (k, v)) in counts.iter().enumerate() { @if i > 0 { " · " } (v) " " (k) }
+        }
+        @if unfinished {
+            form method="post" action={ "/ui/runs/" (seg(run)) "/cancel" } class="inline" {
+                input type="hidden" name="csrf" value=(s.csrf);
+                button type="submit" class="danger" { "Cancel run" }
+            }
+        }
+        section aria-label="graph" class="scroll" { (svg(run, &rows)) }
+        h2 { "Tasks" }
+        table class="tasks" {
+            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } } }
+            tbody {
+                @for (t, q) in tasks {
+                    tr data-task=(t.id) data-state=(t.state.as_str()) {
+                        td { a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(&t.id)) } { (t.id) } }
+                        td { (state(t.state.as_str())) }
+                        td { (t.attempt) }
+                        td { code { (t.spec.agent) } }
+                        td class="clip" {
+                            @if let Some(q) = q { "asks: " (asks(&q.request)) }
+                            @else if t.state == pier_host::TaskState::AwaitingInput { "waits for a re-run decision" }
+                            @else { (first_line(t.result.as_deref().or(t.error.as_deref()).unwrap_or(""))) }
+                        }
+                    }
+                }
+            }
+        }
+        }
+        (rail(seq))
+    };
+    layout(&format!("Run {run}"), Some(s), Some((format!("run={}", seg(run)), seq)), notice, body)
+}
+
+/// The run's event log, live: filled by the page's script from `/events`, resumable from any sequence.
+fn rail(seq: i64) -> Markup {
+    html! {
+        section class="rail" aria-label="events" {
+            h2 { "Events" }
+            form class="replay" id="replay" {
+                label for="from" { "Replay from sequence" }
+                input id="from" name="from" type="number" min="0" value=((seq - 50).max(0));
+                button type="submit" { "Replay" }
+            }
+            ol id="events" data-after=((seq - 50).max(0)) {}
+        }
+    }
+}
+
+fn first_line(text: &str) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() > 120 {
+        format!("{}…", line.chars().take(119).collect::<String>())
+    } else {
+        line.to_owned()
+    }
+}
+
+/// What a question asks, in a line.
+fn asks(request: &Value) -> String {
+    if let Some(q) = request.get(pier_host::person::ELICITATION) {
+        return q["message"].as_str().unwrap_or("a question").to_owned();
+    }
+    let call = &request["toolCall"];
+    format!(
+        "permission for {} ({})",
+        call["title"].as_str().unwrap_or("a tool call"),
+        call["kind"].as_str().unwrap_or("?")
+    )
+}
+
+/// The buttons that answer what a task waits on: the agent's own options verbatim, or the
+/// re-run decision. `n` ties the answer to the question shown.
+fn decide(s: &Session, run: &str, task: &str, q: Option<&Question>, from: &str) -> Markup {
+    let action = format!("/ui/runs/{}/tasks/{}/answer", seg(run), seg(task));
+    html! {
+        div class="decide" {
+            @match q {
+                Some(q) if q.request.get(pier_host::person::ELICITATION).is_some() => {
+                    p { "The agent asks: " strong { (asks(&q.request)) } }
+                    p { "Answer with " code { "pier answer --run " (run) " " (task) " FIELD=VALUE …" } " or over HTTP." }
+                }
+                Some(q) => {
+                    (tool(&q.request["toolCall"]))
+                    @for o in q.request["options"].as_array().into_iter().flatten() {
+                        @let kind = o["kind"].as_str().unwrap_or("");
+                        form method="post" action=(action) class="inline" {
+                            input type="hidden" name="csrf" value=(s.csrf);
+                            input type="hidden" name="n" value=(q.n);
+                            input type="hidden" name="from" value=(from);
+                            input type="hidden" name="decision" value=(if kind.starts_with("allow") { "allow" } else { "reject" });
+                            input type="hidden" name="option" value=(o["optionId"].as_str().unwrap_or(""));
+                            button type="submit" class={ "option " (kind) } data-option=(o["optionId"].as_str().unwrap_or("")) {
+                                (o["name"].as_str().unwrap_or("?")) " (" (kind) ")"
+                            }
+                        }
+                    }
+                }
+                None => {
+                    p { "A lost attempt reported side effects: run it again?" }
+                    @for (decision, label) in [("allow", "Run it again"), ("reject", "Cancel it")] {
+                        form method="post" action=(action) class="inline" {
+                            input type="hidden" name="csrf" value=(s.csrf);
+                            input type="hidden" name="n" value="0";
+                            input type="hidden" name="from" value=(from);
+                            input type="hidden" name="decision" value=(decision);
+                            button type="submit" class={ "option " (decision) } { (label) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One tool call: kind, status, title, and its content (text, diffs as unified diffs).
+fn tool(call: &Value) -> Markup {
+    let status = call["status"].as_str().unwrap_or("pending");
+    html! {
+        div class={ "tool status-" (status) } data-tool=(call["toolCallId"].as_str().unwrap_or("")) {
+            p class="tool-head" {
+                span class="kind" { (call["kind"].as_str().unwrap_or("other")) }
+                " " strong { (call["title"].as_str().unwrap_or("")) }
+                " " span class="status" { "[" (status) "]" }
+            }
+            @for c in call["content"].as_array().into_iter().flatten() {
+                @match c["type"].as_str() {
+                    Some("diff") => {
+                        div class="diff" {
+                            p class="path" { (c["path"].as_str().unwrap_or("")) @if c["oldText"].is_null() { " (new file)" } }
+                            pre {
+                                @for (class, line) in diff_lines(c["oldText"].as_str().unwrap_or(""), c["newText"].as_str().unwrap_or("")) {
+                                    span class=(class) { (line) "\n" }
+                                }
+                            }
+                        }
+                    }
+                    Some("content") => { pre class="output" { (c["content"]["text"].as_str().unwrap_or("")) } }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+pub fn task(
+    s: &Session,
+    run: &str,
+    v: &TaskView,
+    prompt: &str,
+    events: &[pier_host::Event],
+    seq: i64,
+    notice: Option<&str>,
+) -> Markup {
+    let t = &v.row;
+    let here = format!("/ui/runs/{}/tasks/{}", seg(run), seg(&t.id));
+    let transcript = build(events);
+    let body = html! {
+        p { a href={ "/ui/runs/" (seg(run)) } { "← run " (run) } }
+        h1 { "Task " (t.id) }
+        dl class="facts" {
+            dt { "state" } dd { (state(t.state.as_str())) }
+            dt { "agent" } dd { code { (t.spec.agent) } @if let Some(a) = &v.agent { " (" (a["init"]["agentInfo"]["name"].as_str().unwrap_or("?")) " " (a["init"]["agentInfo"]["version"].as_str().unwrap_or("")) ")" } }
+            dt { "attempts" } dd { (t.attempt) " (" (t.failures) " failed)" }
+            @if let Some(owner) = &t.lease_owner { dt { "lease" } dd { (owner) } }
+            @if !t.spec.depends_on.is_empty() { dt { "depends on" } dd { (t.spec.depends_on.join(", ")) } }
+        }
+        @if t.state == pier_host::TaskState::AwaitingInput {
+            section class="waiting" aria-label="waiting for you" {
+                h2 { "Waiting for you" }
+                (decide(s, run, &t.id, v.question.as_ref(), &here))
+                @if v.question.is_none() {
+                    @if let Some(a) = v.attempts.iter().find(|a| a.attempt == t.attempt) {
+                        h3 { "The evidence" }
+                        ul { @for e in &a.evidence { li { code { (e.to_string()) } } } }
+                    }
+                }
+            }
+        }
+        h2 { "Prompt" }
+        pre class="prompt" { (prompt) }
+        @if let Some(r) = &t.result { h2 { "Result" } pre class="result" { (r) } }
+        @if let Some(e) = &t.error { h2 { "Error" } pre class="error" { (e) } }
+        @for (n, items) in &transcript {
+            @if *n > 0 {
+                section class="attempt" aria-label={ "attempt " (n) } {
+                    h2 { "Attempt " (n) }
+                    @if let Some(a) = v.attempts.iter().find(|a| a.attempt == *n) {
+                        @if !a.evidence.is_empty() { p class="evidence" { (a.evidence.len()) " side effect(s) reported" } }
+                    }
+                    @for item in items { (item_markup(item)) }
+                }
+            }
+        }
+    };
+    layout(&format!("Task {}", t.id), Some(s), Some((format!("run={}", seg(run)), seq)), notice, body)
+}
+
+fn item_markup(item: &Item) -> Markup {
+    match item {
+        Item::Said(text) => html! { div class="said" { pre { (text) } } },
+        Item::User(text) => html! { div class="user" { p class="who" { "prompt" } pre { (text) } } },
+        Item::Thought(text) => html! { details class="thought" { summary { "thoughts" } pre { (text) } } },
+        Item::Tool(call) => tool(call),
+        Item::Plan(plan) => html! {
+            ol class="plan" {
+                @for e in plan["entries"].as_array().into_iter().flatten() {
+                    li class={ "plan-" (e["status"].as_str().unwrap_or("")) } { "[" (e["status"].as_str().unwrap_or("")) "] " (e["content"].as_str().unwrap_or("")) }
+                }
+            }
+        },
+        Item::Permission(p) => {
+            let chosen = p["outcome"]["optionId"].as_str().or(p["outcome"]["outcome"].as_str()).unwrap_or("?");
+            html! {
+                div class="permission" {
+                    p { "Permission for " strong { (p["toolCall"]["title"].as_str().unwrap_or("a tool call")) } }
+                    ul class="options" {
+                        @for o in p["options"].as_array().into_iter().flatten() {
+                            @let id = o["optionId"].as_str().unwrap_or("");
+                            li class=[(id == chosen).then_some("chosen")] {
+                                (o["name"].as_str().unwrap_or(id)) " (" (o["kind"].as_str().unwrap_or("")) ")"
+                                @if id == chosen { " ← chosen" }
+                            }
+                        }
+                    }
+                    p class="why" { "chosen " (chosen) " by " (rule(&p["rule"])) @if let Some(r) = p["reason"].as_str() { ": " (r) } }
+                }
+            }
+        }
+        Item::Question(q) => html! {
+            div class="question" {
+                p { "The agent asked: " strong { (q["request"]["message"].as_str().unwrap_or("")) } }
+                p { "Answer: " code { (q["response"].to_string()) } }
+            }
+        },
+        Item::Transition(t) => html! {
+            p class="transition" { (t["from"].as_str().unwrap_or("?")) " → " (t["to"].as_str().unwrap_or("?")) " · " (t["reason"].as_str().unwrap_or("")) }
+        },
+    }
+}
+
+fn rule(rule: &Value) -> String {
+    match rule {
+        Value::String(s) => s.clone(),
+        Value::Null => "policy".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+pub fn approvals(s: &Session, waiting: &[(TaskRow, Option<Question>)], seq: i64, notice: Option<&str>) -> Markup {
+    let body = html! {
+        h1 { "Approvals" }
+        @if waiting.is_empty() { p { "Nothing waits for you." } }
+        @for (t, q) in waiting {
+            section class="approval" data-task=(t.id) aria-label={ "task " (t.id) } {
+                h2 { a href={ "/ui/runs/" (seg(&t.run_id)) "/tasks/" (seg(&t.id)) } { (t.id) } " of run " a href={ "/ui/runs/" (seg(&t.run_id)) } { (t.run_id) } }
+                (decide(s, &t.run_id, &t.id, q.as_ref(), "/ui/approvals"))
+            }
+        }
+    };
+    layout("Approvals", Some(s), Some(("follow=true".into(), seq)), notice, body)
+}
+
+pub fn nodes(s: &Session, nodes: &[NodeRow]) -> Markup {
+    let body = html! {
+        h1 { "Nodes" }
+        @if nodes.is_empty() { p { "No node has registered: one " code { "pier serve" } " on SQLite drives every run itself." } }
+        @else {
+            table {
+                thead { tr { th { "node" } th { "started" } th { "last heartbeat" } th { "runs it drives" } } }
+                tbody {
+                    @for n in nodes {
+                        tr { td { (n.id) } td { (time(n.started_at_ms)) } td { (time(n.heartbeat_at_ms)) } td { (n.runs.join(", ")) } }
+                    }
+                }
+            }
+        }
+    };
+    layout("Nodes", Some(s), None, None, body)
+}
