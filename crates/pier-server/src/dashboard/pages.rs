@@ -261,7 +261,7 @@ fn decide(s: &Session, run: &str, task: &str, q: Option<&Question>, from: &str) 
                             input type="hidden" name="from" value=(from);
                             input type="hidden" name="decision" value=(if kind.starts_with("allow") { "allow" } else { "reject" });
                             input type="hidden" name="option" value=(o["optionId"].as_str().unwrap_or(""));
-                            button type="submit" class={ "option " (kind) } data-option=(o["optionId"].as_str().unwrap_or("")) {
+                            button type="submit" class={ "option " (kind) } data-option=(o["optionId"].as_str().unwrap_or("")) data-kind=(kind) {
                                 (o["name"].as_str().unwrap_or("?")) " (" (kind) ")"
                             }
                         }

@@ -1,0 +1,276 @@
+//! The dashboard in a real browser: Debian's headless Chromium driven through chromedriver
+//! (`support::browser`), against a real `pier serve` with pier's own agents on the fake
+//! model. Waits poll the page's state with a bound; a failing test leaves a screenshot
+//! under `target/browser-screenshots/`.
+
+mod support;
+
+use pier_fake_model::{FakeModel, Gate, Reply, Step};
+use serde_json::json;
+use support::browser::Browser;
+use support::serve::{TOKEN, server};
+use support::{LIMIT, echo, must};
+
+/// Logs the browser in: the login form, the token, the runs page.
+async fn login(b: &Browser, base: &str) {
+    b.goto(&format!("{base}/ui/")).await;
+    b.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
+    let field = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
+    b.type_into(&field, TOKEN).await;
+    let submit = b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"));
+    b.click(&submit).await;
+    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+}
+
+fn node_state(task: &str) -> String {
+    format!("(document.querySelector('svg [data-task=\"{task}\"]') || {{dataset: {{}}}}).dataset.state")
+}
+
+#[tokio::test]
+async fn a_person_logs_in_watches_a_run_change_state_live_and_logs_out() {
+    let f = must(FakeModel::start().await, "fake");
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| {
+        let last = body["messages"].as_array().and_then(|m| m.iter().rev().find(|m| m["role"] == "user")).cloned();
+        if last.is_some_and(|m| m["content"].to_string().contains("alpha-go")) {
+            Reply::Stream(vec![
+                Step::Gate(g.clone()),
+                Step::Text("done".into()),
+                Step::Finish("stop".into()),
+                Step::Done,
+            ])
+        } else {
+            echo(body)
+        }
+    });
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"first\"\nprompt = \"alpha-go\"\n\n[[tasks]]\nid = \"second\"\nprompt = \"beta-go\"\ndepends_on = [\"first\"]\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "live"}))).await.0, 201);
+
+    let b = Browser::start("live-run").await;
+    // Without a session every page sends the browser to the login page.
+    b.goto(&format!("{}/ui/runs/live", s.base)).await;
+    b.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
+    login(&b, &s.base).await;
+    b.wait_for("the run listed", "!!document.querySelector('tr[data-run=\"live\"]')", LIMIT).await;
+
+    b.goto(&format!("{}/ui/runs/live", s.base)).await;
+    b.wait_for("first running", &format!("{} === 'running'", node_state("first")), LIMIT).await;
+    assert_eq!(b.script(&format!("return {}", node_state("second")), vec![]).await, json!("pending"));
+    // The page is not reloaded: a mark set now must survive the change of state.
+    b.script("window.__mark = 42; return true", vec![]).await;
+    gate.open();
+    b.wait_for("second completed, live", &format!("{} === 'completed'", node_state("second")), LIMIT).await;
+    assert_eq!(b.script("return window.__mark", vec![]).await, json!(42), "the page was reloaded");
+    // The state is said in words and glyphs, not colour alone; the rail carries the events.
+    let row = b.find("tr[data-task=\"first\"]").await.unwrap_or_else(|| panic!("no row"));
+    assert!(b.text(&row).await.contains("✓ completed"));
+    b.wait_for("the event rail", "document.querySelectorAll('#events li').length > 3", LIMIT).await;
+
+    let out = b.find("form.logout button").await.unwrap_or_else(|| panic!("no logout"));
+    b.click(&out).await;
+    b.wait_for("logged out", "location.pathname === '/ui/login'", LIMIT).await;
+    b.goto(&format!("{}/ui/runs/live", s.base)).await;
+    b.wait_for("refused after logout", "location.pathname === '/ui/login'", LIMIT).await;
+}
+
+#[tokio::test]
+async fn an_approval_shows_the_diff_is_answered_with_its_button_and_a_repeat_is_refused() {
+    let f = must(FakeModel::start().await, "fake");
+    // The agent replaces notes.txt (an edit: it asks first), then answers.
+    f.push(Reply::tool_call("w1", "write_file", r#"{"path": "notes.txt", "content": "new line\n"}"#));
+    f.set_fallback(|_| Reply::text("edited"));
+    let s = server(Some(f.base_url())).await;
+    must(std::fs::write(s.dir.path().join("notes.txt"), "old line\n"), "notes");
+    let plan = "[[tasks]]\nid = \"edit\"\nprompt = \"edit the notes\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "ask"}))).await.0, 201);
+
+    let b = Browser::start("approval").await;
+    login(&b, &s.base).await;
+    b.goto(&format!("{}/ui/approvals", s.base)).await;
+    b.wait_for(
+        "the approval",
+        "!!document.querySelector('section.approval[data-task=\"edit\"] button[data-kind=\"allow_once\"]')",
+        LIMIT,
+    )
+    .await;
+    // The agent's own options, verbatim, and the diff of what it asks to do.
+    let options: Vec<String> = serde_json::from_value(
+        b.script(
+            "return [...document.querySelectorAll('section.approval button.option')].map(b => b.dataset.kind)",
+            vec![],
+        )
+        .await,
+    )
+    .unwrap_or_default();
+    assert_eq!(options, ["allow_once", "allow_always", "reject_once", "reject_always"]);
+    assert!(
+        b.script("return document.querySelector('.diff .del').textContent", vec![])
+            .await
+            .as_str()
+            .is_some_and(|t| t.contains("-old line"))
+    );
+    assert!(
+        b.script("return document.querySelector('.diff .add').textContent", vec![])
+            .await
+            .as_str()
+            .is_some_and(|t| t.contains("+new line"))
+    );
+    // Keep the form as the page showed it, to submit it again later.
+    let stale = b
+        .script(
+            "const f = document.querySelector('section.approval button[data-kind=\"allow_once\"]').form; \
+             return {action: f.action, fields: Object.fromEntries(new FormData(f))}",
+            vec![],
+        )
+        .await;
+    let allow = b.find("section.approval button[data-kind=\"allow_once\"]").await.unwrap_or_else(|| panic!("button"));
+    b.click(&allow).await;
+    b.wait_for(
+        "the answer taken",
+        "(document.querySelector('.notice') || {}).textContent?.includes('answered `allow-once`')",
+        LIMIT,
+    )
+    .await;
+
+    // The task goes on and completes; its page shows the tool call with its diff and the choice.
+    b.goto(&format!("{}/ui/runs/ask/tasks/edit", s.base)).await;
+    b.wait_for("completed", "!!document.querySelector('.facts .state-completed')", LIMIT).await;
+    let tool = b.find(".tool[data-tool=\"w1\"]").await.unwrap_or_else(|| panic!("no tool call on the task page"));
+    let text = b.text(&tool).await;
+    assert!(
+        text.contains("edit")
+            && text.contains("[completed]")
+            && text.contains("-old line")
+            && text.contains("+new line"),
+        "{text}"
+    );
+    let permission = b.find(".permission").await.unwrap_or_else(|| panic!("no permission record"));
+    assert!(b.text(&permission).await.contains("← chosen"), "{}", b.text(&permission).await);
+    assert_eq!(must(std::fs::read_to_string(s.dir.path().join("notes.txt")), "notes"), "new line\n");
+
+    // The same form again: refused, visibly, and nothing is applied twice.
+    b.script(
+        "const [s] = arguments; const f = document.createElement('form'); f.method = 'post'; f.action = s.action; \
+         for (const [k, v] of Object.entries(s.fields)) { const i = document.createElement('input'); i.type = 'hidden'; \
+         i.name = k; i.value = v; f.append(i); } document.body.append(f); f.submit(); return true",
+        vec![stale],
+    )
+    .await;
+    b.wait_for(
+        "the repeat refused",
+        "/refused: task `edit` .*(no longer waits|not awaiting_input)/.test((document.querySelector('.notice.refused') || {}).textContent || '')",
+        LIMIT,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn nothing_the_plan_the_agent_or_the_model_wrote_runs_as_markup() {
+    const PLANT: &str = "<script>window.pwned=1</script>\"><img src=x onerror=\"window.pwned=2\">";
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| Reply::text(PLANT));
+    let s = server(Some(f.base_url())).await;
+    let id = format!("t{PLANT}");
+    let plan = format!("[[tasks]]\nid = {id:?}\nprompt = {PLANT:?}\n");
+    let run = "r\"><img src=x onerror=\"window.pwned=3\">";
+    let (code, v) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": run}))).await;
+    assert_eq!(code, 201, "{v}");
+    s.events_until(None, |e| e["type"] == "transition" && e["to"] == "completed").await;
+
+    let b = Browser::start("xss").await;
+    login(&b, &s.base).await;
+    let seg = |t: &str| {
+        t.bytes()
+            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .collect::<String>()
+    };
+    for path in [
+        "/ui/".to_owned(),
+        format!("/ui/runs/{}", seg(run)),
+        format!("/ui/runs/{}/tasks/{}", seg(run), seg(&id)),
+        "/ui/approvals".into(),
+    ] {
+        b.goto(&format!("{}{path}", s.base)).await;
+        b.wait_for("the page", "document.readyState === 'complete' && !!document.getElementById('main')", LIMIT).await;
+        let state = b
+            .script("return {pwned: window.pwned === undefined ? null : window.pwned, imgs: document.querySelectorAll('img').length, text: document.body.innerText}", vec![])
+            .await;
+        assert_eq!(state["pwned"], json!(null), "{path}: a plant ran");
+        assert_eq!(state["imgs"], json!(0), "{path}: a plant became an element");
+        if path != "/ui/approvals" {
+            assert!(
+                state["text"].as_str().is_some_and(|t| t.contains("onerror")),
+                "{path}: the plant is not shown as text"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_pages_read_at_a_phone_s_width() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"a-task-with-a-rather-long-name\"\nprompt = \"hello\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "narrow"}))).await.0, 201);
+    s.events_until(None, |e| e["type"] == "transition" && e["to"] == "completed").await;
+    let b = Browser::start("narrow").await;
+    login(&b, &s.base).await;
+    for (width, path) in [(390, "/ui/"), (390, "/ui/runs/narrow"), (1280, "/ui/runs/narrow")] {
+        b.set_window_size(width, 900).await;
+        b.goto(&format!("{}{path}", s.base)).await;
+        b.wait_for("the page", "document.readyState === 'complete'", LIMIT).await;
+        let overflow = b
+            .script("return document.documentElement.scrollWidth - document.documentElement.clientWidth", vec![])
+            .await;
+        assert!(overflow.as_i64().is_some_and(|o| o <= 0), "{path} at {width}px scrolls sideways by {overflow}");
+    }
+}
+
+#[tokio::test]
+async fn a_busy_run_page_renders_every_state_for_the_readme_screenshot() {
+    let f = must(FakeModel::start().await, "fake");
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| {
+        let last = body["messages"].as_array().and_then(|m| m.iter().rev().find(|m| m["role"] == "user")).cloned();
+        let said = last.map(|m| m["content"].to_string()).unwrap_or_default();
+        if said.contains("Review") {
+            Reply::Stream(vec![Step::Gate(g.clone()), Step::Text("ok".into()), Step::Finish("stop".into()), Step::Done])
+        } else if said.contains("Lint") {
+            Reply::Stream(vec![Step::Finish("content_filter".into()), Step::Done])
+        } else {
+            echo(body)
+        }
+    });
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"fetch-docs\"\nprompt = \"Fetch the docs\"\n\n\
+                [[tasks]]\nid = \"fetch-code\"\nprompt = \"Fetch the code\"\n\n\
+                [[tasks]]\nid = \"review\"\nprompt = \"Review both\"\ndepends_on = [\"fetch-docs\", \"fetch-code\"]\n\n\
+                [[tasks]]\nid = \"lint\"\nprompt = \"Lint the code\"\ndepends_on = [\"fetch-code\"]\n\n\
+                [[tasks]]\nid = \"fix-lint\"\nprompt = \"Fix what lint found\"\ndepends_on = [\"lint\"]\n\n\
+                [[tasks]]\nid = \"report\"\nprompt = \"Write the report\"\ndepends_on = [\"review\"]\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "nightly"}))).await.0, 201);
+    let b = Browser::start("busy-run").await;
+    login(&b, &s.base).await;
+    b.goto(&format!("{}/ui/runs/nightly", s.base)).await;
+    for (task, state) in [
+        ("review", "running"),
+        ("lint", "failed"),
+        ("fix-lint", "cancelled"),
+        ("fetch-docs", "completed"),
+        ("report", "pending"),
+    ] {
+        b.wait_for(&format!("{task} {state}"), &format!("{} === '{state}'", node_state(task)), LIMIT).await;
+    }
+    b.set_window_size(1280, 860).await;
+    let png = b.screenshot().await;
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target"));
+    let _ = std::fs::create_dir_all(dir);
+    // Copied to docs/dashboard-run.png for the README when the page changes.
+    must(std::fs::write(dir.join("dashboard-run.png"), png), "screenshot");
+    gate.open();
+    b.wait_for("report completed", &format!("{} === 'completed'", node_state("report")), LIMIT).await;
+}
