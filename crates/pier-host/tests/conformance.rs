@@ -564,3 +564,31 @@ fn a_person_retries_a_failed_task_and_with_dependents_the_cancelled_ones_below_i
         );
     });
 }
+
+#[test]
+fn an_answer_names_its_question_so_a_repeat_or_a_stale_one_applies_nothing() {
+    use pier_host::person::{Answered, answer_to};
+    each(|name, s| {
+        let a = claim(s, "a", "owner-1");
+        let ask = json!({"options": [{"optionId": "ok", "name": "OK", "kind": "allow_once"}]});
+        let first = s.park(&a, &ask).unwrap_or_else(|e| panic!("{e}"));
+        // A form showing another question (or the re-run decision) is refused.
+        for stale in [first + 1, 0] {
+            let refused = answer_to(s.as_ref(), "r", "a", Some(stale), true, None, "me");
+            assert!(refused.is_err_and(|e| e.to_string().contains("no longer waits")), "{name}: {stale}");
+        }
+        let answered = answer_to(s.as_ref(), "r", "a", Some(first), true, None, "me");
+        assert!(matches!(answered, Ok(Answered::Option(ref o)) if o == "ok"), "{name}: {answered:?}");
+        // The same form again, before and after the agent asks its next question.
+        assert!(answer_to(s.as_ref(), "r", "a", Some(first), true, None, "me").is_err(), "{name}: a repeat");
+        assert!(s.resume(&a).unwrap_or(false));
+        let second = s.park(&a, &ask).unwrap_or_else(|e| panic!("{e}"));
+        let repeat = answer_to(s.as_ref(), "r", "a", Some(first), true, None, "me");
+        assert!(repeat.is_err_and(|e| e.to_string().contains("no longer waits")), "{name}");
+        assert_eq!(
+            s.answer_of(&a, second).unwrap_or_else(|e| panic!("{e}")),
+            None,
+            "{name}: the new question is still open"
+        );
+    });
+}
