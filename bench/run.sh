@@ -122,6 +122,12 @@ if [ "$with_peers" = 1 ]; then
   run B6-codex-acp         "$bench" stream --kind codex --tokens 20000 -- "$interop/node_modules/.bin/codex-acp"
   run B6-claude-agent-acp  "$bench" stream --kind claude --tokens 20000 -- "$interop/node_modules/.bin/claude-agent-acp"
 fi
+# D1: the dashboard's run page of a 1,000-task run in headless Chromium, and 10 tabs of it
+# kept live while workers complete 50 tasks (crates/pier/examples/dashboard_bench.rs).
+if wanted D1 && command -v chromedriver >/dev/null; then
+  cargo build --release --quiet -p pier --example dashboard_bench
+  run D1-dashboard-1000-tasks target/release/examples/dashboard_bench
+fi
 # B7: a delegation (the delegate tool, pier's own agent as the child) beside the same child
 # run directly by the harness; overhead_ms is what delegating adds (median of 20 per run).
 run B7-delegate            "$bench" delegate --pier "$pier" --n 20

@@ -52,7 +52,7 @@ async fn headers(req: Request, next: Next) -> Response {
     h.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(
-            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
+            "default-src 'none'; script-src 'self'; worker-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; \
              form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
         ),
     );
@@ -65,11 +65,14 @@ async fn headers(req: Request, next: Next) -> Response {
 /// The embedded assets, named by content hash so they can be cached for good.
 pub struct Assets {
     pub js: (String, &'static str),
+    /// The SharedWorker that holds the one event stream of all tabs.
+    pub worker: (String, &'static str),
     pub css: (String, &'static str),
 }
 
 const JS: &str = include_str!("assets/app.js");
 const CSS: &str = include_str!("assets/app.css");
+const WORKER: &str = include_str!("assets/live.js");
 
 pub fn assets() -> &'static Assets {
     static ASSETS: std::sync::OnceLock<Assets> = std::sync::OnceLock::new();
@@ -80,7 +83,11 @@ pub fn assets() -> &'static Assets {
             text.hash(&mut h);
             format!("{stem}.{:016x}.{ext}", h.finish())
         };
-        Assets { js: (name("app", "js", JS), JS), css: (name("app", "css", CSS), CSS) }
+        Assets {
+            js: (name("app", "js", JS), JS),
+            worker: (name("live", "js", WORKER), WORKER),
+            css: (name("app", "css", CSS), CSS),
+        }
     })
 }
 
@@ -88,6 +95,8 @@ async fn asset(Path(name): Path<String>) -> Response {
     let a = assets();
     let (body, ctype) = if name == a.js.0 {
         (a.js.1, "text/javascript; charset=utf-8")
+    } else if name == a.worker.0 {
+        (a.worker.1, "text/javascript; charset=utf-8")
     } else if name == a.css.0 {
         (a.css.1, "text/css; charset=utf-8")
     } else {

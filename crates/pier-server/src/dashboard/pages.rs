@@ -83,7 +83,7 @@ fn layout(
                         }
                     }
                 }
-                main id="main" data-live=[live] data-after=[after] {
+                main id="main" data-live=[live] data-after=[after] data-worker={ "/ui/assets/" (assets.worker.0) } {
                     @if let Some(n) = notice {
                         p class={ "notice" @if n.starts_with("refused") { " refused" } } role="status" { (n) }
                     }

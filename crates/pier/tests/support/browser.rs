@@ -200,6 +200,24 @@ impl Browser {
         }
     }
 
+    /// Opens a new tab at `url` and makes it the current one; its window handle.
+    pub async fn new_tab(&self, url: &str) -> String {
+        let v = self.post("/window/new", json!({"type": "tab"})).await;
+        let handle = v["handle"].as_str().unwrap_or_default().to_owned();
+        self.switch_to(&handle).await;
+        self.goto(url).await;
+        handle
+    }
+
+    /// The current window handle.
+    pub async fn handle(&self) -> String {
+        self.get("/window").await.as_str().unwrap_or_default().to_owned()
+    }
+
+    pub async fn switch_to(&self, handle: &str) {
+        self.post("/window", json!({"handle": handle})).await;
+    }
+
     /// A PNG of the whole page, beyond the viewport.
     pub async fn screenshot(&self) -> Vec<u8> {
         capture(&self.http, &self.session, CALL_LIMIT).await.unwrap_or_else(|e| panic!("{}: {e}", self.name))

@@ -1,12 +1,16 @@
-// pier's dashboard: keeps a page current from the server's /events stream (the API's own
+// pier's dashboard: keeps a page current from the server's event stream (the API's own
 // SSE, resumed exactly by sequence number). Pages render whole without this script; it
-// only re-renders their live regions when the store moves, and fills the event rail.
+// re-renders their live regions when the store moves, and fills the event rail. The
+// stream is shared by all tabs through a SharedWorker (live.js) where there is one.
 
 const main = document.getElementById("main");
 const live = main && main.dataset.live;
+const run = live ? new URLSearchParams(live).get("run") : null;
 
-// Events that change what a page shows; chatter (session updates) only feeds the rail.
-const MOVES = new Set(["run_created", "task_created", "transition", "question", "permission", "message"]);
+// Events that change what a page shows; session updates only feed the rail.
+const MOVES = new Set(["run_created", "task_created", "transition", "question", "answer", "permission", "message"]);
+const TYPES = ["run_created", "task_created", "transition", "question", "answer", "message", "message_sent",
+  "session_update", "permission", "client_call", "elicitation", "protocol_error"];
 
 let pageSeq = Number((main && main.dataset.after) || 0);
 let refreshing = false;
@@ -39,51 +43,113 @@ async function refresh() {
 }
 
 let timer = null;
-function soon() {
-  if (timer === null) timer = setTimeout(() => { timer = null; refresh(); }, 150);
+let stale = false;
+function soon(delay = 150) {
+  // A hidden tab re-renders when it is shown again, not for every burst it cannot show.
+  if (document.hidden) { stale = true; return; }
+  if (timer === null) timer = setTimeout(() => { timer = null; refresh(); }, delay);
+}
+document.addEventListener("visibilitychange", () => {
+  if (!document.hidden && stale) { stale = false; soon(0); }
+});
+
+// A transition patches the graph node and the table row of its task at once (a 1,000-task
+// page is not fetched again for each); the rest of the page follows in one later refresh.
+const GLYPH = { pending: "○", running: "▶", awaiting_input: "?", completed: "✓", failed: "✗", cancelled: "⊘" };
+function patch(e) {
+  if (e.type !== "transition" || !e.task || !(e.to in GLYPH)) return false;
+  const nodes = main.querySelectorAll(`[data-region] [data-task="${CSS.escape(e.task)}"]`);
+  for (const el of nodes) {
+    el.dataset.state = e.to;
+    if (el.tagName.toLowerCase() === "g") {
+      el.setAttribute("class", `node state-${e.to}`);
+      const text = el.querySelector("text");
+      if (text) text.textContent = `${GLYPH[e.to]}${text.textContent.slice(1)}`;
+      const title = el.querySelector("title");
+      if (title) title.textContent = `${e.task}: ${e.to}`;
+    } else {
+      const cell = el.querySelector(".state");
+      if (cell) { cell.className = `state state-${e.to}`; cell.textContent = `${GLYPH[e.to]} ${e.to}`; }
+    }
+  }
+  const counts = main.querySelector("[data-region] p.counts");
+  if (counts && nodes.length) {
+    const n = {};
+    for (const row of main.querySelectorAll("[data-region] tr[data-state]")) n[row.dataset.state] = (n[row.dataset.state] || 0) + 1;
+    counts.textContent = Object.keys(n).sort().map((k) => `${n[k]} ${k}`).join(" · ");
+  }
+  return nodes.length > 0;
 }
 
-function railLine(e) {
+// The rail: each event once, in sequence order.
+let railLast = -1;
+function rail(e) {
+  const list = document.getElementById("events");
+  if (!list || e.seq <= railLast) return;
+  railLast = e.seq;
   const li = document.createElement("li");
   const what = e.type === "transition" ? `${e.from} → ${e.to}` :
     e.type === "session_update" ? (e.update && e.update.sessionUpdate) || "update" : e.type;
   li.textContent = `${e.seq} · ${e.task || "run"} · ${what}${e.reason ? " · " + e.reason : ""}`;
-  li.dataset.seq = String(e.seq);
-  return li;
+  list.append(li);
+  while (list.children.length > 500) list.firstElementChild.remove();
 }
 
-let source = null;
-function listen(after) {
-  if (source) source.close();
-  const rail = document.getElementById("events");
-  source = new EventSource(`/ui/events?${live}&after=${after}`);
-  const seen = (msg) => {
-    let e;
-    try { e = JSON.parse(msg.data); } catch { return; }
-    const r = document.getElementById("events");
-    if (r) {
-      r.append(railLine(e));
-      while (r.children.length > 500) r.firstElementChild.remove();
-    }
-    if (e.seq > pageSeq && MOVES.has(e.type)) soon();
-  };
-  for (const type of ["run_created", "task_created", "transition", "question", "permission", "message",
-    "session_update", "client_call", "elicitation", "protocol_error", "note"]) {
-    source.addEventListener(type, seen);
+// Live events of the stream: past the page, for this page.
+let railReady = false;
+const held = [];
+function seen(e) {
+  if (run && e.run !== run) return;
+  if (railReady) rail(e); else held.push(e);
+  if (e.seq > pageSeq && MOVES.has(e.type)) {
+    if (patch(e)) soon(1000); else soon();
   }
-  source.onmessage = seen;
-  if (rail) rail.dataset.after = String(after);
+}
+
+// The rail's history from `after`: a finite read of the same stream (follow=false).
+async function history(after) {
+  railReady = false;
+  const list = document.getElementById("events");
+  if (list) list.replaceChildren();
+  railLast = -1;
+  if (list && run) {
+    const resp = await fetch(`/ui/events?run=${encodeURIComponent(run)}&after=${after}&follow=false`, { credentials: "same-origin" });
+    const text = resp.ok ? await resp.text() : "";
+    for (const block of text.split("\n\n")) {
+      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+      if (data) { try { rail(JSON.parse(data)); } catch { /* a keep-alive */ } }
+    }
+  }
+  railReady = true;
+  for (const e of held.splice(0)) rail(e);
+}
+
+function connect() {
+  const worker = main.dataset.worker;
+  if (typeof SharedWorker === "function" && worker) {
+    const w = new SharedWorker(worker, { type: "module", name: "pier-live" });
+    w.port.onmessage = (m) => {
+      if (m.data && m.data.hello) { if (m.data.last > pageSeq) soon(); return; }
+      seen(m.data);
+    };
+    w.port.start();
+    w.port.postMessage({ after: pageSeq });
+    addEventListener("pagehide", () => w.port.postMessage({ bye: true }));
+    return;
+  }
+  const source = new EventSource(`/ui/events?${live}&after=${pageSeq}`);
+  const relay = (m) => { try { seen(JSON.parse(m.data)); } catch { /* ignore */ } };
+  for (const t of TYPES) source.addEventListener(t, relay);
+  source.onmessage = relay;
 }
 
 if (live) {
-  const rail = document.getElementById("events");
-  listen(rail ? Number(rail.dataset.after || 0) : pageSeq);
+  connect();
+  const list = document.getElementById("events");
+  history(list ? Number(list.dataset.after || 0) : pageSeq);
   document.addEventListener("submit", (ev) => {
     if (ev.target.id !== "replay") return;
     ev.preventDefault();
-    const from = Number(new FormData(ev.target).get("from") || 0);
-    const r = document.getElementById("events");
-    if (r) r.replaceChildren();
-    listen(Math.max(0, from));
+    history(Math.max(0, Number(new FormData(ev.target).get("from") || 0)));
   });
 }
