@@ -146,6 +146,19 @@ pub fn answer_input(
     input: Input,
     by: &str,
 ) -> Result<Value, ActionError> {
+    answer_input_to(store, run, task, None, input, by)
+}
+
+/// [`answer_input`], refused unless the open question is number `expect` (when given): the
+/// one the person saw.
+pub fn answer_input_to(
+    store: &dyn TaskStore,
+    run: &str,
+    task: &str,
+    expect: Option<i64>,
+    input: Input,
+    by: &str,
+) -> Result<Value, ActionError> {
     use agent_client_protocol_schema::v1::CreateElicitationRequest;
     let row = task_of(store, run, task)?;
     let refused = |message: String| ActionError::Refused { code: ErrorCode::BadRequest, message };
@@ -156,6 +169,14 @@ pub fn answer_input(
                 message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
             }
         })?;
+    if expect.is_some_and(|n| n != question.n) {
+        return Err(ActionError::Refused {
+            code: ErrorCode::BadTransition,
+            message: format!(
+                "task `{task}` no longer waits on what you answered (someone answered it already, or it was withdrawn); nothing was applied"
+            ),
+        });
+    }
     let request: CreateElicitationRequest =
         serde_json::from_value(question.request[ELICITATION].clone()).map_err(|e| StoreError::Corrupt {
             run: run.to_owned(),

@@ -170,6 +170,9 @@ async fn an_approval_shows_the_diff_is_answered_with_its_button_and_a_repeat_is_
 async fn nothing_the_plan_the_agent_or_the_model_wrote_runs_as_markup() {
     const PLANT: &str = "<script>window.pwned=1</script>\"><img src=x onerror=\"window.pwned=2\">";
     let f = must(FakeModel::start().await, "fake");
+    // The agent writes the plant into a file (a diff waiting for approval), then says it.
+    let args = json!({"path": "x.html", "content": PLANT}).to_string();
+    f.push(Reply::tool_call("w1", "write_file", &args));
     f.set_fallback(|_| Reply::text(PLANT));
     let s = server(Some(f.base_url())).await;
     let id = format!("t{PLANT}");
@@ -177,7 +180,7 @@ async fn nothing_the_plan_the_agent_or_the_model_wrote_runs_as_markup() {
     let run = "r\"><img src=x onerror=\"window.pwned=3\">";
     let (code, v) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": run}))).await;
     assert_eq!(code, 201, "{v}");
-    s.events_until(None, |e| e["type"] == "transition" && e["to"] == "completed").await;
+    s.events_until(None, |e| e["type"] == "transition" && e["to"] == "awaiting_input").await;
 
     let b = Browser::start("xss").await;
     login(&b, &s.base).await;
@@ -199,12 +202,10 @@ async fn nothing_the_plan_the_agent_or_the_model_wrote_runs_as_markup() {
             .await;
         assert_eq!(state["pwned"], json!(null), "{path}: a plant ran");
         assert_eq!(state["imgs"], json!(0), "{path}: a plant became an element");
-        if path != "/ui/approvals" {
-            assert!(
-                state["text"].as_str().is_some_and(|t| t.contains("onerror")),
-                "{path}: the plant is not shown as text"
-            );
-        }
+        assert!(
+            state["text"].as_str().is_some_and(|t| t.contains("onerror")),
+            "{path}: the plant is not shown as text"
+        );
     }
 }
 
@@ -273,4 +274,44 @@ async fn a_busy_run_page_renders_every_state_for_the_readme_screenshot() {
     must(std::fs::write(dir.join("dashboard-run.png"), png), "screenshot");
     gate.open();
     b.wait_for("report completed", &format!("{} === 'completed'", node_state("report")), LIMIT).await;
+}
+
+#[tokio::test]
+async fn an_agent_s_question_is_answered_with_its_form_and_a_bad_answer_is_refused() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/elicit_agent.py");
+    let dir = must(tempfile::tempdir(), "record dir");
+    let record = dir.path().join("answers.jsonl");
+    let toml = format!(
+        "[agents.ask]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ ELICIT_RECORD = \"{}\" }}\n",
+        script.display(),
+        record.display()
+    );
+    let (s, _) = support::serve::server_configured(None, &[], Some(&toml)).await;
+    let plan = "[[tasks]]\nid = \"q\"\nagent = \"ask\"\nprompt = \"print the labels\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "form"}))).await.0, 201);
+    let b = Browser::start("question").await;
+    login(&b, &s.base).await;
+    b.goto(&format!("{}/ui/runs/form/tasks/q", s.base)).await;
+    b.wait_for("the question's form", "!!document.querySelector('form.question-form input[name=\"f.name\"]')", LIMIT)
+        .await;
+    // A count out of bounds: refused with the reason, nothing answered.
+    let name = b.find("form.question-form input[name=\"f.name\"]").await.unwrap_or_else(|| panic!("name"));
+    b.type_into(&name, "Ada").await;
+    let count = b.find("form.question-form input[name=\"f.count\"]").await.unwrap_or_else(|| panic!("count"));
+    b.type_into(&count, "11").await;
+    let go = b.find("form.question-form button").await.unwrap_or_else(|| panic!("answer"));
+    b.click(&go).await;
+    b.wait_for("refused", "(document.querySelector('.notice.refused') || {}).textContent?.includes('count')", LIMIT)
+        .await;
+    assert!(!record.exists(), "a refused answer reached the agent");
+    let name = b.find("form.question-form input[name=\"f.name\"]").await.unwrap_or_else(|| panic!("name"));
+    b.type_into(&name, "Ada").await;
+    let count = b.find("form.question-form input[name=\"f.count\"]").await.unwrap_or_else(|| panic!("count"));
+    b.type_into(&count, "3").await;
+    let go = b.find("form.question-form button").await.unwrap_or_else(|| panic!("answer"));
+    b.click(&go).await;
+    b.wait_for("completed", "!!document.querySelector('.facts .state-completed')", LIMIT).await;
+    let answers = must(std::fs::read_to_string(&record), "record");
+    let got: serde_json::Value = must(serde_json::from_str(answers.trim()), "one answer");
+    assert_eq!(got, json!({"action": "accept", "content": {"name": "Ada", "count": 3}}));
 }

@@ -39,6 +39,7 @@ pub fn router(app: Shared) -> Router {
         .route("/ui/runs/{run}/cancel", post(cancel_run))
         .route("/ui/runs/{run}/tasks/{task}", get(task_page))
         .route("/ui/runs/{run}/tasks/{task}/answer", post(answer))
+        .route("/ui/runs/{run}/tasks/{task}/input", post(input))
         .route("/ui/events", get(crate::events))
         .route("/ui/logout", post(auth::logout))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth::require));
@@ -250,6 +251,47 @@ async fn answer(
     // Back to the page the form was on (only dashboard paths), else the task's page.
     let to = f
         .from
+        .filter(|p| p.starts_with("/ui/") && !p.contains("//"))
+        .unwrap_or_else(|| format!("/ui/runs/{}/tasks/{}", pages::seg(&run), pages::seg(&task)));
+    back(&to, &notice)
+}
+
+/// An answer to an agent's question: the form's `f.NAME` fields (empty ones left out), or a
+/// decline; checked against the question's fields like `pier answer`.
+async fn input(
+    State(app): State<Shared>,
+    s: auth::Session,
+    Path((run, task)): Path<(String, String)>,
+    Form(fields): Form<Vec<(String, String)>>,
+) -> Response {
+    let get = |k: &str| fields.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone());
+    if let Err(refused) = s.check(&get("csrf").unwrap_or_default()) {
+        return refused;
+    }
+    let n = get("n").and_then(|n| n.parse::<i64>().ok());
+    let given = if get("decline").is_some() {
+        pier_host::person::Input::Decline
+    } else {
+        pier_host::person::Input::Pairs(
+            fields
+                .iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix("f.")?.to_owned(), v.clone())))
+                .filter(|(_, v)| !v.trim().is_empty())
+                .collect(),
+        )
+    };
+    let (r, t) = (run.clone(), task.clone());
+    let by = format!("dashboard:{}", s.short());
+    let store = app_store(&app);
+    let answered =
+        tokio::task::spawn_blocking(move || pier_host::person::answer_input_to(store.as_ref(), &r, &t, n, given, &by))
+            .await;
+    let notice = match answered {
+        Ok(Ok(_)) => format!("answered the question of task {task}"),
+        Ok(Err(e)) => format!("refused: {e}"),
+        Err(e) => format!("refused: {e}"),
+    };
+    let to = get("from")
         .filter(|p| p.starts_with("/ui/") && !p.contains("//"))
         .unwrap_or_else(|| format!("/ui/runs/{}/tasks/{}", pages::seg(&run), pages::seg(&task)));
     back(&to, &notice)

@@ -248,8 +248,40 @@ fn decide(s: &Session, run: &str, task: &str, q: Option<&Question>, from: &str) 
         div class="decide" {
             @match q {
                 Some(q) if q.request.get(pier_host::person::ELICITATION).is_some() => {
+                    @let ask = &q.request[pier_host::person::ELICITATION];
+                    @let input = format!("/ui/runs/{}/tasks/{}/input", seg(run), seg(task));
+                    @let required: Vec<&str> = ask["requestedSchema"]["required"].as_array().map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
                     p { "The agent asks: " strong { (asks(&q.request)) } }
-                    p { "Answer with " code { "pier answer --run " (run) " " (task) " FIELD=VALUE …" } " or over HTTP." }
+                    form method="post" action=(input) class="question-form" {
+                        input type="hidden" name="csrf" value=(s.csrf);
+                        input type="hidden" name="n" value=(q.n);
+                        input type="hidden" name="from" value=(from);
+                        @for (name, field) in ask["requestedSchema"]["properties"].as_object().into_iter().flatten() {
+                            @let id = format!("f-{}-{}", seg(task), seg(name));
+                            @let label = field["title"].as_str().unwrap_or(name);
+                            @let choices: Vec<String> = field["enum"].as_array().or(field["items"]["enum"].as_array())
+                                .map(|o| o.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default();
+                            label for=(id) { (label) @if required.contains(&name.as_str()) { " (required)" } }
+                            @if let Some(d) = field["description"].as_str() { small { (d) } }
+                            @if field["type"] == "boolean" {
+                                select id=(id) name={ "f." (name) } { option value="" { "—" } option value="true" { "yes" } option value="false" { "no" } }
+                            } @else if !choices.is_empty() {
+                                select id=(id) name={ "f." (name) } { option value="" { "—" } @for c in &choices { option value=(c) { (c) } } }
+                            } @else if field["type"] == "number" || field["type"] == "integer" {
+                                input id=(id) name={ "f." (name) } type="number" step=(if field["type"] == "integer" { "1" } else { "any" });
+                            } @else {
+                                input id=(id) name={ "f." (name) } type="text";
+                            }
+                        }
+                        button type="submit" class="option allow" { "Answer" }
+                    }
+                    form method="post" action=(input) class="inline" {
+                        input type="hidden" name="csrf" value=(s.csrf);
+                        input type="hidden" name="n" value=(q.n);
+                        input type="hidden" name="from" value=(from);
+                        input type="hidden" name="decline" value="1";
+                        button type="submit" class="option reject" { "Decline" }
+                    }
                 }
                 Some(q) => {
                     (tool(&q.request["toolCall"]))

@@ -27,7 +27,19 @@ pub async fn server(base_url: Option<String>) -> Server {
 
 /// A server started with `extra` arguments; with `--metrics-listen`, also its metrics URL.
 pub async fn server_with(base_url: Option<String>, extra: &[&str]) -> (Server, Option<String>) {
+    server_configured(base_url, extra, None).await
+}
+
+/// [`server_with`], with `./pier.toml` of the server's directory holding `toml`.
+pub async fn server_configured(
+    base_url: Option<String>,
+    extra: &[&str],
+    toml: Option<&str>,
+) -> (Server, Option<String>) {
     let dir = must(tempfile::tempdir(), "dir");
+    if let Some(t) = toml {
+        must(std::fs::write(dir.path().join("pier.toml"), t), "pier.toml");
+    }
     let mut cmd = Command::new(PIER);
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN])
         .args(extra)
