@@ -437,7 +437,13 @@ fn item_markup(item: &Item) -> Markup {
             }
         },
         Item::Transition(t) => html! {
-            p class="transition" { (t["from"].as_str().unwrap_or("?")) " → " (t["to"].as_str().unwrap_or("?")) " · " (t["reason"].as_str().unwrap_or("")) }
+            p class="transition" {
+                @if let Some(at) = t["at_ms"].as_i64() { (time(at)) " · " }
+                (t["from"].as_str().unwrap_or("?")) " → " (t["to"].as_str().unwrap_or("?")) " · " (t["reason"].as_str().unwrap_or(""))
+                @if let Some(owner) = t["owner"].as_str() { " · lease " (owner) }
+                @if let Some(class) = t["class"].as_str() { " · error class " (class) }
+                @if let Some(error) = t["error"].as_str() { " · " (first_line(error)) }
+            }
         },
     }
 }

@@ -29,7 +29,11 @@ pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
             "session_update" => update(items, &e.data["update"]),
             "permission" => items.push(Item::Permission(e.data.clone())),
             "elicitation" => items.push(Item::Question(e.data.clone())),
-            "transition" => items.push(Item::Transition(e.data.clone())),
+            "transition" => {
+                let mut t = e.data.clone();
+                t["at_ms"] = e.at_ms.into();
+                items.push(Item::Transition(t));
+            }
             _ => {}
         }
     }
