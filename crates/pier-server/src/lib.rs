@@ -156,12 +156,13 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
 /// mechanism, so no route can answer an error in plain text.
 async fn envelope(resp: Response) -> Response {
     let status = resp.status();
-    let is_json = resp
+    // JSON is the API's own envelope; HTML is the dashboard's own error page.
+    let own = resp
         .headers()
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
-    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        .is_some_and(|v| v.starts_with("application/json") || v.starts_with("text/html"));
+    if !(status.is_client_error() || status.is_server_error()) || own {
         return resp;
     }
     let text = axum::body::to_bytes(resp.into_body(), 64 * 1024).await.unwrap_or_default();
@@ -675,7 +676,7 @@ async fn update(
 /// Read as text and checked by [`events`], so a malformed value is answered with
 /// the JSON error envelope rather than axum's plain-text rejection.
 #[derive(Deserialize)]
-struct EventsQuery {
+pub(crate) struct EventsQuery {
     after: Option<String>,
     run: Option<String>,
     /// `false` ends the stream once it has caught up.
@@ -724,6 +725,17 @@ async fn events(
     State(app): State<Shared>,
     headers: HeaderMap,
     Query(q): Query<EventsQuery>,
+) -> Result<Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    event_stream(app, headers, q, CancellationToken::new())
+}
+
+/// The `/events` stream, which also ends when `end` is cancelled (a dashboard session that
+/// logs out or expires).
+fn event_stream(
+    app: Shared,
+    headers: HeaderMap,
+    q: EventsQuery,
+    end: CancellationToken,
 ) -> Result<Sse<impl futures::Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
     let from_header = match headers.get("last-event-id") {
         Some(v) => Some(sequence("Last-Event-ID", &String::from_utf8_lossy(v.as_bytes()))?),
@@ -788,7 +800,13 @@ async fn events(
     tokio::spawn(async move {
         futures::pin_mut!(replay);
         let mut sent = after;
-        while let Some(e) = replay.next().await {
+        loop {
+            let e = tokio::select! {
+                _ = end.cancelled() => return,
+                // A client that left while nothing happened: stop reading for it.
+                _ = tx.closed() => return,
+                e = replay.next() => match e { Some(e) => e, None => return },
+            };
             let seq = e.seq;
             match tokio::time::timeout(limits.patience, tx.send(sse_event(e))).await {
                 Ok(Ok(())) => sent = seq,

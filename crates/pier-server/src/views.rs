@@ -102,21 +102,23 @@ pub fn task(s: &dyn TaskStore, run: &str, task: &str) -> Result<TaskView, StoreE
 /// Most events a task page reads (its run's log is read in batches and filtered).
 const TASK_EVENTS: usize = 20_000;
 
-/// A task's events, oldest first, from its run's log (the `/events` read, filtered).
+/// A task's latest events (at most [`TASK_EVENTS`]), oldest first, from its run's log (the
+/// `/events` read, filtered): a chatty task shows its last attempt, not its first.
 pub fn task_events(s: &dyn TaskStore, run: &str, task: &str) -> Result<Vec<Event>, StoreError> {
-    let mut out = Vec::new();
+    let mut out = std::collections::VecDeque::new();
     let mut after = 0;
     loop {
         let batch = s.events_after(Some(run), after, 1000)?;
         let Some(last) = batch.last() else { break };
         after = last.seq;
-        out.extend(batch.into_iter().filter(|e| e.task.as_deref() == Some(task)));
-        if out.len() >= TASK_EVENTS {
-            out.truncate(TASK_EVENTS);
-            break;
+        for e in batch.into_iter().filter(|e| e.task.as_deref() == Some(task)) {
+            if out.len() == TASK_EVENTS {
+                out.pop_front();
+            }
+            out.push_back(e);
         }
     }
-    Ok(out)
+    Ok(out.into())
 }
 
 /// Every task of the store waiting on a person, with its question (none: a re-run decision).

@@ -52,6 +52,13 @@ async fn a_person_logs_in_watches_a_run_change_state_live_and_logs_out() {
     // Without a session every page sends the browser to the login page.
     b.goto(&format!("{}/ui/runs/live", s.base)).await;
     b.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
+    // A wrong token: the login page again, saying so (a page, not the API's JSON).
+    let field = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
+    b.type_into(&field, "not-the-token").await;
+    let submit = b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"));
+    b.click(&submit).await;
+    b.wait_for("refused", "(document.querySelector('.notice') || {}).textContent?.includes('not the token')", LIMIT)
+        .await;
     login(&b, &s.base).await;
     b.wait_for("the run listed", "!!document.querySelector('tr[data-run=\"live\"]')", LIMIT).await;
 
@@ -68,6 +75,16 @@ async fn a_person_logs_in_watches_a_run_change_state_live_and_logs_out() {
     assert!(b.text(&row).await.contains("✓ completed"));
     b.wait_for("the event rail", "document.querySelectorAll('#events li').length > 3", LIMIT).await;
 
+    // A form without this session's CSRF token is refused, as a page, and changes nothing.
+    b.script(
+        "const f = document.createElement('form'); f.method = 'post'; f.action = '/ui/runs/live/cancel'; \
+         const i = document.createElement('input'); i.type = 'hidden'; i.name = 'csrf'; i.value = 'forged'; f.append(i); \
+         document.body.append(f); f.submit(); return true",
+        vec![],
+    )
+    .await;
+    b.wait_for("refused", "document.body.innerText.includes('not from this dashboard')", LIMIT).await;
+    b.goto(&format!("{}/ui/runs/live", s.base)).await;
     let out = b.find("form.logout button").await.unwrap_or_else(|| panic!("no logout"));
     b.click(&out).await;
     b.wait_for("logged out", "location.pathname === '/ui/login'", LIMIT).await;

@@ -1,6 +1,7 @@
 //! Dashboard sessions: the API token, given once at `/ui/login`, buys a session — a random
 //! id in an `HttpOnly`, `SameSite=Strict` cookie, with a CSRF token for its forms — held in
-//! memory for [`TTL`]. A restart revokes them all; logging out revokes one.
+//! memory for [`TTL`]. A restart revokes them all; logging out revokes one, and ends the
+//! event streams it opened.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -12,6 +13,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::Shared;
 
@@ -21,36 +23,55 @@ pub const TTL: Duration = Duration::from_secs(12 * 3600);
 /// Most sessions held at once (memory stays bounded whatever logs in).
 const MAX: usize = 4096;
 
+/// One session as the server holds it.
+#[derive(Clone)]
+struct Held {
+    csrf: String,
+    until: Instant,
+    /// A name for the record of who answered, unrelated to the secret id.
+    label: String,
+    /// Cancelled when the session is closed: its event streams end.
+    ends: CancellationToken,
+}
+
 #[derive(Default)]
 pub struct Sessions {
-    map: Mutex<HashMap<String, (String, Instant)>>,
+    map: Mutex<HashMap<String, Held>>,
 }
 
 impl Sessions {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
         self.map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A new session: its id and CSRF token; `None` when the table is full of live sessions.
-    fn open(&self) -> Option<(String, String)> {
+    /// A new session's id; `None` when the table is full of live sessions.
+    fn open(&self) -> Option<String> {
         let mut map = self.lock();
         let now = Instant::now();
-        map.retain(|_, (_, until)| *until > now);
+        map.retain(|_, h| {
+            let live = h.until > now;
+            if !live {
+                h.ends.cancel();
+            }
+            live
+        });
         if map.len() >= MAX {
             return None;
         }
-        let (id, csrf) = (random(), random());
-        map.insert(id.clone(), (csrf.clone(), now + TTL));
-        Some((id, csrf))
+        let id = random();
+        let label = random().chars().take(8).collect();
+        map.insert(id.clone(), Held { csrf: random(), until: now + TTL, label, ends: CancellationToken::new() });
+        Some(id)
     }
 
-    fn get(&self, id: &str) -> Option<String> {
-        let map = self.lock();
-        map.get(id).filter(|(_, until)| *until > Instant::now()).map(|(csrf, _)| csrf.clone())
+    fn get(&self, id: &str) -> Option<Held> {
+        self.lock().get(id).filter(|h| h.until > Instant::now()).cloned()
     }
 
     fn close(&self, id: &str) {
-        self.lock().remove(id);
+        if let Some(h) = self.lock().remove(id) {
+            h.ends.cancel();
+        }
     }
 }
 
@@ -64,6 +85,9 @@ fn random() -> String {
 pub struct Session {
     id: String,
     pub csrf: String,
+    label: String,
+    until: Instant,
+    ends: CancellationToken,
 }
 
 impl Session {
@@ -72,14 +96,26 @@ impl Session {
         if crate::same(csrf.as_bytes(), self.csrf.as_bytes()) {
             Ok(())
         } else {
-            Err((StatusCode::FORBIDDEN, "the form is stale or not from this dashboard; reload the page")
-                .into_response())
+            Err(super::refusal(StatusCode::FORBIDDEN, "The form is stale or not from this dashboard: reload the page."))
         }
     }
 
     /// A short, non-secret name for the record (who answered).
     pub fn short(&self) -> String {
-        self.id.chars().take(8).collect()
+        self.label.clone()
+    }
+
+    /// A token cancelled when the session ends: logged out, or expired.
+    pub fn ending(&self) -> CancellationToken {
+        let token = self.ends.child_token();
+        let (t, until) = (token.clone(), tokio::time::Instant::from_std(self.until));
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = t.cancelled() => {}
+                _ = tokio::time::sleep_until(until) => t.cancel(),
+            }
+        });
+        token
     }
 }
 
@@ -98,17 +134,19 @@ fn cookie(headers: &axum::http::HeaderMap) -> Option<String> {
     })
 }
 
-/// Every guarded page: a live session, else to the login page.
+/// Every guarded page: a live session, else to the login page. What it serves is the
+/// session's own: never stored by a cache (the Back button after logout shows nothing).
 pub async fn require(State(app): State<Shared>, mut req: Request, next: Next) -> Response {
-    let session = cookie(req.headers()).and_then(|id| app.ui.get(&id).map(|csrf| Session { id, csrf }));
-    match session {
-        Some(s) => {
-            req.extensions_mut().insert(s);
-            next.run(req).await
-        }
-        None if req.method() == axum::http::Method::GET => Redirect::to("/ui/login").into_response(),
-        None => (StatusCode::UNAUTHORIZED, "log in again: /ui/login").into_response(),
-    }
+    let session = cookie(req.headers()).and_then(|id| {
+        app.ui.get(&id).map(|h| Session { id, csrf: h.csrf, label: h.label, until: h.until, ends: h.ends })
+    });
+    let Some(s) = session else {
+        return Redirect::to("/ui/login").into_response();
+    };
+    req.extensions_mut().insert(s);
+    let mut resp = next.run(req).await;
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
 }
 
 #[derive(Deserialize)]
@@ -121,8 +159,8 @@ pub async fn login(State(app): State<Shared>, Form(f): Form<LoginForm>) -> Respo
         let page = super::pages::login(Some("That is not the token of this server."));
         return (StatusCode::UNAUTHORIZED, axum::response::Html(page.into_string())).into_response();
     }
-    let Some((id, _)) = app.ui.open() else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "too many sessions are open; try again later").into_response();
+    let Some(id) = app.ui.open() else {
+        return super::refusal(StatusCode::SERVICE_UNAVAILABLE, "Too many sessions are open; try again later.");
     };
     let mut resp = Redirect::to("/ui/").into_response();
     let value = format!("{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}", TTL.as_secs());

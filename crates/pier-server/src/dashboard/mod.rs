@@ -40,7 +40,7 @@ pub fn router(app: Shared) -> Router {
         .route("/ui/runs/{run}/tasks/{task}", get(task_page))
         .route("/ui/runs/{run}/tasks/{task}/answer", post(answer))
         .route("/ui/runs/{run}/tasks/{task}/input", post(input))
-        .route("/ui/events", get(crate::events))
+        .route("/ui/events", get(ui_events))
         .route("/ui/logout", post(auth::logout))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth::require));
     open.merge(guarded).layer(axum::middleware::from_fn(headers)).with_state(app)
@@ -107,6 +107,24 @@ async fn asset(Path(name): Path<String>) -> Response {
         .into_response()
 }
 
+/// A refusal as a page a person reads (the API's refusals are JSON; these are not).
+pub fn refusal(status: StatusCode, message: &str) -> Response {
+    (status, axum::response::Html(pages::error_page(message).into_string())).into_response()
+}
+
+/// `/events` for the pages: the same stream, ended when the session ends.
+async fn ui_events(
+    State(app): State<Shared>,
+    s: auth::Session,
+    headers: axum::http::HeaderMap,
+    Query(q): Query<crate::EventsQuery>,
+) -> Response {
+    match crate::event_stream(app, headers, q, s.ending()) {
+        Ok(sse) => sse.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// A page, or the error page in the same layout.
 fn page(result: Result<maud::Markup, ApiError>) -> Response {
     match result {
@@ -124,11 +142,16 @@ struct RunsQuery {
 }
 
 async fn runs_page(State(app): State<Shared>, s: auth::Session, Query(q): Query<RunsQuery>) -> Response {
-    let read = blocking(&app, |st| Ok((views::runs(st)?, st.last_seq()?))).await;
-    page(read.map(|(mut runs, seq)| {
-        runs.reverse();
-        pages::runs(&s, &runs, q.state.as_deref(), seq)
-    }))
+    // The sequence before the reads: an event in between is shown twice, never missed.
+    page(
+        blocking(&app, move |st| {
+            let seq = st.last_seq()?;
+            let mut runs = views::runs(st)?;
+            runs.reverse();
+            Ok(pages::runs(&s, &runs, q.state.as_deref(), seq))
+        })
+        .await,
+    )
 }
 
 #[derive(Deserialize, Default)]
@@ -142,9 +165,13 @@ async fn run_page(
     Path(run): Path<String>,
     Query(n): Query<Notice>,
 ) -> Response {
-    let r = run.clone();
-    let read = blocking(&app, move |st| Ok((views::run(st, &r)?, st.last_seq()?))).await;
-    page(read.map(|(tasks, seq)| pages::run(&s, &run, &tasks, seq, n.notice.as_deref())))
+    page(
+        blocking(&app, move |st| {
+            let seq = st.last_seq()?;
+            Ok(pages::run(&s, &run, &views::run(st, &run)?, seq, n.notice.as_deref()))
+        })
+        .await,
+    )
 }
 
 async fn task_page(
@@ -153,35 +180,37 @@ async fn task_page(
     Path((run, task)): Path<(String, String)>,
     Query(n): Query<Notice>,
 ) -> Response {
-    let (r, t) = (run.clone(), task.clone());
-    let read = blocking(&app, move |st| {
-        let view = views::task(st, &r, &t)?;
-        // The prompt as the agent got it: with its dependencies' results in place.
-        let mut results = std::collections::HashMap::new();
-        for d in &view.row.spec.depends_on {
-            if let Some(dep) = st.task(&r, d)? {
-                results.insert(dep.id, dep.result.unwrap_or_default());
-            }
-        }
-        let prompt = pier_host::plan::render(&view.row.spec.prompt, &results);
-        Ok((view, prompt, views::task_events(st, &r, &t)?, st.last_seq()?))
-    })
-    .await;
     page(
-        read.map(|(view, prompt, events, seq)| {
-            pages::task(&s, &run, &view, &prompt, &events, seq, n.notice.as_deref())
-        }),
+        blocking(&app, move |st| {
+            let seq = st.last_seq()?;
+            let view = views::task(st, &run, &task)?;
+            // The prompt as the agent got it: with its dependencies' results in place.
+            let mut results = std::collections::HashMap::new();
+            for d in &view.row.spec.depends_on {
+                if let Some(dep) = st.task(&run, d)? {
+                    results.insert(dep.id, dep.result.unwrap_or_default());
+                }
+            }
+            let prompt = pier_host::plan::render(&view.row.spec.prompt, &results);
+            let events = views::task_events(st, &run, &task)?;
+            Ok(pages::task(&s, &run, &view, &prompt, &events, seq, n.notice.as_deref()))
+        })
+        .await,
     )
 }
 
 async fn approvals_page(State(app): State<Shared>, s: auth::Session, Query(n): Query<Notice>) -> Response {
-    let read = blocking(&app, |st| Ok((views::approvals(st)?, st.last_seq()?))).await;
-    page(read.map(|(waiting, seq)| pages::approvals(&s, &waiting, seq, n.notice.as_deref())))
+    page(
+        blocking(&app, move |st| {
+            let seq = st.last_seq()?;
+            Ok(pages::approvals(&s, &views::approvals(st)?, seq, n.notice.as_deref()))
+        })
+        .await,
+    )
 }
 
 async fn nodes_page(State(app): State<Shared>, s: auth::Session) -> Response {
-    let read = blocking(&app, views::nodes).await;
-    page(read.map(|nodes| pages::nodes(&s, &nodes)))
+    page(blocking(&app, move |st| Ok(pages::nodes(&s, &views::nodes(st)?))).await)
 }
 
 #[derive(Deserialize)]
@@ -235,7 +264,11 @@ async fn answer(
     if let Err(refused) = s.check(&f.csrf) {
         return refused;
     }
-    let allow = f.decision == "allow";
+    let allow = match f.decision.as_str() {
+        "allow" => true,
+        "reject" => false,
+        _ => return refusal(StatusCode::BAD_REQUEST, "The form's decision is neither allow nor reject."),
+    };
     let (r, t, option) = (run.clone(), task.clone(), f.option.clone());
     let by = format!("dashboard:{}", s.short());
     let answered = tokio::task::spawn_blocking(move || {
@@ -251,7 +284,7 @@ async fn answer(
     // Back to the page the form was on (only dashboard paths), else the task's page.
     let to = f
         .from
-        .filter(|p| p.starts_with("/ui/") && !p.contains("//"))
+        .filter(|p| returnable(p))
         .unwrap_or_else(|| format!("/ui/runs/{}/tasks/{}", pages::seg(&run), pages::seg(&task)));
     back(&to, &notice)
 }
@@ -292,9 +325,17 @@ async fn input(
         Err(e) => format!("refused: {e}"),
     };
     let to = get("from")
-        .filter(|p| p.starts_with("/ui/") && !p.contains("//"))
+        .filter(|p| returnable(p))
         .unwrap_or_else(|| format!("/ui/runs/{}/tasks/{}", pages::seg(&run), pages::seg(&task)));
     back(&to, &notice)
+}
+
+/// A dashboard path a form may send the browser back to: ours, and plain (no scheme, no
+/// host, no fragment, no line break).
+fn returnable(path: &str) -> bool {
+    path.starts_with("/ui/")
+        && !path.contains("//")
+        && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/%?=&._~-".contains(&b))
 }
 
 fn app_store(app: &Shared) -> std::sync::Arc<dyn pier_host::TaskStore> {

@@ -28,7 +28,8 @@ pub fn query_escape(text: &str) -> String {
 }
 
 fn time(ms: i64) -> String {
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    // humantime formats years up to 9999 only.
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.clamp(0, 253_402_300_799_999) as u64);
     humantime::format_rfc3339_seconds(t).to_string().replace('T', " ").replace('Z', " UTC")
 }
 

@@ -31,7 +31,9 @@ pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
             "elicitation" => items.push(Item::Question(e.data.clone())),
             "transition" => {
                 let mut t = e.data.clone();
-                t["at_ms"] = e.at_ms.into();
+                if let Some(o) = t.as_object_mut() {
+                    o.insert("at_ms".into(), e.at_ms.into());
+                }
                 items.push(Item::Transition(t));
             }
             _ => {}
@@ -80,9 +82,17 @@ fn update(items: &mut Vec<Item>, u: &Value) {
     }
 }
 
+/// Texts past this are not diffed on a page (a diff is quadratic at worst).
+const DIFF_BYTES: usize = 1 << 20;
+
 /// A diff's lines as a unified diff: (class, text) with class `add`, `del`, `hunk` or `ctx`.
+/// Bounded: large texts are not diffed, and a slow diff gives up after 100 ms with a coarser
+/// (still correct) result.
 pub fn diff_lines(old: &str, new: &str) -> Vec<(&'static str, String)> {
-    let diff = similar::TextDiff::from_lines(old, new);
+    if old.len() + new.len() > DIFF_BYTES {
+        return vec![("hunk", format!("(too large to show here: {} → {} bytes)", old.len(), new.len()))];
+    }
+    let diff = similar::TextDiff::configure().timeout(std::time::Duration::from_millis(100)).diff_lines(old, new);
     let mut out = Vec::new();
     for group in diff.grouped_ops(3) {
         let (first, last) = (group.first(), group.last());

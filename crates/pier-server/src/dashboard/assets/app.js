@@ -21,6 +21,8 @@ async function refresh() {
   refreshing = true;
   try {
     const resp = await fetch(location.href, { credentials: "same-origin", headers: { accept: "text/html" } });
+    // The session is gone (logged out elsewhere, expired, a restarted server): log in again.
+    if (resp.redirected && new URL(resp.url).pathname === "/ui/login") { location.assign("/ui/login"); return; }
     if (!resp.ok) return;
     const doc = new DOMParser().parseFromString(await resp.text(), "text/html");
     const fresh = doc.getElementById("main");
@@ -44,9 +46,22 @@ async function refresh() {
 
 let timer = null;
 let stale = false;
+// A form being filled in is never replaced under the person's hands: the page re-renders
+// once it is sent or left.
+let editing = false;
+document.addEventListener("input", (ev) => { if (main && main.contains(ev.target)) editing = true; });
+document.addEventListener("submit", () => { editing = false; });
+document.addEventListener("focusout", () => {
+  setTimeout(() => {
+    if (editing && !(main && main.contains(document.activeElement) && document.activeElement.form)) {
+      editing = false;
+      if (stale) { stale = false; soon(0); }
+    }
+  }, 0);
+});
 function soon(delay = 150) {
   // A hidden tab re-renders when it is shown again, not for every burst it cannot show.
-  if (document.hidden) { stale = true; return; }
+  if (document.hidden || editing) { stale = true; return; }
   if (timer === null) timer = setTimeout(() => { timer = null; refresh(); }, delay);
 }
 document.addEventListener("visibilitychange", () => {
@@ -106,8 +121,11 @@ function seen(e) {
   }
 }
 
-// The rail's history from `after`: a finite read of the same stream (follow=false).
+// The rail's history from `after`: a finite read of the same stream (follow=false). A
+// later call (a second Replay) supersedes an earlier one still reading.
+let generation = 0;
 async function history(after) {
+  const mine = ++generation;
   railReady = false;
   const list = document.getElementById("events");
   if (list) list.replaceChildren();
@@ -115,6 +133,12 @@ async function history(after) {
   if (list && run) {
     const resp = await fetch(`/ui/events?run=${encodeURIComponent(run)}&after=${after}&follow=false`, { credentials: "same-origin" });
     const text = resp.ok ? await resp.text() : "";
+    if (mine !== generation) return;
+    if (!resp.ok) {
+      const li = document.createElement("li");
+      li.textContent = `cannot replay from ${after}: ${resp.status}`;
+      list.append(li);
+    }
     for (const block of text.split("\n\n")) {
       const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
       if (data) { try { rail(JSON.parse(data)); } catch { /* a keep-alive */ } }
@@ -130,17 +154,33 @@ function connect() {
     const w = new SharedWorker(worker, { type: "module", name: "pier-live" });
     w.port.onmessage = (m) => {
       if (m.data && m.data.hello) { if (m.data.last > pageSeq) soon(); return; }
+      if (m.data && m.data.down) { soon(0); return; } // a refresh finds out whether the session is gone
       seen(m.data);
     };
     w.port.start();
     w.port.postMessage({ after: pageSeq });
     addEventListener("pagehide", () => w.port.postMessage({ bye: true }));
+    addEventListener("pageshow", (ev) => { if (ev.persisted) w.port.postMessage({ after: pageSeq }); });
     return;
   }
-  const source = new EventSource(`/ui/events?${live}&after=${pageSeq}`);
-  const relay = (m) => { try { seen(JSON.parse(m.data)); } catch { /* ignore */ } };
-  for (const t of TYPES) source.addEventListener(t, relay);
-  source.onmessage = relay;
+  let last = pageSeq;
+  const open = () => {
+    const source = new EventSource(`/ui/events?${live}&after=${last}`);
+    const relay = (m) => {
+      let e;
+      try { e = JSON.parse(m.data); } catch { return; }
+      last = Math.max(last, e.seq);
+      seen(e);
+    };
+    for (const t of TYPES) source.addEventListener(t, relay);
+    source.onmessage = relay;
+    source.onerror = () => {
+      if (source.readyState !== EventSource.CLOSED) return;
+      soon(0);
+      setTimeout(open, 3000);
+    };
+  };
+  open();
 }
 
 if (live) {
@@ -150,6 +190,6 @@ if (live) {
   document.addEventListener("submit", (ev) => {
     if (ev.target.id !== "replay") return;
     ev.preventDefault();
-    history(Math.max(0, Number(new FormData(ev.target).get("from") || 0)));
+    history(Math.max(0, Math.floor(Number(new FormData(ev.target).get("from")) || 0)));
   });
 }

@@ -21,6 +21,15 @@ function start(after) {
   };
   for (const t of TYPES) source.addEventListener(t, relay);
   source.onmessage = relay;
+  // EventSource retries a dropped connection itself (resuming by Last-Event-ID), but gives
+  // up for good on an answer that is not a stream (the login page, once the session is
+  // gone; a proxy's error page). Start again from the last event, and tell the tabs.
+  source.onerror = () => {
+    if (!source || source.readyState !== EventSource.CLOSED) return;
+    source = null;
+    for (const p of ports) p.postMessage({ down: true });
+    setTimeout(() => { if (ports.size > 0) start(last); }, 3000);
+  };
 }
 
 onconnect = (ev) => {
@@ -32,6 +41,8 @@ onconnect = (ev) => {
       if (ports.size === 0 && source) { source.close(); source = null; }
       return;
     }
+    // Again on every hello: a tab back from the back-forward cache said bye when it left.
+    ports.add(port);
     start(Number(m.data.after) || 0);
     // A tab that loaded before the stream's start catches up by re-rendering once.
     port.postMessage({ hello: true, last });
