@@ -592,3 +592,25 @@ fn an_answer_names_its_question_so_a_repeat_or_a_stale_one_applies_nothing() {
         );
     });
 }
+
+#[test]
+fn rows_of_nodes_dead_for_an_hour_are_removed_by_a_live_node_s_pass() {
+    let fresh = sqlite();
+    let s = open(&fresh.spec);
+    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    s.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    let now = pier_host::store::now_ms();
+    // A node whose heartbeat ran out two hours ago, holding the run's lease, and a recent one.
+    assert_eq!(s.lease_runs("ghost", now - 7_200_000).unwrap_or_default(), ["r"]);
+    s.lease_runs("recent", now - 60_000).unwrap_or_else(|e| panic!("{e}"));
+    let rows = |table: &str| -> Vec<String> {
+        let db = rusqlite::Connection::open(&fresh.spec).unwrap_or_else(|e| panic!("{e}"));
+        let sql = format!("SELECT {} FROM {table} ORDER BY 1", if table == "nodes" { "id" } else { "owner" });
+        let mut stmt = db.prepare(&sql).unwrap_or_else(|e| panic!("{e}"));
+        stmt.query_map([], |r| r.get::<_, String>(0)).unwrap_or_else(|e| panic!("{e}")).filter_map(Result::ok).collect()
+    };
+    // The recent node's pass took the run over (the ghost's lease had expired).
+    assert_eq!(rows("run_leases"), ["recent"]);
+    s.lease_runs("live", now + 60_000).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(rows("nodes"), ["live", "recent"], "the ghost's row is gone; a node dead for a minute is kept");
+}

@@ -579,6 +579,10 @@ pub(super) fn append_events(
 /// Renews node `node` and the run leases it holds until `until`, hands back runs beyond its
 /// fair share (the unfinished runs over the live nodes, rounded up) and takes free or
 /// expired ones up to it. Returns the runs it holds.
+/// How long the row of a node that stopped heart-beating is kept (for `/nodes` history and
+/// for a node that comes back) before a live node's lease pass removes it.
+pub(super) const NODE_ROWS_KEPT_MS: i64 = 3_600_000;
+
 pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
     let now = now_ms();
     tx.exec(
@@ -586,6 +590,11 @@ pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
          ON CONFLICT (id) DO UPDATE SET heartbeat_at_ms = ?2, expires_at_ms = ?3",
         &[Arg::Text(node), Arg::Int(now), Arg::Int(until)],
     )?;
+    // Housekeeping: rows of nodes dead for an hour, and run leases expired as long (an
+    // expired lease is as good as none), so the tables do not grow with every node start.
+    let gone = now - NODE_ROWS_KEPT_MS;
+    tx.exec("DELETE FROM nodes WHERE expires_at_ms < ?1", &[Arg::Int(gone)])?;
+    tx.exec("DELETE FROM run_leases WHERE expires_at_ms < ?1", &[Arg::Int(gone)])?;
     tx.exec(
         "DELETE FROM run_leases WHERE owner = ?1 AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = run_leases.run_id
              AND t.state IN ('pending', 'running', 'awaiting_input'))",
