@@ -61,6 +61,8 @@ fn claim(s: &Arc<dyn TaskStore>, task: &str, owner: &str) -> Attempt {
     match s.claim("r", task, owner, FAR) {
         Ok(Some((a, row))) => {
             assert_eq!((row.state, row.lease_owner.as_deref()), (TaskState::Running, Some(owner)));
+            // The row a claim answers is the row the store now holds.
+            assert_eq!(Some(&row), s.task("r", task).ok().flatten().as_ref(), "the claimed row");
             a
         }
         other => panic!("claim of {task} by {owner}: {other:?}"),

@@ -226,7 +226,17 @@ pub(super) fn claim(
         &reason,
         Extra { owner: Some(owner.to_owned()), ..Extra::default() },
     )?;
-    Ok((Some((attempt, load_task(tx, run, task)?)), seq))
+    // The row as the UPDATE above left it, without reading it back (a round trip a claim
+    // does not need: the statement changed exactly these columns, fenced on the version).
+    let claimed = TaskRow {
+        state: TaskState::Running,
+        version: row.version + 1,
+        attempt: attempt.n,
+        lease_owner: Some(owner.to_owned()),
+        lease_expires_at_ms: Some(until),
+        ..row
+    };
+    Ok((Some((attempt, claimed)), seq))
 }
 
 pub(super) fn heartbeat(tx: &mut dyn Tx, a: &Attempt, until: i64) -> Result<(bool, i64), StoreError> {

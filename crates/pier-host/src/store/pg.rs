@@ -17,16 +17,18 @@
 //! because notifications sent while it reconnects are lost.
 //!
 //! Threads: `TaskStore` is synchronous and is called from blocking threads and from async
-//! code alike. The connections (tokio-postgres) are driven by a runtime the store owns;
-//! a call waits for its answer with `futures::executor::block_on`, which works in any
-//! context (a synchronous client that starts a runtime of its own per call would panic
-//! inside another runtime).
+//! code alike. Reads use connections driven by a runtime the store owns; a read waits with
+//! `futures::executor::block_on`, which works in any context (a synchronous client that
+//! starts a runtime of its own per call would panic inside another runtime). Writes go to
+//! the store's committer thread, which owns the write connection on a current-thread
+//! runtime of its own and drives it while it waits: a statement costs one round trip to
+//! the server and no thread hop, and a caller crosses threads twice per operation, not
+//! twice per statement (measured: the hops, not the server, were most of a write's time).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use futures::executor::block_on;
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio_postgres::types::{ToSql, Type};
@@ -40,10 +42,23 @@ use crate::plan::Plan;
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// Connections one store opens at most; callers beyond it wait for one to come back.
 const MAX_CONNECTIONS: usize = 16;
-/// Write connections per store, each committing groups of writes. One: measured on B5,
-/// four writers were slower (115 vs 172 tasks/s): smaller groups, more WAL flushes, and
-/// the counter row serialises their commits anyway.
-const WRITERS: usize = 1;
+// One write connection per store, on the committer thread: measured on B5, four writers
+// were slower (115 vs 172 tasks/s): smaller groups, more WAL flushes, and the counter row
+// serialises their commits anyway.
+
+thread_local! {
+    /// The committer thread's runtime, which drives its connection; none elsewhere.
+    static LOCAL: std::cell::RefCell<Option<tokio::runtime::Runtime>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Waits for `f`: on the committer thread by driving its own runtime (and with it the
+/// connection), elsewhere by parking until the store's runtime has done the work.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    LOCAL.with(|l| match l.borrow().as_ref() {
+        Some(rt) => rt.block_on(f),
+        None => futures::executor::block_on(f),
+    })
+}
 /// How long an operation waits for the database to come back before it fails.
 const PATIENCE: Duration = Duration::from_secs(60);
 /// Transactions retried at most after a serialization failure, a deadlock or a lost connection.
@@ -315,6 +330,23 @@ impl Pool {
 /// Connects on the store's runtime, which then drives the connection until it closes.
 fn connect_on(rt: &tokio::runtime::Handle, config: &Config) -> Result<Client, String> {
     let config = config.clone();
+    // The committer thread's connection is driven by its own runtime, while it waits.
+    let here = LOCAL.with(|l| {
+        l.borrow().as_ref().map(|local| {
+            local.block_on(async {
+                let (client, connection) = config.connect(NoTls).await.map_err(|e| describe(&e))?;
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        tracing::debug!(error = %e, "a database connection ended");
+                    }
+                });
+                Ok(client)
+            })
+        })
+    });
+    if let Some(connected) = here {
+        return connected;
+    }
     let connected = rt.spawn(async move {
         let (client, connection) = config.connect(NoTls).await.map_err(|e| describe(&e))?;
         tokio::spawn(async move {
@@ -502,11 +534,8 @@ pub struct PgStore {
     /// (dropping a runtime inside another one's context would panic).
     rt: Option<tokio::runtime::Runtime>,
     pool: Arc<Pool>,
-    /// Writes waiting for the next group commit.
-    queue: Mutex<Vec<Box<dyn Job>>>,
-    /// The write connections; whoever holds one commits the queued writes. Several, so
-    /// the server works on groups in parallel (the counter row orders their commits).
-    writers: Vec<Mutex<Option<Conn>>>,
+    /// Writes waiting for the next group commit, and the thread that commits them.
+    committer: Arc<Committer>,
     seq_tx: Arc<watch::Sender<i64>>,
     watching: std::sync::Once,
 }
@@ -554,14 +583,18 @@ impl PgStore {
         pool.put(c);
         migrated?;
         let last = pool.with(|c| block_on(c.client.query_one("SELECT n FROM pier_seq", &[]))?.try_get::<_, i64>(0))?;
-        Ok(PgStore {
-            rt: Some(rt),
-            pool,
-            queue: Mutex::new(Vec::new()),
-            writers: (0..WRITERS).map(|_| Mutex::new(None)).collect(),
-            seq_tx: Arc::new(watch::Sender::new(last)),
-            watching: std::sync::Once::new(),
-        })
+        let seq_tx = Arc::new(watch::Sender::new(last));
+        let committer = Arc::new(Committer::default());
+        let local = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
+        let (c, p, tx) = (committer.clone(), pool.clone(), seq_tx.clone());
+        std::thread::Builder::new()
+            .name("pier-pg-commit".into())
+            .spawn(move || commit_loop(local, &c, &p, &tx))
+            .map_err(|e| StoreError::Db(format!("cannot start the database's committer thread: {e}")))?;
+        Ok(PgStore { rt: Some(rt), pool, committer, seq_tx, watching: std::sync::Once::new() })
     }
 
     /// Runs `work` atomically in the next *group commit* and returns its answer (and the
@@ -574,41 +607,11 @@ impl PgStore {
         work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<(T, i64), StoreError> {
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
-        lock(&self.queue).push(Box::new(Op { work, answer: None, tries: 0, reply }));
-        loop {
-            // A free write connection commits whatever is queued; with all busy, wait for one.
-            // The previous committer may have taken this work: its answer is handed over
-            // before its write connection is released.
-            let mut writer = match self.writers.iter().find_map(|w| w.try_lock().ok()) {
-                Some(w) => w,
-                None => lock(&self.writers[fastrand::usize(..self.writers.len())]),
-            };
-            match answer.try_recv() {
-                Ok(a) => return a,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    return Err(StoreError::Db("the store's committing thread failed before answering".into()));
-                }
-                Err(std::sync::mpsc::TryRecvError::Empty) => {}
-            }
-            let jobs = std::mem::take(&mut *lock(&self.queue));
-            if jobs.is_empty() {
-                drop(writer);
-                // Another committer took this work: it answers every job it takes, running
-                // the ones to run again itself, so the answer comes when its commit ends.
-                return answer.recv().unwrap_or_else(|_| {
-                    Err(StoreError::Db("the store's committing thread failed before answering".into()))
-                });
-            }
-            let mut again = self.commit(&mut writer, jobs);
-            while !again.is_empty() {
-                again.extend(std::mem::take(&mut *lock(&self.queue)));
-                again = self.commit(&mut writer, again);
-            }
-            drop(writer);
-            if let Ok(a) = answer.try_recv() {
-                return a;
-            }
-        }
+        lock(&self.committer.queue).push(Box::new(Op { work, answer: None, tries: 0, reply }));
+        self.committer.ready.notify_one();
+        answer
+            .recv()
+            .unwrap_or_else(|_| Err(StoreError::Db("the store's committing thread stopped before answering".into())))
     }
 
     fn op<T: Send + 'static>(
@@ -616,50 +619,6 @@ impl PgStore {
         work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         self.write(work).map(|(answer, _)| answer)
-    }
-
-    /// One group commit. Returns the jobs to run again (rolled back with a lost connection
-    /// or alone by a deadlock or serialization failure); every other job is answered.
-    fn commit(&self, slot: &mut Option<Conn>, jobs: Vec<Box<dyn Job>>) -> Vec<Box<dyn Job>> {
-        if slot.as_ref().is_none_or(|c| c.client.is_closed()) {
-            match self.pool.connect() {
-                Ok(c) => *slot = Some(c),
-                Err(e) => {
-                    for job in jobs {
-                        job.finish(Err(e.clone()));
-                    }
-                    return Vec::new();
-                }
-            }
-        }
-        let Some(conn) = slot.as_mut() else { return jobs };
-        match run_group(conn, jobs) {
-            Group::Committed { done, failed, again, last } => {
-                if last > 0 {
-                    publish(&self.seq_tx, last);
-                }
-                for (job, seq) in done {
-                    job.finish(Ok(seq));
-                }
-                for (job, e) in failed {
-                    job.finish(Err(e));
-                }
-                again
-            }
-            Group::Lost { jobs, error } => {
-                // Nothing of the group was committed: it all runs again, on a new connection.
-                *slot = None;
-                tracing::debug!(%error, "a group commit was rolled back; running it again");
-                retry_or_fail(jobs, &error)
-            }
-            Group::Unknown { jobs, error } => {
-                *slot = None;
-                for job in jobs {
-                    job.finish(Err(error.clone()));
-                }
-                Vec::new()
-            }
-        }
     }
 
     fn read<T>(&self, f: impl Fn(&mut Conn) -> Result<T, tokio_postgres::Error>) -> Result<T, StoreError> {
@@ -774,6 +733,92 @@ enum Group {
     Lost { jobs: Vec<Box<dyn Job>>, error: StoreError },
     /// The commit's answer was lost: it may or may not have happened.
     Unknown { jobs: Vec<Box<dyn Job>>, error: StoreError },
+}
+
+/// The queue of writes and its committer thread's controls.
+#[derive(Default)]
+struct Committer {
+    queue: Mutex<Vec<Box<dyn Job>>>,
+    ready: Condvar,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+/// The committer thread: commits whatever is queued, one group at a time, on the write
+/// connection its own runtime drives, until the store is dropped and the queue is empty.
+fn commit_loop(local: tokio::runtime::Runtime, c: &Committer, pool: &Pool, seq_tx: &watch::Sender<i64>) {
+    LOCAL.with(|l| *l.borrow_mut() = Some(local));
+    let mut slot: Option<Conn> = None;
+    loop {
+        let jobs = {
+            let mut q = lock(&c.queue);
+            while q.is_empty() && !c.stop.load(std::sync::atomic::Ordering::Acquire) {
+                q = c.ready.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            if q.is_empty() {
+                break;
+            }
+            std::mem::take(&mut *q)
+        };
+        let mut again = commit(pool, seq_tx, &mut slot, jobs);
+        while !again.is_empty() {
+            again.extend(std::mem::take(&mut *lock(&c.queue)));
+            again = commit(pool, seq_tx, &mut slot, again);
+        }
+    }
+    // The connection first, while its runtime still runs; then the runtime.
+    drop(slot);
+    if let Some(rt) = LOCAL.with(|l| l.borrow_mut().take()) {
+        rt.shutdown_background();
+    }
+}
+
+/// One group commit. Returns the jobs to run again (rolled back with a lost connection
+/// or alone by a deadlock or serialization failure); every other job is answered.
+fn commit(
+    pool: &Pool,
+    seq_tx: &watch::Sender<i64>,
+    slot: &mut Option<Conn>,
+    jobs: Vec<Box<dyn Job>>,
+) -> Vec<Box<dyn Job>> {
+    if slot.as_ref().is_none_or(|c| c.client.is_closed()) {
+        match pool.connect() {
+            Ok(c) => *slot = Some(c),
+            Err(e) => {
+                for job in jobs {
+                    job.finish(Err(e.clone()));
+                }
+                return Vec::new();
+            }
+        }
+    }
+    let Some(conn) = slot.as_mut() else { return jobs };
+    match run_group(conn, jobs) {
+        Group::Committed { done, failed, again, last } => {
+            if last > 0 {
+                publish(seq_tx, last);
+            }
+            for (job, seq) in done {
+                job.finish(Ok(seq));
+            }
+            for (job, e) in failed {
+                job.finish(Err(e));
+            }
+            again
+        }
+        Group::Lost { jobs, error } => {
+            // Nothing of the group was committed: it all runs again, on a new connection.
+            *slot = None;
+            tracing::debug!(%error, "a group commit was rolled back; running it again");
+            retry_or_fail(jobs, &error)
+        }
+        Group::Unknown { jobs, error } => {
+            *slot = None;
+            for job in jobs {
+                job.finish(Err(error.clone()));
+            }
+            Vec::new()
+        }
+    }
 }
 
 /// Runs every job in its own savepoint of one transaction, numbers their events from the
@@ -911,6 +956,9 @@ impl Drop for ScratchDatabase {
 
 impl Drop for PgStore {
     fn drop(&mut self) {
+        // The committer ends once the queue is empty (nothing waits on it after this).
+        self.committer.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.committer.ready.notify_all();
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
