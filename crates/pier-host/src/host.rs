@@ -137,7 +137,6 @@ impl Host {
         let mut commits = self.store.subscribe();
         commits.borrow_and_update();
         let mut view = View::load(&self.store, scope).await?;
-        let leasing = *scope == Scope::All;
         let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
         let mut next_lease = tokio::time::Instant::now();
         let mut attempts: JoinSet<(Key, Option<StoreError>)> = JoinSet::new();
@@ -168,9 +167,18 @@ impl Host {
         }
         loop {
             dirty |= or_retry!(view.refresh(&self.store).await);
-            if leasing && (tokio::time::Instant::now() >= next_lease || view.unleased_run_seen) {
+            if tokio::time::Instant::now() >= next_lease || view.unleased_run_seen {
                 let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
-                let held = or_retry!(blocking(&self.store, move |s| s.lease_runs(&node, until)).await);
+                // `pier serve` takes its fair share of every run; `pier run` only its own run,
+                // so it never schedules a run a server node drives (or another `pier run`).
+                let held = match scope {
+                    Scope::All => or_retry!(blocking(&self.store, move |s| s.lease_runs(&node, until)).await),
+                    Scope::Run(run) => {
+                        let r = run.clone();
+                        let holds = or_retry!(blocking(&self.store, move |s| s.lease_run(&node, &r, until)).await);
+                        if holds { vec![run.clone()] } else { Vec::new() }
+                    }
+                };
                 dirty |= view.set_held(held);
                 next_lease = tokio::time::Instant::now() + lease_every;
             }
@@ -182,7 +190,7 @@ impl Host {
                 }
             }
             if stop.is_cancelled() || fatal.is_some() {
-                if leasing {
+                {
                     // The runs go back first, so another node takes them as the attempts
                     // cancelled here put their tasks back (it sees them become pending),
                     // without waiting for the leases to expire.
@@ -216,9 +224,12 @@ impl Host {
                 self.start_runnable(&mut view, &mut active, &mut attempts, stop, now);
                 next_wake = view.next_wake(now);
             }
-            if let Scope::Run(_) = scope
+            // Nothing left that this host can do — unless another holds the run's lease and
+            // works on it, which this one waits out (it takes the run over if that one dies).
+            if let Scope::Run(run) = scope
                 && active.is_empty()
                 && next_wake.is_none()
+                && (view.holds(run) || !view.in_progress(run))
             {
                 break;
             }
@@ -238,7 +249,7 @@ impl Host {
                     },
                 },
                 _ = tokio::time::sleep(sleep) => HostEvent::Due,
-                _ = tokio::time::sleep_until(next_lease), if leasing => HostEvent::Due,
+                _ = tokio::time::sleep_until(next_lease) => HostEvent::Due,
                 _ = stop.cancelled() => HostEvent::Stop,
             };
             match event {
@@ -458,7 +469,7 @@ impl View {
         let mut view = View {
             scope: scope.clone(),
             runs: BTreeMap::new(),
-            held: (*scope == Scope::All).then(HashSet::new),
+            held: Some(HashSet::new()),
             unleased_run_seen: false,
             seq,
             bad_endings: 0,
@@ -499,6 +510,18 @@ impl View {
     /// The runs this host drives (all of them without run leases).
     fn driven(&self) -> impl Iterator<Item = (&String, &RunView)> {
         self.runs.iter().filter(|(run, _)| self.held.as_ref().is_none_or(|h| h.contains(*run)))
+    }
+
+    /// Whether this host holds run `run`'s lease.
+    fn holds(&self, run: &str) -> bool {
+        self.held.as_ref().is_none_or(|h| h.contains(run))
+    }
+
+    /// Whether run `run` has a task pending or running (anyone's).
+    fn in_progress(&self, run: &str) -> bool {
+        self.runs
+            .get(run)
+            .is_some_and(|r| r.unfinished().any(|t| matches!(t.state, TaskState::Pending | TaskState::Running)))
     }
 
     /// Takes the runs this host now drives; true if that changed.

@@ -616,3 +616,21 @@ fn rows_of_nodes_dead_for_an_hour_are_removed_by_a_live_node_s_pass() {
     s.lease_runs("live", now + 60_000).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(rows("nodes"), ["live", "recent"], "the ghost's row is gone; a node dead for a minute is kept");
 }
+
+#[test]
+fn a_single_run_lease_is_taken_only_when_free_and_never_from_a_live_holder() {
+    each(|name, s| {
+        let now = pier_host::store::now_ms();
+        assert!(s.lease_run("run-a", "r", now + 60_000).unwrap_or(false), "{name}: free, taken");
+        assert!(!s.lease_run("run-b", "r", now + 60_000).unwrap_or(true), "{name}: held by a live node");
+        assert!(s.lease_run("run-a", "r", now + 60_000).unwrap_or(false), "{name}: renewed by its holder");
+        // A serving node takes its fair share of free runs, never a live `pier run`'s.
+        assert!(!s.lease_runs("serve", now + 60_000).unwrap_or_default().contains(&"r".to_owned()), "{name}");
+        // The holder's lease runs out: another takes it, and the old holder does not get it back.
+        assert!(s.lease_run("run-a", "r", now - 1).unwrap_or(false), "{name}");
+        assert!(s.lease_run("run-b", "r", now + 60_000).unwrap_or(false), "{name}: expired, taken over");
+        assert!(!s.lease_run("run-a", "r", now + 60_000).unwrap_or(true), "{name}");
+        s.release_runs("run-b").unwrap_or_else(|e| panic!("{e}"));
+        assert!(s.lease_run("run-a", "r", now + 60_000).unwrap_or(false), "{name}: handed back at once");
+    });
+}

@@ -486,6 +486,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// beyond its fair share and takes free or expired ones up to it; the runs it drives.
     /// Exactly one live node holds a run's lease at a time.
     fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError>;
+    /// Node `node` drives run `run` alone (`pier run`): renews its presence and takes or
+    /// renews that run's lease (never another node's live one); whether it holds it.
+    fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError>;
     /// Node `node` stops: its runs are handed back at once.
     fn release_runs(&self, node: &str) -> Result<(), StoreError>;
     /// The live nodes and the runs each drives.

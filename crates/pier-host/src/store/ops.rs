@@ -593,18 +593,40 @@ pub(super) fn append_events(
 /// for a node that comes back) before a live node's lease pass removes it.
 pub(super) const NODE_ROWS_KEPT_MS: i64 = 3_600_000;
 
-pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
-    let now = now_ms();
+/// Renews node `node`'s presence until `until`, and removes the rows of nodes dead for an
+/// hour and run leases expired as long (an expired lease is as good as none), so the tables
+/// do not grow with every node start.
+fn present(tx: &mut dyn Tx, node: &str, now: i64, until: i64) -> Result<(), StoreError> {
     tx.exec(
         "INSERT INTO nodes (id, started_at_ms, heartbeat_at_ms, expires_at_ms) VALUES (?1, ?2, ?2, ?3)
          ON CONFLICT (id) DO UPDATE SET heartbeat_at_ms = ?2, expires_at_ms = ?3",
         &[Arg::Text(node), Arg::Int(now), Arg::Int(until)],
     )?;
-    // Housekeeping: rows of nodes dead for an hour, and run leases expired as long (an
-    // expired lease is as good as none), so the tables do not grow with every node start.
     let gone = now - NODE_ROWS_KEPT_MS;
     tx.exec("DELETE FROM nodes WHERE expires_at_ms < ?1", &[Arg::Int(gone)])?;
     tx.exec("DELETE FROM run_leases WHERE expires_at_ms < ?1", &[Arg::Int(gone)])?;
+    Ok(())
+}
+
+/// Node `node` drives one run only (`pier run`): its presence, and that run's lease, taken
+/// when free or expired and renewed while it holds it. Whether it holds it now.
+pub(super) fn lease_run(tx: &mut dyn Tx, node: &str, run: &str, until: i64) -> Result<(bool, i64), StoreError> {
+    let now = now_ms();
+    present(tx, node, now, until)?;
+    tx.exec(
+        "INSERT INTO run_leases (run_id, owner, expires_at_ms) VALUES (?1, ?2, ?3)
+         ON CONFLICT (run_id) DO UPDATE SET owner = ?2, expires_at_ms = ?3
+         WHERE run_leases.owner = ?2 OR run_leases.expires_at_ms < ?4",
+        &[Arg::Text(run), Arg::Text(node), Arg::Int(until), Arg::Int(now)],
+    )?;
+    let owner = tx.texts("SELECT owner FROM run_leases WHERE run_id = ?1", &[Arg::Text(run)])?;
+    let owner = owner.and_then(|row| row.into_iter().next().flatten());
+    Ok((owner.as_deref() == Some(node), 0))
+}
+
+pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
+    let now = now_ms();
+    present(tx, node, now, until)?;
     tx.exec(
         "DELETE FROM run_leases WHERE owner = ?1 AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = run_leases.run_id
              AND t.state IN ('pending', 'running', 'awaiting_input'))",

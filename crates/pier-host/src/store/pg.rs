@@ -1407,6 +1407,11 @@ impl TaskStore for PgStore {
         self.write(move |tx| ops::lease_runs(tx, &node, until_ms)).map(|(held, _)| held)
     }
 
+    fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError> {
+        let (node, run) = (node.to_owned(), run.to_owned());
+        self.write(move |tx| ops::lease_run(tx, &node, &run, until_ms)).map(|(held, _)| held)
+    }
+
     fn release_runs(&self, node: &str) -> Result<(), StoreError> {
         let node = node.to_owned();
         self.write(move |tx| ops::release_runs(tx, &node)).map(|_| ())
