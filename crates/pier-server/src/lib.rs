@@ -330,6 +330,20 @@ async fn ready(State(app): State<Shared>) -> Response {
     }
 }
 
+/// One URL path segment (or query value), percent-encoded: run and task ids are the user's
+/// text. The dashboard's links and the CLI's calls to the API build paths with it.
+pub fn segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -399,17 +413,6 @@ async fn list_nodes(State(app): State<Shared>) -> Result<Json<Value>, ApiError> 
 }
 
 /// The tasks of a run that must exist.
-async fn run_tasks(app: &Shared, run: &str) -> Result<Vec<pier_host::TaskRow>, ApiError> {
-    let r = run.to_owned();
-    blocking(app, move |s| {
-        if !s.run_exists(&r)? {
-            return Err(StoreError::UnknownRun(r));
-        }
-        s.tasks(&r)
-    })
-    .await
-}
-
 async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
     let r = run.clone();
     let tasks = blocking(&app, move |s| views::run(s, &r)).await?;
@@ -503,14 +506,8 @@ async fn retry_task(
 }
 
 async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
-    let tasks = run_tasks(&app, &run).await?;
-    let mut cancelled = 0;
-    for t in tasks.iter().filter(|t| !t.state.is_terminal()) {
-        let (r, id) = (run.clone(), t.id.clone());
-        if blocking(&app, move |s| s.cancel(&r, &id, "run cancelled over HTTP")).await?.is_some() {
-            cancelled += 1;
-        }
-    }
+    let r = run.clone();
+    let cancelled = blocking(&app, move |s| views::cancel_run(s, &r, "run cancelled over HTTP")).await?;
     Ok(Json(json!({"run": run, "cancelled": cancelled})))
 }
 

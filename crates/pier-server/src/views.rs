@@ -131,6 +131,16 @@ pub fn approvals(s: &dyn TaskStore) -> Result<Vec<(TaskRow, Option<Question>)>, 
     Ok(out)
 }
 
+/// Cancels every unfinished task of run `run` (the API's and the dashboard's "cancel run");
+/// how many it cancelled.
+pub fn cancel_run(s: &dyn TaskStore, run: &str, reason: &str) -> Result<usize, StoreError> {
+    let mut n = 0;
+    for (t, _) in self::run(s, run)?.into_iter().filter(|(t, _)| !t.state.is_terminal()) {
+        n += usize::from(s.cancel(run, &t.id, reason)?.is_some());
+    }
+    Ok(n)
+}
+
 pub fn nodes(s: &dyn TaskStore) -> Result<Vec<NodeRow>, StoreError> {
     s.nodes()
 }

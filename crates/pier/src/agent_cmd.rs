@@ -272,10 +272,7 @@ pub fn choose_model(
     }
     #[cfg(feature = "local")]
     {
-        let named = match env.var("PIER_LOCAL_MODEL") {
-            Some(p) => Some((std::path::PathBuf::from(p), "PIER_LOCAL_MODEL")),
-            None => files.local_model.clone().map(|p| (p, "local_model in pier.toml")),
-        };
+        let named = config::named_local_model(env, files);
         // A file someone named and got wrong is an error, not a quiet fall back to no model.
         if let Some((path, source)) = &named
             && !path.is_file()

@@ -298,6 +298,15 @@ pub fn pier_home(env: &dyn Env) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// The embedded model's file someone named, and where they named it: `PIER_LOCAL_MODEL`,
+/// else `local_model` in the config files; `None` for the default place.
+pub fn named_local_model(env: &dyn Env, files: &FileConfig) -> Option<(PathBuf, &'static str)> {
+    match env.var("PIER_LOCAL_MODEL") {
+        Some(p) => Some((PathBuf::from(p), "PIER_LOCAL_MODEL")),
+        None => files.local_model.clone().map(|p| (p, "local_model in pier.toml")),
+    }
+}
+
 /// Resolves the model settings; `None` when no model is configured anywhere.
 pub fn resolve_model(flags: &ModelFlags, env: &dyn Env, files: &FileConfig) -> anyhow::Result<Option<ModelConfig>> {
     let provider = flags.provider.clone().or_else(|| env.var("PIER_PROVIDER")).or_else(|| files.provider.clone());

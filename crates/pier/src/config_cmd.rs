@@ -135,9 +135,8 @@ fn effective_model(flags: &ModelFlags, env: &dyn Env, files: &config::FileConfig
     }
     #[cfg(feature = "local")]
     {
-        let path = match env.var("PIER_LOCAL_MODEL").map(std::path::PathBuf::from).or_else(|| files.local_model.clone())
-        {
-            Some(p) => p,
+        let path = match config::named_local_model(env, files) {
+            Some((p, _)) => p,
             None => pier_model::local::model_path(&config::pier_home(env)?, pier_model::local::DEFAULT_MODEL),
         };
         if path.is_file() {

@@ -18,22 +18,13 @@ pub struct RetryArgs {
     /// text for a person, json for scripts
     #[arg(long, value_enum, default_value_t = EventFormat::Text)]
     format: EventFormat,
-    /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
-    #[arg(long, conflicts_with = "server")]
-    store: Option<String>,
-    /// Retry through a running `pier serve` (token from PIER_TOKEN) [env: PIER_SERVER]
-    #[arg(long)]
-    server: Option<String>,
+    #[command(flatten)]
+    source: crate::show_cmd::Source,
 }
 
 #[allow(clippy::print_stdout)]
 pub async fn retry(args: RetryArgs) -> anyhow::Result<()> {
-    let server = args.server.clone().or_else(|| {
-        if args.store.is_some() {
-            return None;
-        }
-        std::env::var("PIER_SERVER").ok().filter(|s| !s.is_empty())
-    });
+    let server = args.source.server();
     let local = server.is_none();
     let rows: Vec<Value> = match server {
         Some(server) => {
@@ -43,8 +34,8 @@ pub async fn retry(args: RetryArgs) -> anyhow::Result<()> {
             v["tasks"].as_array().cloned().unwrap_or_default()
         }
         None => {
-            let store = open_store(&args.store)?;
-            let by = format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()));
+            let store = open_store(&args.source.store)?;
+            let by = crate::run_cmd::person();
             let rows = pier_host::person::retry(store.as_ref(), &args.run, &args.task, args.with_dependents, &by)?;
             rows.iter().map(|r| json!(r)).collect()
         }

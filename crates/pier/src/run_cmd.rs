@@ -544,7 +544,7 @@ impl TaskTarget {
 }
 
 /// Who a person at this command line is, for the record.
-fn person() -> String {
+pub fn person() -> String {
     format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()))
 }
 

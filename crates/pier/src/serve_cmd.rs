@@ -275,18 +275,7 @@ pub async fn post(server: Option<String>, path: &str, body: Value) -> anyhow::Re
     call(&ServerArgs { server }, reqwest::Method::POST, path, Some(body)).await
 }
 
-/// One path segment, percent-encoded: run and task ids are the user's text.
-pub fn segment(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
+pub use pier_server::segment;
 
 /// Streams events from a running server (SSE), resuming after the last one seen
 /// if the connection drops.

@@ -16,7 +16,7 @@ use crate::waiting::waiting_for;
 pub struct Source {
     /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long, conflicts_with = "server")]
-    store: Option<String>,
+    pub store: Option<String>,
     /// Read from a running `pier serve` instead of the local store (token from PIER_TOKEN)
     /// [env: PIER_SERVER]
     #[arg(long)]
@@ -25,7 +25,7 @@ pub struct Source {
 
 impl Source {
     /// The server to read from, if any: `--server`, else `PIER_SERVER` unless `--store` is given.
-    fn server(&self) -> Option<String> {
+    pub fn server(&self) -> Option<String> {
         self.server.clone().or_else(|| {
             if self.store.is_some() {
                 return None;

@@ -228,14 +228,7 @@ async fn cancel_run(
         return refused;
     }
     let r = run.clone();
-    let done = blocking(&app, move |st| {
-        let mut n = 0;
-        for (t, _) in views::run(st, &r)?.into_iter().filter(|(t, _)| !t.state.is_terminal()) {
-            n += usize::from(st.cancel(&r, &t.id, "run cancelled from the dashboard")?.is_some());
-        }
-        Ok(n)
-    })
-    .await;
+    let done = blocking(&app, move |st| views::cancel_run(st, &r, "run cancelled from the dashboard")).await;
     let notice = match done {
         Ok(n) => format!("{n} unfinished task(s) cancelled"),
         Err(e) => format!("refused: {}", e.message),
@@ -272,7 +265,7 @@ async fn answer(
     let (r, t, option) = (run.clone(), task.clone(), f.option.clone());
     let by = format!("dashboard:{}", s.short());
     let answered = tokio::task::spawn_blocking(move || {
-        pier_host::person::answer_to(app_store(&app).as_ref(), &r, &t, Some(f.n), allow, option.as_deref(), &by)
+        pier_host::person::answer_to(app.store.as_ref(), &r, &t, Some(f.n), allow, option.as_deref(), &by)
     })
     .await;
     let notice = match answered {
@@ -315,7 +308,7 @@ async fn input(
     };
     let (r, t) = (run.clone(), task.clone());
     let by = format!("dashboard:{}", s.short());
-    let store = app_store(&app);
+    let store = app.store.clone();
     let answered =
         tokio::task::spawn_blocking(move || pier_host::person::answer_input_to(store.as_ref(), &r, &t, n, given, &by))
             .await;
@@ -338,12 +331,8 @@ fn returnable(path: &str) -> bool {
         && path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/%?=&._~-".contains(&b))
 }
 
-fn app_store(app: &Shared) -> std::sync::Arc<dyn pier_host::TaskStore> {
-    app.store.clone()
-}
-
 /// POST-redirect-GET, with a notice for the page to show.
 fn back(path: &str, notice: &str) -> Response {
     let sep = if path.contains('?') { '&' } else { '?' };
-    Redirect::to(&format!("{path}{sep}notice={}", pages::query_escape(notice))).into_response()
+    Redirect::to(&format!("{path}{sep}notice={}", crate::segment(notice))).into_response()
 }

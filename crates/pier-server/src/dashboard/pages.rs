@@ -10,22 +10,7 @@ use super::graph::{glyph, svg};
 use super::transcript::{Item, build, diff_lines};
 use crate::views::{RunSummary, TaskView};
 
-/// A path segment, percent-encoded (ids are the user's text).
-pub fn seg(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-pub fn query_escape(text: &str) -> String {
-    seg(text)
-}
+pub use crate::segment as seg;
 
 fn time(ms: i64) -> String {
     // humantime formats years up to 9999 only.
