@@ -110,7 +110,14 @@ fn main() {
         std::process::exit(2);
     }
     raise_descriptor_limit();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // The agent is a chain of hand-offs (model stream -> turn -> projector -> writer) with little
+    // CPU per step: on one thread each hop is a queue push, not a wake-up of a parked worker
+    // (docs/benchmarks.md, B6). Blocking work (files, the local model) has its own threads.
+    let mut builder = match cli.command {
+        Command::Agent(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("pier: could not start the async runtime: {e}");
