@@ -618,7 +618,12 @@ impl View {
         let mut out = Vec::new();
         for (run, r) in self.driven() {
             for t in r.unfinished() {
-                if !r.busy.contains(&t.id) && lost_by(t, now).is_some() {
+                // The state first: it turns down the pending majority without hashing an id;
+                // then this host's own attempts, before `lost_by` looks for their owner.
+                if matches!(t.state, TaskState::Running | TaskState::AwaitingInput)
+                    && !r.busy.contains(&t.id)
+                    && lost_by(t, now).is_some()
+                {
                     out.push((run.clone(), t.id.clone()));
                 }
             }

@@ -77,6 +77,50 @@ fn done() -> Ending {
     Ending::Completed { result: "ok".into(), usage: None }
 }
 
+/// The row every ending answers is the row the store then holds (the stores build it from
+/// what the update changed rather than reading it back).
+#[test]
+fn the_row_an_ending_answers_is_the_row_the_store_holds() {
+    let endings = || {
+        vec![
+            Ending::Completed { result: "ok".into(), usage: Some(json!({"input_tokens": 3, "cost": 0.25})) },
+            Ending::Completed { result: "ok".into(), usage: None },
+            Ending::Failed {
+                error: "boom".into(),
+                class: ErrorClass::Business,
+                reason: "crashed".into(),
+                failure: true,
+            },
+            Ending::Cancelled { reason: "by a person".into() },
+            Ending::Retry { error: Some("later".into()), reason: "retry".into(), not_before_ms: 12_345, failure: true },
+            Ending::AskPerson {
+                error: None,
+                reason: "side effects".into(),
+                failure: false,
+                evidence: vec![json!({"wrote": "x"})],
+            },
+        ]
+    };
+    each(|name, s| {
+        for (i, ending) in endings().into_iter().enumerate() {
+            for parked in [false, true] {
+                let run = format!("r{i}{parked}");
+                let plan =
+                    parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+                s.create_run(&run, &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+                let Ok(Some((a, _))) = s.claim(&run, "a", "o", FAR) else { panic!("{name}: claim {run}") };
+                if parked {
+                    s.park(&a, &json!({"ask": "?"})).unwrap_or_else(|e| panic!("{name}: {e}"));
+                }
+                let row = s.finish(&a, &ending, None).unwrap_or_else(|e| panic!("{name}: {ending:?}: {e}"));
+                let held = s.task(&run, "a").ok().flatten();
+                assert_eq!(Some(&row), held.as_ref(), "{name}: {ending:?} (parked: {parked})");
+                assert_eq!(s.open_question(&run, "a").ok().flatten(), None, "{name}: questions void after {ending:?}");
+            }
+        }
+    });
+}
+
 #[test]
 fn of_many_racing_claimers_exactly_one_wins() {
     each(|name, s| {
@@ -439,6 +483,26 @@ fn an_attempts_output_is_kept_even_after_its_task_was_cancelled() {
         assert_eq!((attempts[0].attempt, attempts[0].output.as_ref()), (1, Some(&output)), "{name}");
         assert_eq!(state(s, "a"), TaskState::Cancelled, "{name}");
         assert!(s.attempts("r", "b").unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}");
+    });
+}
+
+#[test]
+fn an_ending_with_its_output_is_one_write_and_a_refused_ending_keeps_the_output() {
+    each(|name, s| {
+        let output = json!({"text": "done", "toolCalls": []});
+        let a = claim(s, "a", "owner-1");
+        let row = s.finish_keeping(&a, &output, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(Some(&row), s.task("r", "a").ok().flatten().as_ref(), "{name}: the answered row is the stored one");
+        let attempts = s.attempts("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((row.state, attempts[0].output.as_ref()), (TaskState::Completed, Some(&output)), "{name}");
+        // An attempt whose task was cancelled under it: the ending is refused, the output kept.
+        let b = claim(s, "b", "owner-1");
+        s.cancel("r", "b", "a person stopped it").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let refused = s.finish_keeping(&b, &output, &done(), None);
+        assert!(matches!(&refused, Err(e) if e.is_race()), "{name}: {refused:?}");
+        let attempts = s.attempts("r", "b").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(attempts[0].output.as_ref(), Some(&output), "{name}: kept though refused");
+        assert_eq!(state(s, "b"), TaskState::Cancelled, "{name}");
     });
 }
 

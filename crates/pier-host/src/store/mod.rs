@@ -15,6 +15,7 @@
 
 mod ops;
 mod pg;
+mod pg_target;
 mod sqlite;
 
 use serde::{Deserialize, Serialize};
@@ -24,7 +25,8 @@ use tokio::sync::watch;
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
 
-pub use pg::{PgStore, ScratchDatabase, redacted};
+pub use pg::{PgStore, ScratchDatabase};
+pub use pg_target::redacted;
 pub use sqlite::SqliteStore;
 
 /// Opens the store `spec` names: `postgres://…` (or `postgresql://…`) is a [`PgStore`];
@@ -449,6 +451,15 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Keeps what an attempt showed (`pier_client::Partial`: its text and tool calls), when
     /// it ends, however it ends.
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError>;
+    /// [`TaskStore::keep_output`] and [`TaskStore::finish`] in one write (one commit where
+    /// they were two in a row): the output is kept even when the ending is refused.
+    fn finish_keeping(
+        &self,
+        attempt: &Attempt,
+        output: &Value,
+        ending: &Ending,
+        idem: Option<&Idem>,
+    ) -> Result<TaskRow, StoreError>;
     /// A task's attempts, oldest first.
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError>;
     /// The attempt stopped waiting for its question `n` (withdrawn, or its turn cancelled):

@@ -39,9 +39,12 @@ pub(super) trait Tx {
     /// A task, read for an update: where the backend has row locks, the row stays locked
     /// until the transaction ends.
     fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError>;
-    /// A pending task for a claim, locked like [`Tx::task`]; `None` if there is none, or
-    /// if another transaction holds its row (a racing claimer: it is skipped, not waited for).
-    fn claimable(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError>;
+    /// Claims a task for `owner` until `until` if it is pending and runnable at `now`: its
+    /// attempt bumped, the lease set, the attempt's row added. The task as the claim left it;
+    /// `None` if it is not claimable, or if another transaction holds its row (a racing
+    /// claimer: it is skipped, not waited for).
+    fn take(&mut self, run: &str, task: &str, owner: &str, until: i64, now: i64)
+    -> Result<Option<TaskRow>, StoreError>;
     /// Appends an event to the log; its sequence number (or, where the backend numbers
     /// events at commit, a number that only says one was written).
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
@@ -197,46 +200,62 @@ pub(super) fn claim(
     owner: &str,
     until: i64,
 ) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
-    let Some(raw) = tx.claimable(run, task)? else { return Ok((None, 0)) };
-    let row = decode(raw)?;
-    if row.state != TaskState::Pending || row.not_before_ms > now_ms() {
-        return Ok((None, 0));
-    }
-    // Fenced on the version read in this transaction: of racing claimers exactly one moves it.
-    let n = tx.exec(
-        "UPDATE tasks SET state = 'running', version = version + 1, attempt = attempt + 1, lease_owner = ?4,
-             lease_expires_at_ms = ?5
-         WHERE run_id = ?1 AND id = ?2 AND version = ?3 AND state = 'pending'",
-        &[Arg::Text(run), Arg::Text(task), Arg::Int(row.version), Arg::Text(owner), Arg::Int(until)],
-    )?;
-    if n == 0 {
-        return Ok((None, 0));
-    }
-    let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: row.attempt + 1, owner: owner.to_owned() };
-    tx.exec(
-        "INSERT INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
-        &[Arg::Text(run), Arg::Text(task), Arg::Int(attempt.n)],
-    )?;
+    let Some(claimed) = tx.take(run, task, owner, until, now_ms())? else { return Ok((None, 0)) };
+    let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: claimed.attempt, owner: owner.to_owned() };
     let reason = format!("attempt {} started", attempt.n);
+    let before = TaskRow { state: TaskState::Pending, version: claimed.version - 1, ..claimed.clone() };
     let seq = transition_event(
         tx,
-        &row,
+        &before,
         TaskState::Running,
         attempt.n,
         &reason,
         Extra { owner: Some(owner.to_owned()), ..Extra::default() },
     )?;
-    // The row as the UPDATE above left it, without reading it back (a round trip a claim
-    // does not need: the statement changed exactly these columns, fenced on the version).
-    let claimed = TaskRow {
+    Ok((Some((attempt, claimed)), seq))
+}
+
+/// [`Tx::take`] as statements both dialects run: the row read (and locked), the update
+/// fenced on the version read, the attempt's row, and the row as the update left it built
+/// rather than read back.
+pub(super) fn take_by_statements(
+    tx: &mut dyn Tx,
+    run: &str,
+    task: &str,
+    owner: &str,
+    until: i64,
+    now: i64,
+) -> Result<Option<TaskRow>, StoreError> {
+    let Some(raw) = tx.task(run, task)? else { return Ok(None) };
+    let row = decode(raw)?;
+    if row.state != TaskState::Pending || row.not_before_ms > now {
+        return Ok(None);
+    }
+    // Fenced on the version read in this transaction (every change of a task moves it, so the
+    // row is still the pending one read above): of racing claimers exactly one moves it. No
+    // `state` in the WHERE: PostgreSQL's generic plan would then walk the pending tasks' partial
+    // index instead of the primary key.
+    let n = tx.exec(
+        "UPDATE tasks SET state = 'running', version = version + 1, attempt = attempt + 1, lease_owner = ?4,
+             lease_expires_at_ms = ?5
+         WHERE run_id = ?1 AND id = ?2 AND version = ?3",
+        &[Arg::Text(run), Arg::Text(task), Arg::Int(row.version), Arg::Text(owner), Arg::Int(until)],
+    )?;
+    if n == 0 {
+        return Ok(None);
+    }
+    tx.exec(
+        "INSERT INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
+        &[Arg::Text(run), Arg::Text(task), Arg::Int(row.attempt + 1)],
+    )?;
+    Ok(Some(TaskRow {
         state: TaskState::Running,
         version: row.version + 1,
-        attempt: attempt.n,
+        attempt: row.attempt + 1,
         lease_owner: Some(owner.to_owned()),
         lease_expires_at_ms: Some(until),
         ..row
-    };
-    Ok((Some((attempt, claimed)), seq))
+    }))
 }
 
 pub(super) fn heartbeat(tx: &mut dyn Tx, a: &Attempt, until: i64) -> Result<(bool, i64), StoreError> {
@@ -368,10 +387,30 @@ fn end_attempt(tx: &mut dyn Tx, row: &TaskRow, n: i64, ending: &Ending) -> Resul
             Arg::OptText(error.as_deref()),
         ],
     )?;
-    // Whoever asked is gone: its questions can no longer be answered.
-    void_questions(tx, &row.run_id, &row.id, "the attempt ended")?;
+    // Whoever asked is gone: its questions can no longer be answered. Only a task awaiting
+    // input has open questions (`park` moves it there with its first, `go_on` out of it only
+    // when none is left), so a running task's ending skips the statement.
+    if row.state == TaskState::AwaitingInput {
+        void_questions(tx, &row.run_id, &row.id, "the attempt ended")?;
+    }
     let seq = transition_event(tx, row, to, n, ending.reason(), extra)?;
-    Ok((load_task(tx, &row.run_id, &row.id)?, seq))
+    // The row as the UPDATE above left it, without reading it back.
+    let ended = TaskRow {
+        state: to,
+        version: row.version + 1,
+        failures: row.failures + i64::from(ending.is_failure()),
+        lease_owner: None,
+        lease_expires_at_ms: None,
+        not_before_ms: not_before,
+        result: result.or_else(|| row.result.clone()),
+        usage: match ending {
+            Ending::Completed { usage: Some(u), .. } => Some(u.clone()),
+            _ => row.usage.clone(),
+        },
+        error,
+        ..row.clone()
+    };
+    Ok((ended, seq))
 }
 
 pub(super) fn finish(
@@ -666,6 +705,24 @@ pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
 /// Node `node` leaves: its run leases go back at once, and it is no longer listed.
 /// Keeps what an attempt showed; on its own row, so no fence is needed: a task cancelled
 /// under an attempt still keeps that attempt's partial output.
+/// [`keep_output`] and [`finish`] in one write. The output stays even when the ending is
+/// refused (a race: the attempt lost its task, which `finish` finds before it writes), so the
+/// race is the answer rather than a failure of the write.
+pub(super) fn finish_keeping(
+    tx: &mut dyn Tx,
+    a: &Attempt,
+    output: &Value,
+    ending: &Ending,
+    idem: Option<&Idem>,
+) -> Result<(Result<TaskRow, StoreError>, i64), StoreError> {
+    keep_output(tx, a, output)?;
+    match finish(tx, a, ending, idem) {
+        Ok((row, seq)) => Ok((Ok(row), seq)),
+        Err(e) if e.is_race() => Ok((Err(e), 0)),
+        Err(e) => Err(e),
+    }
+}
+
 pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &Value) -> Result<((), i64), StoreError> {
     tx.exec(
         "UPDATE attempts SET output = ?4 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
@@ -730,6 +787,19 @@ pub(super) fn take_messages(
     }
     let mut out = Vec::new();
     let mut seq = 0;
+    // Closing when nothing waits (a turn's usual end) is one statement: the inbox closes
+    // only if no unsent message is there, and then there is nothing to take.
+    if close
+        && tx.exec(
+            "INSERT INTO messages_closed (run_id, task_id, attempt)
+             SELECT ?1, ?2, CAST(?3 AS BIGINT) WHERE NOT EXISTS
+                 (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL)
+             ON CONFLICT DO NOTHING",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)],
+        )? == 1
+    {
+        return Ok((out, seq));
+    }
     let where_ = [Arg::Text(&a.run), Arg::Text(&a.task)];
     while let Some(next) = tx.texts(
         "SELECT CAST(n AS TEXT), text FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL

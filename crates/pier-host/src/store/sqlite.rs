@@ -592,6 +592,17 @@ impl TaskStore for SqliteStore {
         self.write(move |tx| ops::append_events(tx, &events))
     }
 
+    fn finish_keeping(
+        &self,
+        attempt: &Attempt,
+        output: &Value,
+        ending: &Ending,
+        idem: Option<&Idem>,
+    ) -> Result<TaskRow, StoreError> {
+        let (a, output, ending, idem) = (attempt.clone(), output.clone(), ending.clone(), idem.cloned());
+        self.write(move |tx| ops::finish_keeping(tx, &a, &output, &ending, idem.as_ref()))?
+    }
+
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
         let (a, output) = (attempt.clone(), output.clone());
         self.write(move |tx| ops::keep_output(tx, &a, &output))
@@ -804,8 +815,16 @@ impl Tx for SqliteTx<'_> {
             .optional()?)
     }
 
-    fn claimable(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
-        self.task(run, task)
+    fn take(
+        &mut self,
+        run: &str,
+        task: &str,
+        owner: &str,
+        until: i64,
+        now: i64,
+    ) -> Result<Option<TaskRow>, StoreError> {
+        // The transaction holds the file: nobody races the read and the update.
+        ops::take_by_statements(self, run, task, owner, until, now)
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
