@@ -454,6 +454,84 @@ async fn one_node_drives_a_run_and_its_sigterm_hands_the_run_over_at_once() {
     b.stop().await;
 }
 
+/// A `pier run` beside a `pier serve` node on one PostgreSQL database: the run is the
+/// `pier run`'s (the node, which takes its share of every run, leaves a run whose lease is
+/// held), and when the `pier run` is killed the node takes the run over once that lease runs
+/// out and finishes it, every task completed once.
+#[tokio::test]
+async fn a_pier_run_beside_a_serve_node_keeps_its_run_and_the_node_takes_it_over_when_it_dies() {
+    let f = must(FakeModel::start().await, "fake");
+    let gate = pier_fake_model::Gate::new();
+    let held = gate.clone();
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Gate(held.clone()));
+        }
+        reply
+    });
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = database();
+    let lease = 1_500;
+    let b = node_named(dir.path(), "b", db.url(), &f.base_url(), lease, "node-b").await;
+    must(std::fs::write(dir.path().join("plan.toml"), plan(6)), "plan");
+    let home = dir.path().join("run-home");
+    let mut run = Command::new(PIER);
+    run.args(["run", "plan.toml", "--run-id", "mine", "--concurrency", "2", "--format", "json"])
+        .args(["--lease-ttl-ms", &lease.to_string()])
+        .arg("--store")
+        .arg(db.url())
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("PIER_HOME", &home)
+        .env("PIER_BASE_URL", f.base_url())
+        .env("PIER_MODEL", "fake-model")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let mut run = must(run.spawn(), "spawn pier run");
+    // Both of the `pier run`'s attempts wait at the gate.
+    tokio::time::timeout(LIMIT, f.wait_for_requests(2)).await.unwrap_or_else(|_| panic!("pier run started nothing"));
+    assert_eq!(runs_of(&b, "node-b").await, Vec::<String>::new(), "the node leaves a run whose lease is held");
+    let before = b.log().await;
+    // An attempt's owner is `HOST:PID:…` of the process that runs it.
+    let mark = format!(":{}:", run.id().unwrap_or_default());
+    if let Some(pid) = run.id() {
+        must(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL), "kill");
+    }
+    must(must(tokio::time::timeout(LIMIT, run.wait()).await, "pier run died"), "wait");
+    f.set_fallback(echo);
+    drop(gate);
+    let mut done = 0;
+    let log = b
+        .events(
+            |e| {
+                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                done == 6
+            },
+            true,
+        )
+        .await;
+    let started = |log: &[Value]| -> Vec<String> {
+        log.iter()
+            .filter(|e| e["type"] == "transition" && e["to"] == "running")
+            .filter_map(|e| e["owner"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let first = started(&before);
+    assert_eq!(first.len(), 2, "{before:?}");
+    assert!(first.iter().all(|o| o.contains(&mark)), "pier run started them, not the node: {first:?} ({mark})");
+    let later = started(&log[before.len()..]);
+    assert!(!later.is_empty() && later.iter().all(|o| !o.contains(&mark)), "the node took the run over: {later:?}");
+    let completed = completed_per_task(&log);
+    assert_eq!(completed.len(), 6, "{completed:?}");
+    assert!(completed.values().all(|&n| n == 1), "every task completed once: {completed:?}");
+    b.stop().await;
+}
+
 /// A DAG of 300 tasks: a root, 298 in the middle that fan out from it (every tenth a pull
 /// worker's, `worker:w`), and a last one that fans in from all of them.
 fn dag() -> String {
