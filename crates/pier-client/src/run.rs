@@ -888,6 +888,13 @@ impl<'a> Turn<'a> {
                     while let Ok(event) = agent.inner_rx.try_recv() {
                         self.take(agent, event, events).await?;
                     }
+                    // A permission `--non-interactive fail` refused may have ended the turn
+                    // before its own wake-up was taken (`select!` picks among ready branches
+                    // at random): the turn still ends as refused, not as answered. Nothing is
+                    // left to cancel.
+                    if prompting && agent.state.permission_failed.is_cancelled() {
+                        self.phase = Phase::Cancelling { since: Instant::now(), cause: Cause::Permission };
+                    }
                     let answer = agent.settle("session/prompt", answer).await?;
                     let usage = answer.get("usage").cloned();
                     let response: PromptResponse = serde_json::from_value(answer).map_err(|e| {
