@@ -24,6 +24,7 @@ pub(super) type RawTask = (TaskRow, String, Option<String>, String);
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Arg<'a> {
     Int(i64),
+    OptInt(Option<i64>),
     Text(&'a str),
     OptText(Option<&'a str>),
 }
@@ -45,6 +46,10 @@ pub(super) trait Tx {
     /// claimer: it is skipped, not waited for).
     fn take(&mut self, run: &str, task: &str, owner: &str, until: i64, now: i64)
     -> Result<Option<TaskRow>, StoreError>;
+    /// Ends attempt `a` if it holds its task at `now` (same attempt and owner, the task
+    /// live, the lease not expired), writing `c` and releasing the lease: the task's state
+    /// before, and the row after; `None` if the attempt does not hold it.
+    fn end_held(&mut self, a: &Attempt, c: &Columns, now: i64) -> Result<Option<(TaskState, TaskRow)>, StoreError>;
     /// Appends an event to the log; its sequence number (or, where the backend numbers
     /// events at commit, a number that only says one was written).
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
@@ -346,31 +351,55 @@ pub(super) fn withdraw(tx: &mut dyn Tx, a: &Attempt, n: i64) -> Result<(bool, i6
     go_on(tx, a, "its question was withdrawn")
 }
 
-/// Applies an ending to a task whose attempt `n` ends (the caller has checked who may).
-fn end_attempt(tx: &mut dyn Tx, row: &TaskRow, n: i64, ending: &Ending) -> Result<(TaskRow, i64), StoreError> {
-    let to = ending.state();
-    let (mut result, mut usage, mut error, mut not_before) = (None, None, None, row.not_before_ms);
+/// The columns an ending writes: the state, a failure counted or not, `not_before_ms` (kept
+/// when `None`), and the result, usage and error (result and usage kept when `None`).
+pub(super) struct Columns {
+    pub to: TaskState,
+    pub failure: i64,
+    pub not_before: Option<i64>,
+    pub result: Option<String>,
+    pub usage: Option<String>,
+    pub error: Option<String>,
+}
+
+/// What `ending` writes, and what its transition event says beyond the move.
+fn columns(ending: &Ending) -> (Columns, Extra) {
+    let mut c = Columns {
+        to: ending.state(),
+        failure: i64::from(ending.is_failure()),
+        not_before: None,
+        result: None,
+        usage: None,
+        error: None,
+    };
     let mut extra = Extra::default();
     match ending {
-        Ending::Completed { result: r, usage: u } => {
-            result = Some(r.clone());
-            usage = u.as_ref().map(Value::to_string);
+        Ending::Completed { result, usage } => {
+            c.result = Some(result.clone());
+            c.usage = usage.as_ref().map(Value::to_string);
         }
-        Ending::Failed { error: e, class, .. } => {
-            error = Some(e.clone());
+        Ending::Failed { error, class, .. } => {
+            c.error = Some(error.clone());
             extra.class = Some(*class);
         }
         Ending::Cancelled { .. } => {}
-        Ending::Retry { error: e, not_before_ms, .. } => {
-            error = e.clone();
-            not_before = *not_before_ms;
+        Ending::Retry { error, not_before_ms, .. } => {
+            c.error = error.clone();
+            c.not_before = Some(*not_before_ms);
         }
-        Ending::AskPerson { error: e, evidence, .. } => {
-            error = e.clone();
+        Ending::AskPerson { error, evidence, .. } => {
+            c.error = error.clone();
             extra.evidence = Some(evidence.clone());
         }
     }
-    extra.error = error.clone();
+    extra.error = c.error.clone();
+    (c, extra)
+}
+
+/// The ending's columns written to `row` (the caller has checked who may), and the row as
+/// the UPDATE left it, built rather than read back.
+fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreError> {
+    let not_before = c.not_before.unwrap_or(row.not_before_ms);
     tx.exec(
         "UPDATE tasks SET state = ?3, version = version + 1, failures = failures + ?4, lease_owner = NULL,
              lease_expires_at_ms = NULL, not_before_ms = ?5, result = COALESCE(?6, result),
@@ -379,38 +408,70 @@ fn end_attempt(tx: &mut dyn Tx, row: &TaskRow, n: i64, ending: &Ending) -> Resul
         &[
             Arg::Text(&row.run_id),
             Arg::Text(&row.id),
-            Arg::Text(to.as_str()),
-            Arg::Int(i64::from(ending.is_failure())),
+            Arg::Text(c.to.as_str()),
+            Arg::Int(c.failure),
             Arg::Int(not_before),
-            Arg::OptText(result.as_deref()),
-            Arg::OptText(usage.as_deref()),
-            Arg::OptText(error.as_deref()),
+            Arg::OptText(c.result.as_deref()),
+            Arg::OptText(c.usage.as_deref()),
+            Arg::OptText(c.error.as_deref()),
         ],
     )?;
-    // Whoever asked is gone: its questions can no longer be answered. Only a task awaiting
-    // input has open questions (`park` moves it there with its first, `go_on` out of it only
-    // when none is left), so a running task's ending skips the statement.
-    if row.state == TaskState::AwaitingInput {
-        void_questions(tx, &row.run_id, &row.id, "the attempt ended")?;
-    }
-    let seq = transition_event(tx, row, to, n, ending.reason(), extra)?;
-    // The row as the UPDATE above left it, without reading it back.
-    let ended = TaskRow {
-        state: to,
+    let usage = c.usage.as_deref().map(serde_json::from_str::<Value>).transpose()?;
+    Ok(TaskRow {
+        state: c.to,
         version: row.version + 1,
-        failures: row.failures + i64::from(ending.is_failure()),
+        failures: row.failures + c.failure,
         lease_owner: None,
         lease_expires_at_ms: None,
         not_before_ms: not_before,
-        result: result.or_else(|| row.result.clone()),
-        usage: match ending {
-            Ending::Completed { usage: Some(u), .. } => Some(u.clone()),
-            _ => row.usage.clone(),
-        },
-        error,
+        result: c.result.clone().or_else(|| row.result.clone()),
+        usage: usage.or_else(|| row.usage.clone()),
+        error: c.error.clone(),
         ..row.clone()
-    };
-    Ok((ended, seq))
+    })
+}
+
+/// [`Tx::end_held`] as statements both dialects run: the task read (and locked), the
+/// fence tested, the ending applied.
+pub(super) fn end_held_by_statements(
+    tx: &mut dyn Tx,
+    a: &Attempt,
+    c: &Columns,
+    now: i64,
+) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+    let Some(raw) = tx.task(&a.run, &a.task)? else { return Ok(None) };
+    let row = decode(raw)?;
+    if !holds(&row, a, now) {
+        return Ok(None);
+    }
+    Ok(Some((row.state, apply(tx, &row, c)?)))
+}
+
+/// What follows an applied ending: its questions void, its transition event.
+fn ended(
+    tx: &mut dyn Tx,
+    from: TaskState,
+    row: TaskRow,
+    n: i64,
+    ending: &Ending,
+    extra: Extra,
+) -> Result<(TaskRow, i64), StoreError> {
+    // Whoever asked is gone: its questions can no longer be answered. Only a task awaiting
+    // input has open questions (`park` moves it there with its first, `go_on` out of it only
+    // when none is left), so a running task's ending skips the statement.
+    if from == TaskState::AwaitingInput {
+        void_questions(tx, &row.run_id, &row.id, "the attempt ended")?;
+    }
+    let before = TaskRow { state: from, version: row.version - 1, ..row.clone() };
+    let seq = transition_event(tx, &before, row.state, n, ending.reason(), extra)?;
+    Ok((row, seq))
+}
+
+/// Applies an ending to a task whose attempt `n` ends (the caller has checked who may).
+fn end_attempt(tx: &mut dyn Tx, row: &TaskRow, n: i64, ending: &Ending) -> Result<(TaskRow, i64), StoreError> {
+    let (c, extra) = columns(ending);
+    let after = apply(tx, row, &c)?;
+    ended(tx, row.state, after, n, ending, extra)
 }
 
 pub(super) fn finish(
@@ -419,6 +480,13 @@ pub(super) fn finish(
     ending: &Ending,
     idem: Option<&Idem>,
 ) -> Result<(TaskRow, i64), StoreError> {
+    let Some(idem) = idem else {
+        // The fence and the ending in one step where the backend can (`Tx::end_held`).
+        let (c, extra) = columns(ending);
+        let Some((from, after)) = tx.end_held(a, &c, now_ms())? else { return Err(lease_lost(a)) };
+        return ended(tx, from, after, a.n, ending, extra);
+    };
+    let idem = Some(idem);
     // The task is read (and, where rows lock, locked) first, so of two reports with one key
     // the second waits for the first and then finds its answer.
     let row = load_task(tx, &a.run, &a.task)?;

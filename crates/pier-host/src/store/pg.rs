@@ -39,6 +39,7 @@ use super::pg_target::{Target, hint};
 use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
 use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
 use crate::plan::Plan;
+use crate::state::TaskState;
 
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
@@ -413,6 +414,7 @@ impl ToSql for Arg<'_> {
     ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
         match self {
             Arg::Int(i) => i.to_sql(ty, out),
+            Arg::OptInt(i) => i.to_sql(ty, out),
             Arg::Text(t) => t.to_sql(ty, out),
             Arg::OptText(t) => t.to_sql(ty, out),
         }
@@ -570,6 +572,18 @@ const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms FROM tasks WHE
          ON CONFLICT DO NOTHING)
      SELECT * FROM u";
 
+/// An ending in one statement: the row locked by primary key, updated through its `ctid`
+/// only if the attempt holds it (same attempt and owner, live, lease not expired), its state
+/// before returned beside the new row. As in `CLAIM`, the state is tested on the locked row.
+const END: &str = "WITH o AS (SELECT ctid, state FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE)
+     UPDATE tasks t SET state = ?3, version = t.version + 1, failures = t.failures + ?4, lease_owner = NULL,
+         lease_expires_at_ms = NULL, not_before_ms = COALESCE(?5, t.not_before_ms),
+         result = COALESCE(?6, t.result), usage = COALESCE(?7, t.usage), error = ?8
+     FROM o WHERE t.ctid = o.ctid AND o.state IN ('running', 'awaiting_input') AND t.attempt = ?9
+         AND t.lease_owner = ?10 AND t.lease_expires_at_ms >= ?11
+     RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
+         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, o.state";
+
 impl Tx for PgTx<'_> {
     fn exec(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<u64, StoreError> {
         let s = self.prepared(sql)?;
@@ -591,6 +605,39 @@ impl Tx for PgTx<'_> {
 
     fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
         self.one_task(TASK_FOR_UPDATE, run, task)
+    }
+
+    fn end_held(
+        &mut self,
+        a: &Attempt,
+        c: &ops::Columns,
+        now: i64,
+    ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+        let rows = self.rows(
+            END,
+            &[
+                Arg::Text(&a.run),
+                Arg::Text(&a.task),
+                Arg::Text(c.to.as_str()),
+                Arg::Int(c.failure),
+                Arg::OptInt(c.not_before),
+                Arg::OptText(c.result.as_deref()),
+                Arg::OptText(c.usage.as_deref()),
+                Arg::OptText(c.error.as_deref()),
+                Arg::Int(a.n),
+                Arg::Text(&a.owner),
+                Arg::Int(now),
+            ],
+        )?;
+        let Some(r) = rows.first() else { return Ok(None) };
+        let read = row_to_task(r).and_then(|raw| Ok((raw, r.try_get::<_, String>(13)?)));
+        let (raw, from) = read.map_err(|e| self.failed(e))?;
+        let from = TaskState::parse(&from).ok_or_else(|| StoreError::Corrupt {
+            run: a.run.clone(),
+            task: a.task.clone(),
+            what: format!("unknown state `{from}`"),
+        })?;
+        Ok(Some((from, ops::decode(raw)?)))
     }
 
     fn take(

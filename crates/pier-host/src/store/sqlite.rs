@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use super::ops::{self, Arg, RawTask, TASK_COLUMNS, Tx, decode_all, load_task, plain_row};
 use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
 use crate::plan::Plan;
+use crate::state::TaskState;
 
 impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
@@ -785,6 +786,7 @@ impl rusqlite::ToSql for Arg<'_> {
     fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
         match self {
             Arg::Int(i) => i.to_sql(),
+            Arg::OptInt(i) => i.to_sql(),
             Arg::Text(t) => t.to_sql(),
             Arg::OptText(t) => t.to_sql(),
         }
@@ -825,6 +827,15 @@ impl Tx for SqliteTx<'_> {
     ) -> Result<Option<TaskRow>, StoreError> {
         // The transaction holds the file: nobody races the read and the update.
         ops::take_by_statements(self, run, task, owner, until, now)
+    }
+
+    fn end_held(
+        &mut self,
+        a: &Attempt,
+        c: &ops::Columns,
+        now: i64,
+    ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+        ops::end_held_by_statements(self, a, c, now)
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
