@@ -428,6 +428,13 @@ fn a_run_is_driven_by_one_live_node_and_handed_back_when_it_leaves() {
         // A second node gets nothing held by a live node; the first hands back beyond its
         // share on its next renewal, which the second then takes.
         assert_eq!(s.lease_runs("two", now + 60_000).unwrap_or_default(), Vec::<String>::new(), "{name}");
+        let nodes = s.nodes().unwrap_or_default();
+        let runs: Vec<(&str, Vec<String>)> = nodes.iter().map(|n| (n.id.as_str(), n.runs.clone())).collect();
+        assert_eq!(runs, [("one", vec!["r".to_owned(), "r2".to_owned()]), ("two", vec![])], "{name}: a node with none");
+        assert!(
+            nodes.iter().all(|n| n.heartbeat_at_ms > 0 && n.expires_at_ms > n.heartbeat_at_ms),
+            "{name}: {nodes:?}"
+        );
         assert_eq!(s.lease_runs("one", now + 60_000).unwrap_or_default(), ["r"], "{name}");
         assert_eq!(s.lease_runs("two", now + 60_000).unwrap_or_default(), ["r2"], "{name}");
         let nodes = s.nodes().unwrap_or_default();

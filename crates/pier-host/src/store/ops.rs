@@ -909,24 +909,25 @@ pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), Sto
 }
 
 /// The live nodes, each with the runs it drives.
-pub(super) fn nodes(tx: &mut dyn Tx) -> Result<(Vec<super::NodeRow>, i64), StoreError> {
-    let now = now_ms();
-    let ids = tx.strings("SELECT id FROM nodes WHERE expires_at_ms >= ?1 ORDER BY id", &[Arg::Int(now)])?;
-    let mut out = Vec::new();
-    for id in ids {
-        let times = tx
-            .texts(
-                "SELECT CAST(started_at_ms AS TEXT), CAST(heartbeat_at_ms AS TEXT), CAST(expires_at_ms AS TEXT)
-                 FROM nodes WHERE id = ?1",
-                &[Arg::Text(&id)],
-            )?
-            .unwrap_or_default();
-        let at = |i: usize| times.get(i).cloned().flatten().and_then(|t| t.parse().ok()).unwrap_or(0);
-        let runs = tx.strings(
-            "SELECT run_id FROM run_leases WHERE owner = ?1 AND expires_at_ms >= ?2 ORDER BY run_id",
-            &[Arg::Text(&id), Arg::Int(now)],
-        )?;
-        out.push(super::NodeRow { id, started_at_ms: at(0), heartbeat_at_ms: at(1), expires_at_ms: at(2), runs });
+/// The live nodes, each beside each run it holds a live lease of (or none): `?1` is now.
+/// A read, in one statement; [`nodes`] groups its rows.
+pub(super) const NODES: &str = "SELECT n.id, n.started_at_ms, n.heartbeat_at_ms, n.expires_at_ms, l.run_id
+     FROM nodes n LEFT JOIN run_leases l ON l.owner = n.id AND l.expires_at_ms >= ?1
+     WHERE n.expires_at_ms >= ?1 ORDER BY n.id, l.run_id";
+
+/// One row of [`NODES`].
+pub(super) type NodeLease = (String, i64, i64, i64, Option<String>);
+
+/// [`NODES`]' rows as one [`super::NodeRow`] per node.
+pub(super) fn nodes(rows: Vec<NodeLease>) -> Vec<super::NodeRow> {
+    let mut out: Vec<super::NodeRow> = Vec::new();
+    for (id, started_at_ms, heartbeat_at_ms, expires_at_ms, run) in rows {
+        if out.last().is_none_or(|n| n.id != id) {
+            out.push(super::NodeRow { id, started_at_ms, heartbeat_at_ms, expires_at_ms, runs: Vec::new() });
+        }
+        if let (Some(node), Some(run)) = (out.last_mut(), run) {
+            node.runs.push(run);
+        }
     }
-    Ok((out, 0))
+    out
 }

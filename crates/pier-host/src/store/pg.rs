@@ -1621,7 +1621,15 @@ impl TaskStore for PgStore {
     }
 
     fn nodes(&self) -> Result<Vec<super::NodeRow>, StoreError> {
-        self.write(ops::nodes).map(|(nodes, _)| nodes)
+        let now = super::now_ms();
+        let rows = self.read(|c| {
+            let s = c.statement(ops::NODES)?;
+            block_on(c.client.query(&s, &[&now]))?
+                .iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?, r.try_get(4)?)))
+                .collect::<Result<Vec<ops::NodeLease>, tokio_postgres::Error>>()
+        })?;
+        Ok(ops::nodes(rows))
     }
 
     fn subscribe(&self) -> watch::Receiver<i64> {

@@ -714,7 +714,13 @@ impl TaskStore for SqliteStore {
     }
 
     fn nodes(&self) -> Result<Vec<super::NodeRow>, StoreError> {
-        self.write(ops::nodes)
+        let now = super::now_ms();
+        let rows = self.read(|c| {
+            let mut stmt = c.prepare_cached(ops::NODES)?;
+            let rows = stmt.query_map([now], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?;
+            Ok(rows.collect::<Result<Vec<ops::NodeLease>, _>>()?)
+        })?;
+        Ok(ops::nodes(rows))
     }
 
     fn subscribe(&self) -> watch::Receiver<i64> {
