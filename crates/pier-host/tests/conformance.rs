@@ -319,8 +319,15 @@ async fn another_handles_commits_reach_the_watch() {
         let fresh = make();
         let one = open(&fresh.spec);
         let two = open(&fresh.spec);
-        let mut watch = two.subscribe();
         let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        // A commit between the second handle's opening and its subscription is seen too.
+        one.create_run("r0", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let first = one.last_seq().unwrap_or_default();
+        let mut watch = two.subscribe();
+        let early = tokio::time::timeout(std::time::Duration::from_secs(10), watch.wait_for(|s| *s >= first))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        assert!(early, "{name}: a commit before the subscription was not published");
         one.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
         let last = one.last_seq().unwrap_or_default();
         let seen = tokio::time::timeout(std::time::Duration::from_secs(10), watch.wait_for(|s| *s >= last)).await;

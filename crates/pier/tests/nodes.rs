@@ -127,6 +127,21 @@ impl Node {
     }
 }
 
+/// Every model answer waits at the returned gate until it is dropped (with `echo` as the
+/// fallback again, answers then flow).
+fn gated(f: &FakeModel) -> pier_fake_model::Gate {
+    let gate = pier_fake_model::Gate::new();
+    let held = gate.clone();
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Gate(held.clone()));
+        }
+        reply
+    });
+    gate
+}
+
 /// A database of its own on the test server (`PIER_TEST_PG`), dropped at the end.
 fn database() -> pier_host::store::ScratchDatabase {
     let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
@@ -407,15 +422,7 @@ async fn runs_of(n: &Node, id: &str) -> Vec<String> {
 #[tokio::test]
 async fn one_node_drives_a_run_and_its_sigterm_hands_the_run_over_at_once() {
     let f = must(FakeModel::start().await, "fake");
-    let gate = pier_fake_model::Gate::new();
-    let held = gate.clone();
-    f.set_fallback(move |body| {
-        let mut reply = echo(body);
-        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
-            steps.insert(0, pier_fake_model::Step::Gate(held.clone()));
-        }
-        reply
-    });
+    let gate = gated(&f);
     let dir = must(tempfile::tempdir(), "dir");
     let db = database();
     // Leases far longer than the test: the run can change hands only by being handed over.
@@ -461,15 +468,7 @@ async fn one_node_drives_a_run_and_its_sigterm_hands_the_run_over_at_once() {
 #[tokio::test]
 async fn a_pier_run_beside_a_serve_node_keeps_its_run_and_the_node_takes_it_over_when_it_dies() {
     let f = must(FakeModel::start().await, "fake");
-    let gate = pier_fake_model::Gate::new();
-    let held = gate.clone();
-    f.set_fallback(move |body| {
-        let mut reply = echo(body);
-        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
-            steps.insert(0, pier_fake_model::Step::Gate(held.clone()));
-        }
-        reply
-    });
+    let gate = gated(&f);
     let dir = must(tempfile::tempdir(), "dir");
     let db = database();
     let lease = 1_500;

@@ -370,9 +370,16 @@ impl SqliteStore {
             tracing::warn!(path = %self.path, "cannot watch the store for other processes' commits");
             return;
         };
+        // The baseline is taken before `subscribe` returns, and what committed before it is
+        // published now: a commit between the store's opening and the watcher thread's first
+        // look would otherwise go unseen until the next one.
+        let seen = data_version(&conn);
+        if let Ok(last) = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get::<_, i64>(0)) {
+            publish(&self.seq_tx, last);
+        }
         let seq_tx = Arc::downgrade(&self.seq_tx);
         let spawned =
-            std::thread::Builder::new().name("pier-store-watch".into()).spawn(move || watch_loop(&conn, &seq_tx));
+            std::thread::Builder::new().name("pier-store-watch".into()).spawn(move || watch_loop(&conn, &seq_tx, seen));
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot watch the store for other processes' commits");
         }
@@ -381,13 +388,11 @@ impl SqliteStore {
 
 /// `data_version` changes when another connection commits to the file; only then is the
 /// last sequence read and published.
-fn watch_loop(conn: &Connection, seq_tx: &Weak<watch::Sender<i64>>) {
-    let version = |c: &Connection| c.pragma_query_value(None, "data_version", |r| r.get::<_, i64>(0)).ok();
-    let mut seen = version(conn);
+fn watch_loop(conn: &Connection, seq_tx: &Weak<watch::Sender<i64>>, mut seen: Option<i64>) {
     loop {
         std::thread::sleep(WATCH_INTERVAL);
         let Some(tx) = seq_tx.upgrade() else { return };
-        let now = version(conn);
+        let now = data_version(conn);
         if now != seen {
             seen = now;
             if let Ok(last) = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get::<_, i64>(0)) {
@@ -395,6 +400,10 @@ fn watch_loop(conn: &Connection, seq_tx: &Weak<watch::Sender<i64>>) {
             }
         }
     }
+}
+
+fn data_version(c: &Connection) -> Option<i64> {
+    c.pragma_query_value(None, "data_version", |r| r.get::<_, i64>(0)).ok()
 }
 
 /// Whether a SQLite error message is a full disk (`SQLITE_FULL`, or `ENOSPC` under an I/O error).
