@@ -94,19 +94,13 @@ impl Run {
         // What the attempt showed stays on it, however it ended (a cancelled task keeps its
         // partial output): kept with the ending in one write, or alone where there is none.
         let output = recorder.await.ok().map(|partial| serde_json::to_value(&partial).unwrap_or(Value::Null));
-        let keep = |output: Value| {
-            let (a, store) = (attempt.clone(), self.store.clone());
-            async move {
-                let task = a.task.clone();
-                if let Err(e) = blocking(&store, move |s| s.keep_output(&a, &output)).await {
-                    tracing::warn!(error = %e, %task, "could not keep the attempt's output");
-                }
-            }
-        };
         if lease_lost.is_cancelled() {
             // Someone else owns the task now (or it was cancelled); our ending would be refused anyway.
             if let Some(output) = output {
-                keep(output).await;
+                let a = attempt.clone();
+                if let Err(e) = blocking(&self.store, move |s| s.keep_output(&a, &output)).await {
+                    tracing::warn!(error = %e, task = %attempt.task, "could not keep the attempt's output");
+                }
             }
             return Ok(());
         }
@@ -126,19 +120,11 @@ impl Run {
         };
         let ending = decide(&outcome, &cx);
         let applied = ending.clone();
-        let a = attempt.clone();
-        let kept = output.clone();
-        let finished = blocking(&self.store, move |s| match &kept {
-            Some(output) => s.finish_keeping(&a, output, &ending, None),
-            None => s.finish(&a, &ending, None),
+        let finished = blocking(&self.store, move |s| match &output {
+            Some(output) => s.finish_keeping(&attempt, output, &ending, None),
+            None => s.finish(&attempt, &ending, None),
         })
         .await;
-        if let (Err(e), Some(output)) = (&finished, output)
-            && !e.is_race()
-        {
-            // The write failed whole: the output is kept on its own, as far as the store lets it.
-            keep(output).await;
-        }
         match finished {
             Ok(_) => {
                 crate::telemetry::attempt_ended(&outcome, &applied);

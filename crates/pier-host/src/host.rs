@@ -117,6 +117,25 @@ pub struct Host {
 
 type Key = (String, String);
 
+/// Creates run `run` for a host that drives it alone (`pier run`, `Scope::Run`): the run's
+/// lease is taken first (a lease needs no run), so no `pier serve` node on the same store,
+/// which takes every run it sees without a live lease, can take it between its creation and
+/// this host's first lease renewal.
+pub fn create_own_run(
+    store: &dyn TaskStore,
+    config: &HostConfig,
+    run: &str,
+    plan: &crate::plan::Plan,
+    source: &str,
+) -> Result<(), StoreError> {
+    let until = now_ms() + config.lease_ttl.as_millis() as i64;
+    if !store.lease_run(&config.node, run, until)? {
+        // Another host holds it: another `pier run` of the same id is creating it.
+        return Err(StoreError::RunExists(run.to_owned()));
+    }
+    store.create_run(run, plan, source)
+}
+
 impl Host {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Host {
         let pool = Arc::new(AgentPool::new(config.concurrency.max(1)));
@@ -190,14 +209,12 @@ impl Host {
                 }
             }
             if stop.is_cancelled() || fatal.is_some() {
-                {
-                    // The runs go back first, so another node takes them as the attempts
-                    // cancelled here put their tasks back (it sees them become pending),
-                    // without waiting for the leases to expire.
-                    let node = self.config.node.clone();
-                    if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
-                        tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
-                    }
+                // The runs go back first, so another node takes them as the attempts
+                // cancelled here put their tasks back (it sees them become pending),
+                // without waiting for the leases to expire.
+                let node = self.config.node.clone();
+                if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
+                    tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
                 }
                 for token in active.values() {
                     token.cancel();
@@ -429,8 +446,8 @@ impl RunView {
 struct View {
     scope: Scope,
     runs: BTreeMap<String, RunView>,
-    /// With run leases (`Scope::All`), the runs this host drives; the others are only watched.
-    held: Option<HashSet<String>>,
+    /// The runs whose lease this host holds, which it drives; the others are only watched.
+    held: HashSet<String>,
     /// A run appeared that this host does not drive, or a task of one went back to the
     /// queue: ask for leases without waiting for the next renewal.
     unleased_run_seen: bool,
@@ -469,7 +486,7 @@ impl View {
         let mut view = View {
             scope: scope.clone(),
             runs: BTreeMap::new(),
-            held: Some(HashSet::new()),
+            held: HashSet::new(),
             unleased_run_seen: false,
             seq,
             bad_endings: 0,
@@ -507,14 +524,14 @@ impl View {
         self.runs.get(run)?.get(task)
     }
 
-    /// The runs this host drives (all of them without run leases).
+    /// The runs this host drives: those whose lease it holds.
     fn driven(&self) -> impl Iterator<Item = (&String, &RunView)> {
-        self.runs.iter().filter(|(run, _)| self.held.as_ref().is_none_or(|h| h.contains(*run)))
+        self.runs.iter().filter(|(run, _)| self.held.contains(*run))
     }
 
     /// Whether this host holds run `run`'s lease.
     fn holds(&self, run: &str) -> bool {
-        self.held.as_ref().is_none_or(|h| h.contains(run))
+        self.held.contains(run)
     }
 
     /// Whether run `run` has a task pending or running (anyone's).
@@ -528,12 +545,12 @@ impl View {
     fn set_held(&mut self, held: Vec<String>) -> bool {
         self.unleased_run_seen = false;
         let held: HashSet<String> = held.into_iter().collect();
-        let changed = self.held.as_ref() != Some(&held);
+        let changed = self.held != held;
         if changed {
             // A run taken over may have failures whose dependents nobody cancelled yet.
             self.bad_endings_checked = usize::MAX;
         }
-        self.held = Some(held);
+        self.held = held;
         changed
     }
 
@@ -563,7 +580,7 @@ impl View {
                 continue;
             }
             if !self.runs.contains_key(&row.run_id) {
-                if self.held.as_ref().is_some_and(|h| !h.contains(&row.run_id)) {
+                if !self.held.contains(&row.run_id) {
                     self.unleased_run_seen = true;
                 }
                 new_runs.insert(row.run_id.clone());
@@ -572,7 +589,7 @@ impl View {
             if self.get(&row.run_id, &row.id).is_none_or(|old| old.version != row.version) {
                 // A task of a run another node drives went back to the queue: that node may
                 // have handed the run back; ask for leases now rather than at the next renewal.
-                if row.state == TaskState::Pending && self.held.as_ref().is_some_and(|h| !h.contains(&row.run_id)) {
+                if row.state == TaskState::Pending && !self.held.contains(&row.run_id) {
                     self.unleased_run_seen = true;
                 }
                 moved = true;

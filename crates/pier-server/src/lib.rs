@@ -333,15 +333,10 @@ async fn ready(State(app): State<Shared>) -> Response {
 /// One URL path segment (or query value), percent-encoded: run and task ids are the user's
 /// text. The dashboard's links and the CLI's calls to the API build paths with it.
 pub fn segment(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+    // RFC 3986's unreserved characters stay as they are.
+    const ENCODED: &percent_encoding::AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
+    utf8_percent_encode(text, ENCODED).to_string()
 }
 
 /// Constant-time comparison, so the token cannot be guessed byte by byte from timings.
@@ -412,7 +407,6 @@ async fn list_nodes(State(app): State<Shared>) -> Result<Json<Value>, ApiError> 
     Ok(Json(json!({"node": app.config.node, "nodes": nodes})))
 }
 
-/// The tasks of a run that must exist.
 async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
     let r = run.clone();
     let tasks = blocking(&app, move |s| views::run(s, &r)).await?;

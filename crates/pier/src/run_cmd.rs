@@ -316,15 +316,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if let Some((plan, source)) = new_plan {
         // What the tasks require of their agents, checked before anything is stored.
         pier_host::caps::check(&plan, &store, &config).await?;
-        // The run's lease first: a `pier serve` node on the same store takes every run it
-        // sees without a live lease, and would take this one between its creation and our
-        // first lease (the host renews it from here).
-        let until = pier_host::store::now_ms() + config.lease_ttl.as_millis() as i64;
-        anyhow::ensure!(
-            store.lease_run(&config.node, &run_id, until)?,
-            "run `{run_id}` is being driven by another host; give this plan another --run-id"
-        );
-        store.create_run(&run_id, &plan, &source)?;
+        pier_host::host::create_own_run(store.as_ref(), &config, &run_id, &plan, &source)?;
     }
     let stop = CancellationToken::new();
     let signals = {

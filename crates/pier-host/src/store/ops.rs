@@ -162,26 +162,40 @@ struct Extra {
     evidence: Option<Vec<Value>>,
 }
 
+/// A task as its transition event names it: where it was, and its version before the move.
+struct Was<'a> {
+    run: &'a str,
+    task: &'a str,
+    state: TaskState,
+    version: i64,
+}
+
+impl<'a> Was<'a> {
+    fn of(row: &'a TaskRow) -> Was<'a> {
+        Was { run: &row.run_id, task: &row.id, state: row.state, version: row.version }
+    }
+}
+
 fn transition_event(
     tx: &mut dyn Tx,
-    row: &TaskRow,
+    was: Was<'_>,
     to: TaskState,
     attempt: i64,
     reason: &str,
     extra: Extra,
 ) -> Result<i64, StoreError> {
     let event = LogEvent::Transition {
-        from: row.state,
+        from: was.state,
         to,
         attempt,
         reason: reason.to_owned(),
-        version: row.version + 1,
+        version: was.version + 1,
         owner: extra.owner,
         error: extra.error,
         class: extra.class,
         evidence: extra.evidence,
     };
-    log(tx, &row.run_id, Some(&row.id), &event)
+    log(tx, was.run, Some(was.task), &event)
 }
 
 fn log(tx: &mut dyn Tx, run: &str, task: Option<&str>, event: &LogEvent) -> Result<i64, StoreError> {
@@ -208,10 +222,10 @@ pub(super) fn claim(
     let Some(claimed) = tx.take(run, task, owner, until, now_ms())? else { return Ok((None, 0)) };
     let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: claimed.attempt, owner: owner.to_owned() };
     let reason = format!("attempt {} started", attempt.n);
-    let before = TaskRow { state: TaskState::Pending, version: claimed.version - 1, ..claimed.clone() };
+    let before = Was { run, task, state: TaskState::Pending, version: claimed.version - 1 };
     let seq = transition_event(
         tx,
-        &before,
+        before,
         TaskState::Running,
         attempt.n,
         &reason,
@@ -289,7 +303,7 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
         } else {
             "a permission request waits for a person"
         };
-        seq = transition_event(tx, &row, TaskState::AwaitingInput, a.n, reason, Extra::default())?;
+        seq = transition_event(tx, Was::of(&row), TaskState::AwaitingInput, a.n, reason, Extra::default())?;
     }
     let held = [Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)];
     let n = tx
@@ -331,7 +345,7 @@ fn go_on(tx: &mut dyn Tx, a: &Attempt, why: &str) -> Result<(bool, i64), StoreEr
         "UPDATE tasks SET state = 'running', version = version + 1 WHERE run_id = ?1 AND id = ?2",
         &[Arg::Text(&a.run), Arg::Text(&a.task)],
     )?;
-    let seq = transition_event(tx, &row, TaskState::Running, a.n, why, Extra::default())?;
+    let seq = transition_event(tx, Was::of(&row), TaskState::Running, a.n, why, Extra::default())?;
     Ok((true, seq))
 }
 
@@ -358,7 +372,7 @@ pub(super) struct Columns {
     pub failure: i64,
     pub not_before: Option<i64>,
     pub result: Option<String>,
-    pub usage: Option<String>,
+    pub usage: Option<Value>,
     pub error: Option<String>,
 }
 
@@ -376,7 +390,7 @@ fn columns(ending: &Ending) -> (Columns, Extra) {
     match ending {
         Ending::Completed { result, usage } => {
             c.result = Some(result.clone());
-            c.usage = usage.as_ref().map(Value::to_string);
+            c.usage.clone_from(usage);
         }
         Ending::Failed { error, class, .. } => {
             c.error = Some(error.clone());
@@ -400,6 +414,7 @@ fn columns(ending: &Ending) -> (Columns, Extra) {
 /// the UPDATE left it, built rather than read back.
 fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreError> {
     let not_before = c.not_before.unwrap_or(row.not_before_ms);
+    let usage = c.usage.as_ref().map(Value::to_string);
     tx.exec(
         "UPDATE tasks SET state = ?3, version = version + 1, failures = failures + ?4, lease_owner = NULL,
              lease_expires_at_ms = NULL, not_before_ms = ?5, result = COALESCE(?6, result),
@@ -412,11 +427,10 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
             Arg::Int(c.failure),
             Arg::Int(not_before),
             Arg::OptText(c.result.as_deref()),
-            Arg::OptText(c.usage.as_deref()),
+            Arg::OptText(usage.as_deref()),
             Arg::OptText(c.error.as_deref()),
         ],
     )?;
-    let usage = c.usage.as_deref().map(serde_json::from_str::<Value>).transpose()?;
     Ok(TaskRow {
         state: c.to,
         version: row.version + 1,
@@ -425,7 +439,7 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
         lease_expires_at_ms: None,
         not_before_ms: not_before,
         result: c.result.clone().or_else(|| row.result.clone()),
-        usage: usage.or_else(|| row.usage.clone()),
+        usage: c.usage.clone().or_else(|| row.usage.clone()),
         error: c.error.clone(),
         ..row.clone()
     })
@@ -462,8 +476,8 @@ fn ended(
     if from == TaskState::AwaitingInput {
         void_questions(tx, &row.run_id, &row.id, "the attempt ended")?;
     }
-    let before = TaskRow { state: from, version: row.version - 1, ..row.clone() };
-    let seq = transition_event(tx, &before, row.state, n, ending.reason(), extra)?;
+    let before = Was { run: &row.run_id, task: &row.id, state: from, version: row.version - 1 };
+    let seq = transition_event(tx, before, row.state, n, ending.reason(), extra)?;
     Ok((row, seq))
 }
 
@@ -480,13 +494,12 @@ pub(super) fn finish(
     ending: &Ending,
     idem: Option<&Idem>,
 ) -> Result<(TaskRow, i64), StoreError> {
-    let Some(idem) = idem else {
+    if idem.is_none() {
         // The fence and the ending in one step where the backend can (`Tx::end_held`).
         let (c, extra) = columns(ending);
         let Some((from, after)) = tx.end_held(a, &c, now_ms())? else { return Err(lease_lost(a)) };
         return ended(tx, from, after, a.n, ending, extra);
-    };
-    let idem = Some(idem);
+    }
     // The task is read (and, where rows lock, locked) first, so of two reports with one key
     // the second waits for the first and then finds its answer.
     let row = load_task(tx, &a.run, &a.task)?;
@@ -575,7 +588,7 @@ pub(super) fn cancel(
         &[Arg::Text(run), Arg::Text(task)],
     )?;
     void_questions(tx, run, task, "the task was cancelled")?;
-    let seq = transition_event(tx, &row, TaskState::Cancelled, row.attempt, reason, Extra::default())?;
+    let seq = transition_event(tx, Was::of(&row), TaskState::Cancelled, row.attempt, reason, Extra::default())?;
     Ok((Some(load_task(tx, run, task)?), seq))
 }
 
@@ -601,7 +614,7 @@ pub(super) fn decide_rerun(
     } else {
         format!("a person denied running it again ({by})")
     };
-    let seq = transition_event(tx, &row, to, row.attempt, &reason, Extra::default())?;
+    let seq = transition_event(tx, Was::of(&row), to, row.attempt, &reason, Extra::default())?;
     Ok((load_task(tx, run, task)?, seq))
 }
 
@@ -655,7 +668,7 @@ pub(super) fn retry(
              WHERE run_id = ?1 AND id = ?2",
             &[Arg::Text(run), Arg::Text(&t.id)],
         )?;
-        seq = transition_event(tx, &t, TaskState::Pending, t.attempt, &reason, Extra::default())?;
+        seq = transition_event(tx, Was::of(&t), TaskState::Pending, t.attempt, &reason, Extra::default())?;
         rows.push(load_task(tx, run, &t.id)?);
     }
     Ok((rows, seq))
@@ -693,9 +706,6 @@ pub(super) fn append_events(
     Ok((last, last))
 }
 
-/// Renews node `node` and the run leases it holds until `until`, hands back runs beyond its
-/// fair share (the unfinished runs over the live nodes, rounded up) and takes free or
-/// expired ones up to it. Returns the runs it holds.
 /// How long the row of a node that stopped heart-beating is kept (for `/nodes` history and
 /// for a node that comes back) before a live node's lease pass removes it.
 pub(super) const NODE_ROWS_KEPT_MS: i64 = 3_600_000;
@@ -731,6 +741,9 @@ pub(super) fn lease_run(tx: &mut dyn Tx, node: &str, run: &str, until: i64) -> R
     Ok((owner.as_deref() == Some(node), 0))
 }
 
+/// Renews node `node` and the run leases it holds until `until`, hands back runs beyond its
+/// fair share (the unfinished runs over the live nodes, rounded up) and takes free or
+/// expired ones up to it. Returns the runs it holds.
 pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
     let now = now_ms();
     present(tx, node, now, until)?;
@@ -770,9 +783,6 @@ pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
     Ok((held, 0))
 }
 
-/// Node `node` leaves: its run leases go back at once, and it is no longer listed.
-/// Keeps what an attempt showed; on its own row, so no fence is needed: a task cancelled
-/// under an attempt still keeps that attempt's partial output.
 /// [`keep_output`] and [`finish`] in one write. The output stays even when the ending is
 /// refused (a race: the attempt lost its task, which `finish` finds before it writes), so the
 /// race is the answer rather than a failure of the write.
@@ -791,6 +801,8 @@ pub(super) fn finish_keeping(
     }
 }
 
+/// Keeps what an attempt showed; on its own row, so no fence is needed: a task cancelled
+/// under an attempt still keeps that attempt's partial output.
 pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &Value) -> Result<((), i64), StoreError> {
     tx.exec(
         "UPDATE attempts SET output = ?4 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
@@ -902,13 +914,13 @@ pub(super) fn record_agent(tx: &mut dyn Tx, spec: &str, init: &Value) -> Result<
     Ok(((), 0))
 }
 
+/// Node `node` leaves: its run leases go back at once, and it is no longer listed.
 pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), StoreError> {
     tx.exec("DELETE FROM run_leases WHERE owner = ?1", &[Arg::Text(node)])?;
     tx.exec("DELETE FROM nodes WHERE id = ?1", &[Arg::Text(node)])?;
     Ok(((), 0))
 }
 
-/// The live nodes, each with the runs it drives.
 /// The live nodes, each beside each run it holds a live lease of (or none): `?1` is now.
 /// A read, in one statement; [`nodes`] groups its rows.
 pub(super) const NODES: &str = "SELECT n.id, n.started_at_ms, n.heartbeat_at_ms, n.expires_at_ms, l.run_id

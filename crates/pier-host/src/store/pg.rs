@@ -34,7 +34,7 @@ use tokio::sync::watch;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
-use super::pg_target::{Target, hint};
+use super::pg_target::{Target, tls_advice};
 
 use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
 use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
@@ -341,41 +341,31 @@ impl ConnectError {
             let code = db.code().code();
             code.starts_with("28") || code == "3D000"
         });
-        let tls = text.contains("certificate") || text.contains("does not support TLS");
-        ConnectError { permanent: refused || tls, text: format!("{text}{}", hint(&text)) }
+        match tls_advice(&text) {
+            Some(advice) => ConnectError { permanent: true, text: format!("{text}; {advice}") },
+            None => ConnectError { permanent: refused, text },
+        }
     }
 }
 
 /// Connects on the store's runtime, which then drives the connection until it closes.
 fn connect_on(rt: &tokio::runtime::Handle, target: &Target) -> Result<Client, ConnectError> {
-    let Target { config, tls } = target.clone();
-    let describe = ConnectError::of;
-    // The committer thread's connection is driven by its own runtime, while it waits.
-    let here = LOCAL.with(|l| {
-        l.borrow().as_ref().map(|local| {
-            local.block_on(async {
-                let (client, connection) = config.connect(tls.clone()).await.map_err(|e| describe(&e))?;
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        tracing::debug!(error = %e, "a database connection ended");
-                    }
-                });
-                Ok(client)
-            })
-        })
-    });
-    if let Some(connected) = here {
-        return connected;
-    }
-    let connected = rt.spawn(async move {
-        let (client, connection) = config.connect(tls).await.map_err(|e| describe(&e))?;
+    // Connects, and leaves the connection to the runtime this runs on.
+    async fn connect(Target { config, tls }: Target) -> Result<Client, ConnectError> {
+        let (client, connection) = config.connect(tls).await.map_err(|e| ConnectError::of(&e))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "a database connection ended");
             }
         });
         Ok(client)
-    });
+    }
+    // The committer thread's connection is driven by its own runtime, while it waits.
+    let here = LOCAL.with(|l| l.borrow().as_ref().map(|local| local.block_on(connect(target.clone()))));
+    if let Some(connected) = here {
+        return connected;
+    }
+    let connected = rt.spawn(connect(target.clone()));
     // A join error: the runtime is shutting down with the store.
     block_on(connected)
         .unwrap_or_else(|e| Err(ConnectError { text: format!("the database runtime stopped: {e}"), permanent: true }))
@@ -481,6 +471,9 @@ struct PgTx<'c> {
     aborted: bool,
 }
 
+/// Opens a group's transaction; `BEGIN_CAREFUL` with the first job's savepoint.
+const BEGIN: &str = "BEGIN";
+const BEGIN_CAREFUL: &str = "BEGIN; SAVEPOINT job";
 /// Keeps a job's work and opens the next job's savepoint.
 const KEEP: &str = "RELEASE job; SAVEPOINT job";
 /// Undoes a job's work; the savepoint stays for the next job.
@@ -622,7 +615,7 @@ impl Tx for PgTx<'_> {
                 Arg::Int(c.failure),
                 Arg::OptInt(c.not_before),
                 Arg::OptText(c.result.as_deref()),
-                Arg::OptText(c.usage.as_deref()),
+                Arg::OptText(c.usage.as_ref().map(Value::to_string).as_deref()),
                 Arg::OptText(c.error.as_deref()),
                 Arg::Int(a.n),
                 Arg::Text(&a.owner),
@@ -1002,7 +995,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool) -> Group {
         statements,
         events: Vec::new(),
         retry: false,
-        step: Some(if careful { "BEGIN; SAVEPOINT job" } else { "BEGIN" }),
+        step: Some(if careful { BEGIN_CAREFUL } else { BEGIN }),
         dirty: false,
         broken: None,
         careful,
@@ -1025,11 +1018,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool) -> Group {
         }
         t.end_job(outcome.is_ok());
         if !careful && t.broken.is_none() && outcome.is_err() && (t.wrote || t.aborted) {
-            let mut jobs: Vec<Box<dyn Job>> = ran.into_iter().map(|(j, _, _)| j).collect();
-            jobs.extend(failed.into_iter().map(|(j, _)| j));
-            jobs.extend(again);
-            jobs.push(job);
-            jobs.extend(rest);
+            let jobs = every_job(ran, failed, again, std::iter::once(job).chain(rest));
             return match block_on(t.tx.batch_execute("ROLLBACK")) {
                 Ok(()) => Group::Redo { jobs },
                 Err(e) => Group::Lost { jobs, error: (&e).into() },
@@ -1037,11 +1026,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool) -> Group {
         }
         if let Some(e) = t.broken.take() {
             // The transaction is gone (a lost connection): nothing of the group happened.
-            let mut jobs: Vec<Box<dyn Job>> = ran.into_iter().map(|(j, _, _)| j).collect();
-            jobs.extend(failed.into_iter().map(|(j, _)| j));
-            jobs.extend(again);
-            jobs.push(job);
-            jobs.extend(rest);
+            let jobs = every_job(ran, failed, again, std::iter::once(job).chain(rest));
             return Group::Lost { jobs, error: (&e).into() };
         }
         match outcome {
@@ -1056,27 +1041,35 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool) -> Group {
             Err(e) => failed.push((job, e)),
         }
     }
-    let all =
-        |ran: Vec<(Box<dyn Job>, usize, usize)>, failed: Vec<(Box<dyn Job>, StoreError)>, again: Vec<Box<dyn Job>>| {
-            let mut jobs: Vec<Box<dyn Job>> = ran.into_iter().map(|(j, _, _)| j).collect();
-            jobs.extend(failed.into_iter().map(|(j, _)| j));
-            jobs.extend(again);
-            jobs
-        };
     // The events are numbered and the transaction committed in one round trip (pipelined):
     // if numbering fails, PostgreSQL turns the `COMMIT` behind it into a rollback.
     let (numbered, committed) = number_and_commit(&mut t);
     let (first, last) = match numbered {
         Ok(range) => range,
-        Err(e) => return Group::Lost { jobs: all(ran, failed, again), error: e },
+        Err(e) => return Group::Lost { jobs: every_job(ran, failed, again, []), error: e },
     };
     if let Err(e) = committed {
         let error = StoreError::Db(format!("{}; the change may or may not have been committed", describe(&e)));
-        return Group::Unknown { jobs: all(ran, failed, again), error };
+        return Group::Unknown { jobs: every_job(ran, failed, again, []), error };
     }
     let done =
         ran.into_iter().map(|(job, from, to)| (job, if to > from { first + to as i64 - 1 } else { 0 })).collect();
     Group::Committed { done, failed, again, last }
+}
+
+/// Every job of a group that did not commit, whatever became of each: those that ran, failed
+/// or are to run again, and those not reached.
+fn every_job(
+    ran: Vec<(Box<dyn Job>, usize, usize)>,
+    failed: Vec<(Box<dyn Job>, StoreError)>,
+    again: Vec<Box<dyn Job>>,
+    rest: impl IntoIterator<Item = Box<dyn Job>>,
+) -> Vec<Box<dyn Job>> {
+    let mut jobs: Vec<Box<dyn Job>> = ran.into_iter().map(|(j, _, _)| j).collect();
+    jobs.extend(failed.into_iter().map(|(j, _)| j));
+    jobs.extend(again);
+    jobs.extend(rest);
+    jobs
 }
 
 /// Numbers the transaction's buffered events from the counter row, writes them and rings
@@ -1095,7 +1088,7 @@ fn number_and_commit(t: &mut PgTx<'_>) -> (Result<(i64, i64), StoreError>, Resul
     // even begun.
     if t.events.is_empty() {
         return match t.step.take() {
-            Some(s) if s.starts_with("BEGIN") => (Ok((0, 0)), Ok(())),
+            Some(BEGIN | BEGIN_CAREFUL) => (Ok((0, 0)), Ok(())),
             Some(s) => (Ok((0, 0)), block_on(t.tx.batch_execute(&format!("{s}; COMMIT")))),
             None => (Ok((0, 0)), block_on(t.tx.batch_execute("COMMIT"))),
         };

@@ -39,30 +39,52 @@ impl Target {
             config.password(password);
         }
         let root = root.or_else(|| std::env::var_os("PGSSLROOTCERT").map(PathBuf::from));
-        Ok(Target { config, tls: connector(root.as_deref())? })
+        // The system's roots are read only where TLS can happen: never over a Unix socket
+        // (PostgreSQL declines it there) or with `sslmode=disable`.
+        let tcp = config.get_hosts().iter().any(|h| matches!(h, tokio_postgres::config::Host::Tcp(_)));
+        let system = tcp && config.get_ssl_mode() != tokio_postgres::config::SslMode::Disable;
+        Ok(Target { config, tls: connector(root.as_deref(), system)? })
     }
 }
 
-/// The store's address without its password, for messages and logs.
+/// The store's address without its password (in the user part or a `password` parameter),
+/// for messages and logs.
 pub fn redacted(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = match base.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
             Some((cred, host)) => {
                 let user = cred.split(':').next().unwrap_or("");
                 format!("{scheme}://{user}@{host}")
             }
-            None => url.to_owned(),
+            None => base.to_owned(),
         },
-        None => url.to_owned(),
+        None => base.to_owned(),
+    };
+    if let Some(query) = query {
+        let kept: Vec<&str> = query.split('&').filter(|p| !p.starts_with("password=")).collect();
+        if !kept.is_empty() {
+            out.push('?');
+            out.push_str(&kept.join("&"));
+        }
     }
+    out
 }
 
-/// What to add to a connection error that a certificate caused.
-pub(super) fn hint(error: &str) -> &'static str {
+/// What to do about a connection error TLS caused, if it did (no retry cures those).
+pub(super) fn tls_advice(error: &str) -> Option<&'static str> {
     if error.contains("certificate") || error.contains("UnknownIssuer") {
-        "; name the server's CA with `sslrootcert=PATH` in the store URL (or PGSSLROOTCERT), or use `sslmode=disable` on a network you trust"
+        Some(
+            "name the server's CA with `sslrootcert=PATH` in the store URL (or PGSSLROOTCERT), or use \
+             `sslmode=disable` on a network you trust",
+        )
+    } else if error.contains("does not support TLS") {
+        Some("enable `ssl` on the server, or use `sslmode=prefer` (or `disable`) in the store URL")
     } else {
-        ""
+        None
     }
 }
 
@@ -74,33 +96,15 @@ fn tls_params(url: &str) -> (String, Option<PathBuf>) {
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
-            Some(("sslrootcert", path)) => root = Some(PathBuf::from(percent_decoded(path))),
+            Some(("sslrootcert", path)) => {
+                root = Some(PathBuf::from(percent_encoding::percent_decode_str(path).decode_utf8_lossy().as_ref()))
+            }
             Some(("sslmode", "verify-ca" | "verify-full")) => kept.push("sslmode=require".to_owned()),
             _ => kept.push(pair.to_owned()),
         }
     }
     let url = if kept.is_empty() { base.to_owned() } else { format!("{base}?{}", kept.join("&")) };
     (url, root)
-}
-
-fn percent_decoded(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match (bytes[i], bytes.get(i + 1).copied().and_then(hex), bytes.get(i + 2).copied().and_then(hex)) {
-            (b'%', Some(h), Some(l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The system's trusted roots, read once per process.
@@ -115,10 +119,13 @@ fn system_roots() -> &'static [CertificateDer<'static>] {
     })
 }
 
-/// A verifying connector: the system's roots, and `root`'s certificates (PEM) if named.
-fn connector(root: Option<&Path>) -> Result<MakeRustlsConnect, StoreError> {
+/// A verifying connector: the system's roots (with `system`), and `root`'s certificates (PEM)
+/// if named.
+fn connector(root: Option<&Path>, system: bool) -> Result<MakeRustlsConnect, StoreError> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add_parsable_certificates(system_roots().iter().cloned());
+    if system {
+        roots.add_parsable_certificates(system_roots().iter().cloned());
+    }
     if let Some(path) = root {
         let certs = CertificateDer::pem_file_iter(path)
             .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
@@ -188,5 +195,9 @@ mod tests {
     fn a_password_never_shows() {
         assert_eq!(redacted("postgres://me:secret@db.example/pier"), "postgres://me@db.example/pier");
         assert_eq!(redacted("postgres://me@db.example/pier"), "postgres://me@db.example/pier");
+        assert_eq!(
+            redacted("postgres://me@db.example/pier?password=secret&sslmode=require"),
+            "postgres://me@db.example/pier?sslmode=require"
+        );
     }
 }
