@@ -19,7 +19,7 @@ use crate::decide::{Context, Outcome, decide};
 use crate::host::{HostConfig, blocking};
 use crate::plan::{TaskSpec, render};
 use crate::pool::AgentPool;
-use crate::store::{Attempt, ErrorClass, StoreError, TaskRow, TaskStore, now_ms};
+use crate::store::{Attempt, ErrorClass, Last, StoreError, TaskRow, TaskStore, now_ms};
 
 /// How often, at most, a running turn looks in the store for an interrupting message.
 const CHECK_EVERY: Duration = Duration::from_millis(50);
@@ -64,92 +64,120 @@ impl Run {
 
         // Numbers no attempt can run with (from a store an older pier wrote) fail the task at once.
         let prepared = self.options();
-        let (events_tx, events_rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
+        let recorder = Recorder::start(self.store.clone(), attempt.clone());
         let (int_tx, int_rx) = mpsc::unbounded_channel();
-        let recorder = tokio::spawn(record(self.store.clone(), attempt.clone(), events_rx));
-        let outcome = match prepared {
+        let (outcome, ended) = match prepared {
             Ok(opts) => {
                 let prompt = render(&spec.prompt, &self.results);
                 let blocks = vec![agent_client_protocol_schema::v1::ContentBlock::Text(
                     agent_client_protocol_schema::v1::TextContent::new(prompt),
                 )];
-                let run = self.turn(opts, blocks, events_tx, int_rx);
+                let run = self.turn(opts, blocks, &recorder, int_rx, &lease_lost);
                 tokio::pin!(run);
                 let mut interrupted = false;
-                let outcome = loop {
+                let (outcome, ended) = loop {
                     tokio::select! {
                         outcome = &mut run => break outcome,
                         _ = stop.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                         _ = lease_lost.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                     }
                 };
-                outcome_of(&outcome)
+                (outcome_of(&outcome), ended)
             }
             Err(error) => {
-                drop(events_tx);
-                Outcome::Unusable { error: format!("task `{}` cannot start: {error}", attempt.task) }
+                let error = format!("task `{}` cannot start: {error}", attempt.task);
+                (Outcome::Unusable { error }, None)
             }
         };
         heartbeat.abort();
-        // What the attempt showed stays on it, however it ended (a cancelled task keeps its
-        // partial output): kept with the ending in one write, or alone where there is none.
-        let output = recorder.await.ok().map(|partial| serde_json::to_value(&partial).unwrap_or(Value::Null));
-        if lease_lost.is_cancelled() {
-            // Someone else owns the task now (or it was cancelled); our ending would be refused anyway.
-            if let Some(output) = output {
-                let a = attempt.clone();
-                if let Err(e) = blocking(&self.store, move |s| s.keep_output(&a, &output)).await {
-                    tracing::warn!(error = %e, task = %attempt.task, "could not keep the attempt's output");
-                }
-            }
-            return Ok(());
-        }
-        let (run, id, n) = (attempt.run.clone(), attempt.task.clone(), attempt.n);
-        let evidence = if crate::decide::reads_evidence(&outcome) {
-            blocking(&self.store, move |s| s.evidence(&run, &id, n)).await?
-        } else {
-            Vec::new()
+        let result = match ended {
+            Some(result) => result,
+            None => self.end(&outcome, &recorder, false, &lease_lost).await.unwrap_or(Ok(())),
         };
+        // What came after the ending (an agent's last words as it was shut down) is recorded too.
+        recorder.finish().await;
+        result
+    }
+
+    /// Ends the attempt as [`decide`] says, in one write with what the recorder has not
+    /// written yet and what the attempt showed (kept however it ends: a cancelled task keeps
+    /// its partial output). With `unless_messages` (the agent can still be told more), `None`
+    /// when a message waits for the task: nothing is ended, and the caller sends it.
+    async fn end(
+        &self,
+        outcome: &Outcome,
+        recorder: &Recorder,
+        unless_messages: bool,
+        lease_lost: &CancellationToken,
+    ) -> Option<Result<(), StoreError>> {
+        let tail = recorder.tail().await;
+        let attempt = self.attempt.clone();
+        let last = Last { events: tail.events, evidence: tail.evidence, output: tail.output, unless_messages };
+        if lease_lost.is_cancelled() {
+            // Someone else owns the task now (or it was cancelled): no ending, but what the
+            // attempt did and showed is kept.
+            let kept = blocking(&self.store, move |s| {
+                s.record(&attempt, &last.events, &last.evidence)?;
+                s.keep_output(&attempt, &last.output)
+            })
+            .await;
+            if let Err(e) = kept {
+                tracing::warn!(error = %e, task = %self.attempt.task, "could not keep the attempt's output");
+            }
+            return Some(Ok(()));
+        }
         let cx = Context {
-            spec: &spec,
+            spec: &self.row.spec,
             attempt: attempt.n,
             failures: self.row.failures,
-            evidence: &evidence,
+            evidence: &tail.seen,
             retry_delay: backoff(self.config.retry_base, self.row.failures as u32),
             now_ms: now_ms(),
         };
-        let ending = decide(&outcome, &cx);
+        let ending = decide(outcome, &cx);
         let applied = ending.clone();
-        let finished = blocking(&self.store, move |s| match &output {
-            Some(output) => s.finish_keeping(&attempt, output, &ending, None),
-            None => s.finish(&attempt, &ending, None),
-        })
-        .await;
+        let finished = blocking(&self.store, move |s| Ok((s.finish_keeping(&attempt, &last, &ending), last))).await;
+        let (finished, last) = match finished {
+            Ok(done) => done,
+            Err(e) => return Some(Err(e)),
+        };
         match finished {
             Ok(_) => {
-                crate::telemetry::attempt_ended(&outcome, &applied);
-                Ok(())
+                crate::telemetry::attempt_ended(outcome, &applied);
+                Some(Ok(()))
+            }
+            Err(StoreError::MessagesWaiting { .. }) => {
+                // Nothing of the ending was written: the events go to the log before the message.
+                let a = self.attempt.clone();
+                let kept = blocking(&self.store, move |s| s.record(&a, &last.events, &last.evidence)).await;
+                match kept {
+                    Ok(_) => None,
+                    Err(e) => Some(Err(e)),
+                }
             }
             Err(e) if e.is_race() => {
                 if matches!(e, StoreError::LeaseLost { .. }) {
                     crate::telemetry::lease_lost();
                 }
-                Ok(())
+                Some(Ok(()))
             }
-            Err(e) => Err(e),
+            Err(e) => Some(Err(e)),
         }
     }
 
     /// One turn on a warm agent from the pool, or on a new one; the agent goes back
-    /// to the pool only if the turn ended cleanly.
+    /// to the pool only if the turn ended cleanly. With the attempt's ending, when the
+    /// conversation applied it (see [`Run::converse`]).
     async fn turn(
         &self,
         opts: RunOptions,
         prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
-        events: mpsc::Sender<ClientEvent>,
+        recorder: &Recorder,
         mut interrupts: mpsc::UnboundedReceiver<()>,
-    ) -> RunOutcome {
+        lease_lost: &CancellationToken,
+    ) -> (RunOutcome, Option<Result<(), StoreError>>) {
         let started = std::time::Instant::now();
+        let events = &recorder.events;
         let key = AgentPool::key(&opts);
         let fresh = self.row.spec.fresh_agent;
         let warm = if fresh { None } else { self.pool.take(&key).await };
@@ -157,7 +185,7 @@ impl Run {
         let agent = match warm {
             Some(agent) => Ok(agent),
             None => {
-                let started = LiveAgent::start_or_stop(&opts, &events, &mut interrupts).await;
+                let started = LiveAgent::start_or_stop(&opts, events, &mut interrupts).await;
                 if let Ok(agent) = &started {
                     // What this agent spec can do, as its newest process says.
                     let (spec, init) = (self.row.spec.agent.clone(), agent.init().clone());
@@ -168,11 +196,12 @@ impl Run {
                 started
             }
         };
-        let mut outcome = match agent {
+        let (mut outcome, ended) = match agent {
             Ok(mut agent) => {
-                let outcome = self.converse(&mut agent, &opts, prompt, &events, &mut interrupts).await;
+                let (outcome, ended) =
+                    self.converse(&mut agent, &opts, prompt, recorder, &mut interrupts, lease_lost).await;
                 if fresh {
-                    agent.shutdown(&events).await;
+                    agent.shutdown(events).await;
                 } else {
                     // A task's session is never continued: a warm agent must not keep it.
                     if let Some(id) = &outcome.session_id {
@@ -180,38 +209,44 @@ impl Run {
                     }
                     self.pool.give_back(key, agent).await;
                 }
-                outcome
+                (outcome, ended)
             }
-            Err(outcome) => outcome,
+            Err(outcome) => (outcome, None),
         };
         outcome.duration = started.elapsed();
-        outcome
+        (outcome, ended)
     }
 
     /// The task's turn on `agent`, then one more turn on the same session for each batch of
     /// messages people sent it (`pier say`) while it ran: queued ones when a turn ends with
     /// an answer, an interrupting one at once (the current turn is cancelled through the
-    /// handshake to make room). The task's outcome is the last turn's. A stop of the attempt
-    /// (the host's, a lost lease) ends it as before.
+    /// handshake to make room). A turn that answers with no message waiting ends the attempt
+    /// there, while the session is still open: a message that comes before that ending's
+    /// commit refuses it and is sent, one that comes after is refused (the task no longer
+    /// runs), so none is accepted and left unsent. The task's outcome is the last turn's; a
+    /// stop of the attempt (the host's, a lost lease) ends it as before.
     async fn converse(
         &self,
         agent: &mut LiveAgent,
         opts: &RunOptions,
         prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
-        events: &mpsc::Sender<ClientEvent>,
+        recorder: &Recorder,
         interrupts: &mut mpsc::UnboundedReceiver<()>,
-    ) -> RunOutcome {
+        lease_lost: &CancellationToken,
+    ) -> (RunOutcome, Option<Result<(), StoreError>>) {
         use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
+        let events = &recorder.events;
         let mut commits = self.store.subscribe();
         let mut next = Some((prompt, None::<String>));
         loop {
-            let Some((prompt, session)) = next.take() else { return RunOutcome::failed(None) };
+            let Some((prompt, session)) = next.take() else { return (RunOutcome::failed(None), None) };
             // A channel per turn: an interrupt meant for one turn never cancels the next.
             let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
             let mut stopped = false;
             let mut for_message = false;
-            let now = tokio::time::Instant::now();
-            let (mut check_due, mut last_check) = (false, now.checked_sub(CHECK_EVERY).unwrap_or(now));
+            // The first look comes CHECK_EVERY into the turn, like every later one: a message
+            // is seen within CHECK_EVERY either way, and a short turn (most) needs no read.
+            let (mut check_due, mut last_check) = (false, tokio::time::Instant::now());
             let next_check = tokio::time::sleep_until(last_check);
             tokio::pin!(next_check);
             let outcome = {
@@ -252,16 +287,17 @@ impl Run {
             // Cancelled to make room for a message, or answered before the cancel landed: either
             // way the session is there and the message goes next.
             let made_room = for_message && outcome.stop_reason.is_some() && outcome.error.is_none();
-            let Some(session) = outcome.session_id.clone() else { return outcome };
+            let Some(session) = outcome.session_id.clone() else { return (outcome, None) };
             if stopped || !(answered || made_room) {
-                return outcome;
+                return (outcome, None);
             }
-            // After an answer with nothing queued the attempt takes no more messages, in the
-            // same transaction: one sent later is refused, not accepted and left unsent.
-            let (a, close) = (self.attempt.clone(), answered);
-            let messages = match blocking(&self.store, move |s| s.take_messages(&a, close)).await {
+            if answered && let Some(ended) = self.end(&outcome_of(&outcome), recorder, true, lease_lost).await {
+                return (outcome, Some(ended));
+            }
+            let a = self.attempt.clone();
+            let messages = match blocking(&self.store, move |s| s.take_messages(&a)).await {
                 Ok(m) if !m.is_empty() => m,
-                _ => return outcome,
+                _ => return (outcome, None),
             };
             let text = messages.into_iter().map(|(_, t)| t).collect::<Vec<_>>().join("\n\n");
             next = Some((vec![ContentBlock::Text(TextContent::new(text))], Some(session)));
@@ -508,47 +544,123 @@ pub fn backoff(base: Duration, failures: u32) -> Duration {
     exp.mul_f64(0.5 + fastrand::f64())
 }
 
-/// Writes a task's events to the log in batches and its side effects as evidence; returns
-/// what the attempt showed (its text and tool calls), for the attempt's record.
-async fn record(store: Arc<dyn TaskStore>, attempt: Attempt, mut rx: mpsc::Receiver<ClientEvent>) -> Partial {
-    let mut effects = SideEffects::default();
-    let mut partial = Partial::default();
+/// What the recorder has not written when the attempt ends, for the ending's own write;
+/// every side effect of the attempt (for the decision), and what it showed.
+struct Tail {
+    events: Vec<(String, Value)>,
+    evidence: Vec<Value>,
+    seen: Vec<Value>,
+    output: Value,
+}
+
+/// The attempt's events on their way to the log: written in batches as they come, except
+/// the last ones, which the ending takes ([`Recorder::tail`]) and writes with itself.
+struct Recorder {
+    events: mpsc::Sender<ClientEvent>,
+    tails: mpsc::UnboundedSender<tokio::sync::oneshot::Sender<Tail>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Recorder {
+    fn start(store: Arc<dyn TaskStore>, attempt: Attempt) -> Recorder {
+        let (events, rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
+        let (tails, asks) = mpsc::unbounded_channel();
+        Recorder { events, tails, task: tokio::spawn(record(store, attempt, rx, asks)) }
+    }
+
+    /// Everything sent so far that is not written yet, taken out of the log's way.
+    async fn tail(&self) -> Tail {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = self.tails.send(tx);
+        let empty = || Tail { events: Vec::new(), evidence: Vec::new(), seen: Vec::new(), output: Value::Null };
+        rx.await.unwrap_or_else(|_| empty())
+    }
+
+    /// Writes what is still to come (events after the ending) and stops.
+    async fn finish(self) {
+        drop(self.events);
+        drop(self.tails);
+        let _ = self.task.await;
+    }
+}
+
+/// What the attempt showed so far: its text and tool calls, and its side effects.
+#[derive(Default)]
+struct Seen {
+    partial: Partial,
+    side_effects: SideEffects,
+    effects: Vec<Value>,
+}
+
+impl Seen {
+    /// Takes in one event: its row for the log, and its side effect, if any, for the evidence.
+    fn take(&mut self, event: ClientEvent, rows: &mut Vec<(String, Value)>, evidence: &mut Vec<Value>) {
+        self.partial.see(&event);
+        if let Some(effect) = self.side_effects.see(&event) {
+            let effect = serde_json::to_value(&effect).unwrap_or(Value::Null);
+            self.effects.push(effect.clone());
+            evidence.push(effect);
+        }
+        // The event as `pier exec --format json` prints it, without its `type` (the log's own).
+        let mut data = serde_json::to_value(&event).unwrap_or(Value::Null);
+        if let Some(obj) = data.as_object_mut() {
+            obj.remove("type");
+        }
+        rows.push((event.kind().to_owned(), data));
+    }
+}
+
+/// Writes a task's events to the log in batches and its side effects as evidence, and
+/// answers [`Recorder::tail`] with what it has not written.
+async fn record(
+    store: Arc<dyn TaskStore>,
+    attempt: Attempt,
+    mut rx: mpsc::Receiver<ClientEvent>,
+    mut asks: mpsc::UnboundedReceiver<tokio::sync::oneshot::Sender<Tail>>,
+) {
+    let mut seen = Seen::default();
     // After the store refused a batch (a full disk), the rest is drained unwritten so
     // the turn never blocks on a full queue; the attempt's ending reports the error.
     let mut failed = false;
-    while let Some(first) = rx.recv().await {
-        if failed {
-            continue;
-        }
-        let mut batch = vec![first];
-        while let Ok(more) = rx.try_recv() {
-            batch.push(more);
-            if batch.len() >= 256 {
-                break;
+    loop {
+        let (mut rows, mut evidence) = (Vec::new(), Vec::new());
+        tokio::select! {
+            // First: an event sent before the ask is in the queue by then, and goes with the tail.
+            biased;
+            Some(reply) = asks.recv() => {
+                while let Ok(event) = rx.try_recv() {
+                    seen.take(event, &mut rows, &mut evidence);
+                }
+                if failed {
+                    (rows, evidence) = (Vec::new(), Vec::new());
+                }
+                let tail = Tail {
+                    events: rows,
+                    evidence,
+                    seen: seen.effects.clone(),
+                    output: serde_json::to_value(&seen.partial).unwrap_or(Value::Null),
+                };
+                let _ = reply.send(tail);
             }
-        }
-        let mut rows = Vec::new();
-        let mut evidence = Vec::new();
-        for event in batch {
-            partial.see(&event);
-            if let Some(effect) = effects.see(&event) {
-                evidence.push(serde_json::to_value(&effect).unwrap_or(Value::Null));
+            first = rx.recv() => {
+                let Some(first) = first else { return };
+                seen.take(first, &mut rows, &mut evidence);
+                while rows.len() < 256 {
+                    let Ok(more) = rx.try_recv() else { break };
+                    seen.take(more, &mut rows, &mut evidence);
+                }
+                if failed {
+                    continue;
+                }
+                let a = attempt.clone();
+                let result = blocking(&store, move |s| s.record(&a, &rows, &evidence)).await;
+                if let Err(e) = result {
+                    tracing::error!(error = %e, task = %attempt.task, "recording task events failed; the attempt's later events are not recorded");
+                    failed = true;
+                }
             }
-            // The event as `pier exec --format json` prints it, without its `type` (the log's own).
-            let mut data = serde_json::to_value(&event).unwrap_or(Value::Null);
-            if let Some(obj) = data.as_object_mut() {
-                obj.remove("type");
-            }
-            rows.push((event.kind().to_owned(), data));
-        }
-        let a = attempt.clone();
-        let result = blocking(&store, move |s| s.record(&a, &rows, &evidence)).await;
-        if let Err(e) = result {
-            tracing::error!(error = %e, task = %attempt.task, "recording task events failed; the attempt's later events are not recorded");
-            failed = true;
         }
     }
-    partial
 }
 
 #[cfg(test)]

@@ -46,12 +46,6 @@ pub struct Context<'a> {
     pub now_ms: i64,
 }
 
-/// Whether [`decide`] reads the attempt's evidence for `outcome`: not for a turn that ended
-/// well, the usual case, which then needs no read of it.
-pub fn reads_evidence(outcome: &Outcome) -> bool {
-    !matches!(outcome, Outcome::Answered { stop_reason: StopReason::EndTurn, .. })
-}
-
 pub fn decide(outcome: &Outcome, cx: &Context<'_>) -> Ending {
     match outcome {
         Outcome::Answered { stop_reason: StopReason::EndTurn, text, usage } => {
@@ -204,11 +198,6 @@ mod tests {
             };
             let ending = decide(&outcome, &cx);
             assert_eq!((ending.state(), ending.is_failure()), (state, failure), "row {i}: {outcome:?} -> {ending:?}");
-            if !reads_evidence(&outcome) {
-                let other: &[Value] = if with_effects { &[] } else { &effect };
-                let unread = decide(&outcome, &Context { evidence: other, ..cx });
-                assert_eq!(format!("{unread:?}"), format!("{ending:?}"), "row {i}: decided without its evidence");
-            }
             if let Ending::Retry { not_before_ms, failure: true, .. } = ending {
                 assert_eq!(not_before_ms, 1_250, "row {i}: a failed attempt waits for its backoff");
             }

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use pier_host::plan::parse;
-use pier_host::{Attempt, Ending, ErrorClass, Idem, StoreError, TaskState, TaskStore};
+use pier_host::{Attempt, Ending, ErrorClass, Idem, Last, StoreError, TaskState, TaskStore};
 use serde_json::json;
 
 /// A fresh, empty store: its address (what `pier_host::store::open` takes) and what
@@ -500,22 +500,41 @@ fn an_attempts_output_is_kept_even_after_its_task_was_cancelled() {
     });
 }
 
+/// What an attempt writes last: its unwritten events, then its ending, with its output.
+fn last(output: &serde_json::Value, unless_messages: bool) -> Last {
+    let events = vec![("text".to_owned(), json!({"text": "the last words"}))];
+    Last { events, evidence: vec![json!({"wrote": "x"})], output: output.clone(), unless_messages }
+}
+
+/// The kinds of task `task`'s events in the log, oldest first.
+fn kinds(s: &Arc<dyn TaskStore>, task: &str) -> Vec<String> {
+    let events = s.events_after(Some("r"), 0, 1000).unwrap_or_else(|e| panic!("{e}"));
+    events.into_iter().filter(|e| e.task.as_deref() == Some(task)).map(|e| e.kind).collect()
+}
+
 #[test]
 fn an_ending_with_its_output_is_one_write_and_a_refused_ending_keeps_the_output() {
     each(|name, s| {
         let output = json!({"text": "done", "toolCalls": []});
         let a = claim(s, "a", "owner-1");
-        let row = s.finish_keeping(&a, &output, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let row = s.finish_keeping(&a, &last(&output, false), &done()).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(Some(&row), s.task("r", "a").ok().flatten().as_ref(), "{name}: the answered row is the stored one");
         let attempts = s.attempts("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!((row.state, attempts[0].output.as_ref()), (TaskState::Completed, Some(&output)), "{name}");
-        // An attempt whose task was cancelled under it: the ending is refused, the output kept.
+        assert_eq!(attempts[0].evidence, vec![json!({"wrote": "x"})], "{name}");
+        assert_eq!(
+            kinds(s, "a"),
+            ["task_created", "transition", "text", "transition"],
+            "{name}: the last events before the ending"
+        );
+        // An attempt whose task was cancelled under it: the ending is refused, events and output kept.
         let b = claim(s, "b", "owner-1");
         s.cancel("r", "b", "a person stopped it").unwrap_or_else(|e| panic!("{name}: {e}"));
-        let refused = s.finish_keeping(&b, &output, &done(), None);
+        let refused = s.finish_keeping(&b, &last(&output, true), &done());
         assert!(matches!(&refused, Err(e) if e.is_race()), "{name}: {refused:?}");
         let attempts = s.attempts("r", "b").unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(attempts[0].output.as_ref(), Some(&output), "{name}: kept though refused");
+        assert_eq!(kinds(s, "b"), ["task_created", "transition", "transition", "text"], "{name}");
         assert_eq!(state(s, "b"), TaskState::Cancelled, "{name}");
     });
 }
@@ -549,14 +568,80 @@ fn messages_go_to_running_tasks_and_are_taken_once_by_the_holder() {
         assert_eq!(ok(s.say("r", "a", "second", true, "me")), Some(2), "{name}");
         assert!(s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
         let foreign = Attempt { owner: "owner-2".into(), ..a.clone() };
-        assert!(s.take_messages(&foreign, false).is_err(), "{name}: fenced on the holder");
-        let taken = s.take_messages(&a, true).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(s.take_messages(&foreign).is_err(), "{name}: fenced on the holder");
+        let taken = s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(taken, vec![(1, "first".to_owned()), (2, "second".to_owned())], "{name}");
         assert!(!s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
-        // Nothing left, and closing: a later message is refused, never left unsent.
-        assert!(s.take_messages(&a, true).unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}: taken once");
-        assert_eq!(ok(s.say("r", "a", "too late", false, "me")), None, "{name}: the attempt is finishing");
+        assert!(s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}: taken once");
     });
+}
+
+/// A turn answered; a message came before the attempt's ending: the ending waiting for the
+/// inbox is refused and writes nothing, the message is taken, and the next ending applies.
+/// After it, the inbox is closed: a message is refused, never accepted and left unsent.
+#[test]
+fn an_ending_waiting_for_the_inbox_is_refused_while_a_message_waits_and_closes_it() {
+    each(|name, s| {
+        let ok = |r: Result<Option<i64>, StoreError>| r.unwrap_or_else(|e| panic!("{name}: {e}"));
+        let output = json!({"text": "done", "toolCalls": []});
+        let a = claim(s, "a", "owner-1");
+        assert_eq!(ok(s.say("r", "a", "one more thing", false, "me")), Some(1), "{name}");
+        let refused = s.finish_keeping(&a, &last(&output, true), &done());
+        assert!(matches!(refused, Err(StoreError::MessagesWaiting { .. })), "{name}: {refused:?}");
+        assert_eq!(state(s, "a"), TaskState::Running, "{name}: nothing ended");
+        assert_eq!(kinds(s, "a"), ["task_created", "transition", "message"], "{name}: nothing recorded");
+        let attempts = s.attempts("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((attempts[0].output.as_ref(), attempts[0].evidence.len()), (None, 0), "{name}: nothing kept");
+        let taken = s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(taken, vec![(1, "one more thing".to_owned())], "{name}");
+        let row = s.finish_keeping(&a, &last(&output, true), &done()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(row.state, TaskState::Completed, "{name}");
+        assert_eq!(ok(s.say("r", "a", "too late", false, "me")), None, "{name}: the attempt ended");
+        // Without waiting for the inbox (an ending no agent could hear more), a message does not stop it.
+        let b = claim(s, "b", "owner-1");
+        assert_eq!(ok(s.say("r", "b", "unheard", false, "me")), Some(1), "{name}");
+        let row = s.finish_keeping(&b, &last(&output, false), &done()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(row.state, TaskState::Completed, "{name}");
+    });
+}
+
+/// On PostgreSQL a `say` on another connection may hold the task's row when the ending
+/// comes: the ending waits for it, and must then see the message `say` committed (a look
+/// taken with the ending's own snapshot, from before the wait, would not).
+#[test]
+fn an_ending_that_waited_for_a_say_holding_the_task_sees_its_message() {
+    let fresh = postgres();
+    let s = open(&fresh.spec);
+    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    s.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    let a = claim(&s, "a", "owner-1");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+    let (client, connection) =
+        rt.block_on(tokio_postgres::connect(&fresh.spec, tokio_postgres::NoTls)).unwrap_or_else(|e| panic!("{e}"));
+    rt.spawn(connection);
+    // What `say` does, held open: the task's row locked, the message written, not committed.
+    rt.block_on(client.batch_execute(
+        "BEGIN; SELECT 1 FROM tasks WHERE run_id = 'r' AND id = 'a' FOR UPDATE;
+         INSERT INTO messages (run_id, task_id, n, text, interrupt, at_ms) VALUES ('r', 'a', 1, 'wait', 0, 0)",
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ending = {
+        let (s, a) = (s.clone(), a.clone());
+        std::thread::spawn(move || s.finish_keeping(&a, &last(&json!(null), true), &done()))
+    };
+    // Until the ending waits for the row's lock (it is then past taking its snapshot).
+    let waiting =
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while rt.block_on(client.query_one(waiting, &[])).map(|r| r.get::<_, i64>(0)).unwrap_or(0) == 0 {
+        assert!(std::time::Instant::now() < deadline, "the ending never waited for the row");
+        std::thread::yield_now();
+    }
+    rt.block_on(client.batch_execute("COMMIT")).unwrap_or_else(|e| panic!("{e}"));
+    let ended = ending.join().unwrap_or_else(|_| panic!("the ending panicked"));
+    assert!(matches!(ended, Err(StoreError::MessagesWaiting { .. })), "{ended:?}");
+    assert_eq!(state(&s, "a"), TaskState::Running);
+    assert_eq!(s.take_messages(&a).unwrap_or_else(|e| panic!("{e}")), vec![(1, "wait".to_owned())]);
 }
 
 #[test]

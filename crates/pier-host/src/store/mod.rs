@@ -67,6 +67,10 @@ pub enum StoreError {
     Full { path: String },
     #[error("the store failed: {0}")]
     Db(String),
+    /// An ending asked to wait for the task's inbox found a message there: nothing of it was
+    /// written, and the attempt's agent is to be told the message instead.
+    #[error("a message waits for task `{task}`; send it to the agent before ending the attempt")]
+    MessagesWaiting { task: String },
 }
 
 impl StoreError {
@@ -83,6 +87,7 @@ impl StoreError {
             StoreError::Corrupt { .. } => ErrorCode::StoreCorrupt,
             StoreError::Full { .. } => ErrorCode::DiskFull,
             StoreError::Db(_) => ErrorCode::Store,
+            StoreError::MessagesWaiting { .. } => ErrorCode::BadTransition,
         }
     }
 
@@ -314,6 +319,20 @@ impl Ending {
     }
 }
 
+/// What an attempt writes with its ending, in the same transaction: its events and side
+/// effects not recorded yet, and what it showed (`pier_client::Partial`), kept even when the
+/// ending is refused.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Last {
+    pub events: Vec<(String, Value)>,
+    pub evidence: Vec<Value>,
+    pub output: Value,
+    /// The attempt's agent could still be told more: the ending is refused while a message
+    /// waits for the task (`StoreError::MessagesWaiting`, nothing written). Ending this way
+    /// is what closes the inbox: `say` takes messages only for a live attempt.
+    pub unless_messages: bool,
+}
+
 /// An idempotency key and the request it stands for. Built here, from typed parts only.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Idem {
@@ -451,15 +470,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Keeps what an attempt showed (`pier_client::Partial`: its text and tool calls), when
     /// it ends, however it ends.
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError>;
-    /// [`TaskStore::keep_output`] and [`TaskStore::finish`] in one write (one commit where
-    /// they were two in a row): the output is kept even when the ending is refused.
-    fn finish_keeping(
-        &self,
-        attempt: &Attempt,
-        output: &Value,
-        ending: &Ending,
-        idem: Option<&Idem>,
-    ) -> Result<TaskRow, StoreError>;
+    /// [`TaskStore::finish`] with what the attempt writes last ([`Last`]) in one write: its
+    /// last events first, its output kept even when the ending is refused (as a race).
+    fn finish_keeping(&self, attempt: &Attempt, last: &Last, ending: &Ending) -> Result<TaskRow, StoreError>;
     /// A task's attempts, oldest first.
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError>;
     /// The attempt stopped waiting for its question `n` (withdrawn, or its turn cancelled):
@@ -469,10 +482,8 @@ pub trait TaskStore: Send + Sync + 'static {
     /// not running (nothing is queued).
     fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError>;
     /// The messages not sent yet, oldest first, taken by the attempt holding the task (they
-    /// are marked sent by it); fenced on the attempt. With `close`, when there are none, the
-    /// attempt takes no more (in the same transaction): a later message is refused as the
-    /// task is finishing, never accepted and left unsent.
-    fn take_messages(&self, attempt: &Attempt, close: bool) -> Result<Vec<(i64, String)>, StoreError>;
+    /// are marked sent by it); fenced on the attempt.
+    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError>;
     /// Whether a message asking to interrupt waits for the task.
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
     /// Keeps the `initialize` answer of a process of agent spec `spec` (the latest wins).

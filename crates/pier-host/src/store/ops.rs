@@ -48,8 +48,18 @@ pub(super) trait Tx {
     -> Result<Option<TaskRow>, StoreError>;
     /// Ends attempt `a` if it holds its task at `now` (same attempt and owner, the task
     /// live, the lease not expired), writing `c` and releasing the lease: the task's state
-    /// before, and the row after; `None` if the attempt does not hold it.
-    fn end_held(&mut self, a: &Attempt, c: &Columns, now: i64) -> Result<Option<(TaskState, TaskRow)>, StoreError>;
+    /// before, and the row after; `None` if the attempt does not hold it. `b.output`, if any,
+    /// is kept on the attempt's row whether or not the ending applies. With
+    /// `b.unless_messages`, an applied ending fails with [`StoreError::MessagesWaiting`] if
+    /// a message waits for the task, looked for after the row is locked (so a `say` that
+    /// held the lock is seen); the caller's transaction then undoes it.
+    fn end_held(
+        &mut self,
+        a: &Attempt,
+        c: &Columns,
+        now: i64,
+        b: Beside<'_>,
+    ) -> Result<Option<(TaskState, TaskRow)>, StoreError>;
     /// Appends an event to the log; its sequence number (or, where the backend numbers
     /// events at commit, a number that only says one was written).
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
@@ -376,6 +386,20 @@ pub(super) struct Columns {
     pub error: Option<String>,
 }
 
+/// What an ending of an attempt writes beside the task ([`Tx::end_held`]).
+#[derive(Clone, Copy, Default)]
+pub(super) struct Beside<'a> {
+    pub output: Option<&'a str>,
+    pub unless_messages: bool,
+}
+
+/// Whether a message waits for the task, unsent. Run after the task's row is locked.
+pub(super) const MESSAGE_WAITING: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL LIMIT 1) m";
+
+pub(super) fn messages_waiting(a: &Attempt) -> StoreError {
+    StoreError::MessagesWaiting { task: a.task.clone() }
+}
+
 /// What `ending` writes, and what its transition event says beyond the move.
 fn columns(ending: &Ending) -> (Columns, Extra) {
     let mut c = Columns {
@@ -445,20 +469,29 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
     })
 }
 
-/// [`Tx::end_held`] as statements both dialects run: the task read (and locked), the
-/// fence tested, the ending applied.
+/// [`Tx::end_held`] as statements both dialects run: the output kept, the task read (and
+/// locked), the fence tested, the ending applied, the inbox looked at.
 pub(super) fn end_held_by_statements(
     tx: &mut dyn Tx,
     a: &Attempt,
     c: &Columns,
     now: i64,
+    b: Beside<'_>,
 ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+    if let Some(output) = b.output {
+        keep_output(tx, a, output)?;
+    }
     let Some(raw) = tx.task(&a.run, &a.task)? else { return Ok(None) };
     let row = decode(raw)?;
     if !holds(&row, a, now) {
         return Ok(None);
     }
-    Ok(Some((row.state, apply(tx, &row, c)?)))
+    let after = apply(tx, &row, c)?;
+    let args = [Arg::Text(&a.run), Arg::Text(&a.task)];
+    if b.unless_messages && tx.int(MESSAGE_WAITING, &args)? == Some(1) {
+        return Err(messages_waiting(a));
+    }
+    Ok(Some((row.state, after)))
 }
 
 /// What follows an applied ending: its questions void, its transition event.
@@ -497,7 +530,9 @@ pub(super) fn finish(
     if idem.is_none() {
         // The fence and the ending in one step where the backend can (`Tx::end_held`).
         let (c, extra) = columns(ending);
-        let Some((from, after)) = tx.end_held(a, &c, now_ms())? else { return Err(lease_lost(a)) };
+        let Some((from, after)) = tx.end_held(a, &c, now_ms(), Beside::default())? else {
+            return Err(lease_lost(a));
+        };
         return ended(tx, from, after, a.n, ending, extra);
     }
     // The task is read (and, where rows lock, locked) first, so of two reports with one key
@@ -783,30 +818,34 @@ pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
     Ok((held, 0))
 }
 
-/// [`keep_output`] and [`finish`] in one write. The output stays even when the ending is
-/// refused (a race: the attempt lost its task, which `finish` finds before it writes), so the
-/// race is the answer rather than a failure of the write.
+/// An attempt's ending with what it writes last ([`super::Last`]): its events first, then
+/// the ending with its output kept beside it. A refused ending (a race: the attempt lost its
+/// task) is the answer, not a failure of the write, so the events and output stay.
 pub(super) fn finish_keeping(
     tx: &mut dyn Tx,
     a: &Attempt,
-    output: &Value,
+    last: &super::Last,
     ending: &Ending,
-    idem: Option<&Idem>,
 ) -> Result<(Result<TaskRow, StoreError>, i64), StoreError> {
-    keep_output(tx, a, output)?;
-    match finish(tx, a, ending, idem) {
-        Ok((row, seq)) => Ok((Ok(row), seq)),
-        Err(e) if e.is_race() => Ok((Err(e), 0)),
-        Err(e) => Err(e),
+    let (_, recorded) = record(tx, a, &last.events, &last.evidence)?;
+    let (c, extra) = columns(ending);
+    let output = last.output.to_string();
+    let beside = Beside { output: Some(&output), unless_messages: last.unless_messages };
+    match tx.end_held(a, &c, now_ms(), beside)? {
+        Some((from, after)) => {
+            let (row, seq) = ended(tx, from, after, a.n, ending, extra)?;
+            Ok((Ok(row), seq))
+        }
+        None => Ok((Err(lease_lost(a)), recorded)),
     }
 }
 
 /// Keeps what an attempt showed; on its own row, so no fence is needed: a task cancelled
 /// under an attempt still keeps that attempt's partial output.
-pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &Value) -> Result<((), i64), StoreError> {
+pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &str) -> Result<((), i64), StoreError> {
     tx.exec(
         "UPDATE attempts SET output = ?4 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Text(&output.to_string())],
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Text(output)],
     )?;
     Ok(((), 0))
 }
@@ -824,13 +863,6 @@ pub(super) fn say(
     // A live attempt (running, or parked on a question) takes messages; a task waiting for
     // a re-run decision has none, and a message to it would never be sent.
     if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) || row.lease_owner.is_none() {
-        return Ok((None, 0));
-    }
-    let closed = tx.int(
-        "SELECT COUNT(*) FROM messages_closed WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-        &[Arg::Text(run), Arg::Text(task), Arg::Int(row.attempt)],
-    )?;
-    if closed.unwrap_or(0) > 0 {
         return Ok((None, 0));
     }
     let n = tx
@@ -856,30 +888,13 @@ pub(super) fn say(
 }
 
 /// The messages the holding attempt has not sent yet, marked sent by it.
-pub(super) fn take_messages(
-    tx: &mut dyn Tx,
-    a: &Attempt,
-    close: bool,
-) -> Result<(Vec<(i64, String)>, i64), StoreError> {
+pub(super) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, String)>, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
     }
     let mut out = Vec::new();
     let mut seq = 0;
-    // Closing when nothing waits (a turn's usual end) is one statement: the inbox closes
-    // only if no unsent message is there, and then there is nothing to take.
-    if close
-        && tx.exec(
-            "INSERT INTO messages_closed (run_id, task_id, attempt)
-             SELECT ?1, ?2, CAST(?3 AS BIGINT) WHERE NOT EXISTS
-                 (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL)
-             ON CONFLICT DO NOTHING",
-            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)],
-        )? == 1
-    {
-        return Ok((out, seq));
-    }
     let where_ = [Arg::Text(&a.run), Arg::Text(&a.task)];
     while let Some(next) = tx.texts(
         "SELECT CAST(n AS TEXT), text FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
@@ -894,12 +909,6 @@ pub(super) fn take_messages(
         )?;
         seq = log(tx, &a.run, Some(&a.task), &LogEvent::MessageSent { n, attempt: a.n })?;
         out.push((n, text));
-    }
-    if out.is_empty() && close {
-        tx.exec(
-            "INSERT INTO messages_closed (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
-            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n)],
-        )?;
     }
     Ok((out, seq))
 }

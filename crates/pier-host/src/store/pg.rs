@@ -177,6 +177,8 @@ CREATE TABLE messages_closed (
     PRIMARY KEY (run_id, task_id, attempt)
 );
 "#,
+    // The inbox closes with the attempt's ending (`Last::unless_messages`), not with a row.
+    "DROP TABLE messages_closed;",
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
@@ -568,14 +570,28 @@ const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms FROM tasks WHE
 /// An ending in one statement: the row locked by primary key, updated through its `ctid`
 /// only if the attempt holds it (same attempt and owner, live, lease not expired), its state
 /// before returned beside the new row. As in `CLAIM`, the state is tested on the locked row.
-const END: &str = "WITH o AS (SELECT ctid, state FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE)
+/// `END_KEEPING` also keeps the attempt's output (`?12`), whether or not the ending applies.
+macro_rules! end_statement {
+    ($keep:literal) => {
+        concat!(
+            "WITH ",
+            $keep,
+            "o AS (SELECT ctid, state FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE)
      UPDATE tasks t SET state = ?3, version = t.version + 1, failures = t.failures + ?4, lease_owner = NULL,
          lease_expires_at_ms = NULL, not_before_ms = COALESCE(?5, t.not_before_ms),
          result = COALESCE(?6, t.result), usage = COALESCE(?7, t.usage), error = ?8
      FROM o WHERE t.ctid = o.ctid AND o.state IN ('running', 'awaiting_input') AND t.attempt = ?9
          AND t.lease_owner = ?10 AND t.lease_expires_at_ms >= ?11
      RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, o.state";
+         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, o.state"
+        )
+    };
+}
+const END: &str = end_statement!("");
+const END_KEEPING: &str = end_statement!(
+    "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
+     "
+);
 
 impl Tx for PgTx<'_> {
     fn exec(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<u64, StoreError> {
@@ -605,26 +621,53 @@ impl Tx for PgTx<'_> {
         a: &Attempt,
         c: &ops::Columns,
         now: i64,
+        b: ops::Beside<'_>,
     ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
-        let rows = self.rows(
-            END,
-            &[
-                Arg::Text(&a.run),
-                Arg::Text(&a.task),
-                Arg::Text(c.to.as_str()),
-                Arg::Int(c.failure),
-                Arg::OptInt(c.not_before),
-                Arg::OptText(c.result.as_deref()),
-                Arg::OptText(c.usage.as_ref().map(Value::to_string).as_deref()),
-                Arg::OptText(c.error.as_deref()),
-                Arg::Int(a.n),
-                Arg::Text(&a.owner),
-                Arg::Int(now),
-            ],
-        )?;
+        let usage = c.usage.as_ref().map(Value::to_string);
+        let mut params = vec![
+            Arg::Text(&a.run),
+            Arg::Text(&a.task),
+            Arg::Text(c.to.as_str()),
+            Arg::Int(c.failure),
+            Arg::OptInt(c.not_before),
+            Arg::OptText(c.result.as_deref()),
+            Arg::OptText(usage.as_deref()),
+            Arg::OptText(c.error.as_deref()),
+            Arg::Int(a.n),
+            Arg::Text(&a.owner),
+            Arg::Int(now),
+        ];
+        if let Some(output) = b.output {
+            params.push(Arg::Text(output));
+        }
+        let end = self.prepared(if b.output.is_some() { END_KEEPING } else { END })?;
+        let look = if b.unless_messages { Some(self.prepared(ops::MESSAGE_WAITING)?) } else { None };
+        self.wrote = true;
+        let tx = self.tx;
+        let (rows, waiting) = {
+            let (end_args, look_args) = (args(&params), args(&params[..2]));
+            // In one pipeline: the look is a statement of its own, so its snapshot is taken
+            // after the ending locked the row and sees a message a `say` holding it committed.
+            self.pipelined(async {
+                let ended = tx.query(&end, &end_args);
+                let looked = async {
+                    match &look {
+                        Some(look) => tx.query_one(look, &look_args).await.map(Some),
+                        None => Ok(None),
+                    }
+                };
+                let (ended, looked) = futures::future::join(ended, looked).await;
+                Ok((ended?, looked?))
+            })?
+        };
         let Some(r) = rows.first() else { return Ok(None) };
         let read = row_to_task(r).and_then(|raw| Ok((raw, r.try_get::<_, String>(13)?)));
         let (raw, from) = read.map_err(|e| self.failed(e))?;
+        if let Some(waiting) = waiting
+            && waiting.try_get::<_, i64>(0).map_err(|e| self.failed(e))? == 1
+        {
+            return Err(ops::messages_waiting(a));
+        }
         let from = TaskState::parse(&from).ok_or_else(|| StoreError::Corrupt {
             run: a.run.clone(),
             task: a.task.clone(),
@@ -1455,20 +1498,14 @@ impl TaskStore for PgStore {
         self.write(move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
     }
 
-    fn finish_keeping(
-        &self,
-        attempt: &Attempt,
-        output: &Value,
-        ending: &Ending,
-        idem: Option<&Idem>,
-    ) -> Result<TaskRow, StoreError> {
-        let (a, output, ending, idem) = (attempt.clone(), output.clone(), ending.clone(), idem.cloned());
-        self.op(move |tx| ops::finish_keeping(tx, &a, &output, &ending, idem.as_ref()))?
+    fn finish_keeping(&self, attempt: &Attempt, last: &super::Last, ending: &Ending) -> Result<TaskRow, StoreError> {
+        let (a, last, ending) = (attempt.clone(), last.clone(), ending.clone());
+        self.op(move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
     }
 
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
         let (a, output) = (attempt.clone(), output.clone());
-        self.write(move |tx| ops::keep_output(tx, &a, &output)).map(|_| ())
+        self.write(move |tx| ops::keep_output(tx, &a, &output.to_string())).map(|_| ())
     }
 
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
@@ -1494,9 +1531,9 @@ impl TaskStore for PgStore {
         self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by)).map(|(n, _)| n)
     }
 
-    fn take_messages(&self, attempt: &Attempt, close: bool) -> Result<Vec<(i64, String)>, StoreError> {
+    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
         let a = attempt.clone();
-        self.write(move |tx| ops::take_messages(tx, &a, close)).map(|(m, _)| m)
+        self.write(move |tx| ops::take_messages(tx, &a)).map(|(m, _)| m)
     }
 
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {

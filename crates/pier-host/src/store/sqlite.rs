@@ -181,6 +181,8 @@ CREATE TABLE messages_closed (
     PRIMARY KEY (run_id, task_id, attempt)
 );
 "#,
+    // The inbox closes with the attempt's ending (`Last::unless_messages`), not with a row.
+    "DROP TABLE messages_closed;",
 ];
 
 /// How often the watcher asks SQLite whether another process committed.
@@ -602,20 +604,14 @@ impl TaskStore for SqliteStore {
         self.write(move |tx| ops::append_events(tx, &events))
     }
 
-    fn finish_keeping(
-        &self,
-        attempt: &Attempt,
-        output: &Value,
-        ending: &Ending,
-        idem: Option<&Idem>,
-    ) -> Result<TaskRow, StoreError> {
-        let (a, output, ending, idem) = (attempt.clone(), output.clone(), ending.clone(), idem.cloned());
-        self.write(move |tx| ops::finish_keeping(tx, &a, &output, &ending, idem.as_ref()))?
+    fn finish_keeping(&self, attempt: &Attempt, last: &super::Last, ending: &Ending) -> Result<TaskRow, StoreError> {
+        let (a, last, ending) = (attempt.clone(), last.clone(), ending.clone());
+        self.write(move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
     }
 
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
         let (a, output) = (attempt.clone(), output.clone());
-        self.write(move |tx| ops::keep_output(tx, &a, &output))
+        self.write(move |tx| ops::keep_output(tx, &a, &output.to_string()))
     }
 
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
@@ -641,9 +637,9 @@ impl TaskStore for SqliteStore {
         self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by))
     }
 
-    fn take_messages(&self, attempt: &Attempt, close: bool) -> Result<Vec<(i64, String)>, StoreError> {
+    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
         let a = attempt.clone();
-        self.write(move |tx| ops::take_messages(tx, &a, close))
+        self.write(move |tx| ops::take_messages(tx, &a))
     }
 
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
@@ -849,8 +845,9 @@ impl Tx for SqliteTx<'_> {
         a: &Attempt,
         c: &ops::Columns,
         now: i64,
+        b: ops::Beside<'_>,
     ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
-        ops::end_held_by_statements(self, a, c, now)
+        ops::end_held_by_statements(self, a, c, now, b)
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
