@@ -23,6 +23,12 @@ use crate::store::{Attempt, ErrorClass, Last, StoreError, TaskRow, TaskStore, no
 
 /// How often, at most, a running turn looks in the store for an interrupting message.
 const CHECK_EVERY: Duration = Duration::from_millis(50);
+/// How long an attempt's event waits, at most, to be written with later ones: a turn that
+/// ends sooner writes its events with its ending (one write, where each batch was one), and
+/// people watching see an event within this time.
+const RECORD_EVERY: Duration = Duration::from_millis(50);
+/// Events written together at most.
+const RECORD_BATCH: usize = 256;
 
 /// A claimed attempt, ready to run.
 pub(crate) struct Run {
@@ -619,47 +625,64 @@ async fn record(
     mut asks: mpsc::UnboundedReceiver<tokio::sync::oneshot::Sender<Tail>>,
 ) {
     let mut seen = Seen::default();
+    let (mut rows, mut evidence) = (Vec::new(), Vec::new());
+    // When the oldest event not written yet is due in the log.
+    let mut due: Option<tokio::time::Instant> = None;
     // After the store refused a batch (a full disk), the rest is drained unwritten so
     // the turn never blocks on a full queue; the attempt's ending reports the error.
     let mut failed = false;
     loop {
-        let (mut rows, mut evidence) = (Vec::new(), Vec::new());
-        tokio::select! {
+        let write = tokio::select! {
             // First: an event sent before the ask is in the queue by then, and goes with the tail.
             biased;
             Some(reply) = asks.recv() => {
                 while let Ok(event) = rx.try_recv() {
                     seen.take(event, &mut rows, &mut evidence);
                 }
-                if failed {
-                    (rows, evidence) = (Vec::new(), Vec::new());
-                }
-                let tail = Tail {
-                    events: rows,
-                    evidence,
-                    seen: seen.effects.clone(),
-                    output: serde_json::to_value(&seen.partial).unwrap_or(Value::Null),
-                };
-                let _ = reply.send(tail);
+                let (events, evidence) = (std::mem::take(&mut rows), std::mem::take(&mut evidence));
+                let (events, evidence) = if failed { (Vec::new(), Vec::new()) } else { (events, evidence) };
+                due = None;
+                let output = serde_json::to_value(&seen.partial).unwrap_or(Value::Null);
+                let _ = reply.send(Tail { events, evidence, seen: seen.effects.clone(), output });
+                false
             }
-            first = rx.recv() => {
-                let Some(first) = first else { return };
-                seen.take(first, &mut rows, &mut evidence);
-                while rows.len() < 256 {
-                    let Ok(more) = rx.try_recv() else { break };
-                    seen.take(more, &mut rows, &mut evidence);
+            event = rx.recv() => match event {
+                Some(event) => {
+                    seen.take(event, &mut rows, &mut evidence);
+                    while rows.len() < RECORD_BATCH {
+                        let Ok(more) = rx.try_recv() else { break };
+                        seen.take(more, &mut rows, &mut evidence);
+                    }
+                    due.get_or_insert_with(|| tokio::time::Instant::now() + RECORD_EVERY);
+                    rows.len() >= RECORD_BATCH
                 }
-                if failed {
-                    continue;
-                }
-                let a = attempt.clone();
-                let result = blocking(&store, move |s| s.record(&a, &rows, &evidence)).await;
-                if let Err(e) = result {
-                    tracing::error!(error = %e, task = %attempt.task, "recording task events failed; the attempt's later events are not recorded");
-                    failed = true;
-                }
-            }
+                None if rows.is_empty() => return,
+                None => true,
+            },
+            () = sleep_until_due(due) => true,
+        };
+        if !write {
+            continue;
         }
+        due = None;
+        let (batch, effects) = (std::mem::take(&mut rows), std::mem::take(&mut evidence));
+        if failed || batch.is_empty() {
+            continue;
+        }
+        let a = attempt.clone();
+        let result = blocking(&store, move |s| s.record(&a, &batch, &effects)).await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, task = %attempt.task, "recording task events failed; the attempt's later events are not recorded");
+            failed = true;
+        }
+    }
+}
+
+/// Never, without a deadline.
+async fn sleep_until_due(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -185,7 +185,11 @@ impl Host {
             };
         }
         loop {
-            dirty |= or_retry!(view.refresh(&self.store).await);
+            // Only when something committed past what the view has read: an attempt's end or a
+            // timer wakes this loop too, and most of those wake-ups have nothing new to read.
+            if *commits.borrow() > view.seq {
+                dirty |= or_retry!(view.refresh(&self.store).await);
+            }
             if tokio::time::Instant::now() >= next_lease || view.unleased_run_seen {
                 let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
                 // `pier serve` takes its fair share of every run; `pier run` only its own run,

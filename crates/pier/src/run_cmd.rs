@@ -354,32 +354,41 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                     }
                 }
             }
+            // Read when something committed past what was printed (every commit rings the watch;
+            // a full batch reads on at once), not once more after each batch to find nothing.
+            // Events up to the sequence the watch showed before a read are all committed, so a
+            // read that comes back short has seen them: other runs' events are passed over too.
+            let mut full = true;
             loop {
-                let batch = {
-                    let (s, r) = (store.clone(), run.clone());
-                    tokio::task::spawn_blocking(move || s.events_after(Some(&r), after, 1000)).await
-                };
-                match batch {
-                    Ok(Ok(events)) if !events.is_empty() => {
-                        match live.as_mut() {
-                            Some(view) => {
-                                let mut lines = String::new();
-                                for e in &events {
-                                    view.see(e, &mut lines);
-                                }
+                let seen = *rx.borrow_and_update();
+                if full || seen > after {
+                    let batch = {
+                        let (s, r) = (store.clone(), run.clone());
+                        tokio::task::spawn_blocking(move || s.events_after(Some(&r), after, 1000)).await
+                    };
+                    let Ok(Ok(events)) = batch else { return };
+                    match live.as_mut() {
+                        Some(view) => {
+                            let mut lines = String::new();
+                            for e in &events {
+                                view.see(e, &mut lines);
+                            }
+                            if !events.is_empty() {
                                 view.draw(&lines);
                             }
-                            None => {
-                                for e in &events {
-                                    print_event(e, format);
-                                }
+                        }
+                        None => {
+                            for e in &events {
+                                print_event(e, format);
                             }
                         }
-                        after = events.last().map_or(after, |e| e.seq);
+                    }
+                    after = events.last().map_or(after, |e| e.seq);
+                    full = events.len() == 1000;
+                    if full {
                         continue;
                     }
-                    Ok(Ok(_)) => {}
-                    _ => return,
+                    after = after.max(seen);
                 }
                 if done2.is_cancelled() {
                     return;
