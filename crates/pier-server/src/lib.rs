@@ -692,6 +692,8 @@ struct Replay {
     run: Option<String>,
     /// The last sequence sent.
     after: i64,
+    /// The log is read through this sequence (past other runs' events, too).
+    read_to: i64,
     buffer: std::collections::VecDeque<pier_host::Event>,
     /// The read of the batch after `buffer`, already under way.
     next: Option<tokio::task::JoinHandle<Result<Vec<pier_host::Event>, StoreError>>>,
@@ -748,7 +750,7 @@ fn event_stream(
     let fetch = move |store: Arc<dyn TaskStore>, run: Option<String>, after: i64| {
         tokio::task::spawn_blocking(move || store.events_after(run.as_deref(), after, EVENT_BATCH))
     };
-    let state = Replay { store, run, after, buffer: std::collections::VecDeque::new(), next: None };
+    let state = Replay { store, run, after, read_to: after, buffer: std::collections::VecDeque::new(), next: None };
     let replay = futures::stream::unfold(state, move |mut st| async move {
         loop {
             if let Some(e) = st.buffer.pop_front() {
@@ -760,23 +762,38 @@ fn event_stream(
                 None => Vec::new(),
             };
             let events = if prefetched.is_empty() {
-                // Subscribe before reading, so a commit in between is not missed.
+                // Subscribe before reading, so a commit in between is not missed. Everything up
+                // to the sequence the watch shows now is committed: a short read has seen it,
+                // and a follower reads again only once the watch moves past it.
                 let mut rx = st.store.subscribe();
+                let seen = *rx.borrow_and_update();
+                if follow && st.read_to >= seen {
+                    if rx.changed().await.is_err() {
+                        return None;
+                    }
+                    continue;
+                }
                 match fetch(st.store.clone(), st.run.clone(), st.after).await {
-                    Ok(Ok(events)) if !events.is_empty() => events,
-                    Ok(Ok(_)) if !follow => return None,
-                    Ok(Ok(_)) => {
-                        if rx.changed().await.is_err() {
-                            return None;
+                    Ok(Ok(events)) => {
+                        st.read_to = events.last().map_or(st.read_to, |e| e.seq.max(st.read_to));
+                        if events.len() < EVENT_BATCH {
+                            st.read_to = st.read_to.max(seen);
                         }
-                        continue;
+                        if events.is_empty() {
+                            if !follow {
+                                return None;
+                            }
+                            continue;
+                        }
+                        events
                     }
                     _ => return None,
                 }
             } else {
                 prefetched
             };
-            if let Some(last) = events.last() {
+            // A full batch: more is waiting, read while this one is sent (a replay).
+            if let Some(last) = events.last().filter(|_| events.len() == EVENT_BATCH) {
                 st.next = Some(fetch(st.store.clone(), st.run.clone(), last.seq));
             }
             st.buffer = events.into();
