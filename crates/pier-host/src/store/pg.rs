@@ -12,7 +12,8 @@
 //! reader that saw `seq N` committed has seen every event up to `N`. The lock is held only
 //! for the group's last statement and the commit's WAL flush.
 //!
-//! Wake-ups: every commit that wrote events sends `NOTIFY pier_commits`; a listener
+//! Wake-ups: commits that wrote events ring `NOTIFY pier_commits`, at most every
+//! [`RING_EVERY`] (a commit in between owes a ring, sent when due: see `Doorbell`); a listener
 //! re-reads the counter on each notification and on a slow timer ([`WATCH_INTERVAL`]),
 //! because notifications sent while it reconnects are lost.
 //!
@@ -940,27 +941,87 @@ struct Committer {
 fn commit_loop(local: tokio::runtime::Runtime, c: &Committer, pool: &Pool, seq_tx: &watch::Sender<i64>) {
     LOCAL.with(|l| *l.borrow_mut() = Some(local));
     let mut slot: Option<Conn> = None;
+    let mut bell = Doorbell::default();
     loop {
         let jobs = {
             let mut q = lock(&c.queue);
             while q.is_empty() && !c.stop.load(std::sync::atomic::Ordering::Acquire) {
-                q = c.ready.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+                match bell.owed_until() {
+                    // Idle with a ring owed: wait for work until it is due, then ring.
+                    Some(due) => {
+                        let wait = due.saturating_duration_since(Instant::now());
+                        let (guard, timeout) =
+                            c.ready.wait_timeout(q, wait).unwrap_or_else(std::sync::PoisonError::into_inner);
+                        q = guard;
+                        if timeout.timed_out() && q.is_empty() {
+                            drop(q);
+                            bell.ring_owed(slot.as_ref());
+                            q = lock(&c.queue);
+                        }
+                    }
+                    None => q = c.ready.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner),
+                }
             }
             if q.is_empty() {
                 break;
             }
             std::mem::take(&mut *q)
         };
-        let mut again = commit(pool, seq_tx, &mut slot, jobs);
+        let mut again = commit(pool, seq_tx, &mut slot, &mut bell, jobs);
         while !again.is_empty() {
             again.extend(std::mem::take(&mut *lock(&c.queue)));
-            again = commit(pool, seq_tx, &mut slot, again);
+            again = commit(pool, seq_tx, &mut slot, &mut bell, again);
         }
     }
+    bell.ring_owed(slot.as_ref());
     // The connection first, while its runtime still runs; then the runtime.
     drop(slot);
     if let Some(rt) = LOCAL.with(|l| l.borrow_mut().take()) {
         rt.shutdown_background();
+    }
+}
+
+/// How often, at most, a store rings the doorbell (`NOTIFY pier_commits`) for its commits.
+/// Each ring wakes every listening node (its backend and its listener thread); a busy node
+/// commits every millisecond or two, and other nodes learn of its commits within this time.
+const RING_EVERY: Duration = Duration::from_millis(10);
+
+/// When the doorbell last rang, and the newest commit it has not rung for.
+#[derive(Default)]
+struct Doorbell {
+    rang_at: Option<Instant>,
+    owed: Option<i64>,
+}
+
+impl Doorbell {
+    /// Whether the next commit rings (in its numbering statement).
+    fn due(&self) -> bool {
+        self.rang_at.is_none_or(|at| at.elapsed() >= RING_EVERY)
+    }
+
+    /// A commit up to sequence `last` that rang, or did not.
+    fn committed(&mut self, last: i64, rang: bool) {
+        if rang {
+            self.rang_at = Some(Instant::now());
+            self.owed = None;
+        } else {
+            self.owed = Some(last);
+        }
+    }
+
+    /// When a ring is owed and falls due.
+    fn owed_until(&self) -> Option<Instant> {
+        self.owed.map(|_| self.rang_at.map_or_else(Instant::now, |at| at + RING_EVERY))
+    }
+
+    /// Rings for the commits not rung for yet, on its own (no group is coming to carry it).
+    /// A ring that fails is not retried: listeners also look on a slow timer.
+    fn ring_owed(&mut self, conn: Option<&Conn>) {
+        let (Some(n), Some(conn)) = (self.owed.take(), conn) else { return };
+        if let Err(e) = block_on(conn.client.execute("SELECT pg_notify('pier_commits', $1)", &[&n.to_string()])) {
+            tracing::debug!(error = %e, "could not ring the doorbell; other nodes see the commit on their timer");
+        }
+        self.rang_at = Some(Instant::now());
     }
 }
 
@@ -970,6 +1031,7 @@ fn commit(
     pool: &Pool,
     seq_tx: &watch::Sender<i64>,
     slot: &mut Option<Conn>,
+    bell: &mut Doorbell,
     jobs: Vec<Box<dyn Job>>,
 ) -> Vec<Box<dyn Job>> {
     if slot.as_ref().is_none_or(|c| c.client.is_closed()) {
@@ -984,13 +1046,15 @@ fn commit(
         }
     }
     let Some(conn) = slot.as_mut() else { return jobs };
-    let mut outcome = run_group(conn, jobs, false);
+    let ring = bell.due();
+    let mut outcome = run_group(conn, jobs, false, ring);
     if let Group::Redo { jobs } = outcome {
-        outcome = run_group(conn, jobs, true);
+        outcome = run_group(conn, jobs, true, ring);
     }
     match outcome {
         Group::Committed { done, failed, again, last } => {
             if last > 0 {
+                bell.committed(last, ring);
                 publish(seq_tx, last);
             }
             for (job, seq) in done {
@@ -1019,7 +1083,7 @@ fn commit(
 }
 
 /// Runs every job in one transaction, numbers their events from the counter row, writes
-/// them with one `UNNEST`, rings the doorbell and commits.
+/// them with one `UNNEST`, rings the doorbell if `ring` and commits.
 ///
 /// A job that fails must leave no trace. Usually one that fails has changed nothing (a lost
 /// lease, found by reading the task), and its buffered events are dropped; so the jobs run
@@ -1028,7 +1092,7 @@ fn commit(
 /// statement that may have changed something, or a statement fails (which aborts the
 /// transaction), the group is rolled back and answered `Redo`: the caller runs it again
 /// `careful`, each job in savepoint `job`, so that the failure undoes only its own job.
-fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool) -> Group {
+fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool) -> Group {
     let Conn { client, statements } = c;
     // `BEGIN`, and the step that ends each job's savepoint, ride ahead of the next statement
     // (`PgTx::pipelined`): no round trip of their own. A group that fails before its `COMMIT`
@@ -1086,7 +1150,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool) -> Group {
     }
     // The events are numbered and the transaction committed in one round trip (pipelined):
     // if numbering fails, PostgreSQL turns the `COMMIT` behind it into a rollback.
-    let (numbered, committed) = number_and_commit(&mut t);
+    let (numbered, committed) = number_and_commit(&mut t, ring);
     let (first, last) = match numbered {
         Ok(range) => range,
         Err(e) => return Group::Lost { jobs: every_job(ran, failed, again, []), error: e },
@@ -1115,17 +1179,20 @@ fn every_job(
     jobs
 }
 
-/// Numbers the transaction's buffered events from the counter row, writes them and rings
-/// the doorbell in one prepared statement, with the `COMMIT` sent right behind it:
+/// Numbers the transaction's buffered events from the counter row, writes them and (with
+/// `ring`) rings the doorbell in one prepared statement, with the `COMMIT` sent right behind it:
 /// ((the first sequence, the last) or `(0, 0)` without events, the commit's outcome).
 #[allow(clippy::type_complexity)]
-fn number_and_commit(t: &mut PgTx<'_>) -> (Result<(i64, i64), StoreError>, Result<(), tokio_postgres::Error>) {
+fn number_and_commit(
+    t: &mut PgTx<'_>,
+    ring: bool,
+) -> (Result<(i64, i64), StoreError>, Result<(), tokio_postgres::Error>) {
     const NUMBER: &str = "WITH c AS (UPDATE pier_seq SET n = n + ?1 WHERE id = 1 RETURNING n),
          e AS (INSERT INTO events (seq, run_id, task_id, type, at_ms, data)
                SELECT (SELECT n FROM c) - ?1 + u.ord, u.run_id, u.task_id, u.type, u.at_ms, u.data
                FROM UNNEST(?2::text[], ?3::text[], ?4::text[], ?5::bigint[], ?6::text[]) WITH ORDINALITY
                    AS u(run_id, task_id, type, at_ms, data, ord))
-         SELECT n, pg_notify('pier_commits', n::text)::text FROM c";
+         SELECT n, CASE WHEN ?7 THEN pg_notify('pier_commits', n::text)::text END FROM c";
     // The last step rides too: an `UNDO` must happen before the commit (a `KEEP` need not,
     // but costs nothing in the pipeline), and a group whose jobs ran no statement has not
     // even begun.
@@ -1147,7 +1214,7 @@ fn number_and_commit(t: &mut PgTx<'_>) -> (Result<(i64, i64), StoreError>, Resul
     let kinds: Vec<&str> = t.events.iter().map(|e| e.kind.as_str()).collect();
     let ats: Vec<i64> = t.events.iter().map(|e| e.at_ms).collect();
     let datas: Vec<&str> = t.events.iter().map(|e| e.data.as_str()).collect();
-    let params: [&(dyn ToSql + Sync); 6] = [&k, &runs, &tasks, &kinds, &ats, &datas];
+    let params: [&(dyn ToSql + Sync); 7] = [&k, &runs, &tasks, &kinds, &ats, &datas, &ring];
     let stepped = async {
         match step {
             Some(s) => t.tx.batch_execute(s).await,
