@@ -15,6 +15,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{self, ProcessEnv};
 use crate::waiting::waiting_for;
 
+/// How often, at most, `pier run` reads the log to print what was committed.
+const PRINT_EVERY: Duration = Duration::from_millis(50);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum EventFormat {
     Text,
@@ -359,9 +362,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             // Events up to the sequence the watch showed before a read are all committed, so a
             // read that comes back short has seen them: other runs' events are passed over too.
             let mut full = true;
+            let mut last_read = tokio::time::Instant::now();
             loop {
                 let seen = *rx.borrow_and_update();
                 if full || seen > after {
+                    last_read = tokio::time::Instant::now();
                     let batch = {
                         let (s, r) = (store.clone(), run.clone());
                         tokio::task::spawn_blocking(move || s.events_after(Some(&r), after, 1000)).await
@@ -394,7 +399,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                     return;
                 }
                 tokio::select! {
-                    changed = rx.changed() => if changed.is_err() { return; },
+                    changed = rx.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        // Commits come every millisecond or two on a busy run: what they wrote is
+                        // read and printed together, at most every PRINT_EVERY (the end at once).
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(last_read + PRINT_EVERY) => {}
+                            _ = done2.cancelled() => {}
+                        }
+                    }
                     _ = done2.cancelled() => {}
                     // Keep the elapsed times moving on a terminal.
                     _ = tokio::time::sleep(Duration::from_secs(1)), if live.is_some() => {
