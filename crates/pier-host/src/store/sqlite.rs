@@ -206,6 +206,25 @@ fn savepoint<T>(
     }
 }
 
+/// Switches the file to WAL (a no-op once it is). Another connection switching it at the same
+/// moment (processes opening a new store together) makes SQLite answer "database is locked"
+/// at once, without the busy handler: the switch is tried again until the busy timeout's
+/// worth of time has passed.
+fn wal(conn: &Connection) -> Result<(), StoreError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match conn.pragma_update(None, "journal_mode", "WAL") {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(e.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            other => return Ok(other?),
+        }
+    }
+}
+
 /// Brings the schema up to date. Processes opening a new store at once (two `pier serve`
 /// on one file, `pier run` beside `pier answer`) migrate one after another: the write lock
 /// is taken first and the version read again under it, so each migration runs once.
@@ -254,7 +273,7 @@ impl SqliteStore {
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         // Statements are reused by every commit; the default cache of 16 is too small.
         conn.set_prepared_statement_cache_capacity(64);
-        conn.pragma_update(None, "journal_mode", "WAL")?;
+        wal(&conn)?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         if version < MIGRATIONS.len() as i64 {
