@@ -23,10 +23,6 @@ use crate::store::{Attempt, ErrorClass, Last, StoreError, TaskRow, TaskStore, no
 
 /// How often, at most, a running turn looks in the store for an interrupting message.
 const CHECK_EVERY: Duration = Duration::from_millis(50);
-/// How long an attempt's event waits, at most, to be written with later ones: a turn that
-/// ends sooner writes its events with its ending (one write, where each batch was one), and
-/// people watching see an event within this time.
-const RECORD_EVERY: Duration = Duration::from_millis(50);
 /// Events written together at most.
 const RECORD_BATCH: usize = 256;
 
@@ -626,8 +622,6 @@ async fn record(
 ) {
     let mut seen = Seen::default();
     let (mut rows, mut evidence) = (Vec::new(), Vec::new());
-    // When the oldest event not written yet is due in the log.
-    let mut due: Option<tokio::time::Instant> = None;
     // After the store refused a batch (a full disk), the rest is drained unwritten so
     // the turn never blocks on a full queue; the attempt's ending reports the error.
     let mut failed = false;
@@ -641,7 +635,6 @@ async fn record(
                 }
                 let (events, evidence) = (std::mem::take(&mut rows), std::mem::take(&mut evidence));
                 let (events, evidence) = if failed { (Vec::new(), Vec::new()) } else { (events, evidence) };
-                due = None;
                 let output = serde_json::to_value(&seen.partial).unwrap_or(Value::Null);
                 let _ = reply.send(Tail { events, evidence, seen: seen.effects.clone(), output });
                 false
@@ -653,18 +646,16 @@ async fn record(
                         let Ok(more) = rx.try_recv() else { break };
                         seen.take(more, &mut rows, &mut evidence);
                     }
-                    due.get_or_insert_with(|| tokio::time::Instant::now() + RECORD_EVERY);
-                    rows.len() >= RECORD_BATCH
+                    // Written as they come, not held back to batch more: people watching see them
+                    // at once, ahead of what the attempt does next (a question it parks).
+                    true
                 }
-                None if rows.is_empty() => return,
-                None => true,
+                None => return,
             },
-            () = sleep_until_due(due) => true,
         };
         if !write {
             continue;
         }
-        due = None;
         let (batch, effects) = (std::mem::take(&mut rows), std::mem::take(&mut evidence));
         if failed || batch.is_empty() {
             continue;
@@ -675,14 +666,6 @@ async fn record(
             tracing::error!(error = %e, task = %attempt.task, "recording task events failed; the attempt's later events are not recorded");
             failed = true;
         }
-    }
-}
-
-/// Never, without a deadline.
-async fn sleep_until_due(due: Option<tokio::time::Instant>) {
-    match due {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 
