@@ -20,6 +20,6 @@ pub use host::{Host, HostConfig, Scope};
 pub use plan::{Plan, PlanError, TaskSpec};
 pub use state::TaskState;
 pub use store::{
-    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Event, Held, Idem, Last, LogEvent, NodeRow, PgStore, Question,
-    SqliteStore, StoreError, TaskRow, TaskStore,
+    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow, PgStore,
+    Question, SqliteStore, StoreError, TaskRow, TaskStore,
 };

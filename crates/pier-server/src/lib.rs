@@ -690,10 +690,7 @@ const EVENT_BATCH: usize = 2000;
 struct Replay {
     store: Arc<dyn TaskStore>,
     run: Option<String>,
-    /// The last sequence sent.
-    after: i64,
-    /// The log is read through this sequence (past other runs' events, too).
-    read_to: i64,
+    cursor: pier_host::LogCursor,
     buffer: std::collections::VecDeque<pier_host::Event>,
     /// The read of the batch after `buffer`, already under way.
     next: Option<tokio::task::JoinHandle<Result<Vec<pier_host::Event>, StoreError>>>,
@@ -750,11 +747,11 @@ fn event_stream(
     let fetch = move |store: Arc<dyn TaskStore>, run: Option<String>, after: i64| {
         tokio::task::spawn_blocking(move || store.events_after(run.as_deref(), after, EVENT_BATCH))
     };
-    let state = Replay { store, run, after, read_to: after, buffer: std::collections::VecDeque::new(), next: None };
+    let cursor = pier_host::LogCursor::new(after);
+    let state = Replay { store, run, cursor, buffer: std::collections::VecDeque::new(), next: None };
     let replay = futures::stream::unfold(state, move |mut st| async move {
         loop {
             if let Some(e) = st.buffer.pop_front() {
-                st.after = e.seq;
                 return Some((e, st));
             }
             let prefetched = match st.next.take() {
@@ -762,23 +759,19 @@ fn event_stream(
                 None => Vec::new(),
             };
             let events = if prefetched.is_empty() {
-                // Subscribe before reading, so a commit in between is not missed. Everything up
-                // to the sequence the watch shows now is committed: a short read has seen it,
-                // and a follower reads again only once the watch moves past it.
+                // Subscribe before reading, so a commit in between is not missed; read only what
+                // can have come (`LogCursor`).
                 let mut rx = st.store.subscribe();
                 let seen = *rx.borrow_and_update();
-                if follow && st.read_to >= seen {
+                if follow && !st.cursor.due(seen) {
                     if rx.changed().await.is_err() {
                         return None;
                     }
                     continue;
                 }
-                match fetch(st.store.clone(), st.run.clone(), st.after).await {
+                match fetch(st.store.clone(), st.run.clone(), st.cursor.after()).await {
                     Ok(Ok(events)) => {
-                        st.read_to = events.last().map_or(st.read_to, |e| e.seq.max(st.read_to));
-                        if events.len() < EVENT_BATCH {
-                            st.read_to = st.read_to.max(seen);
-                        }
+                        st.cursor.read(&events, EVENT_BATCH, seen);
                         if events.is_empty() {
                             if !follow {
                                 return None;
@@ -790,11 +783,13 @@ fn event_stream(
                     _ => return None,
                 }
             } else {
+                // A read ahead begun before the watch was looked at: it says nothing of it.
+                st.cursor.read(&prefetched, EVENT_BATCH, 0);
                 prefetched
             };
             // A full batch: more is waiting, read while this one is sent (a replay).
-            if let Some(last) = events.last().filter(|_| events.len() == EVENT_BATCH) {
-                st.next = Some(fetch(st.store.clone(), st.run.clone(), last.seq));
+            if events.len() >= EVENT_BATCH {
+                st.next = Some(fetch(st.store.clone(), st.run.clone(), st.cursor.after()));
             }
             st.buffer = events.into();
         }

@@ -346,7 +346,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         let done2 = done.clone();
         let handle = tokio::spawn(async move {
             let mut rx = store.subscribe();
-            let mut after = start_seq;
             let mut live = (format == EventFormat::Text && std::io::IsTerminal::is_terminal(&std::io::stdout()))
                 .then(LiveView::new);
             if let Some(view) = live.as_mut() {
@@ -357,18 +356,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                     }
                 }
             }
-            // Read when something committed past what was printed (every commit rings the watch;
-            // a full batch reads on at once), not once more after each batch to find nothing.
-            // Events up to the sequence the watch showed before a read are all committed, so a
-            // read that comes back short has seen them: other runs' events are passed over too.
-            let mut full = true;
+            // Read only what can have come (`LogCursor`): every commit rings the watch.
+            let mut cursor = pier_host::LogCursor::new(start_seq);
             let mut last_read = tokio::time::Instant::now();
             loop {
                 let seen = *rx.borrow_and_update();
-                if full || seen > after {
+                if cursor.due(seen) {
                     last_read = tokio::time::Instant::now();
                     let batch = {
-                        let (s, r) = (store.clone(), run.clone());
+                        let (s, r, after) = (store.clone(), run.clone(), cursor.after());
                         tokio::task::spawn_blocking(move || s.events_after(Some(&r), after, 1000)).await
                     };
                     let Ok(Ok(events)) = batch else { return };
@@ -388,12 +384,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                             }
                         }
                     }
-                    after = events.last().map_or(after, |e| e.seq);
-                    full = events.len() == 1000;
-                    if full {
+                    cursor.read(&events, 1000, seen);
+                    if cursor.due(seen) {
                         continue;
                     }
-                    after = after.max(seen);
                 }
                 if done2.is_cancelled() {
                     return;
@@ -509,15 +503,18 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
         anyhow::ensure!(store.run_exists(run)?, "there is no run `{run}` in the store; `pier runs` lists them");
     }
     let mut rx = store.subscribe();
-    let mut after = args.after;
+    let mut cursor = pier_host::LogCursor::new(args.after);
     loop {
-        let events = store.events_after(args.run.as_deref(), after, 1000)?;
-        for e in &events {
-            print_event(e, args.format);
-        }
-        if let Some(last) = events.last() {
-            after = last.seq;
-            continue;
+        let seen = *rx.borrow_and_update();
+        if cursor.due(seen) {
+            let events = store.events_after(args.run.as_deref(), cursor.after(), 1000)?;
+            for e in &events {
+                print_event(e, args.format);
+            }
+            cursor.read(&events, 1000, seen);
+            if cursor.due(seen) {
+                continue;
+            }
         }
         if !args.follow {
             return Ok(());

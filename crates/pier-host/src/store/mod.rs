@@ -118,6 +118,47 @@ pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
+/// Where a follower of the log stands: the last event it read, and how far the log is read
+/// through. Every event up to the sequence the commit watch shows is committed (both stores
+/// number events in commit order), so a read that comes back short has seen all of them,
+/// other runs' too: the follower reads again only when the watch moves past that, not once
+/// more after every batch to find nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct LogCursor {
+    after: i64,
+    read_to: i64,
+    full: bool,
+}
+
+impl LogCursor {
+    /// A follower that has read the events up to `after`.
+    pub fn new(after: i64) -> LogCursor {
+        LogCursor { after, read_to: after, full: true }
+    }
+
+    /// The last event read: the next read is of the events after it.
+    pub fn after(&self) -> i64 {
+        self.after
+    }
+
+    /// Whether a read can find anything, when the watch shows `seen`.
+    pub fn due(&self, seen: i64) -> bool {
+        self.full || seen > self.read_to
+    }
+
+    /// Takes in a read of at most `limit` events, begun when the watch showed `seen`.
+    pub fn read(&mut self, events: &[Event], limit: usize, seen: i64) {
+        if let Some(last) = events.last() {
+            self.after = last.seq;
+            self.read_to = self.read_to.max(last.seq);
+        }
+        self.full = events.len() >= limit;
+        if !self.full {
+            self.read_to = self.read_to.max(seen);
+        }
+    }
+}
+
 /// A task as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskRow {
@@ -518,4 +559,22 @@ pub trait TaskStore: Send + Sync + 'static {
     /// The last committed event sequence, changed on every commit: this process's at once,
     /// other processes' (sharing the store) within the backend's watch interval.
     fn subscribe(&self) -> watch::Receiver<i64>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cursor_reads_again_only_past_what_a_short_read_saw() {
+        let event = |seq| Event { seq, run: "r".into(), task: None, kind: "note".into(), at_ms: 0, data: Value::Null };
+        let mut c = LogCursor::new(0);
+        assert!(c.due(0), "a new follower reads once");
+        c.read(&[event(1), event(2)], 2, 5);
+        assert_eq!((c.after(), c.due(5)), (2, true), "a full batch reads on");
+        c.read(&[event(3)], 2, 5);
+        assert_eq!((c.after(), c.due(5), c.due(6)), (3, false, true), "a short read saw up to 5");
+        c.read(&[], 2, 9);
+        assert_eq!((c.after(), c.due(9), c.due(10)), (3, false, true), "other runs' events passed over");
+    }
 }
