@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pier_client::AgentDef;
+use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -22,7 +23,7 @@ use crate::attempt::Run;
 use crate::decide::{Context, Outcome, decide};
 use crate::pool::AgentPool;
 use crate::state::TaskState;
-use crate::store::{StoreError, TaskRow, TaskStore, now_ms};
+use crate::store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms};
 
 /// How the host runs tasks.
 #[derive(Debug, Clone)]
@@ -155,6 +156,8 @@ impl Host {
     async fn schedule(&self, scope: &Scope, stop: &CancellationToken) -> Result<Summary, StoreError> {
         let mut commits = self.store.subscribe();
         commits.borrow_and_update();
+        // Before the view is loaded: no own commit after the load's sequence is missed.
+        let mut own = self.store.own_commits();
         let mut view = View::load(&self.store, scope).await?;
         let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
         let mut next_lease = tokio::time::Instant::now();
@@ -187,8 +190,9 @@ impl Host {
         loop {
             // Only when something committed past what the view has read: an attempt's end or a
             // timer wakes this loop too, and most of those wake-ups have nothing new to read.
-            if *commits.borrow() > view.seq {
-                dirty |= or_retry!(view.refresh(&self.store).await);
+            let watched = *commits.borrow();
+            if watched > view.seq {
+                dirty |= or_retry!(view.refresh(&self.store, &mut own, watched).await);
             }
             if tokio::time::Instant::now() >= next_lease || view.unleased_run_seen {
                 let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
@@ -568,36 +572,42 @@ impl View {
         }
     }
 
-    /// Brings the view current; true if a task moved (a version changed) or a run appeared.
-    async fn refresh(&mut self, store: &Arc<dyn TaskStore>) -> Result<bool, StoreError> {
-        let after = self.seq;
-        let (changed, seq) = blocking(store, move |s| s.tasks_changed(after)).await?;
-        self.seq = seq;
+    /// Brings the view current with the commit watch showing `watched`; true if a task moved
+    /// (a version changed) or a run appeared. This process's own commits come with the rows
+    /// they changed (`own`) and are applied as they are; the store is read only past a gap
+    /// (another process's commit, a follower fallen behind) or for what the watch shows beyond.
+    async fn refresh(
+        &mut self,
+        store: &Arc<dyn TaskStore>,
+        own: &mut broadcast::Receiver<Arc<OwnCommit>>,
+        watched: i64,
+    ) -> Result<bool, StoreError> {
         let mut moved = false;
         let mut new_runs = HashSet::new();
-        for row in changed {
-            let in_scope = match &self.scope {
-                Scope::Run(r) => *r == row.run_id,
-                Scope::All => true,
-            };
-            if !in_scope {
-                continue;
-            }
-            if !self.runs.contains_key(&row.run_id) {
-                if !self.held.contains(&row.run_id) {
-                    self.unleased_run_seen = true;
+        let mut gap = false;
+        loop {
+            match own.try_recv() {
+                Ok(commit) if commit.upto <= self.seq => {}
+                Ok(commit) if commit.after == self.seq => {
+                    self.seq = commit.upto;
+                    for row in &commit.tasks {
+                        moved |= self.take(row.clone(), &mut new_runs);
+                    }
                 }
-                new_runs.insert(row.run_id.clone());
-                continue;
-            }
-            if self.get(&row.run_id, &row.id).is_none_or(|old| old.version != row.version) {
-                // A task of a run another node drives went back to the queue: that node may
-                // have handed the run back; ask for leases now rather than at the next renewal.
-                if row.state == TaskState::Pending && !self.held.contains(&row.run_id) {
-                    self.unleased_run_seen = true;
+                // Later ones stay queued: after the read, those it covered are passed over.
+                Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {
+                    gap = true;
+                    break;
                 }
-                moved = true;
-                self.put(row);
+                Err(_) => break,
+            }
+        }
+        if gap || watched > self.seq {
+            let after = self.seq;
+            let (changed, seq) = blocking(store, move |s| s.tasks_changed(after)).await?;
+            self.seq = seq;
+            for row in changed {
+                moved |= self.take(row, &mut new_runs);
             }
         }
         for run in new_runs {
@@ -608,6 +618,36 @@ impl View {
             moved = true;
         }
         Ok(moved)
+    }
+
+    /// Takes in a changed row; true if it moved a task. A run not in the view yet is noted
+    /// in `new_runs` (read whole afterwards). A row older than the view's (a commit's
+    /// rows can be, see `OwnCommit`) is passed over: versions only grow.
+    fn take(&mut self, row: TaskRow, new_runs: &mut HashSet<String>) -> bool {
+        let in_scope = match &self.scope {
+            Scope::Run(r) => *r == row.run_id,
+            Scope::All => true,
+        };
+        if !in_scope || new_runs.contains(&row.run_id) {
+            return false;
+        }
+        if !self.runs.contains_key(&row.run_id) {
+            if !self.held.contains(&row.run_id) {
+                self.unleased_run_seen = true;
+            }
+            new_runs.insert(row.run_id.clone());
+            return false;
+        }
+        if self.get(&row.run_id, &row.id).is_some_and(|old| old.version >= row.version) {
+            return false;
+        }
+        // A task of a run another node drives went back to the queue: that node may have
+        // handed the run back; ask for leases now rather than at the next renewal.
+        if row.state == TaskState::Pending && !self.held.contains(&row.run_id) {
+            self.unleased_run_seen = true;
+        }
+        self.put(row);
+        true
     }
 
     /// Up to `room` tasks ready to claim now, in run and plan order.

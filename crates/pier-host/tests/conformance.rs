@@ -312,6 +312,47 @@ fn tasks_changed_reports_what_events_touched_in_every_run() {
     });
 }
 
+/// Each commit of a handle comes to its own followers with the rows a read of the log would
+/// give, current from where the previous one left off; another handle's commits (another
+/// process) are not among them and show as a gap.
+#[test]
+fn own_commits_carry_what_a_read_would_and_others_show_as_gaps() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let (one, two) = (open(&fresh.spec), open(&fresh.spec));
+        let mut own = one.own_commits();
+        let mut at = one.last_seq().unwrap_or_else(|e| panic!("{e}"));
+        let mut next = |after: i64, ids: &[&str]| {
+            let c = own.try_recv().unwrap_or_else(|e| panic!("{name}: no commit of its own: {e}"));
+            assert_eq!(c.after, after, "{name}: where the commit starts");
+            let mut carried = c.tasks.clone();
+            carried.sort_by(|x, y| x.id.cmp(&y.id));
+            let (mut read, upto) = one.tasks_changed(c.after).unwrap_or_else(|e| panic!("{e}"));
+            read.sort_by(|x, y| x.id.cmp(&y.id));
+            assert_eq!(carried.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), ids, "{name}: the tasks it moved");
+            assert_eq!((carried, c.upto), (read, upto), "{name}: the commit and a read of it");
+            assert!(own.try_recv().is_err(), "{name}: one write, one commit");
+            c.upto
+        };
+        let plan =
+            parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\n", &|_| Ok(()))
+                .unwrap_or_else(|e| panic!("{e}"));
+        one.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        at = next(at, &["a", "b"]);
+        let a = claim(&one, "a", "o");
+        at = next(at, &["a"]);
+        one.record(&a, &[("note".into(), json!({"n": 1}))], &[]).unwrap_or_else(|e| panic!("{e}"));
+        at = next(at, &["a"]);
+        // Another process moves b: not one's own commit, so one's next commit starts past a gap.
+        claim(&two, "b", "p");
+        let theirs = two.last_seq().unwrap_or_else(|e| panic!("{e}"));
+        assert!(theirs > at, "{name}");
+        let row = one.finish(&a, &done(), None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(row.state, TaskState::Completed, "{name}");
+        next(theirs, &["a"]);
+    }
+}
+
 #[tokio::test]
 async fn another_handles_commits_reach_the_watch() {
     for (name, make) in backends() {

@@ -18,9 +18,11 @@ mod pg;
 mod pg_target;
 mod sqlite;
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
@@ -31,12 +33,12 @@ pub use sqlite::SqliteStore;
 
 /// Opens the store `spec` names: `postgres://…` (or `postgresql://…`) is a [`PgStore`];
 /// `sqlite://PATH` or a plain path is a [`SqliteStore`].
-pub fn open(spec: &str) -> Result<std::sync::Arc<dyn TaskStore>, StoreError> {
+pub fn open(spec: &str) -> Result<Arc<dyn TaskStore>, StoreError> {
     if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
-        return Ok(std::sync::Arc::new(PgStore::open(spec)?));
+        return Ok(Arc::new(PgStore::open(spec)?));
     }
     let path = spec.strip_prefix("sqlite://").unwrap_or(spec);
-    Ok(std::sync::Arc::new(SqliteStore::open(std::path::Path::new(path))?))
+    Ok(Arc::new(SqliteStore::open(std::path::Path::new(path))?))
 }
 
 /// Why a store operation was refused or failed. `code()` is stable.
@@ -100,6 +102,40 @@ impl StoreError {
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What one of this process's group commits changed: every task with an event in
+/// `(after, upto]`, as the commit left it (read in the commit's own transaction). A follower
+/// current to `after` applies it and is current to `upto` without reading the store; one at
+/// another point (another process committed in between) reads instead.
+#[derive(Debug)]
+pub struct OwnCommit {
+    pub after: i64,
+    pub upto: i64,
+    pub tasks: Vec<TaskRow>,
+}
+
+/// How many of its own commits a store keeps for a follower that has not taken them yet;
+/// one further behind reads the store instead.
+const OWN_COMMITS: usize = 1024;
+
+fn own_commits() -> broadcast::Sender<Arc<OwnCommit>> {
+    broadcast::Sender::new(OWN_COMMITS)
+}
+
+/// Makes a commit of this process up to `last` known: its [`OwnCommit`] first (if its rows
+/// were read), then the watch, so a follower woken by the watch finds the commit waiting.
+fn announce(
+    own: &broadcast::Sender<Arc<OwnCommit>>,
+    seq_tx: &watch::Sender<i64>,
+    commit: Option<OwnCommit>,
+    last: i64,
+) {
+    if let Some(commit) = commit {
+        // No follower is not an error: the rows were read for one that has just gone.
+        let _ = own.send(Arc::new(commit));
+    }
+    publish(seq_tx, last);
 }
 
 /// Publishes `seq` on a store's commit watch if it is newer than what was published.
@@ -559,6 +595,12 @@ pub trait TaskStore: Send + Sync + 'static {
     /// The last committed event sequence, changed on every commit: this process's at once,
     /// other processes' (sharing the store) within the backend's watch interval.
     fn subscribe(&self) -> watch::Receiver<i64>;
+    /// This process's own commits, each with the tasks it changed, in commit order: what a
+    /// follower of [`TaskStore::subscribe`] would otherwise read back with
+    /// [`TaskStore::tasks_changed`]. The rows are read (in the committing transaction) only
+    /// while someone follows. A commit whose rows could not be read is not sent: the next
+    /// one's `after` shows the gap.
+    fn own_commits(&self) -> broadcast::Receiver<Arc<OwnCommit>>;
 }
 
 #[cfg(test)]

@@ -31,14 +31,16 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
 use super::pg_target::{Target, tls_advice};
 
 use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
-use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
+use super::{
+    Attempt, Ending, Event, Held, Idem, OwnCommit, Question, StoreError, TaskRow, TaskStore, announce, lock, publish,
+};
 use crate::plan::Plan;
 use crate::state::TaskState;
 
@@ -727,6 +729,8 @@ pub struct PgStore {
     /// Writes waiting for the next group commit, and the thread that commits them.
     committer: Arc<Committer>,
     seq_tx: Arc<watch::Sender<i64>>,
+    /// This process's commits with the tasks they changed (`TaskStore::own_commits`).
+    own: broadcast::Sender<Arc<OwnCommit>>,
     watching: std::sync::Once,
 }
 
@@ -779,12 +783,13 @@ impl PgStore {
             .enable_all()
             .build()
             .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
-        let (c, p, tx) = (committer.clone(), pool.clone(), seq_tx.clone());
+        let own = super::own_commits();
+        let (c, p, tx, o) = (committer.clone(), pool.clone(), seq_tx.clone(), own.clone());
         std::thread::Builder::new()
             .name("pier-pg-commit".into())
-            .spawn(move || commit_loop(local, &c, &p, &tx))
+            .spawn(move || commit_loop(local, &c, &p, &tx, &o))
             .map_err(|e| StoreError::Db(format!("cannot start the database's committer thread: {e}")))?;
-        Ok(PgStore { rt: Some(rt), pool, committer, seq_tx, watching: std::sync::Once::new() })
+        Ok(PgStore { rt: Some(rt), pool, committer, seq_tx, own, watching: std::sync::Once::new() })
     }
 
     /// Runs `work` atomically in the next *group commit* and returns its answer (and the
@@ -917,7 +922,10 @@ enum Group {
         done: Vec<(Box<dyn Job>, i64)>,
         failed: Vec<(Box<dyn Job>, StoreError)>,
         again: Vec<Box<dyn Job>>,
-        last: i64,
+        /// The group's events: `(first, last)`, `(0, 0)` for none.
+        numbered: (i64, i64),
+        /// The tasks with an event in the group, as it left them, if they were asked for.
+        tasks: Option<Vec<RawTask>>,
     },
     /// Rolled back before the commit (the connection broke): nothing happened.
     Lost { jobs: Vec<Box<dyn Job>>, error: StoreError },
@@ -938,7 +946,13 @@ struct Committer {
 
 /// The committer thread: commits whatever is queued, one group at a time, on the write
 /// connection its own runtime drives, until the store is dropped and the queue is empty.
-fn commit_loop(local: tokio::runtime::Runtime, c: &Committer, pool: &Pool, seq_tx: &watch::Sender<i64>) {
+fn commit_loop(
+    local: tokio::runtime::Runtime,
+    c: &Committer,
+    pool: &Pool,
+    seq_tx: &watch::Sender<i64>,
+    own: &broadcast::Sender<Arc<OwnCommit>>,
+) {
     LOCAL.with(|l| *l.borrow_mut() = Some(local));
     let mut slot: Option<Conn> = None;
     let mut bell = Doorbell::default();
@@ -967,10 +981,10 @@ fn commit_loop(local: tokio::runtime::Runtime, c: &Committer, pool: &Pool, seq_t
             }
             std::mem::take(&mut *q)
         };
-        let mut again = commit(pool, seq_tx, &mut slot, &mut bell, jobs);
+        let mut again = commit(pool, seq_tx, own, &mut slot, &mut bell, jobs);
         while !again.is_empty() {
             again.extend(std::mem::take(&mut *lock(&c.queue)));
-            again = commit(pool, seq_tx, &mut slot, &mut bell, again);
+            again = commit(pool, seq_tx, own, &mut slot, &mut bell, again);
         }
     }
     bell.ring_owed(slot.as_ref());
@@ -1030,6 +1044,7 @@ impl Doorbell {
 fn commit(
     pool: &Pool,
     seq_tx: &watch::Sender<i64>,
+    own: &broadcast::Sender<Arc<OwnCommit>>,
     slot: &mut Option<Conn>,
     bell: &mut Doorbell,
     jobs: Vec<Box<dyn Job>>,
@@ -1047,15 +1062,23 @@ fn commit(
     }
     let Some(conn) = slot.as_mut() else { return jobs };
     let ring = bell.due();
-    let mut outcome = run_group(conn, jobs, false, ring);
+    // The changed tasks are read only for someone to take them.
+    let rows = own.receiver_count() > 0;
+    let mut outcome = run_group(conn, jobs, false, ring, rows);
     if let Group::Redo { jobs } = outcome {
-        outcome = run_group(conn, jobs, true, ring);
+        outcome = run_group(conn, jobs, true, ring, rows);
     }
     match outcome {
-        Group::Committed { done, failed, again, last } => {
+        Group::Committed { done, failed, again, numbered: (first, last), tasks } => {
             if last > 0 {
                 bell.committed(last, ring);
-                publish(seq_tx, last);
+                // Rows that do not decode are not sent: followers read them, and hear why.
+                let own_commit = tasks.and_then(|raw| decode_all(raw).ok()).map(|tasks| OwnCommit {
+                    after: first - 1,
+                    upto: last,
+                    tasks,
+                });
+                announce(own, seq_tx, own_commit, last);
             }
             for (job, seq) in done {
                 job.finish(Ok(seq));
@@ -1092,7 +1115,7 @@ fn commit(
 /// statement that may have changed something, or a statement fails (which aborts the
 /// transaction), the group is rolled back and answered `Redo`: the caller runs it again
 /// `careful`, each job in savepoint `job`, so that the failure undoes only its own job.
-fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool) -> Group {
+fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, rows: bool) -> Group {
     let Conn { client, statements } = c;
     // `BEGIN`, and the step that ends each job's savepoint, ride ahead of the next statement
     // (`PgTx::pipelined`): no round trip of their own. A group that fails before its `COMMIT`
@@ -1150,9 +1173,9 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool) -
     }
     // The events are numbered and the transaction committed in one round trip (pipelined):
     // if numbering fails, PostgreSQL turns the `COMMIT` behind it into a rollback.
-    let (numbered, committed) = number_and_commit(&mut t, ring);
-    let (first, last) = match numbered {
-        Ok(range) => range,
+    let (numbered, committed) = number_and_commit(&mut t, ring, rows);
+    let ((first, last), tasks) = match numbered {
+        Ok(numbered) => numbered,
         Err(e) => return Group::Lost { jobs: every_job(ran, failed, again, []), error: e },
     };
     if let Err(e) = committed {
@@ -1161,7 +1184,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool) -
     }
     let done =
         ran.into_iter().map(|(job, from, to)| (job, if to > from { first + to as i64 - 1 } else { 0 })).collect();
-    Group::Committed { done, failed, again, last }
+    Group::Committed { done, failed, again, numbered: (first, last), tasks }
 }
 
 /// Every job of a group that did not commit, whatever became of each: those that ran, failed
@@ -1179,28 +1202,43 @@ fn every_job(
     jobs
 }
 
-/// Numbers the transaction's buffered events from the counter row, writes them and (with
-/// `ring`) rings the doorbell in one prepared statement, with the `COMMIT` sent right behind it:
-/// ((the first sequence, the last) or `(0, 0)` without events, the commit's outcome).
+/// Numbers the transaction's buffered events from the counter row, writes them, (with
+/// `ring`) rings the doorbell and (with `rows`) reads back every task they name, in one
+/// prepared statement, with the `COMMIT` sent right behind it: (((the first sequence, the
+/// last) or `(0, 0)` without events, the tasks if asked for), the commit's outcome).
+///
+/// The tasks are read in the statement's snapshot, which may predate a commit of another
+/// node that the counter row waited for: a task this group wrote an event for without
+/// locking it (an attempt's progress) can come back older than that commit left it. Such a
+/// row's version is behind the one its follower read, and followers keep the newer version.
 #[allow(clippy::type_complexity)]
 fn number_and_commit(
     t: &mut PgTx<'_>,
     ring: bool,
-) -> (Result<(i64, i64), StoreError>, Result<(), tokio_postgres::Error>) {
+    rows: bool,
+) -> (Result<((i64, i64), Option<Vec<RawTask>>), StoreError>, Result<(), tokio_postgres::Error>) {
+    // `r` holds the counter and the ring; a volatile function (`pg_notify`) keeps it from being
+    // folded into the outer query, so it rings once whatever number of task rows follow.
     const NUMBER: &str = "WITH c AS (UPDATE pier_seq SET n = n + ?1 WHERE id = 1 RETURNING n),
          e AS (INSERT INTO events (seq, run_id, task_id, type, at_ms, data)
                SELECT (SELECT n FROM c) - ?1 + u.ord, u.run_id, u.task_id, u.type, u.at_ms, u.data
                FROM UNNEST(?2::text[], ?3::text[], ?4::text[], ?5::bigint[], ?6::text[]) WITH ORDINALITY
-                   AS u(run_id, task_id, type, at_ms, data, ord))
-         SELECT n, CASE WHEN ?7 THEN pg_notify('pier_commits', n::text)::text END FROM c";
+                   AS u(run_id, task_id, type, at_ms, data, ord)),
+         r AS (SELECT n, CASE WHEN ?7 THEN pg_notify('pier_commits', n::text)::text END AS rang FROM c)
+         SELECT t.*, r.n, r.rang FROM r LEFT JOIN LATERAL
+             (SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+                  not_before_ms, result, usage, error, spec FROM tasks
+              WHERE ?8 AND (run_id, id) IN
+                  (SELECT k.run_id, k.task_id FROM UNNEST(?2::text[], ?3::text[]) AS k(run_id, task_id)
+                   WHERE k.task_id IS NOT NULL)) t ON true";
     // The last step rides too: an `UNDO` must happen before the commit (a `KEEP` need not,
     // but costs nothing in the pipeline), and a group whose jobs ran no statement has not
     // even begun.
     if t.events.is_empty() {
         return match t.step.take() {
-            Some(BEGIN | BEGIN_CAREFUL) => (Ok((0, 0)), Ok(())),
-            Some(s) => (Ok((0, 0)), block_on(t.tx.batch_execute(&format!("{s}; COMMIT")))),
-            None => (Ok((0, 0)), block_on(t.tx.batch_execute("COMMIT"))),
+            Some(BEGIN | BEGIN_CAREFUL) => (Ok(((0, 0), None)), Ok(())),
+            Some(s) => (Ok(((0, 0), None)), block_on(t.tx.batch_execute(&format!("{s}; COMMIT")))),
+            None => (Ok(((0, 0), None)), block_on(t.tx.batch_execute("COMMIT"))),
         };
     }
     let statement = match t.prepared(NUMBER) {
@@ -1214,21 +1252,38 @@ fn number_and_commit(
     let kinds: Vec<&str> = t.events.iter().map(|e| e.kind.as_str()).collect();
     let ats: Vec<i64> = t.events.iter().map(|e| e.at_ms).collect();
     let datas: Vec<&str> = t.events.iter().map(|e| e.data.as_str()).collect();
-    let params: [&(dyn ToSql + Sync); 7] = [&k, &runs, &tasks, &kinds, &ats, &datas, &ring];
+    let params: [&(dyn ToSql + Sync); 8] = [&k, &runs, &tasks, &kinds, &ats, &datas, &ring, &rows];
     let stepped = async {
         match step {
             Some(s) => t.tx.batch_execute(s).await,
             None => Ok(()),
         }
     };
-    let (stepped, row, committed) =
-        block_on(futures::future::join3(stepped, t.tx.query_one(&statement, &params), t.tx.batch_execute("COMMIT")));
+    let (stepped, answer, committed) =
+        block_on(futures::future::join3(stepped, t.tx.query(&statement, &params), t.tx.batch_execute("COMMIT")));
     if let Err(e) = stepped {
         // The transaction is aborted: the `COMMIT` behind it rolled it back.
         return (Err(StoreError::from(&e)), Ok(()));
     }
-    let last = row.and_then(|r| r.try_get::<_, i64>(0)).map_err(|e| StoreError::from(&e));
-    (last.map(|last| (last - k + 1, last)), committed)
+    let numbered = answer.and_then(|answer| {
+        let last = answer.first().map(|r| r.try_get::<_, i64>(13)).transpose()?;
+        let tasks = if rows {
+            let mut raw = Vec::with_capacity(answer.len());
+            for r in answer.iter().filter(|r| r.try_get::<_, Option<String>>(0).is_ok_and(|id| id.is_some())) {
+                raw.push(row_to_task(r)?);
+            }
+            Some(raw)
+        } else {
+            None
+        };
+        Ok((last, tasks))
+    });
+    let numbered = match numbered {
+        Ok((Some(last), tasks)) => Ok(((last - k + 1, last), tasks)),
+        Ok((None, _)) => Err(StoreError::Db("numbering the events returned no counter".into())),
+        Err(e) => Err(StoreError::from(&e)),
+    };
+    (numbered, committed)
 }
 
 /// A database of its own on a PostgreSQL server, for one test or one measurement: created
@@ -1732,6 +1787,10 @@ impl TaskStore for PgStore {
     fn subscribe(&self) -> watch::Receiver<i64> {
         self.watching.call_once(|| self.watch_others());
         self.seq_tx.subscribe()
+    }
+
+    fn own_commits(&self) -> broadcast::Receiver<Arc<OwnCommit>> {
+        self.own.subscribe()
     }
 }
 

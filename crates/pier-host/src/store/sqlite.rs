@@ -22,10 +22,10 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 
 use super::ops::{self, Arg, RawTask, TASK_COLUMNS, Tx, decode_all, load_task, plain_row};
-use super::{Attempt, Ending, Event, Held, Idem, Question, StoreError, TaskRow, TaskStore, lock, publish};
+use super::{Attempt, Ending, Event, Held, Idem, OwnCommit, Question, StoreError, TaskRow, TaskStore, lock, publish};
 use crate::plan::Plan;
 use crate::state::TaskState;
 
@@ -51,6 +51,8 @@ pub struct SqliteStore {
     reader: Mutex<Connection>,
     /// Shared with the watcher thread, which holds it weakly and ends with the store.
     seq_tx: Arc<watch::Sender<i64>>,
+    /// This process's commits with the tasks they changed (`TaskStore::own_commits`).
+    own: broadcast::Sender<Arc<OwnCommit>>,
     /// Whether the watcher of other processes' commits runs (started by the first subscriber).
     watching: std::sync::Once,
     /// The store's file, for messages.
@@ -289,6 +291,7 @@ impl SqliteStore {
             queue: Mutex::new(Vec::new()),
             reader: Mutex::new(reader),
             seq_tx,
+            own: super::own_commits(),
             watching: std::sync::Once::new(),
             path: path.display().to_string(),
         })
@@ -356,6 +359,9 @@ impl SqliteStore {
     /// is lost, no later job runs and every writer of the group hears the error.
     fn commit(&self, conn: &Connection, jobs: Vec<Job>) {
         let mut state: Result<(), StoreError> = conn.execute_batch("BEGIN IMMEDIATE").map_err(|e| self.named(e.into()));
+        // Where the log stood before the group, if anyone follows this store's own commits:
+        // the transaction holds the file, so the group's events are exactly those after it.
+        let before = if state.is_ok() && self.own.receiver_count() > 0 { last_seq(conn).ok() } else { None };
         let mut finishes = Vec::with_capacity(jobs.len());
         let mut last = 0;
         for job in jobs {
@@ -368,6 +374,18 @@ impl SqliteStore {
             last = last.max(outcome.unwrap_or(0));
             finishes.push(finish);
         }
+        // The tasks the group changed, as it left them; unread (the commit goes unsent, a gap
+        // its followers fill by reading) if anything here fails.
+        let own = match (before, &state) {
+            (Some(after), Ok(())) => (|| {
+                let upto = last_seq(conn)?;
+                let tasks = if upto > after { changed_between(conn, after, upto)? } else { Vec::new() };
+                Ok::<_, StoreError>(OwnCommit { after, upto, tasks })
+            })()
+            .ok()
+            .filter(|c| c.upto > c.after),
+            _ => None,
+        };
         let committed = state.and_then(|()| conn.execute_batch("COMMIT").map_err(|e| self.named(e.into())));
         if committed.is_err() && !conn.is_autocommit() {
             let _ = conn.execute_batch("ROLLBACK");
@@ -375,13 +393,12 @@ impl SqliteStore {
         for finish in finishes {
             finish(committed.clone());
         }
-        if committed.is_ok() && last > 0 {
-            self.published(last);
+        if committed.is_ok() {
+            let last = last.max(own.as_ref().map_or(0, |c| c.upto));
+            if last > 0 {
+                super::announce(&self.own, &self.seq_tx, own, last);
+            }
         }
-    }
-
-    fn published(&self, seq: i64) {
-        publish(&self.seq_tx, seq);
     }
 
     /// Starts the thread that publishes other processes' commits. It has a connection of
@@ -405,6 +422,20 @@ impl SqliteStore {
             tracing::warn!(error = %e, "cannot watch the store for other processes' commits");
         }
     }
+}
+
+fn last_seq(c: &Connection) -> Result<i64, StoreError> {
+    Ok(c.prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events")?.query_row([], |r| r.get(0))?)
+}
+
+/// The tasks with an event in `(after, upto]`, as they are now.
+fn changed_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<TaskRow>, StoreError> {
+    let mut stmt = c.prepare_cached(&format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE (run_id, id) IN
+             (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= ?2 AND task_id IS NOT NULL)"
+    ))?;
+    let rows = stmt.query_map(params![after, upto], row_to_task)?;
+    collect(rows)
 }
 
 /// `data_version` changes when another connection commits to the file; only then is the
@@ -510,17 +541,11 @@ impl TaskStore for SqliteStore {
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
         self.read(|c| {
             // The bound is read first: a change that lands after it is reported again next time.
-            let upto: i64 =
-                c.prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events")?.query_row([], |r| r.get(0))?;
+            let upto = last_seq(c)?;
             if upto <= after {
                 return Ok((Vec::new(), after));
             }
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT {TASK_COLUMNS} FROM tasks WHERE (run_id, id) IN
-                     (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= ?2 AND task_id IS NOT NULL)"
-            ))?;
-            let rows = stmt.query_map(params![after, upto], row_to_task)?;
-            Ok((collect(rows)?, upto))
+            Ok((changed_between(c, after, upto)?, upto))
         })
     }
 
@@ -719,7 +744,7 @@ impl TaskStore for SqliteStore {
     }
 
     fn last_seq(&self) -> Result<i64, StoreError> {
-        self.read(|c| Ok(c.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?))
+        self.read(last_seq)
     }
 
     fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
@@ -750,6 +775,10 @@ impl TaskStore for SqliteStore {
     fn subscribe(&self) -> watch::Receiver<i64> {
         self.watching.call_once(|| self.watch_others());
         self.seq_tx.subscribe()
+    }
+
+    fn own_commits(&self) -> broadcast::Receiver<Arc<OwnCommit>> {
+        self.own.subscribe()
     }
 
     fn run_ids(&self) -> Result<Vec<String>, StoreError> {
