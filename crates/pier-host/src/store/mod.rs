@@ -15,6 +15,7 @@
 
 mod ops;
 mod pg;
+mod pg_rounds;
 mod pg_target;
 mod sqlite;
 

@@ -1,7 +1,7 @@
 //! The PostgreSQL backend: several hosts (`pier serve` nodes) over one database.
 //!
 //! The operations are [`super::ops`], run by the committer in group transactions (READ
-//! COMMITTED; see `run_group`). Row locks do what SQLite's single writer does: [`Tx::task`]
+//! COMMITTED; see `run_group`), those of different tasks side by side ([`super::pg_rounds`]). Row locks do what SQLite's single writer does: [`Tx::task`]
 //! reads a task `FOR UPDATE`, and a claim (one statement, `CLAIM`) locks it `FOR UPDATE SKIP
 //! LOCKED`, so of racing claimers one wins and the others skip the row at once.
 //!
@@ -35,6 +35,7 @@ use tokio::sync::{broadcast, watch};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
+use super::pg_rounds::{self, Answer, Owned, Replay, Rounds, Want, no_answer};
 use super::pg_target::{Target, tls_advice};
 
 use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
@@ -59,7 +60,7 @@ thread_local! {
 
 /// Waits for `f`: on the committer thread by driving its own runtime (and with it the
 /// connection), elsewhere by parking until the store's runtime has done the work.
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
+pub(super) fn block_on<F: std::future::Future>(f: F) -> F::Output {
     LOCAL.with(|l| match l.borrow().as_ref() {
         Some(rt) => rt.block_on(f),
         None => futures::executor::block_on(f),
@@ -442,7 +443,7 @@ fn row_to_task(r: &tokio_postgres::Row) -> Result<RawTask, tokio_postgres::Error
 }
 
 /// An event written by the open transaction, numbered at its commit.
-struct Pending {
+pub(super) struct Pending {
     run: String,
     task: Option<String>,
     kind: String,
@@ -451,18 +452,18 @@ struct Pending {
 }
 
 /// The open transaction: statements go through the connection's cache; events wait for the commit.
-struct PgTx<'c> {
+pub(super) struct PgTx<'c> {
     /// In a transaction this code opened (`BEGIN`) and ends (`COMMIT`, or by dropping the
     /// connection): no `Transaction` guard, so both ride with other statements.
-    tx: &'c Client,
+    pub(super) tx: &'c Client,
     statements: &'c mut HashMap<&'static str, Statement>,
-    events: Vec<Pending>,
+    pub(super) events: Vec<Pending>,
     /// The last statement failed in a way that rolled the transaction back: run it again.
-    retry: bool,
+    pub(super) retry: bool,
     /// How the last job that ran statements ends its savepoint (`RELEASE job; SAVEPOINT job`
     /// or `ROLLBACK TO job`), not yet sent: it rides in the pipeline of the next statement,
     /// so closing a job costs no round trip of its own.
-    step: Option<&'static str>,
+    pub(super) step: Option<&'static str>,
     /// The current job has run a statement (so its savepoint holds work to keep or undo).
     dirty: bool,
     /// Sending `step` failed: the transaction is gone, and the group with it.
@@ -471,9 +472,11 @@ struct PgTx<'c> {
     /// job that changed something sends the whole group back to be run this way.
     careful: bool,
     /// The current job ran a statement other than a read of a task (which only locks).
-    wrote: bool,
+    pub(super) wrote: bool,
     /// A statement failed: PostgreSQL aborted the transaction (or the savepoint).
-    aborted: bool,
+    pub(super) aborted: bool,
+    /// In rounds (`pg_rounds`): the current job's answers so far, and where it stops.
+    replay: Option<Replay>,
 }
 
 /// Opens a group's transaction; `BEGIN_CAREFUL` with the first job's savepoint.
@@ -485,14 +488,82 @@ const KEEP: &str = "RELEASE job; SAVEPOINT job";
 const UNDO: &str = "ROLLBACK TO job";
 
 impl PgTx<'_> {
+    /// A group's transaction on `c`. `BEGIN`, and the step that ends each job's savepoint,
+    /// ride ahead of the next statement (`PgTx::pipelined`): no round trip of their own. A
+    /// group that fails before its `COMMIT` is abandoned with its connection (the caller
+    /// drops it), which rolls it back.
+    fn begin(c: &mut Conn, careful: bool) -> PgTx<'_> {
+        PgTx {
+            tx: &c.client,
+            statements: &mut c.statements,
+            events: Vec::new(),
+            retry: false,
+            step: Some(if careful { BEGIN_CAREFUL } else { BEGIN }),
+            dirty: false,
+            broken: None,
+            careful,
+            wrote: false,
+            aborted: false,
+            replay: None,
+        }
+    }
+
     fn prepared(&mut self, sql: &'static str) -> Result<Statement, StoreError> {
         if let Some(s) = self.statements.get(sql) {
             return Ok(s.clone());
         }
         self.flush()?;
+        self.statement(sql)
+    }
+
+    /// `sql` prepared on the connection, once (outside the transaction's order: preparing
+    /// runs nothing).
+    fn statement(&mut self, sql: &'static str) -> Result<Statement, StoreError> {
+        if let Some(s) = self.statements.get(sql) {
+            return Ok(s.clone());
+        }
         let s = block_on(self.tx.prepare(&dialect(sql))).map_err(|e| self.failed(e))?;
         self.statements.insert(sql, s.clone());
         Ok(s)
+    }
+
+    /// Runs one job with `replay`'s answers (see `pg_rounds`): its outcome, the replay with
+    /// where it stopped, and the events it buffered.
+    pub(super) fn replaying(
+        &mut self,
+        replay: Replay,
+        job: impl FnOnce(&mut Self) -> Result<(), StoreError>,
+    ) -> (Result<(), StoreError>, Replay, Vec<Pending>) {
+        self.replay = Some(replay);
+        (self.retry, self.wrote, self.aborted) = (false, false, false);
+        let outcome = job(self);
+        let replay = self.replay.take().unwrap_or_default();
+        (outcome, replay, std::mem::take(&mut self.events))
+    }
+
+    /// In rounds: the answers to a call of `wants` (statement, arguments, whether rows are
+    /// wanted), or `Err` with the call noted as where the job stops. `None` outside rounds.
+    fn replayed(&mut self, wants: &[(&'static str, &[Arg<'_>], bool)]) -> Option<Result<Vec<Answer>, StoreError>> {
+        let sqls: Vec<&'static str> = wants.iter().map(|w| w.0).collect();
+        let replay = self.replay.as_mut()?;
+        if let Some(answers) = replay.answer(&sqls) {
+            return Some(Ok(answers));
+        }
+        if replay.wanted.is_none() && !replay.diverged {
+            let mut noted = Vec::with_capacity(wants.len());
+            for &(sql, a, rows) in wants {
+                match self.statement(sql) {
+                    Ok(statement) => {
+                        noted.push(Want { sql, statement, args: a.iter().map(Owned::from).collect(), rows })
+                    }
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+            if let Some(replay) = self.replay.as_mut() {
+                replay.wanted = Some(noted);
+            }
+        }
+        Some(Err(StoreError::Db("a statement waits for its round".into())))
     }
 
     /// Sends the pending savepoint step on its own (before a statement that cannot carry it).
@@ -537,16 +608,21 @@ impl PgTx<'_> {
     }
 
     fn rows(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<tokio_postgres::Row>, StoreError> {
+        self.wrote = true;
+        self.query(sql, a)
+    }
+
+    fn query(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<tokio_postgres::Row>, StoreError> {
+        if let Some(answers) = self.replayed(&[(sql, a, true)]) {
+            return answers?.pop().map(Answer::rows).ok_or_else(no_answer)?;
+        }
         let s = self.prepared(sql)?;
         let tx = self.tx;
-        self.wrote = true;
         self.pipelined(tx.query(&s, &args(a)))
     }
 
     fn one_task(&mut self, sql: &'static str, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
-        let s = self.prepared(sql)?;
-        let tx = self.tx;
-        let rows = self.pipelined(tx.query(&s, &args(&[Arg::Text(run), Arg::Text(task)])))?;
+        let rows = self.query(sql, &[Arg::Text(run), Arg::Text(task)])?;
         rows.first().map(row_to_task).transpose().map_err(|e| self.failed(e))
     }
 }
@@ -598,9 +674,12 @@ const END_KEEPING: &str = end_statement!(
 
 impl Tx for PgTx<'_> {
     fn exec(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<u64, StoreError> {
+        self.wrote = true;
+        if let Some(answers) = self.replayed(&[(sql, a, false)]) {
+            return answers?.pop().map(Answer::count).ok_or_else(no_answer)?;
+        }
         let s = self.prepared(sql)?;
         let tx = self.tx;
-        self.wrote = true;
         self.pipelined(tx.execute(&s, &args(a)))
     }
 
@@ -643,25 +722,40 @@ impl Tx for PgTx<'_> {
         if let Some(output) = b.output {
             params.push(Arg::Text(output));
         }
-        let end = self.prepared(if b.output.is_some() { END_KEEPING } else { END })?;
-        let look = if b.unless_messages { Some(self.prepared(ops::MESSAGE_WAITING)?) } else { None };
+        let end_sql = if b.output.is_some() { END_KEEPING } else { END };
         self.wrote = true;
-        let tx = self.tx;
-        let (rows, waiting) = {
-            let (end_args, look_args) = (args(&params), args(&params[..2]));
-            // In one pipeline: the look is a statement of its own, so its snapshot is taken
-            // after the ending locked the row and sees a message a `say` holding it committed.
-            self.pipelined(async {
-                let ended = tx.query(&end, &end_args);
-                let looked = async {
-                    match &look {
-                        Some(look) => tx.query_one(look, &look_args).await.map(Some),
-                        None => Ok(None),
-                    }
-                };
-                let (ended, looked) = futures::future::join(ended, looked).await;
-                Ok((ended?, looked?))
-            })?
+        let mut wants = vec![(end_sql, params.as_slice(), true)];
+        if b.unless_messages {
+            wants.push((ops::MESSAGE_WAITING, &params[..2], true));
+        }
+        let (rows, waiting) = if let Some(answers) = self.replayed(&wants) {
+            let mut answers = answers?.into_iter().map(Answer::rows);
+            let rows = answers.next().ok_or_else(no_answer)??;
+            let waiting = match answers.next() {
+                Some(looked) => Some(looked?.into_iter().next().ok_or_else(no_answer)?),
+                None => None,
+            };
+            (rows, waiting)
+        } else {
+            let end = self.prepared(end_sql)?;
+            let look = if b.unless_messages { Some(self.prepared(ops::MESSAGE_WAITING)?) } else { None };
+            let tx = self.tx;
+            {
+                let (end_args, look_args) = (args(&params), args(&params[..2]));
+                // In one pipeline: the look is a statement of its own, so its snapshot is taken
+                // after the ending locked the row and sees a message a `say` holding it committed.
+                self.pipelined(async {
+                    let ended = tx.query(&end, &end_args);
+                    let looked = async {
+                        match &look {
+                            Some(look) => tx.query_one(look, &look_args).await.map(Some),
+                            None => Ok(None),
+                        }
+                    };
+                    let (ended, looked) = futures::future::join(ended, looked).await;
+                    Ok((ended?, looked?))
+                })?
+            }
         };
         let Some(r) = rows.first() else { return Ok(None) };
         let read = row_to_task(r).and_then(|raw| Ok((raw, r.try_get::<_, String>(13)?)));
@@ -799,10 +893,12 @@ impl PgStore {
     /// event at the end and commits once: one WAL flush (and one hold of the counter row) for the group.
     fn write<T: Send + 'static>(
         &self,
+        task: Option<(&str, &str)>,
         work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<(T, i64), StoreError> {
         let (reply, answer) = std::sync::mpsc::sync_channel(1);
-        lock(&self.committer.queue).push(Box::new(Op { work, answer: None, tries: 0, reply }));
+        let task = task.map(|(r, t)| (r.to_owned(), t.to_owned()));
+        lock(&self.committer.queue).push(Box::new(Op { work, task, answer: None, tries: 0, reply }));
         self.committer.ready.notify_one();
         answer
             .recv()
@@ -813,7 +909,16 @@ impl PgStore {
         &self,
         work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.write(work).map(|(answer, _)| answer)
+        self.write(None, work).map(|(answer, _)| answer)
+    }
+
+    /// [`PgStore::op`] for an operation that touches task `run`/`task`'s rows only.
+    fn op_on<T: Send + 'static>(
+        &self,
+        (run, task): (&str, &str),
+        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.write(Some((run, task)), work).map(|(answer, _)| answer)
     }
 
     fn read<T>(&self, f: impl Fn(&mut Conn) -> Result<T, tokio_postgres::Error>) -> Result<T, StoreError> {
@@ -866,17 +971,21 @@ impl PgStore {
 
 /// A queued write. It may run more than once: a job rolled back (with its group, or alone by
 /// a deadlock) runs again in the next group.
-trait Job: Send {
+pub(super) trait Job: Send {
     /// Runs the operation in the open transaction and keeps its answer.
     fn run(&mut self, tx: &mut dyn Tx) -> Result<(), StoreError>;
     /// Counts a try; false once the job has had its share.
     fn again(&mut self) -> bool;
     /// Hands over the answer with the last sequence the job wrote (0 for none), or the error.
     fn finish(self: Box<Self>, outcome: Result<i64, StoreError>);
+    /// The task (run, id) whose rows alone the job touches, if it is one: jobs of different
+    /// tasks run side by side (`pg_rounds`).
+    fn task(&self) -> Option<&(String, String)>;
 }
 
 struct Op<T, F> {
     work: F,
+    task: Option<(String, String)>,
     answer: Option<T>,
     tries: u32,
     reply: std::sync::mpsc::SyncSender<Result<(T, i64), StoreError>>,
@@ -899,6 +1008,10 @@ impl<T: Send, F: FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send> Job 
             this.answer.map(|a| (a, seq)).ok_or_else(|| StoreError::Db("a write finished without an answer".into()))
         });
         let _ = this.reply.send(answer);
+    }
+
+    fn task(&self) -> Option<&(String, String)> {
+        self.task.as_ref()
     }
 }
 
@@ -1116,27 +1229,41 @@ fn commit(
 /// transaction), the group is rolled back and answered `Redo`: the caller runs it again
 /// `careful`, each job in savepoint `job`, so that the failure undoes only its own job.
 fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, rows: bool) -> Group {
-    let Conn { client, statements } = c;
-    // `BEGIN`, and the step that ends each job's savepoint, ride ahead of the next statement
-    // (`PgTx::pipelined`): no round trip of their own. A group that fails before its `COMMIT`
-    // is abandoned with its connection (the caller drops it), which rolls it back.
-    let mut t = PgTx {
-        tx: client,
-        statements,
-        events: Vec::new(),
-        retry: false,
-        step: Some(if careful { BEGIN_CAREFUL } else { BEGIN }),
-        dirty: false,
-        broken: None,
-        careful,
-        wrote: false,
-        aborted: false,
-    };
+    let mut t = PgTx::begin(c, careful);
     // (job, its first event's index, one past its last).
     let mut ran: Vec<(Box<dyn Job>, usize, usize)> = Vec::with_capacity(jobs.len());
     let mut failed = Vec::new();
     let mut again = Vec::new();
-    let mut rest = jobs.into_iter();
+    // Jobs of different tasks first, side by side in rounds (`pg_rounds`); the rest after them,
+    // one by one.
+    let (together, rest) = if careful { (Vec::new(), jobs) } else { pg_rounds::side_by_side(jobs) };
+    if !together.is_empty() {
+        match pg_rounds::run(&mut t, together) {
+            Rounds::Ended(ended, rounds) => {
+                tracing::trace!(rounds, jobs = ended.len(), "jobs of a group ran side by side");
+                for (mut job, ended) in ended {
+                    match ended {
+                        Ok(events) => {
+                            let before = t.events.len();
+                            t.events.extend(events);
+                            ran.push((job, before, t.events.len()));
+                        }
+                        Err((_, true)) if job.again() => again.push(job),
+                        Err((e, _)) => failed.push((job, e)),
+                    }
+                }
+            }
+            Rounds::Redo(jobs) => {
+                let jobs = jobs.into_iter().chain(rest).collect();
+                return match block_on(t.tx.batch_execute("ROLLBACK")) {
+                    Ok(()) => Group::Redo { jobs },
+                    Err(e) => Group::Lost { jobs, error: (&e).into() },
+                };
+            }
+            Rounds::Lost(jobs, error) => return Group::Lost { jobs: jobs.into_iter().chain(rest).collect(), error },
+        }
+    }
+    let mut rest = rest.into_iter();
     while let Some(mut job) = rest.next() {
         let before = t.events.len();
         t.retry = false;
@@ -1525,37 +1652,40 @@ impl TaskStore for PgStore {
         lease_until_ms: i64,
     ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
         let (run, task, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
-        self.op(move |tx| ops::claim(tx, &run, &task, &owner, lease_until_ms))
+        self.op_on((&run.clone(), &task.clone()), move |tx| ops::claim(tx, &run, &task, &owner, lease_until_ms))
     }
 
     fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
         let a = attempt.clone();
-        self.op(move |tx| ops::heartbeat(tx, &a, lease_until_ms))
+        self.op_on((&attempt.run, &attempt.task), move |tx| ops::heartbeat(tx, &a, lease_until_ms))
     }
 
     fn park(&self, attempt: &Attempt, request: &Value) -> Result<i64, StoreError> {
         let (a, request) = (attempt.clone(), request.clone());
-        self.op(move |tx| ops::park(tx, &a, &request))
+        self.op_on((&attempt.run, &attempt.task), move |tx| ops::park(tx, &a, &request))
     }
 
     fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError> {
         let a = attempt.clone();
-        self.op(move |tx| ops::resume(tx, &a))
+        self.op_on((&attempt.run, &attempt.task), move |tx| ops::resume(tx, &a))
     }
 
     fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError> {
         let (a, ending, idem) = (attempt.clone(), ending.clone(), idem.cloned());
-        self.op(move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
+        self.op_on((&attempt.run, &attempt.task), move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
     }
 
     fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
         let (held, ending) = (held.clone(), ending.clone());
-        self.op(move |tx| ops::release_lost(tx, &held, &ending))
+        self.op_on((&held.attempt.run.clone(), &held.attempt.task.clone()), move |tx| {
+            ops::release_lost(tx, &held, &ending)
+        })
     }
 
     fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError> {
         let (a, events, evidence) = (attempt.clone(), events.to_vec(), evidence.to_vec());
-        self.write(move |tx| ops::record(tx, &a, &events, &evidence)).map(|(_, last)| last)
+        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::record(tx, &a, &events, &evidence))
+            .map(|(_, last)| last)
     }
 
     fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
@@ -1617,17 +1747,18 @@ impl TaskStore for PgStore {
             return self.last_seq();
         }
         let events = events.to_vec();
-        self.write(move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
+        self.write(None, move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
     }
 
     fn finish_keeping(&self, attempt: &Attempt, last: &super::Last, ending: &Ending) -> Result<TaskRow, StoreError> {
         let (a, last, ending) = (attempt.clone(), last.clone(), ending.clone());
-        self.op(move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
+        self.op_on((&attempt.run, &attempt.task), move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
     }
 
     fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
         let (a, output) = (attempt.clone(), output.clone());
-        self.write(move |tx| ops::keep_output(tx, &a, &output.to_string())).map(|_| ())
+        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::keep_output(tx, &a, &output.to_string()))
+            .map(|_| ())
     }
 
     fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
@@ -1645,17 +1776,17 @@ impl TaskStore for PgStore {
 
     fn withdraw(&self, attempt: &Attempt, question: i64) -> Result<(), StoreError> {
         let a = attempt.clone();
-        self.write(move |tx| ops::withdraw(tx, &a, question)).map(|_| ())
+        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::withdraw(tx, &a, question)).map(|_| ())
     }
 
     fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError> {
         let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
-        self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by)).map(|(n, _)| n)
+        self.write(None, move |tx| ops::say(tx, &run, &task, &text, interrupt, &by)).map(|(n, _)| n)
     }
 
     fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
         let a = attempt.clone();
-        self.write(move |tx| ops::take_messages(tx, &a)).map(|(m, _)| m)
+        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::take_messages(tx, &a)).map(|(m, _)| m)
     }
 
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
@@ -1671,7 +1802,7 @@ impl TaskStore for PgStore {
 
     fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
         let (spec, init) = (spec.to_owned(), init.clone());
-        self.write(move |tx| ops::record_agent(tx, &spec, &init)).map(|_| ())
+        self.write(None, move |tx| ops::record_agent(tx, &spec, &init)).map(|_| ())
     }
 
     fn agent(&self, spec: &str) -> Result<Option<super::AgentRow>, StoreError> {
@@ -1759,17 +1890,17 @@ impl TaskStore for PgStore {
 
     fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
         let node = node.to_owned();
-        self.write(move |tx| ops::lease_runs(tx, &node, until_ms)).map(|(held, _)| held)
+        self.write(None, move |tx| ops::lease_runs(tx, &node, until_ms)).map(|(held, _)| held)
     }
 
     fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError> {
         let (node, run) = (node.to_owned(), run.to_owned());
-        self.write(move |tx| ops::lease_run(tx, &node, &run, until_ms)).map(|(held, _)| held)
+        self.write(None, move |tx| ops::lease_run(tx, &node, &run, until_ms)).map(|(held, _)| held)
     }
 
     fn release_runs(&self, node: &str) -> Result<(), StoreError> {
         let node = node.to_owned();
-        self.write(move |tx| ops::release_runs(tx, &node)).map(|_| ())
+        self.write(None, move |tx| ops::release_runs(tx, &node)).map(|_| ())
     }
 
     fn nodes(&self) -> Result<Vec<super::NodeRow>, StoreError> {
@@ -1797,9 +1928,191 @@ impl TaskStore for PgStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::Last;
+    use serde_json::json;
 
     #[test]
     fn placeholders_become_dollars() {
         assert_eq!(dialect("a = ?1 AND b = ?12 AND c = '?'"), "a = $1 AND b = $12 AND c = '?'");
+    }
+
+    // Jobs side by side (`pg_rounds`), against the server `PIER_TEST_PG` names.
+
+    const FAR: i64 = i64::MAX / 2;
+    type Reply = std::sync::mpsc::Receiver<Result<(String, i64), StoreError>>;
+
+    /// A store with run `r` of `tasks` (no dependencies), and a connection of the test's own.
+    fn store(tasks: &[&str]) -> (PgStore, Conn, ScratchDatabase) {
+        let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
+            panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one)")
+        });
+        let db = ScratchDatabase::create(&server, "pier_rounds").unwrap_or_else(|e| panic!("{e}"));
+        let store = PgStore::open(db.url()).unwrap_or_else(|e| panic!("{e}"));
+        let toml: String = tasks.iter().map(|t| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\n\n")).collect();
+        let plan = crate::plan::parse(&toml, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let conn = store.pool.connect().unwrap_or_else(|e| panic!("{e}"));
+        (store, conn, db)
+    }
+
+    fn job(
+        task: Option<&str>,
+        work: impl FnMut(&mut dyn Tx) -> Result<(String, i64), StoreError> + Send + 'static,
+    ) -> (Box<dyn Job>, Reply) {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        let task = task.map(|t| ("r".to_owned(), t.to_owned()));
+        (Box::new(Op { work, task, answer: None, tries: 0, reply }), answer)
+    }
+
+    fn claim(task: &'static str) -> (Box<dyn Job>, Reply) {
+        job(Some(task), move |tx| {
+            let (claimed, seq) = ops::claim(tx, "r", task, "o", FAR)?;
+            Ok((format!("{:?}", claimed.map(|(a, row)| (a.n, row.state))), seq))
+        })
+    }
+
+    fn attempt(task: &str) -> Attempt {
+        Attempt { run: "r".into(), task: task.into(), n: 1, owner: "o".into() }
+    }
+
+    /// Each job's answer, an error as its `Debug` text.
+    fn answers(replies: &[Reply]) -> Vec<Result<String, String>> {
+        let answer = |r: &Reply| r.try_recv().unwrap_or_else(|e| panic!("no answer: {e}"));
+        replies.iter().map(|r| answer(r).map(|(a, _)| a).map_err(|e| format!("{e:?}"))).collect()
+    }
+
+    /// Runs `jobs` as one group the usual way (in rounds, then job by job if sent back) and
+    /// answers them; whether the group was sent back.
+    fn commit_group(conn: &mut Conn, jobs: Vec<Box<dyn Job>>) -> bool {
+        let mut outcome = run_group(conn, jobs, false, false, false);
+        let redone = matches!(outcome, Group::Redo { .. });
+        if let Group::Redo { jobs } = outcome {
+            outcome = run_group(conn, jobs, true, false, false);
+        }
+        let Group::Committed { done, failed, again, .. } = outcome else { panic!("the group did not commit") };
+        assert!(again.is_empty());
+        for (job, seq) in done {
+            job.finish(Ok(seq));
+        }
+        for (job, e) in failed {
+            job.finish(Err(e));
+        }
+        redone
+    }
+
+    #[test]
+    fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
+        let (store, mut conn, _db) = store(&["a", "b", "c", "d"]);
+        let (jobs, replies): (Vec<_>, Vec<_>) = ["a", "b", "c", "d"].into_iter().map(claim).unzip();
+        let mut t = PgTx::begin(&mut conn, false);
+        let Rounds::Ended(ended, rounds) = pg_rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
+        // One statement each, all four in one round trip.
+        assert_eq!(rounds, 1);
+        let mut done = Vec::new();
+        for (job, ended) in ended {
+            let Ok(events) = ended else { panic!("a claim failed") };
+            t.events.extend(events);
+            done.push(job);
+        }
+        let (numbered, committed) = number_and_commit(&mut t, false, false);
+        assert!(committed.is_ok());
+        let ((first, last), _) = numbered.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(last - first + 1, 4, "one transition each");
+        for job in done {
+            job.finish(Ok(last));
+        }
+        for (reply, _) in replies.iter().zip(0..) {
+            assert_eq!(answers(std::slice::from_ref(reply)), [Ok("Some((1, Running))".to_owned())]);
+        }
+        // Operations of several statements, side by side: the longest sets the rounds.
+        let (park, parked) =
+            job(Some("d"), |tx| ops::park(tx, &attempt("d"), &json!({"ask": 1})).map(|(n, s)| (n.to_string(), s)));
+        let (beat, beaten) =
+            job(Some("a"), |tx| ops::heartbeat(tx, &attempt("a"), FAR + 1).map(|(b, s)| (b.to_string(), s)));
+        let ending = Ending::Completed { result: "fine".into(), usage: None };
+        let (end, ended) = job(Some("b"), move |tx| {
+            ops::finish(tx, &attempt("b"), &ending, None).map(|(r, s)| (r.state.as_str().to_owned(), s))
+        });
+        let evidence = [json!({"wrote": "x"}), json!({"wrote": "y"})];
+        let (note, noted) = job(Some("c"), move |tx| {
+            ops::record(tx, &attempt("c"), &[("note".into(), json!({}))], &evidence).map(|(l, s)| (l.to_string(), s))
+        });
+        assert!(!commit_group(&mut conn, vec![park, beat, end, note]));
+        let got = answers(&[parked, beaten, ended, noted]);
+        assert_eq!(got[..3], [Ok("1".to_owned()), Ok("true".to_owned()), Ok("completed".to_owned())]);
+        assert!(got[3].is_ok());
+        let state = |t: &str| store.task("r", t).ok().flatten().map(|r| r.state);
+        assert_eq!(
+            [state("a"), state("b"), state("d")],
+            [Some(TaskState::Running), Some(TaskState::Completed), Some(TaskState::AwaitingInput)]
+        );
+        assert_eq!(store.task("r", "a").ok().flatten().and_then(|r| r.lease_expires_at_ms), Some(FAR + 1));
+        assert_eq!(store.evidence("r", "c", 1).unwrap_or_default().len(), 2);
+        assert!(store.open_question("r", "d").ok().flatten().is_some());
+    }
+
+    #[test]
+    fn a_job_failing_after_a_write_sends_the_group_back_and_fails_alone() {
+        let (store, mut conn, _db) = store(&["a", "b"]);
+        let (j, r) = claim("a");
+        commit_group(&mut conn, vec![j]);
+        answers(&[r]);
+        store.say("r", "a", "one more thing", false, "p").unwrap_or_else(|e| panic!("{e}"));
+        // The ending writes, then finds the message: it must be undone, and only a savepoint
+        // undoes one job of a group.
+        let last = Last { events: Vec::new(), evidence: Vec::new(), output: json!("out"), unless_messages: true };
+        let ending = Ending::Completed { result: "fine".into(), usage: None };
+        let (end, ended) = job(Some("a"), move |tx| {
+            let (row, seq) = ops::finish_keeping(tx, &attempt("a"), &last, &ending)?;
+            Ok((format!("{:?}", row.map(|r| r.state)), seq))
+        });
+        let (take, took) = claim("b");
+        assert!(commit_group(&mut conn, vec![end, take]), "the group was not sent back");
+        let got = answers(&[ended, took]);
+        assert!(got[0].as_ref().is_err_and(|e| e.starts_with("MessagesWaiting")), "{:?}", got[0]);
+        assert_eq!(got[1], Ok("Some((1, Running))".to_owned()));
+        assert_eq!(store.task("r", "a").ok().flatten().map(|r| r.state), Some(TaskState::Running));
+    }
+
+    #[test]
+    fn a_failing_statement_or_a_diverging_job_sends_the_group_back() {
+        let (store, mut conn, _db) = store(&["a", "b", "c"]);
+        let (bad, failed) = job(Some("a"), |tx| tx.exec("UPDATE nowhere SET x = 1", &[]).map(|n| (n.to_string(), 0)));
+        let (take, took) = claim("b");
+        assert!(commit_group(&mut conn, vec![bad, take]));
+        let got = answers(&[failed, took]);
+        assert!(got[0].as_ref().is_err_and(|e| e.contains("nowhere")), "{:?}", got[0]);
+        assert_eq!(got[1], Ok("Some((1, Running))".to_owned()));
+        // A job that asks for another statement when run again (it read the clock on an edge).
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = runs.clone();
+        let (odd, oddly) = job(Some("a"), move |tx| {
+            let sql = match seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+                0 => "SELECT 1::BIGINT",
+                _ => "SELECT 2::BIGINT",
+            };
+            tx.int(sql, &[])?;
+            Ok((tx.int("SELECT 3::BIGINT", &[])?.unwrap_or_default().to_string(), 0))
+        });
+        let (take, took) = claim("c");
+        assert!(commit_group(&mut conn, vec![odd, take]));
+        assert_eq!(answers(&[oddly, took]), [Ok("3".to_owned()), Ok("Some((1, Running))".to_owned())]);
+        assert_eq!(store.task("r", "c").ok().flatten().map(|r| r.state), Some(TaskState::Running));
+    }
+
+    #[test]
+    fn only_the_first_job_of_a_task_goes_side_by_side() {
+        let (a1, _r1) = claim("a");
+        let (a2, _r2) = claim("a");
+        let (b, _r3) = claim("b");
+        let (none, _r4) = job(None, |_| Ok((String::new(), 0)));
+        let (together, rest) = pg_rounds::side_by_side(vec![a1, a2, b, none]);
+        let tasks = |jobs: &[Box<dyn Job>]| jobs.iter().map(|j| j.task().map(|(_, t)| t.clone())).collect::<Vec<_>>();
+        assert_eq!(tasks(&together), [Some("a".to_owned()), Some("b".to_owned())]);
+        assert_eq!(tasks(&rest), [Some("a".to_owned()), None]);
+        // One job alone gains nothing from rounds.
+        let (a, _r5) = claim("a");
+        let (together, rest) = pg_rounds::side_by_side(vec![a]);
+        assert_eq!((together.len(), rest.len()), (0, 1));
     }
 }

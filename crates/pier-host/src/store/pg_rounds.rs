@@ -1,0 +1,275 @@
+//! A group's jobs side by side: each job's statements go to PostgreSQL in *rounds*, one round
+//! trip carrying the next statement of every job, instead of one round trip per statement.
+//!
+//! The operations ([`super::ops`]) are synchronous code over [`super::ops::Tx`] and stay so
+//! (SQLite runs the same code). A job runs until it asks for a statement whose answer it does
+//! not have yet: the call is noted and the job stops there (`Replay::wanted`; the error it
+//! returns is dropped). Once every job has stopped or ended, the noted statements are sent in
+//! one pipeline, and each stopped job runs again from its start, its earlier calls answered
+//! from what it was given (`Replay::calls`), up to its next new call. Replaying is cheap (an
+//! operation is a handful of branches between statements) and safe because an operation's
+//! only effects are its statements and its buffered events; a run that asks for other
+//! statements than before (it read the clock on a lease's edge) *diverges*, and the group goes
+//! back to be run job by job.
+//!
+//! Jobs side by side must not see each other half done, so at most one job per task runs in
+//! the rounds (an operation touches its own task's rows only: the task, its attempts,
+//! questions and messages); jobs without a task (a run's creation, leases, a retry that moves
+//! dependents) and a second job of the same task run one by one after the rounds, as before.
+//! A statement that fails aborts the transaction: the group is rolled back and run job by
+//! job in savepoints, which finds the job it belongs to.
+
+use std::collections::HashSet;
+
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Row, Statement};
+
+use super::StoreError;
+use super::ops::Arg;
+use super::pg::{Job, Pending, PgTx, block_on};
+
+/// A statement's argument, owned: it is sent after the job that asked for it has stopped.
+#[derive(Debug, Clone)]
+pub(super) enum Owned {
+    Int(i64),
+    OptInt(Option<i64>),
+    Text(String),
+    OptText(Option<String>),
+}
+
+impl From<&Arg<'_>> for Owned {
+    fn from(a: &Arg<'_>) -> Owned {
+        match *a {
+            Arg::Int(i) => Owned::Int(i),
+            Arg::OptInt(i) => Owned::OptInt(i),
+            Arg::Text(t) => Owned::Text(t.to_owned()),
+            Arg::OptText(t) => Owned::OptText(t.map(str::to_owned)),
+        }
+    }
+}
+
+impl ToSql for Owned {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut tokio_postgres::types::private::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match self {
+            Owned::Int(i) => i.to_sql(ty, out),
+            Owned::OptInt(i) => i.to_sql(ty, out),
+            Owned::Text(t) => t.as_str().to_sql(ty, out),
+            Owned::OptText(t) => t.as_deref().to_sql(ty, out),
+        }
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        <i64 as ToSql>::accepts(ty) || <&str as ToSql>::accepts(ty)
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+/// A statement a job asked for.
+pub(super) struct Want {
+    pub sql: &'static str,
+    pub statement: Statement,
+    pub args: Vec<Owned>,
+    /// Rows wanted (`query`), or the count of rows changed (`execute`).
+    pub rows: bool,
+}
+
+/// What a statement answered.
+#[derive(Clone)]
+pub(super) enum Answer {
+    Rows(Vec<Row>),
+    Count(u64),
+}
+
+/// One job's part in the rounds.
+#[derive(Default)]
+pub(super) struct Replay {
+    /// Each call answered so far: its statements (to tell a diverging run) and their answers.
+    calls: Vec<(Vec<&'static str>, Vec<Answer>)>,
+    /// The call the current run is at.
+    next: usize,
+    /// The new call the current run stopped at.
+    pub wanted: Option<Vec<Want>>,
+    /// The current run asked for other statements than an earlier run had at the same call.
+    pub diverged: bool,
+}
+
+impl Replay {
+    /// The answers to the run's next call, which asks for `sqls`; `None` if it is new (the
+    /// caller notes it in `wanted`) or the run diverged or already stopped (a job that went
+    /// on after its stop is dropped all the same).
+    pub fn answer(&mut self, sqls: &[&'static str]) -> Option<Vec<Answer>> {
+        if self.wanted.is_some() || self.diverged {
+            return None;
+        }
+        let (asked, answers) = self.calls.get(self.next)?;
+        if asked.as_slice() != sqls {
+            self.diverged = true;
+            return None;
+        }
+        self.next += 1;
+        Some(answers.clone())
+    }
+}
+
+/// A group's jobs.
+pub(super) type Jobs = Vec<Box<dyn Job>>;
+
+/// How a job of the rounds ended: its events, or its error (it changed nothing) and whether
+/// that may pass on another try.
+pub(super) type Ending = Result<Vec<Pending>, (StoreError, bool)>;
+
+/// How the rounds went.
+pub(super) enum Rounds {
+    /// Every job ended: those that succeeded with their events, in order; those that failed
+    /// (having changed nothing) with their error and whether it may pass on another try. With
+    /// the number of rounds sent (the round trips).
+    Ended(Vec<(Box<dyn Job>, Ending)>, usize),
+    /// The group is to be run job by job: a statement failed, a job that changed something
+    /// failed, or a job diverged. The transaction (if begun) is left for the caller to roll back.
+    Redo(Jobs),
+    /// The connection broke: nothing of the group happened.
+    Lost(Jobs, StoreError),
+}
+
+/// Splits a group's jobs into those that run side by side (the first job of each task) and
+/// the rest, each part in queue order.
+pub(super) fn side_by_side(jobs: Jobs) -> (Jobs, Jobs) {
+    let mut tasks = HashSet::new();
+    let (mut together, mut rest) = (Vec::new(), Vec::new());
+    for job in jobs {
+        let first = match job.task() {
+            Some(key) => tasks.insert(key.clone()),
+            None => false,
+        };
+        if first { together.push(job) } else { rest.push(job) }
+    }
+    // One job alone gains nothing from rounds.
+    if together.len() < 2 {
+        together.append(&mut rest);
+        return (Vec::new(), together);
+    }
+    (together, rest)
+}
+
+struct Slot {
+    job: Box<dyn Job>,
+    replay: Replay,
+    ended: Option<Ending>,
+}
+
+/// Runs `jobs` in rounds in `t`'s transaction (its pending `BEGIN` rides with the first).
+pub(super) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
+    let mut slots: Vec<Slot> =
+        jobs.into_iter().map(|job| Slot { job, replay: Replay::default(), ended: None }).collect();
+    let every = |slots: Vec<Slot>| slots.into_iter().map(|s| s.job).collect::<Vec<_>>();
+    let mut sent = 0;
+    loop {
+        let mut round: Vec<(usize, Vec<Want>)> = Vec::new();
+        for (i, slot) in slots.iter_mut().enumerate().filter(|(_, s)| s.ended.is_none()) {
+            let (outcome, mut replay, events) = t.replaying(std::mem::take(&mut slot.replay), |t| slot.job.run(t));
+            if replay.diverged {
+                tracing::debug!("a job asked for other statements when run again; the group runs job by job");
+                return Rounds::Redo(every(slots));
+            }
+            if let Some(wants) = replay.wanted.take() {
+                replay.next = 0;
+                slot.replay = replay;
+                round.push((i, wants));
+                continue;
+            }
+            slot.ended = Some(match outcome {
+                Ok(()) => Ok(events),
+                // A failure after a write must be undone, and only a savepoint undoes one job.
+                Err(_) if t.wrote || t.aborted => return Rounds::Redo(every(slots)),
+                Err(e) => Err((e, t.retry)),
+            });
+        }
+        if round.is_empty() {
+            break;
+        }
+        sent += 1;
+        match send(t, &round) {
+            Ok(answers) => {
+                for ((i, wants), answers) in round.into_iter().zip(answers) {
+                    if let Some(slot) = slots.get_mut(i) {
+                        slot.replay.calls.push((wants.iter().map(|w| w.sql).collect(), answers));
+                    }
+                }
+            }
+            Err(Sent::Lost(e)) => return Rounds::Lost(every(slots), e),
+            Err(Sent::Failed) => return Rounds::Redo(every(slots)),
+        }
+    }
+    Rounds::Ended(slots.into_iter().filter_map(|s| s.ended.map(|ended| (s.job, ended))).collect(), sent)
+}
+
+enum Sent {
+    /// The connection broke.
+    Lost(StoreError),
+    /// A statement failed (the transaction is aborted).
+    Failed,
+}
+
+/// Sends a round in one pipeline, the transaction's pending step (`BEGIN`) ahead of it.
+fn send(t: &mut PgTx<'_>, round: &[(usize, Vec<Want>)]) -> Result<Vec<Vec<Answer>>, Sent> {
+    let client = t.tx;
+    let step = t.step.take();
+    let stepped = async {
+        match step {
+            Some(s) => client.batch_execute(s).await,
+            None => Ok(()),
+        }
+    };
+    let statements = round.iter().flat_map(|(_, wants)| wants).map(|w| async move {
+        let params: Vec<&(dyn ToSql + Sync)> = w.args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        if w.rows {
+            client.query(&w.statement, &params).await.map(Answer::Rows)
+        } else {
+            client.execute(&w.statement, &params).await.map(Answer::Count)
+        }
+    });
+    let (stepped, answers) = block_on(futures::future::join(stepped, futures::future::join_all(statements)));
+    if let Err(e) = stepped {
+        return Err(if client.is_closed() { Sent::Lost((&e).into()) } else { Sent::Failed });
+    }
+    let mut answers = answers.into_iter();
+    let mut out = Vec::with_capacity(round.len());
+    for (_, wants) in round {
+        let mut these = Vec::with_capacity(wants.len());
+        for _ in wants {
+            match answers.next() {
+                Some(Ok(answer)) => these.push(answer),
+                Some(Err(e)) if client.is_closed() => return Err(Sent::Lost((&e).into())),
+                _ => return Err(Sent::Failed),
+            }
+        }
+        out.push(these);
+    }
+    Ok(out)
+}
+
+impl Answer {
+    pub fn rows(self) -> Result<Vec<Row>, StoreError> {
+        match self {
+            Answer::Rows(rows) => Ok(rows),
+            Answer::Count(_) => Err(no_answer()),
+        }
+    }
+
+    pub fn count(self) -> Result<u64, StoreError> {
+        match self {
+            Answer::Count(n) => Ok(n),
+            Answer::Rows(_) => Err(no_answer()),
+        }
+    }
+}
+
+/// A call answered with something else than it asked for (a defect, never the database's doing).
+pub(super) fn no_answer() -> StoreError {
+    StoreError::Db("a statement of a round came back without the answer it asked for".into())
+}
