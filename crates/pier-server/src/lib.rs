@@ -691,9 +691,34 @@ struct Replay {
     store: Arc<dyn TaskStore>,
     run: Option<String>,
     cursor: pier_host::LogCursor,
+    /// This process's commits with their events: a follower caught up takes them from here
+    /// instead of reading the store (other processes' commits are read).
+    own: tokio::sync::broadcast::Receiver<Arc<pier_host::store::OwnCommit>>,
     buffer: std::collections::VecDeque<pier_host::Event>,
     /// The read of the batch after `buffer`, already under way.
     next: Option<tokio::task::JoinHandle<Result<Vec<pier_host::Event>, StoreError>>>,
+}
+
+impl Replay {
+    /// The events of this process's commits that follow on from what was read, in order (of
+    /// the run followed, if one is). A commit that does not follow (another process committed
+    /// in between) is passed over: the read that the gap calls for gives its events too.
+    fn take_own(&mut self) -> Vec<pier_host::Event> {
+        use tokio::sync::broadcast::error::TryRecvError;
+        let mut taken = Vec::new();
+        loop {
+            match self.own.try_recv() {
+                Ok(commit) => {
+                    if self.cursor.follows(&commit) {
+                        let ours = commit.events.iter().filter(|e| self.run.as_ref().is_none_or(|r| *r == e.run));
+                        taken.extend(ours.map(pier_host::store::RawEvent::event));
+                    }
+                }
+                Err(TryRecvError::Lagged(_)) => {}
+                Err(_) => return taken,
+            }
+        }
+    }
 }
 
 /// One log event as SSE: `id` is its sequence, `event` its type, `data` the event
@@ -748,7 +773,8 @@ fn event_stream(
         tokio::task::spawn_blocking(move || store.events_after(run.as_deref(), after, EVENT_BATCH))
     };
     let cursor = pier_host::LogCursor::new(after);
-    let state = Replay { store, run, cursor, buffer: std::collections::VecDeque::new(), next: None };
+    let own = store.own_commits();
+    let state = Replay { store, run, cursor, own, buffer: std::collections::VecDeque::new(), next: None };
     let replay = futures::stream::unfold(state, move |mut st| async move {
         loop {
             if let Some(e) = st.buffer.pop_front() {
@@ -759,6 +785,11 @@ fn event_stream(
                 None => Vec::new(),
             };
             let events = if prefetched.is_empty() {
+                let taken = st.take_own();
+                if !taken.is_empty() {
+                    st.buffer = taken.into();
+                    continue;
+                }
                 // Subscribe before reading, so a commit in between is not missed; read only what
                 // can have come (`LogCursor`).
                 let mut rx = st.store.subscribe();

@@ -114,6 +114,34 @@ pub struct OwnCommit {
     pub after: i64,
     pub upto: i64,
     pub tasks: Vec<TaskRow>,
+    /// Every event of `(after, upto]`, in order: what a follower of the log would read.
+    pub events: Vec<RawEvent>,
+}
+
+/// An event as its commit wrote it, its data still text: whoever takes it parses it, not the
+/// committer.
+#[derive(Debug, Clone)]
+pub struct RawEvent {
+    pub seq: i64,
+    pub run: String,
+    pub task: Option<String>,
+    pub kind: String,
+    pub at_ms: i64,
+    pub data: String,
+}
+
+impl RawEvent {
+    /// The event as a read of the log gives it.
+    pub fn event(&self) -> Event {
+        Event {
+            seq: self.seq,
+            run: self.run.clone(),
+            task: self.task.clone(),
+            kind: self.kind.clone(),
+            at_ms: self.at_ms,
+            data: serde_json::from_str(&self.data).unwrap_or(Value::Null),
+        }
+    }
 }
 
 /// How many of its own commits a store keeps for a follower that has not taken them yet;
@@ -181,6 +209,18 @@ impl LogCursor {
     /// Whether a read can find anything, when the watch shows `seen`.
     pub fn due(&self, seen: i64) -> bool {
         self.full || seen > self.read_to
+    }
+
+    /// Takes in one of this process's commits ([`OwnCommit`]) if it follows on from what has
+    /// been read (no other commit in between, no full batch pending): true if taken, and the
+    /// follower is then current to its end.
+    pub fn follows(&mut self, commit: &OwnCommit) -> bool {
+        if self.full || commit.after != self.read_to {
+            return false;
+        }
+        self.after = commit.upto;
+        self.read_to = commit.upto;
+        true
     }
 
     /// Takes in a read of at most `limit` events, begun when the watch showed `seen`.
@@ -619,5 +659,12 @@ mod tests {
         assert_eq!((c.after(), c.due(5), c.due(6)), (3, false, true), "a short read saw up to 5");
         c.read(&[], 2, 9);
         assert_eq!((c.after(), c.due(9), c.due(10)), (3, false, true), "other runs' events passed over");
+        // This process's commits are taken while each starts where the cursor has read to.
+        let own = |after, upto| OwnCommit { after, upto, tasks: Vec::new(), events: Vec::new() };
+        assert!(!c.follows(&own(10, 12)), "another's commit came in between");
+        assert!(c.follows(&own(9, 12)));
+        assert_eq!((c.after(), c.due(12), c.due(13)), (12, false, true));
+        c.read(&[event(13), event(14)], 2, 20);
+        assert!(!c.follows(&own(12, 15)) && !c.follows(&own(14, 15)), "not while a full batch is pending");
     }
 }

@@ -40,7 +40,8 @@ use super::pg_target::{Target, tls_advice};
 
 use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
 use super::{
-    Attempt, Ending, Event, Held, Idem, OwnCommit, Question, StoreError, TaskRow, TaskStore, announce, lock, publish,
+    Attempt, Ending, Event, Held, Idem, OwnCommit, Question, RawEvent, StoreError, TaskRow, TaskStore, announce, lock,
+    publish,
 };
 use crate::plan::Plan;
 use crate::state::TaskState;
@@ -1037,8 +1038,9 @@ enum Group {
         again: Vec<Box<dyn Job>>,
         /// The group's events: `(first, last)`, `(0, 0)` for none.
         numbered: (i64, i64),
-        /// The tasks with an event in the group, as it left them, if they were asked for.
-        tasks: Option<Vec<RawTask>>,
+        /// The tasks with an event in the group, as it left them, and its events, if they
+        /// were asked for.
+        own: Option<(Vec<RawTask>, Vec<RawEvent>)>,
     },
     /// Rolled back before the commit (the connection broke): nothing happened.
     Lost { jobs: Vec<Box<dyn Job>>, error: StoreError },
@@ -1182,14 +1184,13 @@ fn commit(
         outcome = run_group(conn, jobs, true, ring, rows);
     }
     match outcome {
-        Group::Committed { done, failed, again, numbered: (first, last), tasks } => {
+        Group::Committed { done, failed, again, numbered: (first, last), own: read } => {
             if last > 0 {
                 bell.committed(last, ring);
                 // Rows that do not decode are not sent: followers read them, and hear why.
-                let own_commit = tasks.and_then(|raw| decode_all(raw).ok()).map(|tasks| OwnCommit {
-                    after: first - 1,
-                    upto: last,
-                    tasks,
+                let own_commit = read.and_then(|(raw, events)| {
+                    let tasks = decode_all(raw).ok()?;
+                    Some(OwnCommit { after: first - 1, upto: last, tasks, events })
                 });
                 announce(own, seq_tx, own_commit, last);
             }
@@ -1301,7 +1302,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, r
     // The events are numbered and the transaction committed in one round trip (pipelined):
     // if numbering fails, PostgreSQL turns the `COMMIT` behind it into a rollback.
     let (numbered, committed) = number_and_commit(&mut t, ring, rows);
-    let ((first, last), tasks) = match numbered {
+    let ((first, last), own) = match numbered {
         Ok(numbered) => numbered,
         Err(e) => return Group::Lost { jobs: every_job(ran, failed, again, []), error: e },
     };
@@ -1311,7 +1312,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, r
     }
     let done =
         ran.into_iter().map(|(job, from, to)| (job, if to > from { first + to as i64 - 1 } else { 0 })).collect();
-    Group::Committed { done, failed, again, numbered: (first, last), tasks }
+    Group::Committed { done, failed, again, numbered: (first, last), own }
 }
 
 /// Every job of a group that did not commit, whatever became of each: those that ran, failed
@@ -1332,7 +1333,8 @@ fn every_job(
 /// Numbers the transaction's buffered events from the counter row, writes them, (with
 /// `ring`) rings the doorbell and (with `rows`) reads back every task they name, in one
 /// prepared statement, with the `COMMIT` sent right behind it: (((the first sequence, the
-/// last) or `(0, 0)` without events, the tasks if asked for), the commit's outcome).
+/// last) or `(0, 0)` without events, with `rows` the tasks and the numbered events), the
+/// commit's outcome).
 ///
 /// The tasks are read in the statement's snapshot, which may predate a commit of another
 /// node that the counter row waited for: a task this group wrote an event for without
@@ -1343,7 +1345,7 @@ fn number_and_commit(
     t: &mut PgTx<'_>,
     ring: bool,
     rows: bool,
-) -> (Result<((i64, i64), Option<Vec<RawTask>>), StoreError>, Result<(), tokio_postgres::Error>) {
+) -> (Result<((i64, i64), Option<(Vec<RawTask>, Vec<RawEvent>)>), StoreError>, Result<(), tokio_postgres::Error>) {
     // `r` holds the counter and the ring; a volatile function (`pg_notify`) keeps it from being
     // folded into the outer query, so it rings once whatever number of task rows follow.
     const NUMBER: &str = "WITH c AS (UPDATE pier_seq SET n = n + ?1 WHERE id = 1 RETURNING n),
@@ -1406,7 +1408,24 @@ fn number_and_commit(
         Ok((last, tasks))
     });
     let numbered = match numbered {
-        Ok((Some(last), tasks)) => Ok(((last - k + 1, last), tasks)),
+        Ok((Some(last), tasks)) => {
+            let first = last - k + 1;
+            let own = tasks.map(|tasks| {
+                let numbered = std::mem::take(&mut t.events).into_iter().zip(first..);
+                let events = numbered
+                    .map(|(e, seq)| RawEvent {
+                        seq,
+                        run: e.run,
+                        task: e.task,
+                        kind: e.kind,
+                        at_ms: e.at_ms,
+                        data: e.data,
+                    })
+                    .collect();
+                (tasks, events)
+            });
+            Ok(((first, last), own))
+        }
         Ok((None, _)) => Err(StoreError::Db("numbering the events returned no counter".into())),
         Err(e) => Err(StoreError::from(&e)),
     };

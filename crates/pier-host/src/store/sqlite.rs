@@ -25,7 +25,9 @@ use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 
 use super::ops::{self, Arg, RawTask, TASK_COLUMNS, Tx, decode_all, load_task, plain_row};
-use super::{Attempt, Ending, Event, Held, Idem, OwnCommit, Question, StoreError, TaskRow, TaskStore, lock, publish};
+use super::{
+    Attempt, Ending, Event, Held, Idem, OwnCommit, Question, RawEvent, StoreError, TaskRow, TaskStore, lock, publish,
+};
 use crate::plan::Plan;
 use crate::state::TaskState;
 
@@ -379,8 +381,11 @@ impl SqliteStore {
         let own = match (before, &state) {
             (Some(after), Ok(())) => (|| {
                 let upto = last_seq(conn)?;
-                let tasks = if upto > after { changed_between(conn, after, upto)? } else { Vec::new() };
-                Ok::<_, StoreError>(OwnCommit { after, upto, tasks })
+                if upto <= after {
+                    return Ok(OwnCommit { after, upto, tasks: Vec::new(), events: Vec::new() });
+                }
+                let (tasks, events) = (changed_between(conn, after, upto)?, events_between(conn, after, upto)?);
+                Ok::<_, StoreError>(OwnCommit { after, upto, tasks, events })
             })()
             .ok()
             .filter(|c| c.upto > c.after),
@@ -436,6 +441,24 @@ fn changed_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<TaskRow>
     ))?;
     let rows = stmt.query_map(params![after, upto], row_to_task)?;
     collect(rows)
+}
+
+/// The events of `(after, upto]`, in order, their data as text.
+fn events_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<RawEvent>, StoreError> {
+    let mut stmt = c.prepare_cached(
+        "SELECT seq, run_id, task_id, type, at_ms, data FROM events WHERE seq > ?1 AND seq <= ?2 ORDER BY seq",
+    )?;
+    let rows = stmt.query_map(params![after, upto], |r| {
+        Ok(RawEvent {
+            seq: r.get(0)?,
+            run: r.get(1)?,
+            task: r.get(2)?,
+            kind: r.get(3)?,
+            at_ms: r.get(4)?,
+            data: r.get(5)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<Vec<_>, _>>()?)
 }
 
 /// `data_version` changes when another connection commits to the file; only then is the
