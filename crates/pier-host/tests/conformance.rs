@@ -312,6 +312,33 @@ fn tasks_changed_reports_what_events_touched_in_every_run() {
     });
 }
 
+/// A task's latest events, oldest first, picked out of its run's log (other tasks' passed over).
+#[test]
+fn a_tasks_latest_events_come_oldest_first() {
+    each(|name, s| {
+        let a = claim(s, "a", "o");
+        for n in 0..5 {
+            s.record(&a, &[("note".into(), json!({"n": n}))], &[]).unwrap_or_else(|e| panic!("{e}"));
+            let other = ("r".to_owned(), Some("b".to_owned()), "note".to_owned(), json!({"n": n}));
+            s.append_events(&[other]).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let last = s.task_events("r", "a", 3).unwrap_or_else(|e| panic!("{e}"));
+        let ns: Vec<_> = last.iter().map(|e| e.data["n"].as_i64()).collect();
+        assert_eq!(ns, [Some(2), Some(3), Some(4)], "{name}");
+        assert!(last.iter().all(|e| e.task.as_deref() == Some("a")), "{name}");
+        let all = s.task_events("r", "a", 1000).unwrap_or_else(|e| panic!("{e}"));
+        let logged: Vec<i64> = s
+            .events_after(Some("r"), 0, 1000)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.task.as_deref() == Some("a"))
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(all.iter().map(|e| e.seq).collect::<Vec<_>>(), logged, "{name}: every one, in order");
+        assert!(s.task_events("r", "nobody", 10).unwrap_or_default().is_empty(), "{name}");
+    });
+}
+
 /// Each commit of a handle comes to its own followers with the rows a read of the log would
 /// give, current from where the previous one left off; another handle's commits (another
 /// process) are not among them and show as a gap.

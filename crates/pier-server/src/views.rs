@@ -99,26 +99,13 @@ pub fn task(s: &dyn TaskStore, run: &str, task: &str) -> Result<TaskView, StoreE
     Ok(TaskView { attempts: s.attempts(run, task)?, question: s.open_question(run, task)?, agent, row })
 }
 
-/// Most events a task page reads (its run's log is read in batches and filtered).
+/// Most events a task page shows.
 const TASK_EVENTS: usize = 20_000;
 
-/// A task's latest events (at most [`TASK_EVENTS`]), oldest first, from its run's log (the
-/// `/events` read, filtered): a chatty task shows its last attempt, not its first.
+/// A task's latest events (at most [`TASK_EVENTS`]), oldest first: a chatty task shows its
+/// last attempt, not its first. Picked out by the store, not by reading the run's log.
 pub fn task_events(s: &dyn TaskStore, run: &str, task: &str) -> Result<Vec<Event>, StoreError> {
-    let mut out = std::collections::VecDeque::new();
-    let mut after = 0;
-    loop {
-        let batch = s.events_after(Some(run), after, 1000)?;
-        let Some(last) = batch.last() else { break };
-        after = last.seq;
-        for e in batch.into_iter().filter(|e| e.task.as_deref() == Some(task)) {
-            if out.len() == TASK_EVENTS {
-                out.pop_front();
-            }
-            out.push_back(e);
-        }
-    }
-    Ok(out.into())
+    s.task_events(run, task, TASK_EVENTS)
 }
 
 /// Every task of the store waiting on a person, with its question (none: a re-run decision).

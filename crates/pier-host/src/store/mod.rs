@@ -611,6 +611,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Every agent spec's last `initialize` answer.
     fn agents(&self) -> Result<Vec<AgentRow>, StoreError>;
     fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError>;
+    /// Task `task`'s latest `last` events, oldest first (picked out in the database from its
+    /// run's log, not read whole by the caller).
+    fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError>;
     fn last_seq(&self) -> Result<i64, StoreError>;
     /// The runs that have a task with this id, newest first.
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;

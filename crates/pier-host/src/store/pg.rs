@@ -443,6 +443,18 @@ fn row_to_task(r: &tokio_postgres::Row) -> Result<RawTask, tokio_postgres::Error
     Ok((row, r.try_get(12)?, r.try_get(10)?, r.try_get(2)?))
 }
 
+fn row_to_event(r: &tokio_postgres::Row) -> Result<Event, tokio_postgres::Error> {
+    let data: String = r.try_get(5)?;
+    Ok(Event {
+        seq: r.try_get(0)?,
+        run: r.try_get(1)?,
+        task: r.try_get(2)?,
+        kind: r.try_get(3)?,
+        at_ms: r.try_get(4)?,
+        data: serde_json::from_str(&data).unwrap_or(Value::Null),
+    })
+}
+
 /// An event written by the open transaction, numbered at its commit.
 pub(super) struct Pending {
     run: String,
@@ -1851,19 +1863,19 @@ impl TaskStore for PgStore {
                  WHERE seq > $1 AND ($2::text IS NULL OR run_id = $2) ORDER BY seq LIMIT $3",
                 &[&after, &run, &limit],
             ))?;
-            rows.iter()
-                .map(|r| {
-                    let data: String = r.try_get(5)?;
-                    Ok(Event {
-                        seq: r.try_get(0)?,
-                        run: r.try_get(1)?,
-                        task: r.try_get(2)?,
-                        kind: r.try_get(3)?,
-                        at_ms: r.try_get(4)?,
-                        data: serde_json::from_str(&data).unwrap_or(Value::Null),
-                    })
-                })
-                .collect()
+            rows.iter().map(row_to_event).collect()
+        })
+    }
+
+    fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError> {
+        let last = last as i64;
+        self.read(|c| {
+            let rows = block_on(c.client.query(
+                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+                 WHERE run_id = $1 AND task_id = $2 ORDER BY seq DESC LIMIT $3",
+                &[&run, &task, &last],
+            ))?;
+            rows.iter().rev().map(row_to_event).collect()
         })
     }
 

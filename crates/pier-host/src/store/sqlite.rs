@@ -443,6 +443,18 @@ fn changed_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<TaskRow>
     collect(rows)
 }
 
+fn row_to_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<Event> {
+    let data: String = r.get(5)?;
+    Ok(Event {
+        seq: r.get(0)?,
+        run: r.get(1)?,
+        task: r.get(2)?,
+        kind: r.get(3)?,
+        at_ms: r.get(4)?,
+        data: serde_json::from_str(&data).unwrap_or(Value::Null),
+    })
+}
+
 /// The events of `(after, upto]`, in order, their data as text.
 fn events_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<RawEvent>, StoreError> {
     let mut stmt = c.prepare_cached(
@@ -751,18 +763,21 @@ impl TaskStore for SqliteStore {
                 "SELECT seq, run_id, task_id, type, at_ms, data FROM events
                  WHERE seq > ?1 AND (?2 IS NULL OR run_id = ?2) ORDER BY seq LIMIT ?3",
             )?;
-            let rows = stmt.query_map(params![after, run, limit as i64], |r| {
-                let data: String = r.get(5)?;
-                Ok(Event {
-                    seq: r.get(0)?,
-                    run: r.get(1)?,
-                    task: r.get(2)?,
-                    kind: r.get(3)?,
-                    at_ms: r.get(4)?,
-                    data: serde_json::from_str(&data).unwrap_or(Value::Null),
-                })
-            })?;
+            let rows = stmt.query_map(params![after, run, limit as i64], row_to_event)?;
             Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
+    fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError> {
+        self.read(|c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+                 WHERE run_id = ?1 AND task_id = ?2 ORDER BY seq DESC LIMIT ?3",
+            )?;
+            let rows = stmt.query_map(params![run, task, last as i64], row_to_event)?;
+            let mut events = rows.collect::<Result<Vec<_>, _>>()?;
+            events.reverse();
+            Ok(events)
         })
     }
 
