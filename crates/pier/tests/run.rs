@@ -783,7 +783,10 @@ async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     }
     assert_eq!(f.requests().iter().filter(|r| !r.auxiliary).count(), 1, "the task ran once");
-    assert!(used < 50, "the waiting host used {used} ms of CPU in 5 s");
+    // A host that spun would use seconds; this one's lease tries (every third of a second, each
+    // a write) and its watcher's looks at the file (every 100 ms) cost 10-50 ms, more on a
+    // machine busy with other tests (50 once in CI).
+    assert!(used < 150, "the waiting host used {used} ms of CPU in 5 s");
 }
 
 /// The `tool` messages the model was sent, in order.
