@@ -48,22 +48,29 @@ impl From<&Arg<'_>> for Owned {
     }
 }
 
+impl Owned {
+    fn arg(&self) -> Arg<'_> {
+        match self {
+            Owned::Int(i) => Arg::Int(*i),
+            Owned::OptInt(i) => Arg::OptInt(*i),
+            Owned::Text(t) => Arg::Text(t),
+            Owned::OptText(t) => Arg::OptText(t.as_deref()),
+        }
+    }
+}
+
+/// Encoded as the borrowed [`Arg`] it was made from.
 impl ToSql for Owned {
     fn to_sql(
         &self,
         ty: &Type,
         out: &mut tokio_postgres::types::private::BytesMut,
     ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        match self {
-            Owned::Int(i) => i.to_sql(ty, out),
-            Owned::OptInt(i) => i.to_sql(ty, out),
-            Owned::Text(t) => t.as_str().to_sql(ty, out),
-            Owned::OptText(t) => t.as_deref().to_sql(ty, out),
-        }
+        self.arg().to_sql(ty, out)
     }
 
     fn accepts(ty: &Type) -> bool {
-        <i64 as ToSql>::accepts(ty) || <&str as ToSql>::accepts(ty)
+        <Arg<'_> as ToSql>::accepts(ty)
     }
 
     tokio_postgres::types::to_sql_checked!();
