@@ -144,9 +144,11 @@ impl RawEvent {
     }
 }
 
-/// How many of its own commits a store keeps for a follower that has not taken them yet;
-/// one further behind reads the store instead.
-const OWN_COMMITS: usize = 1024;
+/// How many of its own commits a store keeps for a follower that has not taken them yet (a
+/// commit's value is dropped once every follower has taken it, so this bounds only what a
+/// stalled follower, such as a slow `/events` client, holds); one further behind reads the
+/// store instead.
+const OWN_COMMITS: usize = 256;
 
 fn own_commits() -> broadcast::Sender<Arc<OwnCommit>> {
     broadcast::Sender::new(OWN_COMMITS)
