@@ -265,8 +265,7 @@ pub fn choose_model(
     files: &config::FileConfig,
     home: &std::path::Path,
 ) -> anyhow::Result<(Arc<dyn ModelProvider>, bool)> {
-    let wants_local = flags.model.as_deref() == Some("local")
-        || (flags.model.is_none() && env.var("PIER_MODEL").as_deref() == Some("local"));
+    let wants_local = config::wants_local(flags, env);
     if !wants_local && let Some(c) = config::resolve_model(flags, env, files)? {
         return Ok((Arc::new(OpenAiProvider::new(c)?), false));
     }

@@ -298,6 +298,13 @@ pub fn pier_home(env: &dyn Env) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// Whether the embedded model is asked for by name: `--model local`, or `PIER_MODEL=local`
+/// without a `--model`. `pier agent` and `pier config` decide it here, so they agree.
+pub fn wants_local(flags: &ModelFlags, env: &dyn Env) -> bool {
+    flags.model.as_deref() == Some("local")
+        || (flags.model.is_none() && env.var("PIER_MODEL").as_deref() == Some("local"))
+}
+
 /// The embedded model's file someone named, and where they named it: `PIER_LOCAL_MODEL`,
 /// else `local_model` in the config files; `None` for the default place.
 pub fn named_local_model(env: &dyn Env, files: &FileConfig) -> Option<(PathBuf, &'static str)> {

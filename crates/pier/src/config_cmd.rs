@@ -128,9 +128,9 @@ fn flatten(prefix: &str, value: &toml::Value, out: &mut Vec<(String, String)>) {
 
 /// The model `pier agent` would use here, and why.
 fn effective_model(flags: &ModelFlags, env: &dyn Env, files: &config::FileConfig) -> anyhow::Result<(String, String)> {
-    let wants_local = flags.model.as_deref() == Some("local")
-        || (flags.model.is_none() && env.var("PIER_MODEL").as_deref() == Some("local"));
-    if !wants_local && let Some(c) = config::resolve_model(flags, env, files)? {
+    if !config::wants_local(flags, env)
+        && let Some(c) = config::resolve_model(flags, env, files)?
+    {
         return Ok((format!("{} at {}", c.model, c.base_url), "resolved from the settings above".to_owned()));
     }
     #[cfg(feature = "local")]
