@@ -23,7 +23,7 @@ use crate::attempt::Run;
 use crate::decide::{Context, Outcome, decide};
 use crate::pool::AgentPool;
 use crate::state::TaskState;
-use crate::store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms};
+use crate::store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms, own_following};
 
 /// How the host runs tasks.
 #[derive(Debug, Clone)]
@@ -584,25 +584,13 @@ impl View {
     ) -> Result<bool, StoreError> {
         let mut moved = false;
         let mut new_runs = HashSet::new();
-        let mut gap = false;
-        loop {
-            match own.try_recv() {
-                Ok(commit) if commit.upto <= self.seq => {}
-                Ok(commit) if commit.after == self.seq => {
-                    self.seq = commit.upto;
-                    for row in &commit.tasks {
-                        moved |= self.take(row.clone(), &mut new_runs);
-                    }
-                }
-                // Later ones stay queued: after the read, those it covered are passed over.
-                Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {
-                    gap = true;
-                    break;
-                }
-                Err(_) => break,
+        for commit in own_following(own, &mut self.seq) {
+            for row in &commit.tasks {
+                moved |= self.take(row.clone(), &mut new_runs);
             }
         }
-        if gap || watched > self.seq {
+        // Past a commit passed over the watch still shows more than the view has.
+        if watched > self.seq {
             let after = self.seq;
             let (changed, seq) = blocking(store, move |s| s.tasks_changed(after)).await?;
             self.seq = seq;

@@ -358,7 +358,7 @@ fn own_commits_carry_what_a_read_would_and_others_show_as_gaps() {
             read.sort_by(|x, y| x.id.cmp(&y.id));
             assert_eq!(carried.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), ids, "{name}: the tasks it moved");
             assert_eq!((carried, c.upto), (read, upto), "{name}: the commit and a read of it");
-            let events: Vec<_> = c.events.iter().map(|e| e.event()).collect();
+            let events: Vec<_> = c.events.iter().cloned().map(|e| e.into_event()).collect();
             let logged = one.events_after(None, c.after, 1000).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(serde_json::to_value(&events).ok(), serde_json::to_value(&logged).ok(), "{name}: its events");
             assert_eq!(events.len() as i64, c.upto - c.after, "{name}: every event of the range");

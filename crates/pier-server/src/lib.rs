@@ -704,20 +704,10 @@ impl Replay {
     /// the run followed, if one is). A commit that does not follow (another process committed
     /// in between) is passed over: the read that the gap calls for gives its events too.
     fn take_own(&mut self) -> Vec<pier_host::Event> {
-        use tokio::sync::broadcast::error::TryRecvError;
-        let mut taken = Vec::new();
-        loop {
-            match self.own.try_recv() {
-                Ok(commit) => {
-                    if self.cursor.follows(&commit) {
-                        let ours = commit.events.iter().filter(|e| self.run.as_ref().is_none_or(|r| *r == e.run));
-                        taken.extend(ours.map(pier_host::store::RawEvent::event));
-                    }
-                }
-                Err(TryRecvError::Lagged(_)) => {}
-                Err(_) => return taken,
-            }
-        }
+        let commits = self.cursor.take_own(&mut self.own);
+        let events = commits.iter().flat_map(|c| &c.events);
+        let ours = events.filter(|e| self.run.as_ref().is_none_or(|r| *r == e.run));
+        ours.cloned().map(pier_host::store::RawEvent::into_event).collect()
     }
 }
 

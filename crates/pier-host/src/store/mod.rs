@@ -131,16 +131,10 @@ pub struct RawEvent {
 }
 
 impl RawEvent {
-    /// The event as a read of the log gives it.
-    pub fn event(&self) -> Event {
-        Event {
-            seq: self.seq,
-            run: self.run.clone(),
-            task: self.task.clone(),
-            kind: self.kind.clone(),
-            at_ms: self.at_ms,
-            data: serde_json::from_str(&self.data).unwrap_or(Value::Null),
-        }
+    /// The event as a read of the log gives it: both stores' reads come through here.
+    pub fn into_event(self) -> Event {
+        let data = serde_json::from_str(&self.data).unwrap_or(Value::Null);
+        Event { seq: self.seq, run: self.run, task: self.task, kind: self.kind, at_ms: self.at_ms, data }
     }
 }
 
@@ -152,6 +146,24 @@ const OWN_COMMITS: usize = 256;
 
 fn own_commits() -> broadcast::Sender<Arc<OwnCommit>> {
     broadcast::Sender::new(OWN_COMMITS)
+}
+
+/// This process's commits waiting in `own` that follow on from `at` (each starts where the one
+/// before ended), in order, with `at` moved to the last one's end. The others are passed over:
+/// what a commit holds that another process's commit came before (or that a follower fell too
+/// far behind for) is read from the store, which the commit watch calls for.
+pub fn own_following(own: &mut broadcast::Receiver<Arc<OwnCommit>>, at: &mut i64) -> Vec<Arc<OwnCommit>> {
+    let mut taken = Vec::new();
+    loop {
+        match own.try_recv() {
+            Ok(commit) if commit.after == *at => {
+                *at = commit.upto;
+                taken.push(commit);
+            }
+            Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
+            Err(_) => return taken,
+        }
+    }
 }
 
 /// Makes a commit of this process up to `last` known: its [`OwnCommit`] first (if its rows
@@ -213,16 +225,23 @@ impl LogCursor {
         self.full || seen > self.read_to
     }
 
-    /// Takes in one of this process's commits ([`OwnCommit`]) if it follows on from what has
-    /// been read (no other commit in between, no full batch pending): true if taken, and the
-    /// follower is then current to its end.
-    pub fn follows(&mut self, commit: &OwnCommit) -> bool {
-        if self.full || commit.after != self.read_to {
-            return false;
+    /// Takes this process's commits waiting in `own` that follow on from what has been read
+    /// ([`own_following`]); none while a full batch is pending (the reads it calls for get
+    /// them). The follower is then current to the last one's end.
+    pub fn take_own(&mut self, own: &mut broadcast::Receiver<Arc<OwnCommit>>) -> Vec<Arc<OwnCommit>> {
+        if self.full {
+            // Taken out of the channel all the same, not held there for nothing.
+            while !matches!(
+                own.try_recv(),
+                Err(broadcast::error::TryRecvError::Empty | broadcast::error::TryRecvError::Closed)
+            ) {}
+            return Vec::new();
         }
-        self.after = commit.upto;
-        self.read_to = commit.upto;
-        true
+        let taken = own_following(own, &mut self.read_to);
+        if !taken.is_empty() {
+            self.after = self.read_to;
+        }
+        taken
     }
 
     /// Takes in a read of at most `limit` events, begun when the watch showed `seen`.
@@ -665,11 +684,20 @@ mod tests {
         c.read(&[], 2, 9);
         assert_eq!((c.after(), c.due(9), c.due(10)), (3, false, true), "other runs' events passed over");
         // This process's commits are taken while each starts where the cursor has read to.
-        let own = |after, upto| OwnCommit { after, upto, tasks: Vec::new(), events: Vec::new() };
-        assert!(!c.follows(&own(10, 12)), "another's commit came in between");
-        assert!(c.follows(&own(9, 12)));
+        let tx = broadcast::Sender::new(8);
+        let mut rx = tx.subscribe();
+        let own = |after, upto| {
+            let _ = tx.send(Arc::new(OwnCommit { after, upto, tasks: Vec::new(), events: Vec::new() }));
+        };
+        let follows = |c: &mut LogCursor, rx: &mut broadcast::Receiver<Arc<OwnCommit>>| !c.take_own(rx).is_empty();
+        own(10, 12);
+        assert!(!follows(&mut c, &mut rx), "another's commit came in between");
+        own(9, 12);
+        assert!(follows(&mut c, &mut rx));
         assert_eq!((c.after(), c.due(12), c.due(13)), (12, false, true));
         c.read(&[event(13), event(14)], 2, 20);
-        assert!(!c.follows(&own(12, 15)) && !c.follows(&own(14, 15)), "not while a full batch is pending");
+        own(12, 15);
+        own(14, 15);
+        assert!(!follows(&mut c, &mut rx), "not while a full batch is pending");
     }
 }

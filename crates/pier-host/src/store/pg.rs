@@ -444,15 +444,15 @@ fn row_to_task(r: &tokio_postgres::Row) -> Result<RawTask, tokio_postgres::Error
 }
 
 fn row_to_event(r: &tokio_postgres::Row) -> Result<Event, tokio_postgres::Error> {
-    let data: String = r.try_get(5)?;
-    Ok(Event {
+    Ok(RawEvent {
         seq: r.try_get(0)?,
         run: r.try_get(1)?,
         task: r.try_get(2)?,
         kind: r.try_get(3)?,
         at_ms: r.try_get(4)?,
-        data: serde_json::from_str(&data).unwrap_or(Value::Null),
-    })
+        data: r.try_get(5)?,
+    }
+    .into_event())
 }
 
 /// An event written by the open transaction, numbered at its commit.
@@ -1266,13 +1266,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, r
                     }
                 }
             }
-            Rounds::Redo(jobs) => {
-                let jobs = jobs.into_iter().chain(rest).collect();
-                return match block_on(t.tx.batch_execute("ROLLBACK")) {
-                    Ok(()) => Group::Redo { jobs },
-                    Err(e) => Group::Lost { jobs, error: (&e).into() },
-                };
-            }
+            Rounds::Redo(jobs) => return redo(&t, jobs.into_iter().chain(rest).collect()),
             Rounds::Lost(jobs, error) => return Group::Lost { jobs: jobs.into_iter().chain(rest).collect(), error },
         }
     }
@@ -1288,11 +1282,7 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, r
         }
         t.end_job(outcome.is_ok());
         if !careful && t.broken.is_none() && outcome.is_err() && (t.wrote || t.aborted) {
-            let jobs = every_job(ran, failed, again, std::iter::once(job).chain(rest));
-            return match block_on(t.tx.batch_execute("ROLLBACK")) {
-                Ok(()) => Group::Redo { jobs },
-                Err(e) => Group::Lost { jobs, error: (&e).into() },
-            };
+            return redo(&t, every_job(ran, failed, again, std::iter::once(job).chain(rest)));
         }
         if let Some(e) = t.broken.take() {
             // The transaction is gone (a lost connection): nothing of the group happened.
@@ -1325,6 +1315,14 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, r
     let done =
         ran.into_iter().map(|(job, from, to)| (job, if to > from { first + to as i64 - 1 } else { 0 })).collect();
     Group::Committed { done, failed, again, numbered: (first, last), own }
+}
+
+/// Rolls the group's transaction back so that `jobs` run again one by one in savepoints.
+fn redo(t: &PgTx<'_>, jobs: Vec<Box<dyn Job>>) -> Group {
+    match block_on(t.tx.batch_execute("ROLLBACK")) {
+        Ok(()) => Group::Redo { jobs },
+        Err(e) => Group::Lost { jobs, error: (&e).into() },
+    }
 }
 
 /// Every job of a group that did not commit, whatever became of each: those that ran, failed

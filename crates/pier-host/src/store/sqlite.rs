@@ -443,16 +443,13 @@ fn changed_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<TaskRow>
     collect(rows)
 }
 
+/// An event row (`seq, run_id, task_id, type, at_ms, data`), its data as text.
+fn row_to_raw_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawEvent> {
+    Ok(RawEvent { seq: r.get(0)?, run: r.get(1)?, task: r.get(2)?, kind: r.get(3)?, at_ms: r.get(4)?, data: r.get(5)? })
+}
+
 fn row_to_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<Event> {
-    let data: String = r.get(5)?;
-    Ok(Event {
-        seq: r.get(0)?,
-        run: r.get(1)?,
-        task: r.get(2)?,
-        kind: r.get(3)?,
-        at_ms: r.get(4)?,
-        data: serde_json::from_str(&data).unwrap_or(Value::Null),
-    })
+    row_to_raw_event(r).map(RawEvent::into_event)
 }
 
 /// The events of `(after, upto]`, in order, their data as text.
@@ -460,16 +457,7 @@ fn events_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<RawEvent>
     let mut stmt = c.prepare_cached(
         "SELECT seq, run_id, task_id, type, at_ms, data FROM events WHERE seq > ?1 AND seq <= ?2 ORDER BY seq",
     )?;
-    let rows = stmt.query_map(params![after, upto], |r| {
-        Ok(RawEvent {
-            seq: r.get(0)?,
-            run: r.get(1)?,
-            task: r.get(2)?,
-            kind: r.get(3)?,
-            at_ms: r.get(4)?,
-            data: r.get(5)?,
-        })
-    })?;
+    let rows = stmt.query_map(params![after, upto], row_to_raw_event)?;
     Ok(rows.collect::<Result<Vec<_>, _>>()?)
 }
 
