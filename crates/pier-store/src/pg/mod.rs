@@ -35,16 +35,20 @@ use tokio::sync::{broadcast, watch};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
-use super::pg_rounds::{self, Answer, Owned, Replay, Rounds, Want, no_answer};
-use super::pg_target::{Target, tls_advice};
+use rounds::{Answer, Owned, Replay, Rounds, Want, no_answer};
+use target::{Target, tls_advice};
 
-use super::ops::{self, Arg, RawTask, Tx, decode_all, plain_row};
-use super::{
-    Attempt, Ending, Event, Held, Idem, OwnCommit, Question, RawEvent, StoreError, TaskRow, TaskStore, announce, lock,
-    publish,
-};
-use crate::plan::Plan;
+use crate::backend::{Backend, Cell, Query, Row};
+use crate::log::{OwnCommit, RawEvent, announce, publish};
+use crate::ops::{self, Arg, RawTask, Tx};
 use crate::state::TaskState;
+use crate::store::Store;
+use crate::{Attempt, PgStore, StoreError, TaskRow, lock, task_columns};
+
+mod rounds;
+mod target;
+
+pub use target::redacted;
 
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
@@ -61,7 +65,7 @@ thread_local! {
 
 /// Waits for `f`: on the committer thread by driving its own runtime (and with it the
 /// connection), elsewhere by parking until the store's runtime has done the work.
-pub(super) fn block_on<F: std::future::Future>(f: F) -> F::Output {
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
     LOCAL.with(|l| match l.borrow().as_ref() {
         Some(rt) => rt.block_on(f),
         None => futures::executor::block_on(f),
@@ -236,6 +240,8 @@ fn retryable(e: &tokio_postgres::Error) -> bool {
 struct Conn {
     client: Client,
     statements: HashMap<&'static str, Statement>,
+    /// A read on it failed in a way that another try on a fresh connection may not.
+    broken: bool,
 }
 
 struct Pool {
@@ -258,7 +264,7 @@ impl Pool {
                     if let Some(since) = lock(&self.outage).take() {
                         tracing::warn!(after = ?since.elapsed(), "the database is back");
                     }
-                    return Ok(Conn { client, statements: HashMap::new() });
+                    return Ok(Conn { client, statements: HashMap::new(), broken: false });
                 }
                 Err(e) if e.permanent => return Err(StoreError::Db(e.text)),
                 Err(ConnectError { text: e, .. }) => {
@@ -428,35 +434,29 @@ fn args<'a>(a: &'a [Arg<'a>]) -> Vec<&'a (dyn ToSql + Sync)> {
     a.iter().map(|x| x as &(dyn ToSql + Sync)).collect()
 }
 
-fn row_to_task(r: &tokio_postgres::Row) -> Result<RawTask, tokio_postgres::Error> {
-    let row = plain_row(
-        r.try_get(0)?,
-        r.try_get(1)?,
-        r.try_get(3)?,
-        r.try_get(4)?,
-        r.try_get(5)?,
-        (r.try_get(6)?, r.try_get(7)?),
-        r.try_get(8)?,
-        r.try_get(9)?,
-        r.try_get(11)?,
-    );
-    Ok((row, r.try_get(12)?, r.try_get(10)?, r.try_get(2)?))
-}
-
-fn row_to_event(r: &tokio_postgres::Row) -> Result<Event, tokio_postgres::Error> {
-    Ok(RawEvent {
-        seq: r.try_get(0)?,
-        run: r.try_get(1)?,
-        task: r.try_get(2)?,
-        kind: r.try_get(3)?,
-        at_ms: r.try_get(4)?,
-        data: r.try_get(5)?,
+/// A row as cells, each column by its type: integers, booleans (as 0 or 1) and text.
+fn cells(r: &tokio_postgres::Row) -> Result<Row, tokio_postgres::Error> {
+    let mut out = Vec::with_capacity(r.len());
+    for (i, column) in r.columns().iter().enumerate() {
+        let ty = column.type_();
+        let cell = if *ty == Type::INT8 {
+            r.try_get::<_, Option<i64>>(i)?.map_or(Cell::Null, Cell::Int)
+        } else if *ty == Type::INT4 {
+            r.try_get::<_, Option<i32>>(i)?.map_or(Cell::Null, |n| Cell::Int(n.into()))
+        } else if *ty == Type::INT2 {
+            r.try_get::<_, Option<i16>>(i)?.map_or(Cell::Null, |n| Cell::Int(n.into()))
+        } else if *ty == Type::BOOL {
+            r.try_get::<_, Option<bool>>(i)?.map_or(Cell::Null, |b| Cell::Int(b.into()))
+        } else {
+            r.try_get::<_, Option<String>>(i)?.map_or(Cell::Null, Cell::Text)
+        };
+        out.push(cell);
     }
-    .into_event())
+    Ok(Row(out))
 }
 
 /// An event written by the open transaction, numbered at its commit.
-pub(super) struct Pending {
+pub(crate) struct Pending {
     run: String,
     task: Option<String>,
     kind: String,
@@ -465,18 +465,18 @@ pub(super) struct Pending {
 }
 
 /// The open transaction: statements go through the connection's cache; events wait for the commit.
-pub(super) struct PgTx<'c> {
+pub(crate) struct PgTx<'c> {
     /// In a transaction this code opened (`BEGIN`) and ends (`COMMIT`, or by dropping the
     /// connection): no `Transaction` guard, so both ride with other statements.
-    pub(super) tx: &'c Client,
+    pub(crate) tx: &'c Client,
     statements: &'c mut HashMap<&'static str, Statement>,
-    pub(super) events: Vec<Pending>,
+    pub(crate) events: Vec<Pending>,
     /// The last statement failed in a way that rolled the transaction back: run it again.
-    pub(super) retry: bool,
+    pub(crate) retry: bool,
     /// How the last job that ran statements ends its savepoint (`RELEASE job; SAVEPOINT job`
     /// or `ROLLBACK TO job`), not yet sent: it rides in the pipeline of the next statement,
     /// so closing a job costs no round trip of its own.
-    pub(super) step: Option<&'static str>,
+    pub(crate) step: Option<&'static str>,
     /// The current job has run a statement (so its savepoint holds work to keep or undo).
     dirty: bool,
     /// Sending `step` failed: the transaction is gone, and the group with it.
@@ -485,9 +485,9 @@ pub(super) struct PgTx<'c> {
     /// job that changed something sends the whole group back to be run this way.
     careful: bool,
     /// The current job ran a statement other than a read of a task (which only locks).
-    pub(super) wrote: bool,
+    pub(crate) wrote: bool,
     /// A statement failed: PostgreSQL aborted the transaction (or the savepoint).
-    pub(super) aborted: bool,
+    pub(crate) aborted: bool,
     /// In rounds (`pg_rounds`): the current job's answers so far, and where it stops.
     replay: Option<Replay>,
 }
@@ -542,7 +542,7 @@ impl PgTx<'_> {
 
     /// Runs one job with `replay`'s answers (see `pg_rounds`): its outcome, the replay with
     /// where it stopped, and the events it buffered.
-    pub(super) fn replaying(
+    pub(crate) fn replaying(
         &mut self,
         replay: Replay,
         job: impl FnOnce(&mut Self) -> Result<(), StoreError>,
@@ -636,7 +636,8 @@ impl PgTx<'_> {
 
     fn one_task(&mut self, sql: &'static str, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
         let rows = self.query(sql, &[Arg::Text(run), Arg::Text(task)])?;
-        rows.first().map(row_to_task).transpose().map_err(|e| self.failed(e))
+        let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
+        row.map(Row::raw_task).transpose()
     }
 }
 
@@ -771,8 +772,9 @@ impl Tx for PgTx<'_> {
             }
         };
         let Some(r) = rows.first() else { return Ok(None) };
-        let read = row_to_task(r).and_then(|raw| Ok((raw, r.try_get::<_, String>(13)?)));
-        let (raw, from) = read.map_err(|e| self.failed(e))?;
+        let mut row = cells(r).map_err(|e| self.failed(e))?;
+        let from = row.text(13)?;
+        let raw = row.raw_task()?;
         if let Some(waiting) = waiting
             && waiting.try_get::<_, i64>(0).map_err(|e| self.failed(e))? == 1
         {
@@ -796,8 +798,8 @@ impl Tx for PgTx<'_> {
     ) -> Result<Option<TaskRow>, StoreError> {
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
-        let raw = rows.first().map(row_to_task).transpose().map_err(|e| self.failed(e))?;
-        raw.map(ops::decode).transpose()
+        let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
+        row.map(|r| ops::decode(r.raw_task()?)).transpose()
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
@@ -805,7 +807,7 @@ impl Tx for PgTx<'_> {
             run: run.to_owned(),
             task: task.map(str::to_owned),
             kind: kind.to_owned(),
-            at_ms: super::now_ms(),
+            at_ms: crate::now_ms(),
             data: data.to_string(),
         });
         Ok(self.events.len() as i64)
@@ -827,8 +829,8 @@ impl Tx for PgTx<'_> {
     }
 }
 
-/// The PostgreSQL store.
-pub struct PgStore {
+/// The PostgreSQL backend.
+pub struct Pg {
     /// Drives the connections; shut down in the background when the store is dropped
     /// (dropping a runtime inside another one's context would panic).
     rt: Option<tokio::runtime::Runtime>,
@@ -841,109 +843,11 @@ pub struct PgStore {
     watching: std::sync::Once,
 }
 
-impl PgStore {
-    /// The agents' answers, all or `spec`'s.
-    fn agents_where(&self, spec: Option<&str>) -> Result<Vec<super::AgentRow>, StoreError> {
-        let rows: Vec<(String, String, i64)> = self.read(|c| {
-            let rows = block_on(c.client.query(
-                "SELECT spec, init, seen_at_ms FROM agents WHERE $1::TEXT IS NULL OR spec = $1 ORDER BY spec",
-                &[&spec],
-            ))?;
-            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
-        })?;
-        rows.into_iter()
-            .map(|(spec, init, seen_at_ms)| {
-                Ok(super::AgentRow { spec, init: serde_json::from_str(&init)?, seen_at_ms })
-            })
-            .collect()
-    }
-
+impl Store<Pg> {
     /// Connects to `url` (`postgres://USER@HOST/DB`; the password from the URL, `PGPASSWORD`
     /// or the passfile) and migrates the schema, once across nodes starting together.
     pub fn open(url: &str) -> Result<PgStore, StoreError> {
-        let mut target = Target::parse(url)?;
-        if target.config.get_application_name().is_none() {
-            target.config.application_name("pier");
-        }
-        target.config.connect_timeout(Duration::from_secs(10));
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("pier-pg")
-            .enable_all()
-            .build()
-            .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
-        let pool = Arc::new(Pool {
-            target,
-            rt: rt.handle().clone(),
-            idle: Mutex::new((Vec::new(), 0)),
-            returned: Condvar::new(),
-            outage: Mutex::new(None),
-        });
-        let mut c = pool.get()?;
-        let migrated = migrate(&mut c.client);
-        pool.put(c);
-        migrated?;
-        let last = pool.with(|c| block_on(c.client.query_one("SELECT n FROM pier_seq", &[]))?.try_get::<_, i64>(0))?;
-        let seq_tx = Arc::new(watch::Sender::new(last));
-        let committer = Arc::new(Committer::default());
-        let local = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
-        let own = super::own_commits();
-        let (c, p, tx, o) = (committer.clone(), pool.clone(), seq_tx.clone(), own.clone());
-        std::thread::Builder::new()
-            .name("pier-pg-commit".into())
-            .spawn(move || commit_loop(local, &c, &p, &tx, &o))
-            .map_err(|e| StoreError::Db(format!("cannot start the database's committer thread: {e}")))?;
-        Ok(PgStore { rt: Some(rt), pool, committer, seq_tx, own, watching: std::sync::Once::new() })
-    }
-
-    /// Runs `work` atomically in the next *group commit* and returns its answer (and the
-    /// last sequence it wrote, 0 for none) once the commit is durable. As in the SQLite
-    /// store, writers queue their work and whoever holds a write connection runs all of it
-    /// in one transaction (see `run_group` for how a failing one is undone), numbers every
-    /// event at the end and commits once: one WAL flush (and one hold of the counter row) for the group.
-    fn write<T: Send + 'static>(
-        &self,
-        task: Option<(&str, &str)>,
-        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<(T, i64), StoreError> {
-        let (reply, answer) = std::sync::mpsc::sync_channel(1);
-        let task = task.map(|(r, t)| (r.to_owned(), t.to_owned()));
-        lock(&self.committer.queue).push(Box::new(Op { work, task, answer: None, tries: 0, reply }));
-        self.committer.ready.notify_one();
-        answer
-            .recv()
-            .unwrap_or_else(|_| Err(StoreError::Db("the store's committing thread stopped before answering".into())))
-    }
-
-    fn op<T: Send + 'static>(
-        &self,
-        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        self.write(None, work).map(|(answer, _)| answer)
-    }
-
-    /// [`PgStore::op`] for an operation that touches task `run`/`task`'s rows only.
-    fn op_on<T: Send + 'static>(
-        &self,
-        (run, task): (&str, &str),
-        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        self.write(Some((run, task)), work).map(|(answer, _)| answer)
-    }
-
-    fn read<T>(&self, f: impl Fn(&mut Conn) -> Result<T, tokio_postgres::Error>) -> Result<T, StoreError> {
-        self.pool.with(f)
-    }
-
-    fn read_tasks(&self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<TaskRow>, StoreError> {
-        let raw = self.read(|c| {
-            let s = c.statement(sql)?;
-            block_on(c.client.query(&s, &args(a)))?.iter().map(row_to_task).collect::<Result<Vec<_>, _>>()
-        })?;
-        decode_all(raw)
+        Ok(Store { db: Pg::open(url)? })
     }
 
     /// Creates database `name` on the server at `server` (a URL to any database of it, as
@@ -975,6 +879,68 @@ impl PgStore {
         block_on(admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))?;
         Ok(())
     }
+}
+
+impl Pg {
+    /// Connects to `url` (`postgres://USER@HOST/DB`; the password from the URL, `PGPASSWORD`
+    /// or the passfile) and migrates the schema, once across nodes starting together.
+    fn open(url: &str) -> Result<Pg, StoreError> {
+        let mut target = Target::parse(url)?;
+        if target.config.get_application_name().is_none() {
+            target.config.application_name("pier");
+        }
+        target.config.connect_timeout(Duration::from_secs(10));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pier-pg")
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
+        let pool = Arc::new(Pool {
+            target,
+            rt: rt.handle().clone(),
+            idle: Mutex::new((Vec::new(), 0)),
+            returned: Condvar::new(),
+            outage: Mutex::new(None),
+        });
+        let mut c = pool.get()?;
+        let migrated = migrate(&mut c.client);
+        pool.put(c);
+        migrated?;
+        let last = pool.with(|c| block_on(c.client.query_one("SELECT n FROM pier_seq", &[]))?.try_get::<_, i64>(0))?;
+        let seq_tx = Arc::new(watch::Sender::new(last));
+        let committer = Arc::new(Committer::default());
+        let local = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Db(format!("cannot start the database runtime: {e}")))?;
+        let own = crate::log::own_commits();
+        let (c, p, tx, o) = (committer.clone(), pool.clone(), seq_tx.clone(), own.clone());
+        std::thread::Builder::new()
+            .name("pier-pg-commit".into())
+            .spawn(move || commit_loop(local, &c, &p, &tx, &o))
+            .map_err(|e| StoreError::Db(format!("cannot start the database's committer thread: {e}")))?;
+        Ok(Pg { rt: Some(rt), pool, committer, seq_tx, own, watching: std::sync::Once::new() })
+    }
+
+    /// Runs `work` atomically in the next *group commit* and returns its answer (and the
+    /// last sequence it wrote, 0 for none) once the commit is durable. As in the SQLite
+    /// store, writers queue their work and whoever holds a write connection runs all of it
+    /// in one transaction (see `run_group` for how a failing one is undone), numbers every
+    /// event at the end and commits once: one WAL flush (and one hold of the counter row) for the group.
+    fn queue<T: Send + 'static>(
+        &self,
+        task: Option<(&str, &str)>,
+        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<(T, i64), StoreError> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        let task = task.map(|(r, t)| (r.to_owned(), t.to_owned()));
+        lock(&self.committer.queue).push(Box::new(Op { work, task, answer: None, tries: 0, reply }));
+        self.committer.ready.notify_one();
+        answer
+            .recv()
+            .unwrap_or_else(|_| Err(StoreError::Db("the store's committing thread stopped before answering".into())))
+    }
 
     fn watch_others(&self) {
         let (target, seq_tx) = (self.pool.target.clone(), Arc::downgrade(&self.seq_tx));
@@ -984,7 +950,7 @@ impl PgStore {
 
 /// A queued write. It may run more than once: a job rolled back (with its group, or alone by
 /// a deadlock) runs again in the next group.
-pub(super) trait Job: Send {
+pub(crate) trait Job: Send {
     /// Runs the operation in the open transaction and keeps its answer.
     fn run(&mut self, tx: &mut dyn Tx) -> Result<(), StoreError>;
     /// Counts a try; false once the job has had its share.
@@ -1052,7 +1018,7 @@ enum Group {
         numbered: (i64, i64),
         /// The tasks with an event in the group, as it left them, and its events, if they
         /// were asked for.
-        own: Option<(Vec<RawTask>, Vec<RawEvent>)>,
+        own: Option<(Vec<Row>, Vec<RawEvent>)>,
     },
     /// Rolled back before the commit (the connection broke): nothing happened.
     Lost { jobs: Vec<Box<dyn Job>>, error: StoreError },
@@ -1201,7 +1167,7 @@ fn commit(
                 bell.committed(last, ring);
                 // Rows that do not decode are not sent: followers read them, and hear why.
                 let own_commit = read.and_then(|(raw, events)| {
-                    let tasks = decode_all(raw).ok()?;
+                    let tasks = crate::store::tasks(raw).ok()?;
                     Some(OwnCommit { after: first - 1, upto: last, tasks, events })
                 });
                 announce(own, seq_tx, own_commit, last);
@@ -1249,9 +1215,9 @@ fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ring: bool, r
     let mut again = Vec::new();
     // Jobs of different tasks first, side by side in rounds (`pg_rounds`); the rest after them,
     // one by one.
-    let (together, rest) = if careful { (Vec::new(), jobs) } else { pg_rounds::side_by_side(jobs) };
+    let (together, rest) = if careful { (Vec::new(), jobs) } else { rounds::side_by_side(jobs) };
     if !together.is_empty() {
-        match pg_rounds::run(&mut t, together) {
+        match rounds::run(&mut t, together) {
             Rounds::Ended(ended, rounds) => {
                 tracing::trace!(rounds, jobs = ended.len(), "jobs of a group ran side by side");
                 for (mut job, ended) in ended {
@@ -1355,7 +1321,7 @@ fn number_and_commit(
     t: &mut PgTx<'_>,
     ring: bool,
     rows: bool,
-) -> (Result<((i64, i64), Option<(Vec<RawTask>, Vec<RawEvent>)>), StoreError>, Result<(), tokio_postgres::Error>) {
+) -> (Result<((i64, i64), Option<(Vec<Row>, Vec<RawEvent>)>), StoreError>, Result<(), tokio_postgres::Error>) {
     // `r` holds the counter and the ring; a volatile function (`pg_notify`) keeps it from being
     // folded into the outer query, so it rings once whatever number of task rows follow.
     const NUMBER: &str = "WITH c AS (UPDATE pier_seq SET n = n + ?1 WHERE id = 1 RETURNING n),
@@ -1409,7 +1375,7 @@ fn number_and_commit(
         let tasks = if rows {
             let mut raw = Vec::with_capacity(answer.len());
             for r in answer.iter().filter(|r| r.try_get::<_, Option<String>>(0).is_ok_and(|id| id.is_some())) {
-                raw.push(row_to_task(r)?);
+                raw.push(cells(r)?);
             }
             Some(raw)
         } else {
@@ -1473,7 +1439,7 @@ impl Drop for ScratchDatabase {
     }
 }
 
-impl Drop for PgStore {
+impl Drop for Pg {
     fn drop(&mut self) {
         // The committer ends once the queue is empty (nothing waits on it after this).
         self.committer.stop.store(true, std::sync::atomic::Ordering::Release);
@@ -1526,7 +1492,7 @@ fn migrate(client: &mut Client) -> Result<(), StoreError> {
             let tx = block_on(client.transaction())?;
             block_on(tx.batch_execute(migration))?;
             block_on(
-                tx.execute("INSERT INTO pier_migrations VALUES ($1, $2)", &[&((i + 1) as i64), &super::now_ms()]),
+                tx.execute("INSERT INTO pier_migrations VALUES ($1, $2)", &[&((i + 1) as i64), &crate::now_ms()]),
             )?;
             block_on(tx.commit())?;
         }
@@ -1596,55 +1562,41 @@ async fn listen(Target { config, tls }: Target, seq_tx: Weak<watch::Sender<i64>>
     }
 }
 
-impl TaskStore for PgStore {
-    fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
-        let (r, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
-        match self.op(move |tx| ops::create_run(tx, &r, &plan, &source).map(|seq| ((), seq))) {
-            // Two nodes creating one run: the loser's insert meets the winner's row.
-            Err(StoreError::Duplicate(_)) => Err(StoreError::RunExists(run.to_owned())),
-            other => other,
+impl Backend for Pg {
+    const PENDING_TASKS: &'static str = concat!(
+        "SELECT ",
+        task_columns!(t),
+        " FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord"
+    );
+    const UNFINISHED_TASKS: &'static str = concat!(
+        "SELECT ",
+        task_columns!(t),
+        " FROM tasks t JOIN runs r ON r.id = t.run_id
+         WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord"
+    );
+    const LAST_SEQ: &'static str = "SELECT n FROM pier_seq";
+
+    fn write<T: Send + 'static>(
+        &self,
+        task: Option<(&str, &str)>,
+        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<(T, i64), StoreError> {
+        self.queue(task, work)
+    }
+
+    fn read<T>(&self, f: impl Fn(&mut dyn Query) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        let mut tries = 0;
+        loop {
+            let mut c = self.pool.get()?;
+            c.broken = false;
+            let out = f(&mut c);
+            let broken = c.broken;
+            self.pool.put(c);
+            match out {
+                Err(_) if broken && tries < RETRIES => tries += 1,
+                out => return out,
+            }
         }
-    }
-
-    fn run_exists(&self, run: &str) -> Result<bool, StoreError> {
-        self.read(|c| Ok(block_on(c.client.query_opt("SELECT 1 FROM runs WHERE id = $1", &[&run]))?.is_some()))
-    }
-
-    fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError> {
-        self.read_tasks(
-            "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
-             not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 ORDER BY ord",
-            &[Arg::Text(run)],
-        )
-    }
-
-    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
-        let rows = self.read_tasks(
-            "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
-             not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 AND id = ?2",
-            &[Arg::Text(run), Arg::Text(task)],
-        )?;
-        Ok(rows.into_iter().next())
-    }
-
-    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
-        self.read_tasks(
-            "SELECT t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner, t.lease_expires_at_ms,
-                 t.not_before_ms, t.result, t.usage, t.error, t.spec
-             FROM tasks t JOIN runs r ON r.id = t.run_id
-             WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord",
-            &[],
-        )
-    }
-
-    fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
-        self.read_tasks(
-            "SELECT t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner, t.lease_expires_at_ms,
-                 t.not_before_ms, t.result, t.usage, t.error, t.spec
-             FROM tasks t JOIN runs r ON r.id = t.run_id
-             WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord",
-            &[],
-        )
     }
 
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
@@ -1652,296 +1604,25 @@ impl TaskStore for PgStore {
         // every event up to it is visible (a commit that moved it had all of its own, and
         // every earlier one had committed before it could take the counter row). One
         // statement: the counter's row, with each changed task beside it (or none).
-        const CHANGED: &str = "SELECT t.*, s.n FROM (SELECT n FROM pier_seq WHERE id = 1) s
-             LEFT JOIN LATERAL (SELECT run_id, id, state, version, attempt, failures, lease_owner,
-                 lease_expires_at_ms, not_before_ms, result, usage, error, spec FROM tasks
-                 WHERE s.n > $1 AND (run_id, id) IN
-                     (SELECT run_id, task_id FROM events WHERE seq > $1 AND seq <= s.n AND task_id IS NOT NULL)) t
-             ON true";
-        let (raw, upto) = self.read(|c| {
-            let s = c.statement(CHANGED)?;
-            let rows = block_on(c.client.query(&s, &[&after]))?;
-            let upto = rows.first().map(|r| r.try_get::<_, i64>(13)).transpose()?.unwrap_or(after);
-            let mut raw = Vec::with_capacity(rows.len());
-            for r in &rows {
-                if r.try_get::<_, Option<String>>(0)?.is_some() {
-                    raw.push(row_to_task(r)?);
-                }
+        const CHANGED: &str = concat!(
+            "SELECT t.*, s.n FROM (SELECT n FROM pier_seq WHERE id = 1) s
+             LEFT JOIN LATERAL (SELECT ",
+            task_columns!(),
+            " FROM tasks
+                 WHERE s.n > ?1 AND (run_id, id) IN
+                     (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= s.n AND task_id IS NOT NULL)) t
+             ON true"
+        );
+        let rows = self.read(|q| q.rows(CHANGED, &[Arg::Int(after)]))?;
+        let mut upto = after;
+        let mut changed = Vec::with_capacity(rows.len());
+        for mut r in rows {
+            upto = upto.max(r.int(13)?);
+            if r.0.first().is_some_and(|c| *c != Cell::Null) {
+                changed.push(ops::decode(r.raw_task()?)?);
             }
-            Ok((raw, upto))
-        })?;
-        Ok((decode_all(raw)?, upto.max(after)))
-    }
-
-    fn claim(
-        &self,
-        run: &str,
-        task: &str,
-        owner: &str,
-        lease_until_ms: i64,
-    ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
-        let (run, task, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
-        self.op_on((&run.clone(), &task.clone()), move |tx| ops::claim(tx, &run, &task, &owner, lease_until_ms))
-    }
-
-    fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
-        let a = attempt.clone();
-        self.op_on((&attempt.run, &attempt.task), move |tx| ops::heartbeat(tx, &a, lease_until_ms))
-    }
-
-    fn park(&self, attempt: &Attempt, request: &Value) -> Result<i64, StoreError> {
-        let (a, request) = (attempt.clone(), request.clone());
-        self.op_on((&attempt.run, &attempt.task), move |tx| ops::park(tx, &a, &request))
-    }
-
-    fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError> {
-        let a = attempt.clone();
-        self.op_on((&attempt.run, &attempt.task), move |tx| ops::resume(tx, &a))
-    }
-
-    fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError> {
-        let (a, ending, idem) = (attempt.clone(), ending.clone(), idem.cloned());
-        self.op_on((&attempt.run, &attempt.task), move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
-    }
-
-    fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
-        let (held, ending) = (held.clone(), ending.clone());
-        self.op_on((&held.attempt.run.clone(), &held.attempt.task.clone()), move |tx| {
-            ops::release_lost(tx, &held, &ending)
-        })
-    }
-
-    fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError> {
-        let (a, events, evidence) = (attempt.clone(), events.to_vec(), evidence.to_vec());
-        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::record(tx, &a, &events, &evidence))
-            .map(|(_, last)| last)
-    }
-
-    fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
-        let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
-        self.op(move |tx| ops::cancel(tx, &run, &task, &reason))
-    }
-
-    fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {
-        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
-        self.op(move |tx| ops::retry(tx, &run, &task, dependents, &by))
-    }
-
-    fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
-        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
-        self.op(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))
-    }
-
-    fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError> {
-        let (run, task, q, option, by) =
-            (run.to_owned(), task.to_owned(), question.clone(), option.to_owned(), by.to_owned());
-        self.op(move |tx| ops::answer(tx, &run, &task, &q, &option, &by))
-    }
-
-    fn answer_of(&self, a: &Attempt, n: i64) -> Result<Option<String>, StoreError> {
-        self.read(|c| {
-            let row = block_on(c.client.query_opt(
-                "SELECT answer FROM questions WHERE run_id = $1 AND task_id = $2 AND attempt = $3 AND n = $4",
-                &[&a.run, &a.task, &a.n, &n],
-            ))?;
-            row.map(|r| r.try_get::<_, Option<String>>(0)).transpose().map(Option::flatten)
-        })
-    }
-
-    fn open_question(&self, run: &str, task: &str) -> Result<Option<Question>, StoreError> {
-        let row = self.read(|c| {
-            let row = block_on(c.client.query_opt(
-                "SELECT attempt, n, request FROM questions WHERE run_id = $1 AND task_id = $2 AND answer IS NULL
-                 ORDER BY attempt DESC, n DESC LIMIT 1",
-                &[&run, &task],
-            ))?;
-            row.map(|r| {
-                Ok::<_, tokio_postgres::Error>((
-                    r.try_get::<_, i64>(0)?,
-                    r.try_get::<_, i64>(1)?,
-                    r.try_get::<_, String>(2)?,
-                ))
-            })
-            .transpose()
-        })?;
-        Ok(row.map(|(attempt, n, req)| Question {
-            attempt,
-            n,
-            request: serde_json::from_str(&req).unwrap_or(Value::Null),
-        }))
-    }
-
-    fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError> {
-        if events.is_empty() {
-            return self.last_seq();
         }
-        let events = events.to_vec();
-        self.write(None, move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
-    }
-
-    fn finish_keeping(&self, attempt: &Attempt, last: &super::Last, ending: &Ending) -> Result<TaskRow, StoreError> {
-        let (a, last, ending) = (attempt.clone(), last.clone(), ending.clone());
-        self.op_on((&attempt.run, &attempt.task), move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
-    }
-
-    fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
-        let (a, output) = (attempt.clone(), output.clone());
-        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::keep_output(tx, &a, &output.to_string()))
-            .map(|_| ())
-    }
-
-    fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
-        let rows: Vec<(i64, String, Option<String>)> = self.read(|c| {
-            let rows = block_on(c.client.query(
-                "SELECT attempt, evidence, output FROM attempts WHERE run_id = $1 AND task_id = $2 ORDER BY attempt",
-                &[&run, &task],
-            ))?;
-            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
-        })?;
-        rows.into_iter()
-            .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
-            .collect()
-    }
-
-    fn withdraw(&self, attempt: &Attempt, question: i64) -> Result<(), StoreError> {
-        let a = attempt.clone();
-        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::withdraw(tx, &a, question)).map(|_| ())
-    }
-
-    fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError> {
-        let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
-        self.write(None, move |tx| ops::say(tx, &run, &task, &text, interrupt, &by)).map(|(n, _)| n)
-    }
-
-    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
-        let a = attempt.clone();
-        self.write(Some((&attempt.run, &attempt.task)), move |tx| ops::take_messages(tx, &a)).map(|(m, _)| m)
-    }
-
-    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
-        self.read(|c| {
-            let row = block_on(c.client.query_one(
-                "SELECT EXISTS (SELECT 1 FROM messages WHERE run_id = $1 AND task_id = $2 AND sent_attempt IS NULL
-                 AND interrupt = 1)",
-                &[&run, &task],
-            ))?;
-            row.try_get(0)
-        })
-    }
-
-    fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
-        let (spec, init) = (spec.to_owned(), init.clone());
-        self.write(None, move |tx| ops::record_agent(tx, &spec, &init)).map(|_| ())
-    }
-
-    fn agent(&self, spec: &str) -> Result<Option<super::AgentRow>, StoreError> {
-        Ok(self.agents_where(Some(spec))?.pop())
-    }
-
-    fn agents(&self) -> Result<Vec<super::AgentRow>, StoreError> {
-        self.agents_where(None)
-    }
-
-    fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
-        let text: Option<String> = self.read(|c| {
-            let row = block_on(c.client.query_opt(
-                "SELECT evidence FROM attempts WHERE run_id = $1 AND task_id = $2 AND attempt = $3",
-                &[&run, &task, &attempt],
-            ))?;
-            row.map(|r| r.try_get(0)).transpose()
-        })?;
-        Ok(text.map(|t| serde_json::from_str(&t)).transpose()?.unwrap_or_default())
-    }
-
-    fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
-        let limit = limit as i64;
-        self.read(|c| {
-            let rows = block_on(c.client.query(
-                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
-                 WHERE seq > $1 AND ($2::text IS NULL OR run_id = $2) ORDER BY seq LIMIT $3",
-                &[&after, &run, &limit],
-            ))?;
-            rows.iter().map(row_to_event).collect()
-        })
-    }
-
-    fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError> {
-        let last = last as i64;
-        self.read(|c| {
-            let rows = block_on(c.client.query(
-                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
-                 WHERE run_id = $1 AND task_id = $2 ORDER BY seq DESC LIMIT $3",
-                &[&run, &task, &last],
-            ))?;
-            rows.iter().rev().map(row_to_event).collect()
-        })
-    }
-
-    fn last_seq(&self) -> Result<i64, StoreError> {
-        self.read(|c| block_on(c.client.query_one("SELECT n FROM pier_seq", &[]))?.try_get(0))
-    }
-
-    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
-        self.read(|c| {
-            let rows = block_on(c.client.query(
-                "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = $1
-                 ORDER BY r.created_at_ms DESC",
-                &[&task],
-            ))?;
-            rows.iter().map(|r| r.try_get(0)).collect()
-        })
-    }
-
-    fn run_ids(&self) -> Result<Vec<String>, StoreError> {
-        self.read(|c| {
-            let rows = block_on(c.client.query("SELECT id FROM runs ORDER BY created_at_ms, id", &[]))?;
-            rows.iter().map(|r| r.try_get(0)).collect()
-        })
-    }
-
-    fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError> {
-        self.read(|c| {
-            let rows = block_on(c.client.query(
-                "SELECT r.id, r.created_at_ms, COALESCE((SELECT e.at_ms FROM events e WHERE e.run_id = r.id ORDER BY e.seq DESC LIMIT 1), r.created_at_ms) FROM runs r ORDER BY r.created_at_ms, r.id",
-                &[],
-            ))?;
-            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?))).collect()
-        })
-    }
-
-    fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
-        self.read(|c| {
-            let rows =
-                block_on(c.client.query("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state", &[]))?;
-            rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
-        })
-    }
-
-    fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
-        let node = node.to_owned();
-        self.write(None, move |tx| ops::lease_runs(tx, &node, until_ms)).map(|(held, _)| held)
-    }
-
-    fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError> {
-        let (node, run) = (node.to_owned(), run.to_owned());
-        self.write(None, move |tx| ops::lease_run(tx, &node, &run, until_ms)).map(|(held, _)| held)
-    }
-
-    fn release_runs(&self, node: &str) -> Result<(), StoreError> {
-        let node = node.to_owned();
-        self.write(None, move |tx| ops::release_runs(tx, &node)).map(|_| ())
-    }
-
-    fn nodes(&self) -> Result<Vec<super::NodeRow>, StoreError> {
-        let now = super::now_ms();
-        let rows = self.read(|c| {
-            let s = c.statement(ops::NODES)?;
-            block_on(c.client.query(&s, &[&now]))?
-                .iter()
-                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?, r.try_get(4)?)))
-                .collect::<Result<Vec<ops::NodeLease>, tokio_postgres::Error>>()
-        })?;
-        Ok(ops::nodes(rows))
+        Ok((changed, upto))
     }
 
     fn subscribe(&self) -> watch::Receiver<i64> {
@@ -1954,10 +1635,21 @@ impl TaskStore for PgStore {
     }
 }
 
+impl Query for Conn {
+    fn rows(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
+        let read = self.statement(sql).and_then(|s| block_on(self.client.query(&s, &args(a))));
+        let rows = read.and_then(|rows| rows.iter().map(cells).collect::<Result<Vec<_>, _>>());
+        rows.map_err(|e| {
+            self.broken = retryable(&e);
+            StoreError::from(e)
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::Last;
+    use crate::Last;
     use serde_json::json;
 
     #[test]
@@ -1980,7 +1672,7 @@ mod tests {
         let toml: String = tasks.iter().map(|t| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\n\n")).collect();
         let plan = crate::plan::parse(&toml, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
         store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-        let conn = store.pool.connect().unwrap_or_else(|e| panic!("{e}"));
+        let conn = store.db.pool.connect().unwrap_or_else(|e| panic!("{e}"));
         (store, conn, db)
     }
 
@@ -2034,7 +1726,7 @@ mod tests {
         let (store, mut conn, _db) = store(&["a", "b", "c", "d"]);
         let (jobs, replies): (Vec<_>, Vec<_>) = ["a", "b", "c", "d"].into_iter().map(claim).unzip();
         let mut t = PgTx::begin(&mut conn, false);
-        let Rounds::Ended(ended, rounds) = pg_rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
+        let Rounds::Ended(ended, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
         // One statement each, all four in one round trip.
         assert_eq!(rounds, 1);
         let mut done = Vec::new();
@@ -2135,13 +1827,13 @@ mod tests {
         let (a2, _r2) = claim("a");
         let (b, _r3) = claim("b");
         let (none, _r4) = job(None, |_| Ok((String::new(), 0)));
-        let (together, rest) = pg_rounds::side_by_side(vec![a1, a2, b, none]);
+        let (together, rest) = rounds::side_by_side(vec![a1, a2, b, none]);
         let tasks = |jobs: &[Box<dyn Job>]| jobs.iter().map(|j| j.task().map(|(_, t)| t.clone())).collect::<Vec<_>>();
         assert_eq!(tasks(&together), [Some("a".to_owned()), Some("b".to_owned())]);
         assert_eq!(tasks(&rest), [Some("a".to_owned()), None]);
         // One job alone gains nothing from rounds.
         let (a, _r5) = claim("a");
-        let (together, rest) = pg_rounds::side_by_side(vec![a]);
+        let (together, rest) = rounds::side_by_side(vec![a]);
         assert_eq!((together.len(), rest.len()), (0, 1));
     }
 }

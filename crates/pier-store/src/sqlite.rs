@@ -24,12 +24,12 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 
-use super::ops::{self, Arg, RawTask, TASK_COLUMNS, Tx, decode_all, load_task, plain_row};
-use super::{
-    Attempt, Ending, Event, Held, Idem, OwnCommit, Question, RawEvent, StoreError, TaskRow, TaskStore, lock, publish,
-};
-use crate::plan::Plan;
+use crate::backend::{Backend, Cell, Query, Row};
+use crate::log::{OwnCommit, RawEvent, publish};
+use crate::ops::{self, Arg, RawTask, Tx};
 use crate::state::TaskState;
+use crate::store::Store;
+use crate::{Attempt, SqliteStore, StoreError, TaskRow, lock, task_columns};
 
 impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
@@ -44,7 +44,7 @@ impl From<serde_json::Error> for StoreError {
 }
 
 /// The SQLite store.
-pub struct SqliteStore {
+pub struct Sqlite {
     /// The write connection; whoever holds it commits the queued writes.
     conn: Mutex<Connection>,
     /// Writes waiting for the next group commit.
@@ -251,16 +251,19 @@ fn migrate(conn: &Connection) -> Result<(), StoreError> {
     }
 }
 
-impl SqliteStore {
+impl Store<Sqlite> {
     /// Opens (and migrates) the store at `path`.
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
-        SqliteStore::open_inner(path).map_err(|e| match e {
+        let db = Sqlite::open(path).map_err(|e| match e {
             StoreError::Db(m) if is_full(&m) => StoreError::Full { path: path.display().to_string() },
             e => e,
-        })
+        })?;
+        Ok(Store { db })
     }
+}
 
-    fn open_inner(path: &Path) -> Result<SqliteStore, StoreError> {
+impl Sqlite {
+    fn open(path: &Path) -> Result<Sqlite, StoreError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| StoreError::Db(format!("{}: {e}", dir.display())))?;
         }
@@ -288,12 +291,12 @@ impl SqliteStore {
         let reader = Connection::open(path)?;
         reader.busy_timeout(std::time::Duration::from_secs(10))?;
         reader.set_prepared_statement_cache_capacity(64);
-        Ok(SqliteStore {
+        Ok(Sqlite {
             conn: Mutex::new(conn),
             queue: Mutex::new(Vec::new()),
             reader: Mutex::new(reader),
             seq_tx,
-            own: super::own_commits(),
+            own: crate::log::own_commits(),
             watching: std::sync::Once::new(),
             path: path.display().to_string(),
         })
@@ -302,19 +305,19 @@ impl SqliteStore {
     /// Runs `work` atomically in the next group commit and returns its answer once
     /// the commit is on disk. `work` returns its answer and the highest event
     /// sequence it wrote (0 for none); an error undoes only this work.
-    fn write<T: Send + 'static>(
+    fn group_commit<T: Send + 'static>(
         &self,
-        work: impl FnOnce(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<T, StoreError>>(1);
+        mut work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<(T, i64), StoreError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(T, i64), StoreError>>(1);
         let job: Job = Box::new(move |c: Result<&Connection, &StoreError>| {
             let outcome = match c {
-                Ok(c) => savepoint(c, work),
+                Ok(c) => savepoint(c, &mut work),
                 Err(e) => Err(e.clone()),
             };
             let seq = outcome.as_ref().map(|(_, seq)| *seq).map_err(Clone::clone);
             let finish: Finish = Box::new(move |committed: Result<(), StoreError>| {
-                let _ = tx.send(committed.and(outcome.map(|(answer, _)| answer)));
+                let _ = tx.send(committed.and(outcome));
             });
             (seq, finish)
         });
@@ -401,7 +404,7 @@ impl SqliteStore {
         if committed.is_ok() {
             let last = last.max(own.as_ref().map_or(0, |c| c.upto));
             if last > 0 {
-                super::announce(&self.own, &self.seq_tx, own, last);
+                crate::log::announce(&self.own, &self.seq_tx, own, last);
             }
         }
     }
@@ -435,30 +438,19 @@ fn last_seq(c: &Connection) -> Result<i64, StoreError> {
 
 /// The tasks with an event in `(after, upto]`, as they are now.
 fn changed_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<TaskRow>, StoreError> {
-    let mut stmt = c.prepare_cached(&format!(
-        "SELECT {TASK_COLUMNS} FROM tasks WHERE (run_id, id) IN
+    let sql = concat!(
+        "SELECT ",
+        task_columns!(),
+        " FROM tasks WHERE (run_id, id) IN
              (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= ?2 AND task_id IS NOT NULL)"
-    ))?;
-    let rows = stmt.query_map(params![after, upto], row_to_task)?;
-    collect(rows)
-}
-
-/// An event row (`seq, run_id, task_id, type, at_ms, data`), its data as text.
-fn row_to_raw_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawEvent> {
-    Ok(RawEvent { seq: r.get(0)?, run: r.get(1)?, task: r.get(2)?, kind: r.get(3)?, at_ms: r.get(4)?, data: r.get(5)? })
-}
-
-fn row_to_event(r: &rusqlite::Row<'_>) -> rusqlite::Result<Event> {
-    row_to_raw_event(r).map(RawEvent::into_event)
+    );
+    crate::store::tasks(SqliteTx(c).rows(sql, &[Arg::Int(after), Arg::Int(upto)])?)
 }
 
 /// The events of `(after, upto]`, in order, their data as text.
 fn events_between(c: &Connection, after: i64, upto: i64) -> Result<Vec<RawEvent>, StoreError> {
-    let mut stmt = c.prepare_cached(
-        "SELECT seq, run_id, task_id, type, at_ms, data FROM events WHERE seq > ?1 AND seq <= ?2 ORDER BY seq",
-    )?;
-    let rows = stmt.query_map(params![after, upto], row_to_raw_event)?;
-    Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    let sql = "SELECT seq, run_id, task_id, type, at_ms, data FROM events WHERE seq > ?1 AND seq <= ?2 ORDER BY seq";
+    SqliteTx(c).rows(sql, &[Arg::Int(after), Arg::Int(upto)])?.into_iter().map(crate::store::raw_event).collect()
 }
 
 /// `data_version` changes when another connection commits to the file; only then is the
@@ -486,316 +478,41 @@ fn is_full(message: &str) -> bool {
     message.contains("database or disk is full") || message.contains("No space left")
 }
 
-impl SqliteStore {
-    fn read<T>(&self, f: impl FnOnce(&Connection) -> Result<T, StoreError>) -> Result<T, StoreError> {
-        f(&lock(&self.reader))
+impl Backend for Sqlite {
+    const PENDING_TASKS: &'static str = concat!(
+        "SELECT ",
+        task_columns!(t),
+        " FROM tasks t INDEXED BY tasks_pending JOIN runs r ON r.id = t.run_id
+         WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord"
+    );
+    const UNFINISHED_TASKS: &'static str = concat!(
+        "SELECT ",
+        task_columns!(t),
+        " FROM tasks t INDEXED BY tasks_unfinished JOIN runs r ON r.id = t.run_id
+         WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord"
+    );
+    const LAST_SEQ: &'static str = "SELECT COALESCE(MAX(seq), 0) FROM events";
+
+    fn write<T: Send + 'static>(
+        &self,
+        _task: Option<(&str, &str)>,
+        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<(T, i64), StoreError> {
+        self.group_commit(work)
     }
 
-    /// The agents' answers, all or `spec`'s.
-    fn agents_where(&self, spec: Option<&str>) -> Result<Vec<super::AgentRow>, StoreError> {
-        let rows: Vec<(String, String, i64)> = self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT spec, init, seen_at_ms FROM agents WHERE ?1 IS NULL OR spec = ?1 ORDER BY spec",
-            )?;
-            let rows = stmt.query_map(params![spec], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })?;
-        rows.into_iter()
-            .map(|(spec, init, seen_at_ms)| {
-                Ok(super::AgentRow { spec, init: serde_json::from_str(&init)?, seen_at_ms })
-            })
-            .collect()
-    }
-}
-
-impl TaskStore for SqliteStore {
-    fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
-        let (run, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
-        self.write(move |tx| ops::create_run(tx, &run, &plan, &source).map(|seq| ((), seq)))
-    }
-
-    fn run_exists(&self, run: &str) -> Result<bool, StoreError> {
-        self.read(|c| {
-            Ok(c.query_row("SELECT COUNT(*) FROM runs WHERE id = ?1", params![run], |r| r.get::<_, i64>(0))? > 0)
-        })
-    }
-
-    fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError> {
-        self.read(|c| {
-            let mut stmt =
-                c.prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 ORDER BY ord"))?;
-            let rows = stmt.query_map(params![run], row_to_task)?;
-            collect(rows)
-        })
-    }
-
-    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
-        match self.read(|c| load_task(&mut SqliteTx(c), run, task)) {
-            Ok(row) => Ok(Some(row)),
-            Err(StoreError::UnknownTask(_)) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT {} FROM tasks t INDEXED BY tasks_pending JOIN runs r ON r.id = t.run_id
-                 WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord",
-                qualified("t")
-            ))?;
-            let rows = stmt.query_map([], row_to_task)?;
-            collect(rows)
-        })
-    }
-
-    fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT {} FROM tasks t INDEXED BY tasks_unfinished JOIN runs r ON r.id = t.run_id
-                 WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord",
-                qualified("t")
-            ))?;
-            let rows = stmt.query_map([], row_to_task)?;
-            collect(rows)
-        })
+    fn read<T>(&self, f: impl Fn(&mut dyn Query) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        f(&mut SqliteTx(&lock(&self.reader)))
     }
 
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
-        self.read(|c| {
-            // The bound is read first: a change that lands after it is reported again next time.
-            let upto = last_seq(c)?;
-            if upto <= after {
-                return Ok((Vec::new(), after));
-            }
-            Ok((changed_between(c, after, upto)?, upto))
-        })
-    }
-
-    fn claim(
-        &self,
-        run: &str,
-        task: &str,
-        owner: &str,
-        lease_until_ms: i64,
-    ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
-        let (run, task, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
-        self.write(move |tx| ops::claim(tx, &run, &task, &owner, lease_until_ms))
-    }
-
-    fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
-        let a = attempt.clone();
-        self.write(move |tx| ops::heartbeat(tx, &a, lease_until_ms))
-    }
-
-    fn park(&self, attempt: &Attempt, request: &Value) -> Result<i64, StoreError> {
-        let (a, request) = (attempt.clone(), request.clone());
-        self.write(move |tx| ops::park(tx, &a, &request))
-    }
-
-    fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError> {
-        let a = attempt.clone();
-        self.write(move |tx| ops::resume(tx, &a))
-    }
-
-    fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError> {
-        let (a, ending, idem) = (attempt.clone(), ending.clone(), idem.cloned());
-        self.write(move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
-    }
-
-    fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
-        let (held, ending) = (held.clone(), ending.clone());
-        self.write(move |tx| ops::release_lost(tx, &held, &ending))
-    }
-
-    fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError> {
-        let (a, events, evidence) = (attempt.clone(), events.to_vec(), evidence.to_vec());
-        self.write(move |tx| ops::record(tx, &a, &events, &evidence))
-    }
-
-    fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
-        let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
-        self.write(move |tx| ops::cancel(tx, &run, &task, &reason))
-    }
-
-    fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {
-        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
-        self.write(move |tx| ops::retry(tx, &run, &task, dependents, &by))
-    }
-
-    fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
-        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
-        self.write(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))
-    }
-
-    fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError> {
-        let (run, task, q, option, by) =
-            (run.to_owned(), task.to_owned(), question.clone(), option.to_owned(), by.to_owned());
-        self.write(move |tx| ops::answer(tx, &run, &task, &q, &option, &by))
-    }
-
-    fn answer_of(&self, a: &Attempt, n: i64) -> Result<Option<String>, StoreError> {
-        self.read(|c| {
-            Ok(c.query_row(
-                "SELECT answer FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4",
-                params![a.run, a.task, a.n, n],
-                |r| r.get::<_, Option<String>>(0),
-            )
-            .optional()?
-            .flatten())
-        })
-    }
-
-    fn open_question(&self, run: &str, task: &str) -> Result<Option<Question>, StoreError> {
-        let row: Option<(i64, i64, String)> = self.read(|c| {
-            Ok(c.query_row(
-                "SELECT attempt, n, request FROM questions WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL
-                 ORDER BY attempt DESC, n DESC LIMIT 1",
-                params![run, task],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()?)
-        })?;
-        Ok(row.map(|(attempt, n, req)| Question {
-            attempt,
-            n,
-            request: serde_json::from_str(&req).unwrap_or(Value::Null),
-        }))
-    }
-
-    fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError> {
-        if events.is_empty() {
-            return self.last_seq();
+        let c = lock(&self.reader);
+        // The bound is read first: a change that lands after it is reported again next time.
+        let upto = last_seq(&c)?;
+        if upto <= after {
+            return Ok((Vec::new(), after));
         }
-        let events = events.to_vec();
-        self.write(move |tx| ops::append_events(tx, &events))
-    }
-
-    fn finish_keeping(&self, attempt: &Attempt, last: &super::Last, ending: &Ending) -> Result<TaskRow, StoreError> {
-        let (a, last, ending) = (attempt.clone(), last.clone(), ending.clone());
-        self.write(move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
-    }
-
-    fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
-        let (a, output) = (attempt.clone(), output.clone());
-        self.write(move |tx| ops::keep_output(tx, &a, &output.to_string()))
-    }
-
-    fn attempts(&self, run: &str, task: &str) -> Result<Vec<super::AttemptRow>, StoreError> {
-        let rows: Vec<(i64, String, Option<String>)> = self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT attempt, evidence, output FROM attempts WHERE run_id = ?1 AND task_id = ?2 ORDER BY attempt",
-            )?;
-            let rows = stmt.query_map(params![run, task], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })?;
-        rows.into_iter()
-            .map(|(n, evidence, output)| super::AttemptRow::decode(n, &evidence, output.as_deref()))
-            .collect()
-    }
-
-    fn withdraw(&self, attempt: &Attempt, question: i64) -> Result<(), StoreError> {
-        let a = attempt.clone();
-        self.write(move |tx| ops::withdraw(tx, &a, question)).map(|_| ())
-    }
-
-    fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError> {
-        let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
-        self.write(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by))
-    }
-
-    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
-        let a = attempt.clone();
-        self.write(move |tx| ops::take_messages(tx, &a))
-    }
-
-    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
-        self.read(|c| {
-            Ok(c.query_row(
-                "SELECT EXISTS (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
-                 AND interrupt = 1)",
-                params![run, task],
-                |r| r.get(0),
-            )?)
-        })
-    }
-
-    fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
-        let (spec, init) = (spec.to_owned(), init.clone());
-        self.write(move |tx| ops::record_agent(tx, &spec, &init))
-    }
-
-    fn agent(&self, spec: &str) -> Result<Option<super::AgentRow>, StoreError> {
-        Ok(self.agents_where(Some(spec))?.pop())
-    }
-
-    fn agents(&self) -> Result<Vec<super::AgentRow>, StoreError> {
-        self.agents_where(None)
-    }
-
-    fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
-        let text: Option<String> = self.read(|c| {
-            Ok(c.query_row(
-                "SELECT evidence FROM attempts WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
-                params![run, task, attempt],
-                |r| r.get(0),
-            )
-            .optional()?)
-        })?;
-        Ok(text.map(|t| serde_json::from_str(&t)).transpose()?.unwrap_or_default())
-    }
-
-    fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
-                 WHERE seq > ?1 AND (?2 IS NULL OR run_id = ?2) ORDER BY seq LIMIT ?3",
-            )?;
-            let rows = stmt.query_map(params![after, run, limit as i64], row_to_event)?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-    }
-
-    fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT seq, run_id, task_id, type, at_ms, data FROM events
-                 WHERE run_id = ?1 AND task_id = ?2 ORDER BY seq DESC LIMIT ?3",
-            )?;
-            let rows = stmt.query_map(params![run, task, last as i64], row_to_event)?;
-            let mut events = rows.collect::<Result<Vec<_>, _>>()?;
-            events.reverse();
-            Ok(events)
-        })
-    }
-
-    fn last_seq(&self) -> Result<i64, StoreError> {
-        self.read(last_seq)
-    }
-
-    fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
-        let node = node.to_owned();
-        self.write(move |tx| ops::lease_runs(tx, &node, until_ms))
-    }
-
-    fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError> {
-        let (node, run) = (node.to_owned(), run.to_owned());
-        self.write(move |tx| ops::lease_run(tx, &node, &run, until_ms))
-    }
-
-    fn release_runs(&self, node: &str) -> Result<(), StoreError> {
-        let node = node.to_owned();
-        self.write(move |tx| ops::release_runs(tx, &node))
-    }
-
-    fn nodes(&self) -> Result<Vec<super::NodeRow>, StoreError> {
-        let now = super::now_ms();
-        let rows = self.read(|c| {
-            let mut stmt = c.prepare_cached(ops::NODES)?;
-            let rows = stmt.query_map([now], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?;
-            Ok(rows.collect::<Result<Vec<ops::NodeLease>, _>>()?)
-        })?;
-        Ok(ops::nodes(rows))
+        Ok((changed_between(&c, after, upto)?, upto))
     }
 
     fn subscribe(&self) -> watch::Receiver<i64> {
@@ -806,62 +523,27 @@ impl TaskStore for SqliteStore {
     fn own_commits(&self) -> broadcast::Receiver<Arc<OwnCommit>> {
         self.own.subscribe()
     }
-
-    fn run_ids(&self) -> Result<Vec<String>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached("SELECT id FROM runs ORDER BY created_at_ms, id")?;
-            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-    }
-
-    fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT r.id, r.created_at_ms, COALESCE((SELECT e.at_ms FROM events e WHERE e.run_id = r.id ORDER BY e.seq DESC LIMIT 1), r.created_at_ms) FROM runs r ORDER BY r.created_at_ms, r.id",
-            )?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-    }
-
-    fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state")?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-    }
-
-    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
-        self.read(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = ?1
-                 ORDER BY r.created_at_ms DESC",
-            )?;
-            let rows = stmt.query_map(params![task], |r| r.get::<_, String>(0))?;
-            Ok(rows.collect::<Result<Vec<_>, _>>()?)
-        })
-    }
 }
 
-fn row_to_task(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawTask> {
-    let row = plain_row(
-        r.get(0)?,
-        r.get(1)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        (r.get(6)?, r.get(7)?),
-        r.get(8)?,
-        r.get(9)?,
-        r.get(11)?,
-    );
-    Ok((row, r.get(12)?, r.get(10)?, r.get(2)?))
-}
-
-fn collect(rows: impl Iterator<Item = rusqlite::Result<RawTask>>) -> Result<Vec<TaskRow>, StoreError> {
-    decode_all(rows.collect::<Result<Vec<_>, _>>()?)
+impl Query for SqliteTx<'_> {
+    fn rows(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
+        use rusqlite::types::ValueRef;
+        let mut stmt = self.0.prepare_cached(sql)?;
+        let n = stmt.column_count();
+        let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
+            let mut cells = Vec::with_capacity(n);
+            for i in 0..n {
+                cells.push(match r.get_ref(i)? {
+                    ValueRef::Null => Cell::Null,
+                    ValueRef::Integer(v) => Cell::Int(v),
+                    ValueRef::Real(v) => Cell::Int(v as i64),
+                    ValueRef::Text(t) | ValueRef::Blob(t) => Cell::Text(String::from_utf8_lossy(t).into_owned()),
+                });
+            }
+            Ok(Row(cells))
+        })?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
 }
 
 /// The open transaction of the write connection (or, for reads, the reader).
@@ -895,11 +577,8 @@ impl Tx for SqliteTx<'_> {
 
     fn task(&mut self, run: &str, task: &str) -> Result<Option<RawTask>, StoreError> {
         // SQLite has no row locks: the write transaction (BEGIN IMMEDIATE) holds the whole file.
-        Ok(self
-            .0
-            .prepare_cached(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE run_id = ?1 AND id = ?2"))?
-            .query_row(params![run, task], row_to_task)
-            .optional()?)
+        let sql = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 AND id = ?2");
+        self.rows(sql, &[Arg::Text(run), Arg::Text(task)])?.into_iter().next().map(Row::raw_task).transpose()
     }
 
     fn take(
@@ -929,7 +608,7 @@ impl Tx for SqliteTx<'_> {
         // holds the file, so gap-free and in commit order.
         self.0
             .prepare_cached("INSERT INTO events (run_id, task_id, type, at_ms, data) VALUES (?1, ?2, ?3, ?4, ?5)")?
-            .execute(params![run, task, kind, super::now_ms(), data.to_string()])?;
+            .execute(params![run, task, kind, crate::now_ms(), data.to_string()])?;
         Ok(self.0.last_insert_rowid())
     }
 
@@ -948,9 +627,4 @@ impl Tx for SqliteTx<'_> {
             .execute(params![a.run, a.task, a.n, effect.to_string()])?;
         Ok(())
     }
-}
-
-/// [`TASK_COLUMNS`] qualified by a table alias.
-fn qualified(alias: &str) -> String {
-    TASK_COLUMNS.split(", ").map(|c| format!("{alias}.{}", c.trim())).collect::<Vec<_>>().join(", ")
 }

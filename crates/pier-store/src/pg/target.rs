@@ -17,11 +17,11 @@ use rustls::pki_types::pem::PemObject;
 use tokio_postgres::Config;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::StoreError;
+use crate::StoreError;
 
 /// A store's connection settings and the TLS connector they use.
 #[derive(Clone)]
-pub(super) struct Target {
+pub(crate) struct Target {
     pub config: Config,
     pub tls: MakeRustlsConnect,
 }
@@ -75,7 +75,7 @@ pub fn redacted(url: &str) -> String {
 }
 
 /// What to do about a connection error TLS caused, if it did (no retry cures those).
-pub(super) fn tls_advice(error: &str) -> Option<&'static str> {
+pub(crate) fn tls_advice(error: &str) -> Option<&'static str> {
     if error.contains("certificate") || error.contains("UnknownIssuer") {
         Some(
             "name the server's CA with `sslrootcert=PATH` in the store URL (or PGSSLROOTCERT), or use \

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 
+use pier_tools::{Rule, ToolKind};
 use serde::{Deserialize, Serialize};
 
 /// A validated plan.
@@ -31,8 +32,9 @@ pub struct TaskSpec {
     /// Whether a lost attempt may run again even after side effects.
     pub idempotent: bool,
     pub metadata: BTreeMap<String, serde_json::Value>,
-    /// Tool kind → rule (`allow`, `allow_always`, `ask`, `deny`, `deny_always`).
-    pub permissions: BTreeMap<String, String>,
+    /// Tool kind → rule (`allow`, `allow_always`, `ask`, `deny`, `deny_always`). Typed, so a
+    /// stored rule that does not parse fails the read of its task (naming it), never drops out.
+    pub permissions: BTreeMap<ToolKind, Rule>,
     /// Directories besides cwd the agent's fs/terminal calls may use.
     pub roots: Vec<PathBuf>,
     /// When set, the only directories the agent may write to.
@@ -41,7 +43,7 @@ pub struct TaskSpec {
     /// Run on an agent process of its own, never a warm one another task used.
     #[serde(default)]
     pub fresh_agent: bool,
-    /// What the agent must be able to do ([`crate::caps::REQUIREMENTS`]; for a pull-worker
+    /// What the agent must be able to do ([`crate::requires::REQUIREMENTS`]; for a pull-worker
     /// task, capabilities the worker must have besides its `worker:` one).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub requires: Vec<String>,
@@ -246,8 +248,20 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
         if let Err(why) = agent_known(&agent) {
             problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
         }
-        let mut permissions = d.permissions.clone();
-        permissions.extend(t.permissions);
+        let mut permissions = BTreeMap::new();
+        for (kind, rule) in d.permissions.iter().chain(&t.permissions) {
+            match (kind.parse::<ToolKind>(), rule.parse::<Rule>()) {
+                (Ok(kind), Ok(rule)) => {
+                    permissions.insert(kind, rule);
+                }
+                (Err(_), _) => {
+                    problems.push(Problem { line, message: format!("task `{}`: unknown tool kind `{kind}`", t.id) });
+                }
+                (_, Err(_)) => {
+                    problems.push(Problem { line, message: format!("task `{}`: unknown permission rule `{rule}`", t.id) });
+                }
+            }
+        }
         let mut roots = d.roots.clone();
         roots.extend(t.roots);
         tasks.push(TaskSpec {
@@ -294,18 +308,8 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
                 });
             }
         }
-        for rule in t.permissions.values() {
-            if !matches!(rule.as_str(), "allow" | "allow_always" | "ask" | "deny" | "deny_always") {
-                problems.push(Problem { line, message: format!("task `{}`: unknown permission rule `{rule}`", t.id) });
-            }
-        }
-        for why in crate::caps::unknown_requirements(t) {
+        for why in crate::requires::unknown_requirements(t) {
             problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
-        }
-        for kind in t.permissions.keys() {
-            if kind.parse::<pier_tools::ToolKind>().is_err() {
-                problems.push(Problem { line, message: format!("task `{}`: unknown tool kind `{kind}`", t.id) });
-            }
         }
     }
     for cycle in cycles(&tasks) {

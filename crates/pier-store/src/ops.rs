@@ -8,21 +8,17 @@
 
 use serde_json::{Value, json};
 
-use super::{Attempt, Ending, Held, Idem, LogEvent, Question, StoreError, TaskRow, now_ms};
+use crate::{Attempt, Ending, Held, Idem, LogEvent, Question, QuestionRequest, StoreError, TaskRow, now_ms};
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
 
-/// The columns a backend reads into a [`RawTask`], in this order.
-pub(super) const TASK_COLUMNS: &str = "run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms, \
-                            not_before_ms, result, usage, error, spec";
-
 /// A task row as read, before its JSON columns are decoded by [`decode`]: the row with
 /// its plain columns, then `spec`, `usage` and `state` as stored.
-pub(super) type RawTask = (TaskRow, String, Option<String>, String);
+pub(crate) type RawTask = (TaskRow, String, Option<String>, String);
 
 /// A statement's argument.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum Arg<'a> {
+pub(crate) enum Arg<'a> {
     Int(i64),
     OptInt(Option<i64>),
     Text(&'a str),
@@ -30,7 +26,7 @@ pub(super) enum Arg<'a> {
 }
 
 /// An open write transaction of a backend.
-pub(super) trait Tx {
+pub(crate) trait Tx {
     /// Runs a statement; the number of rows it changed.
     fn exec(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, StoreError>;
     /// The first column of the first row, as an integer; `None` without a row.
@@ -71,7 +67,7 @@ pub(super) trait Tx {
 
 /// A task row's plain columns; the JSON ones are filled in by [`decode`].
 #[allow(clippy::too_many_arguments)]
-pub(super) fn plain_row(
+pub(crate) fn plain_row(
     run_id: String,
     id: String,
     version: i64,
@@ -101,7 +97,7 @@ pub(super) fn plain_row(
 
 /// Decodes a row's JSON columns and state; a row that does not decode fails the
 /// read with its run and task named, so nothing is written on top of it.
-pub(super) fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, StoreError> {
+pub(crate) fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, StoreError> {
     let corrupt = |what: String| StoreError::Corrupt { run: row.run_id.clone(), task: row.id.clone(), what };
     row.spec = serde_json::from_str(&spec).map_err(|e| corrupt(format!("its spec is not a valid task ({e})")))?;
     row.usage = usage
@@ -115,15 +111,11 @@ pub(super) fn decode((mut row, spec, usage, state): RawTask) -> Result<TaskRow, 
     Ok(row)
 }
 
-pub(super) fn load_task(tx: &mut dyn Tx, run: &str, task: &str) -> Result<TaskRow, StoreError> {
+pub(crate) fn load_task(tx: &mut dyn Tx, run: &str, task: &str) -> Result<TaskRow, StoreError> {
     decode(tx.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?)
 }
 
-pub(super) fn decode_all(rows: impl IntoIterator<Item = RawTask>) -> Result<Vec<TaskRow>, StoreError> {
-    rows.into_iter().map(decode).collect()
-}
-
-pub(super) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
+pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
     if tx.int("SELECT COUNT(*) FROM runs WHERE id = ?1", &[Arg::Text(run)])?.unwrap_or(0) > 0 {
         return Err(StoreError::RunExists(run.to_owned()));
     }
@@ -168,7 +160,7 @@ fn lease_lost(attempt: &Attempt) -> StoreError {
 struct Extra {
     owner: Option<String>,
     error: Option<String>,
-    class: Option<super::ErrorClass>,
+    class: Option<crate::ErrorClass>,
     evidence: Option<Vec<Value>>,
 }
 
@@ -222,7 +214,7 @@ fn void_questions(tx: &mut dyn Tx, run: &str, task: &str, why: &str) -> Result<(
     Ok(())
 }
 
-pub(super) fn claim(
+pub(crate) fn claim(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -247,7 +239,7 @@ pub(super) fn claim(
 /// [`Tx::take`] as statements both dialects run: the row read (and locked), the update
 /// fenced on the version read, the attempt's row, and the row as the update left it built
 /// rather than read back.
-pub(super) fn take_by_statements(
+pub(crate) fn take_by_statements(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -287,7 +279,7 @@ pub(super) fn take_by_statements(
     }))
 }
 
-pub(super) fn heartbeat(tx: &mut dyn Tx, a: &Attempt, until: i64) -> Result<(bool, i64), StoreError> {
+pub(crate) fn heartbeat(tx: &mut dyn Tx, a: &Attempt, until: i64) -> Result<(bool, i64), StoreError> {
     let n = tx.exec(
         "UPDATE tasks SET lease_expires_at_ms = ?5
          WHERE run_id = ?1 AND id = ?2 AND state IN ('running', 'awaiting_input') AND attempt = ?3
@@ -297,7 +289,7 @@ pub(super) fn heartbeat(tx: &mut dyn Tx, a: &Attempt, until: i64) -> Result<(boo
     Ok((n == 1, 0))
 }
 
-pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64, i64), StoreError> {
+pub(crate) fn park(tx: &mut dyn Tx, a: &Attempt, request: &QuestionRequest) -> Result<(i64, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
@@ -308,10 +300,9 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
             "UPDATE tasks SET state = 'awaiting_input', version = version + 1 WHERE run_id = ?1 AND id = ?2",
             &[Arg::Text(&a.run), Arg::Text(&a.task)],
         )?;
-        let reason = if request.get(crate::person::ELICITATION).is_some() {
-            "the agent asks the person a question"
-        } else {
-            "a permission request waits for a person"
+        let reason = match request {
+            QuestionRequest::Elicitation(_) => "the agent asks the person a question",
+            QuestionRequest::Permission(_) => "a permission request waits for a person",
         };
         seq = transition_event(tx, Was::of(&row), TaskState::AwaitingInput, a.n, reason, Extra::default())?;
     }
@@ -322,7 +313,7 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
             &held,
         )?
         .unwrap_or(1);
-    let text = request.to_string();
+    let text = request.to_stored().to_string();
     tx.exec(
         "INSERT INTO questions (run_id, task_id, attempt, n, request) VALUES (?1, ?2, ?3, ?4, ?5)",
         &[held[0], held[1], held[2], Arg::Int(n), Arg::Text(&text)],
@@ -332,7 +323,7 @@ pub(super) fn park(tx: &mut dyn Tx, a: &Attempt, request: &Value) -> Result<(i64
     Ok((n, seq))
 }
 
-pub(super) fn resume(tx: &mut dyn Tx, a: &Attempt) -> Result<(bool, i64), StoreError> {
+pub(crate) fn resume(tx: &mut dyn Tx, a: &Attempt) -> Result<(bool, i64), StoreError> {
     go_on(tx, a, "a person answered")
 }
 
@@ -362,7 +353,7 @@ fn go_on(tx: &mut dyn Tx, a: &Attempt, why: &str) -> Result<(bool, i64), StoreEr
 /// The attempt stopped waiting for question `n` (the agent withdrew it, its turn was
 /// cancelled): the question is void, so nobody answers it, and the task runs again if it
 /// waits on nothing else.
-pub(super) fn withdraw(tx: &mut dyn Tx, a: &Attempt, n: i64) -> Result<(bool, i64), StoreError> {
+pub(crate) fn withdraw(tx: &mut dyn Tx, a: &Attempt, n: i64) -> Result<(bool, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Ok((false, 0));
@@ -377,7 +368,7 @@ pub(super) fn withdraw(tx: &mut dyn Tx, a: &Attempt, n: i64) -> Result<(bool, i6
 
 /// The columns an ending writes: the state, a failure counted or not, `not_before_ms` (kept
 /// when `None`), and the result, usage and error (result and usage kept when `None`).
-pub(super) struct Columns {
+pub(crate) struct Columns {
     pub to: TaskState,
     pub failure: i64,
     pub not_before: Option<i64>,
@@ -388,15 +379,15 @@ pub(super) struct Columns {
 
 /// What an ending of an attempt writes beside the task ([`Tx::end_held`]).
 #[derive(Clone, Copy, Default)]
-pub(super) struct Beside<'a> {
+pub(crate) struct Beside<'a> {
     pub output: Option<&'a str>,
     pub unless_messages: bool,
 }
 
 /// Whether a message waits for the task, unsent. Run after the task's row is locked.
-pub(super) const MESSAGE_WAITING: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL LIMIT 1) m";
+pub(crate) const MESSAGE_WAITING: &str = "SELECT COUNT(*) FROM (SELECT 1 FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL LIMIT 1) m";
 
-pub(super) fn messages_waiting(a: &Attempt) -> StoreError {
+pub(crate) fn messages_waiting(a: &Attempt) -> StoreError {
     StoreError::MessagesWaiting { task: a.task.clone() }
 }
 
@@ -471,7 +462,7 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
 
 /// [`Tx::end_held`] as statements both dialects run: the output kept, the task read (and
 /// locked), the fence tested, the ending applied, the inbox looked at.
-pub(super) fn end_held_by_statements(
+pub(crate) fn end_held_by_statements(
     tx: &mut dyn Tx,
     a: &Attempt,
     c: &Columns,
@@ -521,7 +512,7 @@ fn end_attempt(tx: &mut dyn Tx, row: &TaskRow, n: i64, ending: &Ending) -> Resul
     ended(tx, row.state, after, n, ending, extra)
 }
 
-pub(super) fn finish(
+pub(crate) fn finish(
     tx: &mut dyn Tx,
     a: &Attempt,
     ending: &Ending,
@@ -571,7 +562,7 @@ pub(super) fn finish(
     Ok((row, seq))
 }
 
-pub(super) fn release_lost(
+pub(crate) fn release_lost(
     tx: &mut dyn Tx,
     held: &Held,
     ending: &Ending,
@@ -589,7 +580,7 @@ pub(super) fn release_lost(
     Ok((Some(row), seq))
 }
 
-pub(super) fn record(
+pub(crate) fn record(
     tx: &mut dyn Tx,
     a: &Attempt,
     events: &[(String, Value)],
@@ -607,7 +598,7 @@ pub(super) fn record(
     Ok((last, last))
 }
 
-pub(super) fn cancel(
+pub(crate) fn cancel(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -627,7 +618,7 @@ pub(super) fn cancel(
     Ok((Some(load_task(tx, run, task)?), seq))
 }
 
-pub(super) fn decide_rerun(
+pub(crate) fn decide_rerun(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -657,7 +648,7 @@ pub(super) fn decide_rerun(
 /// tasks below it, transitively): each goes back to `pending` with its failures forgotten,
 /// so it gets its whole `max_attempts` again; the next claim is a new attempt. Each move
 /// is a transition event naming who retried it.
-pub(super) fn retry(
+pub(crate) fn retry(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -709,7 +700,7 @@ pub(super) fn retry(
     Ok((rows, seq))
 }
 
-pub(super) fn answer(
+pub(crate) fn answer(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -730,7 +721,7 @@ pub(super) fn answer(
 }
 
 /// Appends events that belong to no attempt.
-pub(super) fn append_events(
+pub(crate) fn append_events(
     tx: &mut dyn Tx,
     events: &[(String, Option<String>, String, Value)],
 ) -> Result<(i64, i64), StoreError> {
@@ -743,7 +734,7 @@ pub(super) fn append_events(
 
 /// How long the row of a node that stopped heart-beating is kept (for `/nodes` history and
 /// for a node that comes back) before a live node's lease pass removes it.
-pub(super) const NODE_ROWS_KEPT_MS: i64 = 3_600_000;
+pub(crate) const NODE_ROWS_KEPT_MS: i64 = 3_600_000;
 
 /// Renews node `node`'s presence until `until`, and removes the rows of nodes dead for an
 /// hour and run leases expired as long (an expired lease is as good as none), so the tables
@@ -762,7 +753,7 @@ fn present(tx: &mut dyn Tx, node: &str, now: i64, until: i64) -> Result<(), Stor
 
 /// Node `node` drives one run only (`pier run`): its presence, and that run's lease, taken
 /// when free or expired and renewed while it holds it. Whether it holds it now.
-pub(super) fn lease_run(tx: &mut dyn Tx, node: &str, run: &str, until: i64) -> Result<(bool, i64), StoreError> {
+pub(crate) fn lease_run(tx: &mut dyn Tx, node: &str, run: &str, until: i64) -> Result<(bool, i64), StoreError> {
     let now = now_ms();
     present(tx, node, now, until)?;
     tx.exec(
@@ -779,7 +770,7 @@ pub(super) fn lease_run(tx: &mut dyn Tx, node: &str, run: &str, until: i64) -> R
 /// Renews node `node` and the run leases it holds until `until`, hands back runs beyond its
 /// fair share (the unfinished runs over the live nodes, rounded up) and takes free or
 /// expired ones up to it. Returns the runs it holds.
-pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
+pub(crate) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
     let now = now_ms();
     present(tx, node, now, until)?;
     tx.exec(
@@ -818,13 +809,13 @@ pub(super) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
     Ok((held, 0))
 }
 
-/// An attempt's ending with what it writes last ([`super::Last`]): its events first, then
+/// An attempt's ending with what it writes last ([`crate::Last`]): its events first, then
 /// the ending with its output kept beside it. A refused ending (a race: the attempt lost its
 /// task) is the answer, not a failure of the write, so the events and output stay.
-pub(super) fn finish_keeping(
+pub(crate) fn finish_keeping(
     tx: &mut dyn Tx,
     a: &Attempt,
-    last: &super::Last,
+    last: &crate::Last,
     ending: &Ending,
 ) -> Result<(Result<TaskRow, StoreError>, i64), StoreError> {
     let (_, recorded) = record(tx, a, &last.events, &last.evidence)?;
@@ -842,7 +833,7 @@ pub(super) fn finish_keeping(
 
 /// Keeps what an attempt showed; on its own row, so no fence is needed: a task cancelled
 /// under an attempt still keeps that attempt's partial output.
-pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &str) -> Result<((), i64), StoreError> {
+pub(crate) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &str) -> Result<((), i64), StoreError> {
     tx.exec(
         "UPDATE attempts SET output = ?4 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
         &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Text(output)],
@@ -851,7 +842,7 @@ pub(super) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &str) -> Result<
 }
 
 /// Queues a message for a running task (`None` if it is not running).
-pub(super) fn say(
+pub(crate) fn say(
     tx: &mut dyn Tx,
     run: &str,
     task: &str,
@@ -888,7 +879,7 @@ pub(super) fn say(
 }
 
 /// The messages the holding attempt has not sent yet, marked sent by it.
-pub(super) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, String)>, i64), StoreError> {
+pub(crate) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, String)>, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
@@ -914,7 +905,7 @@ pub(super) fn take_messages(tx: &mut dyn Tx, a: &Attempt) -> Result<(Vec<(i64, S
 }
 
 /// Keeps an agent spec's latest `initialize` answer.
-pub(super) fn record_agent(tx: &mut dyn Tx, spec: &str, init: &Value) -> Result<((), i64), StoreError> {
+pub(crate) fn record_agent(tx: &mut dyn Tx, spec: &str, init: &Value) -> Result<((), i64), StoreError> {
     tx.exec(
         "INSERT INTO agents (spec, init, seen_at_ms) VALUES (?1, ?2, ?3)
          ON CONFLICT (spec) DO UPDATE SET init = excluded.init, seen_at_ms = excluded.seen_at_ms",
@@ -924,7 +915,7 @@ pub(super) fn record_agent(tx: &mut dyn Tx, spec: &str, init: &Value) -> Result<
 }
 
 /// Node `node` leaves: its run leases go back at once, and it is no longer listed.
-pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), StoreError> {
+pub(crate) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), StoreError> {
     tx.exec("DELETE FROM run_leases WHERE owner = ?1", &[Arg::Text(node)])?;
     tx.exec("DELETE FROM nodes WHERE id = ?1", &[Arg::Text(node)])?;
     Ok(((), 0))
@@ -932,19 +923,19 @@ pub(super) fn release_runs(tx: &mut dyn Tx, node: &str) -> Result<((), i64), Sto
 
 /// The live nodes, each beside each run it holds a live lease of (or none): `?1` is now.
 /// A read, in one statement; [`nodes`] groups its rows.
-pub(super) const NODES: &str = "SELECT n.id, n.started_at_ms, n.heartbeat_at_ms, n.expires_at_ms, l.run_id
+pub(crate) const NODES: &str = "SELECT n.id, n.started_at_ms, n.heartbeat_at_ms, n.expires_at_ms, l.run_id
      FROM nodes n LEFT JOIN run_leases l ON l.owner = n.id AND l.expires_at_ms >= ?1
      WHERE n.expires_at_ms >= ?1 ORDER BY n.id, l.run_id";
 
 /// One row of [`NODES`].
-pub(super) type NodeLease = (String, i64, i64, i64, Option<String>);
+pub(crate) type NodeLease = (String, i64, i64, i64, Option<String>);
 
-/// [`NODES`]' rows as one [`super::NodeRow`] per node.
-pub(super) fn nodes(rows: Vec<NodeLease>) -> Vec<super::NodeRow> {
-    let mut out: Vec<super::NodeRow> = Vec::new();
+/// [`NODES`]' rows as one [`crate::NodeRow`] per node.
+pub(crate) fn nodes(rows: Vec<NodeLease>) -> Vec<crate::NodeRow> {
+    let mut out: Vec<crate::NodeRow> = Vec::new();
     for (id, started_at_ms, heartbeat_at_ms, expires_at_ms, run) in rows {
         if out.last().is_none_or(|n| n.id != id) {
-            out.push(super::NodeRow { id, started_at_ms, heartbeat_at_ms, expires_at_ms, runs: Vec::new() });
+            out.push(crate::NodeRow { id, started_at_ms, heartbeat_at_ms, expires_at_ms, runs: Vec::new() });
         }
         if let (Some(node), Some(run)) = (out.last_mut(), run) {
             node.runs.push(run);

@@ -24,13 +24,13 @@ use std::collections::HashSet;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Row, Statement};
 
-use super::StoreError;
-use super::ops::Arg;
-use super::pg::{Job, Pending, PgTx, block_on};
+use crate::StoreError;
+use crate::ops::Arg;
+use super::{Job, Pending, PgTx, block_on};
 
 /// A statement's argument, owned: it is sent after the job that asked for it has stopped.
 #[derive(Debug, Clone)]
-pub(super) enum Owned {
+pub(crate) enum Owned {
     Int(i64),
     OptInt(Option<i64>),
     Text(String),
@@ -77,7 +77,7 @@ impl ToSql for Owned {
 }
 
 /// A statement a job asked for.
-pub(super) struct Want {
+pub(crate) struct Want {
     pub sql: &'static str,
     pub statement: Statement,
     pub args: Vec<Owned>,
@@ -87,14 +87,14 @@ pub(super) struct Want {
 
 /// What a statement answered.
 #[derive(Clone)]
-pub(super) enum Answer {
+pub(crate) enum Answer {
     Rows(Vec<Row>),
     Count(u64),
 }
 
 /// One job's part in the rounds.
 #[derive(Default)]
-pub(super) struct Replay {
+pub(crate) struct Replay {
     /// Each call answered so far: its statements (to tell a diverging run) and their answers.
     calls: Vec<(Vec<&'static str>, Vec<Answer>)>,
     /// The call the current run is at.
@@ -124,14 +124,14 @@ impl Replay {
 }
 
 /// A group's jobs.
-pub(super) type Jobs = Vec<Box<dyn Job>>;
+pub(crate) type Jobs = Vec<Box<dyn Job>>;
 
 /// How a job of the rounds ended: its events, or its error (it changed nothing) and whether
 /// that may pass on another try.
-pub(super) type Ending = Result<Vec<Pending>, (StoreError, bool)>;
+pub(crate) type Ending = Result<Vec<Pending>, (StoreError, bool)>;
 
 /// How the rounds went.
-pub(super) enum Rounds {
+pub(crate) enum Rounds {
     /// Every job ended: those that succeeded with their events, in order; those that failed
     /// (having changed nothing) with their error and whether it may pass on another try. With
     /// the number of rounds sent (the round trips).
@@ -145,7 +145,7 @@ pub(super) enum Rounds {
 
 /// Splits a group's jobs into those that run side by side (the first job of each task) and
 /// the rest, each part in queue order.
-pub(super) fn side_by_side(jobs: Jobs) -> (Jobs, Jobs) {
+pub(crate) fn side_by_side(jobs: Jobs) -> (Jobs, Jobs) {
     let mut tasks = HashSet::new();
     let (mut together, mut rest) = (Vec::new(), Vec::new());
     for job in jobs {
@@ -170,7 +170,7 @@ struct Slot {
 }
 
 /// Runs `jobs` in rounds in `t`'s transaction (its pending `BEGIN` rides with the first).
-pub(super) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
+pub(crate) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
     let mut slots: Vec<Slot> =
         jobs.into_iter().map(|job| Slot { job, replay: Replay::default(), ended: None }).collect();
     let every = |slots: Vec<Slot>| slots.into_iter().map(|s| s.job).collect::<Vec<_>>();
@@ -277,6 +277,6 @@ impl Answer {
 }
 
 /// A call answered with something else than it asked for (a defect, never the database's doing).
-pub(super) fn no_answer() -> StoreError {
+pub(crate) fn no_answer() -> StoreError {
     StoreError::Db("a statement of a round came back without the answer it asked for".into())
 }

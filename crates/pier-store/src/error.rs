@@ -1,0 +1,60 @@
+//! Why a store operation was refused or failed.
+
+/// Why a store operation was refused or failed. `code()` is stable.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("illegal transition of task `{task}`: {from} -> {to}")]
+    IllegalTransition { task: String, from: &'static str, to: &'static str },
+    /// The attempt named is not the one holding the task (any more): another owner, a
+    /// later attempt, an expired lease, or a task that ended.
+    #[error("task `{task}` is not held by attempt {attempt} of `{owner}` (any more); stop working on it")]
+    LeaseLost { task: String, attempt: i64, owner: String },
+    #[error("idempotency key `{key}` was used before with another request; use a new key for a new request")]
+    IdempotencyConflict { key: String },
+    #[error("unknown task `{0}`")]
+    UnknownTask(String),
+    #[error("unknown run `{0}`")]
+    UnknownRun(String),
+    #[error("run `{0}` already exists")]
+    RunExists(String),
+    /// A row that must be unique was written twice (two writers racing to create it).
+    #[error("the store refused a duplicate: {0}")]
+    Duplicate(String),
+    /// A row that does not decode: the store was damaged or edited; nothing is written.
+    #[error("the store is corrupt: task `{task}` of run `{run}`: {what}")]
+    Corrupt { run: String, task: String, what: String },
+    /// The disk (or file system) holding the store is full; nothing of the failed write was kept.
+    #[error("the disk is full: cannot write the store {path}; free some space and resume")]
+    Full { path: String },
+    #[error("the store failed: {0}")]
+    Db(String),
+    /// An ending asked to wait for the task's inbox found a message there: nothing of it was
+    /// written, and the attempt's agent is to be told the message instead.
+    #[error("a message waits for task `{task}`; send it to the agent before ending the attempt")]
+    MessagesWaiting { task: String },
+}
+
+impl StoreError {
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode;
+        match self {
+            StoreError::IllegalTransition { .. } => ErrorCode::BadTransition,
+            StoreError::LeaseLost { .. } => ErrorCode::LeaseLost,
+            StoreError::IdempotencyConflict { .. } => ErrorCode::IdempotencyConflict,
+            StoreError::UnknownTask(_) => ErrorCode::UnknownTask,
+            StoreError::UnknownRun(_) => ErrorCode::UnknownRun,
+            StoreError::RunExists(_) => ErrorCode::RunExists,
+            StoreError::Duplicate(_) => ErrorCode::Duplicate,
+            StoreError::Corrupt { .. } => ErrorCode::StoreCorrupt,
+            StoreError::Full { .. } => ErrorCode::DiskFull,
+            StoreError::Db(_) => ErrorCode::Store,
+            StoreError::MessagesWaiting { .. } => ErrorCode::BadTransition,
+        }
+    }
+
+    /// Whether the operation lost a race (another writer moved the task first): the caller
+    /// re-reads and decides again; nothing is wrong with the store.
+    pub fn is_race(&self) -> bool {
+        matches!(self, StoreError::IllegalTransition { .. } | StoreError::LeaseLost { .. })
+    }
+}

@@ -1,0 +1,364 @@
+//! [`TaskStore`] written once, over any [`Backend`]: each write is a named operation of
+//! [`crate::ops`] handed to the backend's group commit, each read one statement in the
+//! dialect both databases share, decoded here.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use tokio::sync::{broadcast, watch};
+
+use crate::backend::{Backend, Query, Row};
+use crate::log::{Event, OwnCommit, RawEvent};
+use crate::ops::{self, Arg, Tx, decode};
+use crate::plan::Plan;
+use crate::rows::{
+    AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
+};
+use crate::{StoreError, TaskStore, task_columns};
+
+/// The store over backend `B` (`SqliteStore`, `PgStore`).
+pub struct Store<B> {
+    pub(crate) db: B,
+}
+
+const TASKS_OF_RUN: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 ORDER BY ord");
+const TASK: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 AND id = ?2");
+
+/// An event row of `seq, run_id, task_id, type, at_ms, data`, its data still text.
+pub(crate) fn raw_event(mut r: Row) -> Result<RawEvent, StoreError> {
+    Ok(RawEvent {
+        seq: r.int(0)?,
+        run: r.text(1)?,
+        task: r.opt_text(2)?,
+        kind: r.text(3)?,
+        at_ms: r.int(4)?,
+        data: r.text(5)?,
+    })
+}
+
+fn events(rows: Vec<Row>) -> Result<Vec<Event>, StoreError> {
+    rows.into_iter().map(|r| raw_event(r).map(RawEvent::into_event)).collect()
+}
+
+pub(crate) fn tasks(rows: Vec<Row>) -> Result<Vec<TaskRow>, StoreError> {
+    rows.into_iter().map(|r| decode(r.raw_task()?)).collect()
+}
+
+fn strings(rows: Vec<Row>) -> Result<Vec<String>, StoreError> {
+    rows.into_iter().map(|mut r| r.text(0)).collect()
+}
+
+/// The first column of the first row, as an integer (0 without a row).
+fn count(rows: Vec<Row>) -> Result<i64, StoreError> {
+    rows.into_iter().next().map_or(Ok(0), |mut r| r.int(0))
+}
+
+// `Backend` is sealed (the crate's two databases): these helpers are private all the same.
+#[allow(private_bounds)]
+impl<B: Backend> Store<B> {
+    /// Runs operation `work` in the next group commit; its answer once durable.
+    fn op<T: Send + 'static>(
+        &self,
+        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.db.write(None, work).map(|(answer, _)| answer)
+    }
+
+    /// [`Store::op`] for an operation that touches attempt `a`'s task's rows only.
+    fn op_on<T: Send + 'static>(
+        &self,
+        a: &Attempt,
+        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.db.write(Some((&a.run, &a.task)), work).map(|(answer, _)| answer)
+    }
+
+    fn rows(&self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
+        self.db.read(|q: &mut dyn Query| q.rows(sql, args))
+    }
+
+    /// The agents' answers, all or `spec`'s.
+    fn agents_where(&self, spec: Option<&str>) -> Result<Vec<AgentRow>, StoreError> {
+        let rows = self.rows(
+            "SELECT spec, init, seen_at_ms FROM agents WHERE CAST(?1 AS TEXT) IS NULL OR spec = ?1 ORDER BY spec",
+            &[Arg::OptText(spec)],
+        )?;
+        rows.into_iter()
+            .map(|mut r| Ok(AgentRow { spec: r.text(0)?, init: serde_json::from_str(&r.text(1)?)?, seen_at_ms: r.int(2)? }))
+            .collect()
+    }
+}
+
+impl<B: Backend> TaskStore for Store<B> {
+    fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
+        let (r, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
+        match self.op(move |tx| ops::create_run(tx, &r, &plan, &source).map(|seq| ((), seq))) {
+            // Two nodes creating one run: the loser's insert meets the winner's row.
+            Err(StoreError::Duplicate(_)) => Err(StoreError::RunExists(run.to_owned())),
+            other => other,
+        }
+    }
+
+    fn run_exists(&self, run: &str) -> Result<bool, StoreError> {
+        Ok(count(self.rows("SELECT COUNT(*) FROM runs WHERE id = ?1", &[Arg::Text(run)])?)? > 0)
+    }
+
+    fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError> {
+        tasks(self.rows(TASKS_OF_RUN, &[Arg::Text(run)])?)
+    }
+
+    fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError> {
+        Ok(tasks(self.rows(TASK, &[Arg::Text(run), Arg::Text(task)])?)?.pop())
+    }
+
+    fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        tasks(self.rows(B::PENDING_TASKS, &[])?)
+    }
+
+    fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
+        tasks(self.rows(B::UNFINISHED_TASKS, &[])?)
+    }
+
+    fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
+        self.db.tasks_changed(after)
+    }
+
+    fn claim(
+        &self,
+        run: &str,
+        task: &str,
+        owner: &str,
+        lease_until_ms: i64,
+    ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
+        let (r, t, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
+        let work = move |tx: &mut dyn Tx| ops::claim(tx, &r, &t, &owner, lease_until_ms);
+        self.db.write(Some((run, task)), work).map(|(answer, _)| answer)
+    }
+
+    fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
+        let a = attempt.clone();
+        self.op_on(attempt, move |tx| ops::heartbeat(tx, &a, lease_until_ms))
+    }
+
+    fn park(&self, attempt: &Attempt, request: &QuestionRequest) -> Result<i64, StoreError> {
+        let (a, request) = (attempt.clone(), request.clone());
+        self.op_on(attempt, move |tx| ops::park(tx, &a, &request))
+    }
+
+    fn resume(&self, attempt: &Attempt) -> Result<bool, StoreError> {
+        let a = attempt.clone();
+        self.op_on(attempt, move |tx| ops::resume(tx, &a))
+    }
+
+    fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError> {
+        let (a, ending, idem) = (attempt.clone(), ending.clone(), idem.cloned());
+        self.op_on(attempt, move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
+    }
+
+    fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
+        let (h, ending) = (held.clone(), ending.clone());
+        self.op_on(&held.attempt, move |tx| ops::release_lost(tx, &h, &ending))
+    }
+
+    fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError> {
+        let (a, events, evidence) = (attempt.clone(), events.to_vec(), evidence.to_vec());
+        self.op_on(attempt, move |tx| ops::record(tx, &a, &events, &evidence))
+    }
+
+    fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
+        let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
+        self.op(move |tx| ops::cancel(tx, &run, &task, &reason))
+    }
+
+    fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.op(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))
+    }
+
+    fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.op(move |tx| ops::retry(tx, &run, &task, dependents, &by))
+    }
+
+    fn answer(&self, run: &str, task: &str, question: &Question, option: &str, by: &str) -> Result<bool, StoreError> {
+        let (run, task, q, option, by) =
+            (run.to_owned(), task.to_owned(), question.clone(), option.to_owned(), by.to_owned());
+        self.op(move |tx| ops::answer(tx, &run, &task, &q, &option, &by))
+    }
+
+    fn answer_of(&self, a: &Attempt, n: i64) -> Result<Option<String>, StoreError> {
+        let rows = self.rows(
+            "SELECT answer FROM questions WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3 AND n = ?4",
+            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Int(a.n), Arg::Int(n)],
+        )?;
+        rows.into_iter().next().map_or(Ok(None), |mut r| r.opt_text(0))
+    }
+
+    fn open_question(&self, run: &str, task: &str) -> Result<Option<Question>, StoreError> {
+        let rows = self.rows(
+            "SELECT attempt, n, request FROM questions WHERE run_id = ?1 AND task_id = ?2 AND answer IS NULL
+             ORDER BY attempt DESC, n DESC LIMIT 1",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?;
+        let Some(mut r) = rows.into_iter().next() else { return Ok(None) };
+        let corrupt = |what: String| StoreError::Corrupt { run: run.to_owned(), task: task.to_owned(), what };
+        let stored = serde_json::from_str(&r.text(2)?).map_err(|e| corrupt(format!("its question is not JSON ({e})")))?;
+        let request = QuestionRequest::from_stored(stored).map_err(corrupt)?;
+        Ok(Some(Question { attempt: r.int(0)?, n: r.int(1)?, request }))
+    }
+
+    fn append_events(&self, events: &[(String, Option<String>, String, Value)]) -> Result<i64, StoreError> {
+        if events.is_empty() {
+            return self.last_seq();
+        }
+        let events = events.to_vec();
+        self.db.write(None, move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
+    }
+
+    fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {
+        let rows = self.rows(
+            "SELECT evidence FROM attempts WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?3",
+            &[Arg::Text(run), Arg::Text(task), Arg::Int(attempt)],
+        )?;
+        match rows.into_iter().next() {
+            Some(mut r) => Ok(serde_json::from_str(&r.text(0)?)?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn keep_output(&self, attempt: &Attempt, output: &Value) -> Result<(), StoreError> {
+        let (a, output) = (attempt.clone(), output.to_string());
+        self.op_on(attempt, move |tx| ops::keep_output(tx, &a, &output))
+    }
+
+    fn finish_keeping(&self, attempt: &Attempt, last: &Last, ending: &Ending) -> Result<TaskRow, StoreError> {
+        let (a, last, ending) = (attempt.clone(), last.clone(), ending.clone());
+        self.op_on(attempt, move |tx| ops::finish_keeping(tx, &a, &last, &ending))?
+    }
+
+    fn attempts(&self, run: &str, task: &str) -> Result<Vec<AttemptRow>, StoreError> {
+        let rows = self.rows(
+            "SELECT attempt, evidence, output FROM attempts WHERE run_id = ?1 AND task_id = ?2 ORDER BY attempt",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?;
+        rows.into_iter().map(|mut r| AttemptRow::decode(r.int(0)?, &r.text(1)?, r.opt_text(2)?.as_deref())).collect()
+    }
+
+    fn withdraw(&self, attempt: &Attempt, question: i64) -> Result<(), StoreError> {
+        let a = attempt.clone();
+        self.op_on(attempt, move |tx| ops::withdraw(tx, &a, question)).map(|_| ())
+    }
+
+    fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<Option<i64>, StoreError> {
+        let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
+        self.op(move |tx| ops::say(tx, &run, &task, &text, interrupt, &by))
+    }
+
+    fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError> {
+        let a = attempt.clone();
+        self.op_on(attempt, move |tx| ops::take_messages(tx, &a))
+    }
+
+    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
+        let rows = self.rows(
+            "SELECT COUNT(*) FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
+             AND interrupt = 1",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?;
+        Ok(count(rows)? > 0)
+    }
+
+    fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {
+        let (spec, init) = (spec.to_owned(), init.clone());
+        self.op(move |tx| ops::record_agent(tx, &spec, &init))
+    }
+
+    fn agent(&self, spec: &str) -> Result<Option<AgentRow>, StoreError> {
+        Ok(self.agents_where(Some(spec))?.pop())
+    }
+
+    fn agents(&self) -> Result<Vec<AgentRow>, StoreError> {
+        self.agents_where(None)
+    }
+
+    fn events_after(&self, run: Option<&str>, after: i64, limit: usize) -> Result<Vec<Event>, StoreError> {
+        events(self.rows(
+            "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+             WHERE seq > ?1 AND (CAST(?2 AS TEXT) IS NULL OR run_id = ?2) ORDER BY seq LIMIT ?3",
+            &[Arg::Int(after), Arg::OptText(run), Arg::Int(limit as i64)],
+        )?)
+    }
+
+    fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError> {
+        let mut out = events(self.rows(
+            "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+             WHERE run_id = ?1 AND task_id = ?2 ORDER BY seq DESC LIMIT ?3",
+            &[Arg::Text(run), Arg::Text(task), Arg::Int(last as i64)],
+        )?)?;
+        out.reverse();
+        Ok(out)
+    }
+
+    fn last_seq(&self) -> Result<i64, StoreError> {
+        count(self.rows(B::LAST_SEQ, &[])?)
+    }
+
+    fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
+        strings(self.rows(
+            "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = ?1
+             ORDER BY r.created_at_ms DESC",
+            &[Arg::Text(task)],
+        )?)
+    }
+
+    fn run_ids(&self) -> Result<Vec<String>, StoreError> {
+        strings(self.rows("SELECT id FROM runs ORDER BY created_at_ms, id", &[])?)
+    }
+
+    fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError> {
+        let rows = self.rows(
+            "SELECT r.id, r.created_at_ms, COALESCE((SELECT e.at_ms FROM events e WHERE e.run_id = r.id
+                 ORDER BY e.seq DESC LIMIT 1), r.created_at_ms)
+             FROM runs r ORDER BY r.created_at_ms, r.id",
+            &[],
+        )?;
+        rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?, r.int(2)?))).collect()
+    }
+
+    fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let rows = self.rows("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state", &[])?;
+        rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?))).collect()
+    }
+
+    fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
+        let node = node.to_owned();
+        self.op(move |tx| ops::lease_runs(tx, &node, until_ms))
+    }
+
+    fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError> {
+        let (node, run) = (node.to_owned(), run.to_owned());
+        self.op(move |tx| ops::lease_run(tx, &node, &run, until_ms))
+    }
+
+    fn release_runs(&self, node: &str) -> Result<(), StoreError> {
+        let node = node.to_owned();
+        self.op(move |tx| ops::release_runs(tx, &node))
+    }
+
+    fn nodes(&self) -> Result<Vec<NodeRow>, StoreError> {
+        let rows = self.rows(ops::NODES, &[Arg::Int(crate::now_ms())])?;
+        let leases = rows
+            .into_iter()
+            .map(|mut r| Ok((r.text(0)?, r.int(1)?, r.int(2)?, r.int(3)?, r.opt_text(4)?)))
+            .collect::<Result<Vec<ops::NodeLease>, StoreError>>()?;
+        Ok(ops::nodes(leases))
+    }
+
+    fn subscribe(&self) -> watch::Receiver<i64> {
+        self.db.subscribe()
+    }
+
+    fn own_commits(&self) -> broadcast::Receiver<Arc<OwnCommit>> {
+        self.db.own_commits()
+    }
+}
