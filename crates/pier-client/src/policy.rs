@@ -9,33 +9,8 @@
 use std::collections::BTreeMap;
 
 use agent_client_protocol_schema::v1::{PermissionOption, PermissionOptionKind};
+pub use pier_tools::Rule;
 use pier_tools::ToolKind;
-use serde::{Deserialize, Serialize};
-
-/// What to do with a tool kind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Rule {
-    Allow,
-    AllowAlways,
-    Ask,
-    Deny,
-    DenyAlways,
-}
-
-impl std::str::FromStr for Rule {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "allow" => Ok(Rule::Allow),
-            "allow_always" => Ok(Rule::AllowAlways),
-            "ask" => Ok(Rule::Ask),
-            "deny" => Ok(Rule::Deny),
-            "deny_always" => Ok(Rule::DenyAlways),
-            other => Err(format!("unknown rule `{other}`; expected allow, allow_always, ask, deny or deny_always")),
-        }
-    }
-}
 
 /// What happens to an *ask* when nobody can be asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -17,9 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::decide::{Context, Outcome, decide};
 use crate::host::{HostConfig, blocking};
-use crate::plan::{TaskSpec, render};
+use pier_store::plan::{TaskSpec, render};
 use crate::pool::AgentPool;
-use crate::store::{Attempt, ErrorClass, Last, StoreError, TaskRow, TaskStore, now_ms};
+use pier_store::{Attempt, ErrorClass, Last, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms};
+use pier_tools::Rule;
 
 /// How often, at most, a running turn looks in the store for an interrupting message.
 const CHECK_EVERY: Duration = Duration::from_millis(50);
@@ -361,12 +362,12 @@ fn outcome_of(o: &RunOutcome) -> Outcome {
 /// (`Duration::from_secs_f64` panics on a negative, NaN or huge number).
 pub fn attempt_limits(spec: &TaskSpec, default_idle: Duration) -> Result<(Duration, Option<Duration>), String> {
     let seconds = |field: &str, value: f64| {
-        crate::plan::check_seconds(field, value)?;
+        pier_store::plan::check_seconds(field, value)?;
         Duration::try_from_secs_f64(value).map_err(|e| format!("{field} = {value}: {e}"))
     };
     let idle = spec.timeout.map(|t| seconds("timeout", t)).transpose()?.unwrap_or(default_idle);
     let max_time = spec.max_time.map(|t| seconds("max_time", t)).transpose()?;
-    crate::plan::check_attempts(spec.max_attempts)?;
+    pier_store::plan::check_attempts(spec.max_attempts)?;
     Ok((idle, max_time))
 }
 
@@ -396,9 +397,7 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
     let roots = spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { config.base_dir.join(r) }).collect();
     let mut policy = ClientPolicy::default();
     for (kind, rule) in &spec.permissions {
-        if let (Ok(k), Ok(r)) = (kind.parse(), rule.parse()) {
-            policy.set(k, r);
-        }
+        policy.set(*kind, *rule);
     }
     policy.non_interactive = pier_client::NonInteractive::Fail;
     Ok(RunOptions {
@@ -428,14 +427,13 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
 fn own_agent_policy(spec: &TaskSpec) -> Vec<String> {
     let mut flags = Vec::new();
     for (kind, rule) in &spec.permissions {
-        let flag = match rule.as_str() {
-            "deny" | "deny_always" => "--deny",
-            "allow" | "allow_always" => "--allow",
-            "ask" => "--ask",
-            _ => continue,
+        let flag = match rule {
+            Rule::Deny | Rule::DenyAlways => "--deny",
+            Rule::Allow | Rule::AllowAlways => "--allow",
+            Rule::Ask => "--ask",
         };
         flags.push(flag.to_owned());
-        flags.push(kind.clone());
+        flags.push(kind.as_str().to_owned());
     }
     flags
 }
@@ -456,7 +454,7 @@ impl pier_client::handler::Asker for HostAsker {
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
         let asker = HostAsker { store: self.store.clone(), attempt: self.attempt.clone() };
-        let request = serde_json::to_value(request).unwrap_or(Value::Null);
+        let request = QuestionRequest::Permission(Box::new(request.clone()));
         Box::pin(async move {
             match asker.put(request).await {
                 Some(option) => AskAnswer::Option(option),
@@ -474,7 +472,7 @@ impl pier_client::handler::Asker for HostAsker {
     ) -> futures::future::BoxFuture<'static, pier_client::elicit::ElicitAnswer> {
         use pier_client::elicit::ElicitAnswer;
         let asker = HostAsker { store: self.store.clone(), attempt: self.attempt.clone() };
-        let request = serde_json::json!({ crate::person::ELICITATION: request });
+        let request = QuestionRequest::Elicitation(Box::new(request.clone()));
         Box::pin(async move {
             let Some(answer) = asker.put(request).await else { return ElicitAnswer::Cancel };
             let answer: Value = serde_json::from_str(&answer).unwrap_or(Value::Null);
@@ -494,7 +492,7 @@ impl HostAsker {
     /// Parks the task on `request` (a question event), waits for the answer a person gives
     /// through the store, and resumes the task. `None` when the question was voided (the
     /// task was cancelled or the attempt ended while it waited) or the store failed.
-    async fn put(&self, request: Value) -> Option<String> {
+    async fn put(&self, request: QuestionRequest) -> Option<String> {
         let (store, attempt) = (self.store.clone(), self.attempt.clone());
         let mut commits = store.subscribe();
         let a = attempt.clone();

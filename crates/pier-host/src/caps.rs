@@ -16,53 +16,9 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::host::{HostConfig, blocking};
-use crate::plan::{Plan, PlanError, Problem, TaskSpec};
-use crate::store::TaskStore;
-
-/// The requirement words of ACP agents, and where each is in an `initialize` answer.
-/// (`elicitation`, that the agent's questions are answered, is the host's own: pier's client
-/// serves form elicitation, so it always holds.)
-pub const REQUIREMENTS: &[(&str, &str)] = &[
-    ("image", "/agentCapabilities/promptCapabilities/image"),
-    ("audio", "/agentCapabilities/promptCapabilities/audio"),
-    ("embedded_context", "/agentCapabilities/promptCapabilities/embeddedContext"),
-    ("load_session", "/agentCapabilities/loadSession"),
-    ("mcp_http", "/agentCapabilities/mcpCapabilities/http"),
-];
-
-/// Whether `spec` is a pull workers' task (`worker` or `worker:CAPABILITY`).
-pub fn is_worker(agent: &str) -> bool {
-    agent == "worker" || agent.starts_with("worker:")
-}
-
-/// The requirements of `t` no check could ever meet: unknown words (for an ACP agent) or
-/// empty ones.
-pub fn unknown_requirements(t: &TaskSpec) -> Vec<String> {
-    let mut out = Vec::new();
-    for r in &t.requires {
-        if r.trim().is_empty() {
-            out.push("an empty requirement".to_owned());
-        } else if !is_worker(&t.agent) && r != "elicitation" && !REQUIREMENTS.iter().any(|(w, _)| w == r) {
-            let mut known: Vec<&str> = REQUIREMENTS.iter().map(|(w, _)| *w).collect();
-            known.push("elicitation");
-            out.push(format!("unknown requirement `{r}`; an agent can be required to offer {}", known.join(", ")));
-        }
-    }
-    out
-}
-
-/// The requirements an agent whose `initialize` answer is `init` does not meet, each with
-/// where the answer says so.
-pub fn missing(init: &Value, requires: &[String]) -> Vec<(String, &'static str)> {
-    requires
-        .iter()
-        .filter_map(|r| {
-            let (_, pointer) = REQUIREMENTS.iter().find(|(w, _)| w == r)?;
-            let offered = init.pointer(pointer).and_then(Value::as_bool).unwrap_or(false);
-            (!offered).then(|| (r.clone(), *pointer))
-        })
-        .collect()
-}
+use pier_store::plan::{Plan, PlanError, Problem, TaskSpec};
+use pier_store::requires::{is_worker, missing};
+use pier_store::TaskStore;
 
 /// Checks every task with `requires` against its agent's capabilities: from the store, or
 /// from a probe of the agent (recorded for next time). The problems carry the task's line.

@@ -15,8 +15,8 @@ use std::time::Duration;
 use agent_client_protocol_schema::v1::StopReason;
 use serde_json::Value;
 
-use crate::plan::TaskSpec;
-use crate::store::{Ending, ErrorClass};
+use pier_store::plan::TaskSpec;
+use pier_store::{Ending, ErrorClass};
 
 /// How an attempt ended, before anyone decided what it means.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,14 +131,14 @@ fn rerun(why: &str, error: Option<String>, failure: bool, cx: &Context<'_>) -> E
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::TaskState;
+    use pier_store::state::TaskState;
     use serde_json::json;
 
     fn spec(max_attempts: u32, idempotent: bool, retry_on: &[&str]) -> TaskSpec {
         let text = format!(
             "[[tasks]]\nid = \"t\"\nprompt = \"p\"\nmax_attempts = {max_attempts}\nidempotent = {idempotent}\nretry_on = {retry_on:?}\n"
         );
-        match crate::plan::parse(&text, &|_| Ok(())) {
+        match pier_store::plan::parse(&text, &|_| Ok(())) {
             Ok(plan) => plan.tasks[0].clone(),
             Err(e) => panic!("{e}"),
         }

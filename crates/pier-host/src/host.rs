@@ -22,8 +22,8 @@ use tokio_util::sync::CancellationToken;
 use crate::attempt::Run;
 use crate::decide::{Context, Outcome, decide};
 use crate::pool::AgentPool;
-use crate::state::TaskState;
-use crate::store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms, own_following};
+use pier_store::state::TaskState;
+use pier_store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms, own_following};
 
 /// How the host runs tasks.
 #[derive(Debug, Clone)]
@@ -126,7 +126,7 @@ pub fn create_own_run(
     store: &dyn TaskStore,
     config: &HostConfig,
     run: &str,
-    plan: &crate::plan::Plan,
+    plan: &pier_store::plan::Plan,
     source: &str,
 ) -> Result<(), StoreError> {
     let until = now_ms() + config.lease_ttl.as_millis() as i64;

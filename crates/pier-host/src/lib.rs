@@ -5,21 +5,20 @@
 
 pub mod attempt;
 pub mod caps;
-pub mod code;
 pub mod decide;
 pub mod host;
 pub mod person;
-pub mod plan;
 pub mod pool;
-pub mod state;
-pub mod store;
 pub mod telemetry;
 
-pub use code::ErrorCode;
 pub use host::{Host, HostConfig, Scope};
-pub use plan::{Plan, PlanError, TaskSpec};
-pub use state::TaskState;
-pub use store::{
-    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow, PgStore,
-    Question, SqliteStore, StoreError, TaskRow, TaskStore,
+pub use pier_store::{
+    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, ErrorCode, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow,
+    PgStore, Plan, PlanError, Question, QuestionRequest, SqliteStore, StoreError, TaskRow, TaskSpec, TaskState,
+    TaskStore, code, plan, requires, state,
 };
+
+/// The store below the host (`pier-store`), for the wiring that opens one.
+pub mod store {
+    pub use pier_store::*;
+}

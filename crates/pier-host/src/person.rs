@@ -5,11 +5,14 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::ErrorCode;
+use pier_store::ErrorCode;
 use crate::decide::{Context, Outcome, decide};
 use crate::host::is_worker_task;
-use crate::state::TaskState;
-use crate::store::{Attempt, Ending, ErrorClass, Idem, StoreError, TaskRow, TaskStore, now_ms};
+use pier_store::state::TaskState;
+use pier_store::{
+    Attempt, Ending, ErrorClass, Idem, Question, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms, offered_option,
+    option_kind,
+};
 
 /// The task a person names, or which of run and task is unknown.
 fn task_of(store: &dyn TaskStore, run: &str, task: &str) -> Result<TaskRow, StoreError> {
@@ -123,10 +126,6 @@ pub fn say(
 /// Longest message a person may send a task, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
-/// The key of a parked question's request under which an agent's question
-/// (`elicitation/create`) is kept, as opposed to a permission request.
-pub const ELICITATION: &str = "elicitation";
-
 /// How a person answers an agent's question.
 #[derive(Debug, Clone)]
 pub enum Input {
@@ -159,11 +158,10 @@ pub fn answer_input_to(
     input: Input,
     by: &str,
 ) -> Result<Value, ActionError> {
-    use agent_client_protocol_schema::v1::CreateElicitationRequest;
     let row = task_of(store, run, task)?;
     let refused = |message: String| ActionError::Refused { code: ErrorCode::BadRequest, message };
     let question =
-        store.open_question(run, task)?.filter(|q| q.request.get(ELICITATION).is_some()).ok_or_else(|| {
+        store.open_question(run, task)?.filter(|q| q.request.elicitation().is_some()).ok_or_else(|| {
             ActionError::Refused {
                 code: ErrorCode::BadTransition,
                 message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
@@ -177,13 +175,8 @@ pub fn answer_input_to(
             ),
         });
     }
-    let request: CreateElicitationRequest =
-        serde_json::from_value(question.request[ELICITATION].clone()).map_err(|e| StoreError::Corrupt {
-            run: run.to_owned(),
-            task: task.to_owned(),
-            what: format!("its question: {e}"),
-        })?;
-    let schema = pier_client::elicit::form_schema(&request)
+    let Some(request) = question.request.elicitation() else { return Err(refused("the question is not a form".into())) };
+    let schema = pier_client::elicit::form_schema(request)
         .ok_or_else(|| refused("the question is not a form; it cannot be answered here".into()))?;
     let answer = match input {
         Input::Decline => serde_json::json!({"action": "decline"}),
@@ -258,7 +251,7 @@ pub fn answer_to(
         });
     }
     match open {
-        Some(question) if question.request.get(ELICITATION).is_some() => Err(ActionError::Refused {
+        Some(Question { request: QuestionRequest::Elicitation(_), .. }) => Err(ActionError::Refused {
             code: ErrorCode::BadRequest,
             message: format!(
                 "task `{task}` asks a question, not for a permission: answer it with `pier answer {task} FIELD=VALUE \
@@ -266,18 +259,15 @@ pub fn answer_to(
             ),
         }),
         Some(question) => {
+            let request = question.request.permission().ok_or_else(|| ActionError::BadOption("the question offers no options".into()))?;
             let wanted = match (option, allow) {
                 (Some(o), _) => o.to_owned(),
                 (None, true) => "allow_once".to_owned(),
                 (None, false) => "reject_once".to_owned(),
             };
-            let chosen = crate::plan::offered_option(&question.request, &wanted).map_err(ActionError::BadOption)?;
+            let option = offered_option(request, &wanted).map_err(ActionError::BadOption)?;
+            let (chosen, kind) = (option.option_id.0.to_string(), option_kind(option.kind));
             // Approving picks an allow option and denying a reject one, whatever was named.
-            let kind = question.request["options"]
-                .as_array()
-                .and_then(|o| o.iter().find(|o| o["optionId"] == chosen.as_str()))
-                .and_then(|o| o["kind"].as_str())
-                .unwrap_or("");
             if kind.starts_with("allow") != allow {
                 let verb = if allow { "approve" } else { "deny" };
                 return Err(ActionError::BadOption(format!(

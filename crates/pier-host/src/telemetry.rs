@@ -3,7 +3,7 @@
 //! and the tests pay a no-op. One function per metric, so names and labels live here only.
 
 use crate::decide::Outcome;
-use crate::store::Ending;
+use pier_store::Ending;
 
 /// Attempts started (a claim that won: by this node's host, or by a pull worker through it).
 pub fn attempt_started() {
@@ -15,8 +15,8 @@ pub fn attempt_ended(outcome: &Outcome, ending: &Ending) {
     if matches!(ending, Ending::Retry { .. }) {
         let class = match outcome {
             Outcome::Failed { class, .. } => match class {
-                crate::store::ErrorClass::Protocol => "protocol",
-                crate::store::ErrorClass::Business => "business",
+                pier_store::ErrorClass::Protocol => "protocol",
+                pier_store::ErrorClass::Business => "business",
             },
             Outcome::Interrupted { .. } => "interrupted",
             Outcome::Answered { .. } => "stop_reason",

@@ -350,24 +350,6 @@ pub fn render(prompt: &str, results: &HashMap<String, String>) -> String {
     out
 }
 
-/// The id of the option a permission request offered, named by its id or its kind
-/// (`allow_once`, `reject_once`, …); an error lists what was offered.
-pub fn offered_option(request: &serde_json::Value, wanted: &str) -> Result<String, String> {
-    let options = request["options"].as_array().cloned().unwrap_or_default();
-    options
-        .iter()
-        .find(|o| o["optionId"] == wanted)
-        .or_else(|| options.iter().find(|o| o["kind"] == wanted))
-        .and_then(|o| o["optionId"].as_str().map(str::to_owned))
-        .ok_or_else(|| {
-            let offered: Vec<String> = options
-                .iter()
-                .map(|o| format!("{} ({})", o["optionId"].as_str().unwrap_or("?"), o["kind"].as_str().unwrap_or("?")))
-                .collect();
-            format!("the agent offered no option `{wanted}`; it offered: {}", offered.join(", "))
-        })
-}
-
 /// Each dependency cycle once, as the ids along it. Iterative (an explicit stack),
 /// so a plan of any depth cannot overflow the thread's stack.
 fn cycles(tasks: &[TaskSpec]) -> Vec<Vec<String>> {

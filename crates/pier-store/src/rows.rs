@@ -1,7 +1,9 @@
 //! The rows of the store as its callers see them: tasks, attempts and the tokens that
 //! hold them, endings, questions, agents and nodes.
 
-use agent_client_protocol_schema::v1::{CreateElicitationRequest, RequestPermissionRequest};
+use agent_client_protocol_schema::v1::{
+    CreateElicitationRequest, PermissionOption, PermissionOptionKind, RequestPermissionRequest,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -266,6 +268,32 @@ impl QuestionRequest {
             QuestionRequest::Permission(_) => None,
         }
     }
+}
+
+/// An option kind's wire name (`allow_once`, `reject_always`, …).
+pub fn option_kind(kind: PermissionOptionKind) -> &'static str {
+    match kind {
+        PermissionOptionKind::AllowOnce => "allow_once",
+        PermissionOptionKind::AllowAlways => "allow_always",
+        PermissionOptionKind::RejectOnce => "reject_once",
+        PermissionOptionKind::RejectAlways => "reject_always",
+        _ => "other",
+    }
+}
+
+/// The option of a permission request named by its id or its kind (`allow_once`,
+/// `reject_once`, …); an error lists what was offered.
+pub fn offered_option<'r>(request: &'r RequestPermissionRequest, wanted: &str) -> Result<&'r PermissionOption, String> {
+    let options = &request.options;
+    options
+        .iter()
+        .find(|o| &*o.option_id.0 == wanted)
+        .or_else(|| options.iter().find(|o| option_kind(o.kind) == wanted))
+        .ok_or_else(|| {
+            let offered: Vec<String> =
+                options.iter().map(|o| format!("{} ({})", o.option_id.0, option_kind(o.kind))).collect();
+            format!("the agent offered no option `{wanted}`; it offered: {}", offered.join(", "))
+        })
 }
 
 impl Serialize for QuestionRequest {

@@ -7,11 +7,18 @@
 
 use std::sync::Arc;
 
-use pier_host::plan::parse;
-use pier_host::{Attempt, Ending, ErrorClass, Idem, Last, StoreError, TaskState, TaskStore};
+use pier_store::plan::parse;
+use pier_store::{Attempt, Ending, ErrorClass, Idem, Last, StoreError, TaskState, TaskStore};
 use serde_json::json;
 
-/// A fresh, empty store: its address (what `pier_host::store::open` takes) and what
+
+/// A permission request offering `options`, as an agent would send it.
+fn question(options: serde_json::Value) -> pier_store::QuestionRequest {
+    let request = json!({"sessionId": "s", "toolCall": {"toolCallId": "t"}, "options": options});
+    pier_store::QuestionRequest::from_stored(request).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A fresh, empty store: its address (what `pier_store::open` takes) and what
 /// keeps it (a directory, a database) until dropped.
 struct Fresh {
     spec: String,
@@ -29,7 +36,7 @@ fn postgres() -> Fresh {
     let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
         panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one with scripts/pg)")
     });
-    let db = pier_host::store::ScratchDatabase::create(&server, "pier_conf")
+    let db = pier_store::ScratchDatabase::create(&server, "pier_conf")
         .unwrap_or_else(|e| panic!("PostgreSQL at PIER_TEST_PG: {e}"));
     Fresh { spec: db.url().to_owned(), _keep: Box::new(db) }
 }
@@ -39,7 +46,7 @@ fn backends() -> Vec<(&'static str, Factory)> {
 }
 
 fn open(spec: &str) -> Arc<dyn TaskStore> {
-    pier_host::store::open(spec).unwrap_or_else(|e| panic!("{e}"))
+    pier_store::open(spec).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs `check` on a fresh store of every backend, with run `r` of tasks a and b.
@@ -110,7 +117,7 @@ fn the_row_an_ending_answers_is_the_row_the_store_holds() {
                 s.create_run(&run, &plan, "test").unwrap_or_else(|e| panic!("{e}"));
                 let Ok(Some((a, _))) = s.claim(&run, "a", "o", FAR) else { panic!("{name}: claim {run}") };
                 if parked {
-                    s.park(&a, &json!({"ask": "?"})).unwrap_or_else(|e| panic!("{name}: {e}"));
+                    s.park(&a, &question(json!([]))).unwrap_or_else(|e| panic!("{name}: {e}"));
                 }
                 let row = s.finish(&a, &ending, None).unwrap_or_else(|e| panic!("{name}: {ending:?}: {e}"));
                 let held = s.task(&run, "a").ok().flatten();
@@ -147,7 +154,7 @@ fn every_attempt_operation_is_fenced_on_attempt_and_owner() {
         let stale = Attempt { n: a.n + 1, ..a.clone() };
         for other in [&foreign, &stale] {
             assert!(!s.heartbeat(other, FAR).unwrap_or(true), "{name}: heartbeat of {other:?}");
-            assert!(matches!(s.park(other, &json!({})), Err(StoreError::LeaseLost { .. })), "{name}: park");
+            assert!(matches!(s.park(other, &question(json!([]))), Err(StoreError::LeaseLost { .. })), "{name}: park");
             assert!(!s.resume(other).unwrap_or(true), "{name}: resume");
             let refused = s.finish(other, &done(), None);
             assert!(matches!(&refused, Err(e) if e.code() == "lease_lost"), "{name}: finish {refused:?}");
@@ -184,7 +191,7 @@ fn an_expired_lease_ends_nothing_and_is_released_only_as_seen() {
 fn a_question_parks_and_resumes_and_an_ending_voids_it() {
     each(|name, s| {
         let a = claim(s, "a", "owner-1");
-        let n = s.park(&a, &json!({"options": []})).unwrap_or_else(|e| panic!("{e}"));
+        let n = s.park(&a, &question(json!([]))).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((n, state(s, "a")), (1, TaskState::AwaitingInput), "{name}");
         let q = s.open_question("r", "a").ok().flatten().unwrap_or_else(|| panic!("open"));
         assert!(s.resume(&a).unwrap_or(false));
@@ -196,7 +203,7 @@ fn a_question_parks_and_resumes_and_an_ending_voids_it() {
         assert_eq!(state(s, "a"), TaskState::Running, "{name}");
         // A second question, then the attempt ends while it waits (with side effects):
         // awaiting_input -> awaiting_input for a person's re-run decision, the question void.
-        s.park(&a, &json!({})).unwrap_or_else(|e| panic!("{e}"));
+        s.park(&a, &question(json!([]))).unwrap_or_else(|e| panic!("{e}"));
         let ask = Ending::AskPerson { error: None, reason: "stopped".into(), failure: false, evidence: vec![json!(1)] };
         let row = s.finish(&a, &ask, None).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!((row.state, row.lease_owner), (TaskState::AwaitingInput, None), "{name}");
@@ -491,7 +498,7 @@ fn check_whole(path: &str, round: i64) {
     let seqs: Vec<i64> = log.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>(), "round {round}: the log has a gap");
     for t in tasks {
-        let moves: Vec<&pier_host::Event> =
+        let moves: Vec<&pier_store::Event> =
             log.iter().filter(|e| e.kind == "transition" && e.task.as_deref() == Some(&t.id)).collect();
         assert_eq!(t.version, 1 + moves.len() as i64, "round {round}: {} version vs its transitions", t.id);
         let last_to = moves.last().map_or("pending", |e| e.data["to"].as_str().unwrap_or(""));
@@ -511,7 +518,7 @@ fn a_run_is_driven_by_one_live_node_and_handed_back_when_it_leaves() {
     each(|name, s| {
         let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
         s.create_run("r2", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-        let now = pier_host::store::now_ms();
+        let now = pier_store::now_ms();
         // Alone, a node drives every unfinished run.
         let one = s.lease_runs("one", now + 60_000).unwrap_or_default();
         assert_eq!(one, ["r", "r2"], "{name}");
@@ -553,7 +560,7 @@ fn nodes_starting_together_migrate_a_new_database_once() {
         let openers: Vec<_> = (0..6)
             .map(|_| {
                 let spec = fresh.spec.clone();
-                std::thread::spawn(move || pier_host::store::open(&spec).map(|s| s.last_seq()))
+                std::thread::spawn(move || pier_store::open(&spec).map(|s| s.last_seq()))
             })
             .collect();
         for o in openers {
@@ -643,7 +650,7 @@ fn an_agents_latest_initialize_answer_is_kept() {
 #[test]
 fn messages_go_to_running_tasks_and_are_taken_once_by_the_holder() {
     each(|name, s| {
-        let ok = |r: Result<Option<i64>, pier_host::StoreError>| r.unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ok = |r: Result<Option<i64>, pier_store::StoreError>| r.unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(ok(s.say("r", "a", "too early", false, "me")), None, "{name}: a pending task takes none");
         let a = claim(s, "a", "owner-1");
         assert_eq!(ok(s.say("r", "a", "first", false, "me")), Some(1), "{name}");
@@ -742,7 +749,7 @@ fn of_two_writers_creating_one_run_one_wins_and_the_other_is_told_it_exists() {
         let results: Vec<_> = racers.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
         assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "{name}: {results:?}");
         assert!(
-            results.iter().filter_map(|r| r.as_ref().err()).all(|e| matches!(e, pier_host::StoreError::RunExists(_))),
+            results.iter().filter_map(|r| r.as_ref().err()).all(|e| matches!(e, pier_store::StoreError::RunExists(_))),
             "{name}: {results:?}"
         );
         assert_eq!(store.tasks("same").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}");
@@ -814,40 +821,12 @@ fn a_person_retries_a_failed_task_and_with_dependents_the_cancelled_ones_below_i
 }
 
 #[test]
-fn an_answer_names_its_question_so_a_repeat_or_a_stale_one_applies_nothing() {
-    use pier_host::person::{Answered, answer_to};
-    each(|name, s| {
-        let a = claim(s, "a", "owner-1");
-        let ask = json!({"options": [{"optionId": "ok", "name": "OK", "kind": "allow_once"}]});
-        let first = s.park(&a, &ask).unwrap_or_else(|e| panic!("{e}"));
-        // A form showing another question (or the re-run decision) is refused.
-        for stale in [first + 1, 0] {
-            let refused = answer_to(s.as_ref(), "r", "a", Some(stale), true, None, "me");
-            assert!(refused.is_err_and(|e| e.to_string().contains("no longer waits")), "{name}: {stale}");
-        }
-        let answered = answer_to(s.as_ref(), "r", "a", Some(first), true, None, "me");
-        assert!(matches!(answered, Ok(Answered::Option(ref o)) if o == "ok"), "{name}: {answered:?}");
-        // The same form again, before and after the agent asks its next question.
-        assert!(answer_to(s.as_ref(), "r", "a", Some(first), true, None, "me").is_err(), "{name}: a repeat");
-        assert!(s.resume(&a).unwrap_or(false));
-        let second = s.park(&a, &ask).unwrap_or_else(|e| panic!("{e}"));
-        let repeat = answer_to(s.as_ref(), "r", "a", Some(first), true, None, "me");
-        assert!(repeat.is_err_and(|e| e.to_string().contains("no longer waits")), "{name}");
-        assert_eq!(
-            s.answer_of(&a, second).unwrap_or_else(|e| panic!("{e}")),
-            None,
-            "{name}: the new question is still open"
-        );
-    });
-}
-
-#[test]
 fn rows_of_nodes_dead_for_an_hour_are_removed_by_a_live_node_s_pass() {
     let fresh = sqlite();
     let s = open(&fresh.spec);
     let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
     s.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-    let now = pier_host::store::now_ms();
+    let now = pier_store::now_ms();
     // A node whose heartbeat ran out two hours ago, holding the run's lease, and a recent one.
     assert_eq!(s.lease_runs("ghost", now - 7_200_000).unwrap_or_default(), ["r"]);
     s.lease_runs("recent", now - 60_000).unwrap_or_else(|e| panic!("{e}"));
@@ -866,7 +845,7 @@ fn rows_of_nodes_dead_for_an_hour_are_removed_by_a_live_node_s_pass() {
 #[test]
 fn a_single_run_lease_is_taken_only_when_free_and_never_from_a_live_holder() {
     each(|name, s| {
-        let now = pier_host::store::now_ms();
+        let now = pier_store::now_ms();
         assert!(s.lease_run("run-a", "r", now + 60_000).unwrap_or(false), "{name}: free, taken");
         assert!(!s.lease_run("run-b", "r", now + 60_000).unwrap_or(true), "{name}: held by a live node");
         assert!(s.lease_run("run-a", "r", now + 60_000).unwrap_or(false), "{name}: renewed by its holder");

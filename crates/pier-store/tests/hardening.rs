@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use pier_host::plan::{Plan, parse};
-use pier_host::{SqliteStore, StoreError, TaskStore};
+use pier_store::plan::{Plan, parse};
+use pier_store::{SqliteStore, StoreError, TaskStore};
 
 fn plan(text: &str) -> Plan {
     parse(text, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"))

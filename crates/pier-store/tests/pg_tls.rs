@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pier_host::TaskStore;
-use pier_host::plan::parse;
+use pier_store::TaskStore;
+use pier_store::plan::parse;
 
 struct Cluster {
     dir: PathBuf,
@@ -79,8 +79,8 @@ fn cluster(work: &Path, cert: &Path, key: &Path) -> Cluster {
     Cluster { dir, url }
 }
 
-fn open(url: &str) -> Result<std::sync::Arc<dyn TaskStore>, pier_host::StoreError> {
-    pier_host::store::open(url)
+fn open(url: &str) -> Result<std::sync::Arc<dyn TaskStore>, pier_store::StoreError> {
+    pier_store::open(url)
 }
 
 #[test]

@@ -91,6 +91,33 @@ impl std::str::FromStr for ToolKind {
     }
 }
 
+/// What to do with a tool kind: a plan's permission rule, the client's policy, pier's own
+/// agent's `--allow`/`--ask`/`--deny`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rule {
+    Allow,
+    AllowAlways,
+    Ask,
+    Deny,
+    DenyAlways,
+}
+
+impl std::str::FromStr for Rule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "allow" => Ok(Rule::Allow),
+            "allow_always" => Ok(Rule::AllowAlways),
+            "ask" => Ok(Rule::Ask),
+            "deny" => Ok(Rule::Deny),
+            "deny_always" => Ok(Rule::DenyAlways),
+            other => Err(format!("unknown rule `{other}`; expected allow, allow_always, ask, deny or deny_always")),
+        }
+    }
+}
+
+
 /// Limits every tool call runs under.
 #[derive(Debug, Clone)]
 pub struct Limits {

@@ -1,0 +1,188 @@
+use super::*;
+use crate::{Ending, Last, QuestionRequest, TaskStore};
+use serde_json::json;
+
+#[test]
+fn placeholders_become_dollars() {
+    assert_eq!(dialect("a = ?1 AND b = ?12 AND c = '?'"), "a = $1 AND b = $12 AND c = '?'");
+}
+
+// Jobs side by side (`pg_rounds`), against the server `PIER_TEST_PG` names.
+
+const FAR: i64 = i64::MAX / 2;
+type Reply = std::sync::mpsc::Receiver<Result<(String, i64), StoreError>>;
+
+/// A store with run `r` of `tasks` (no dependencies), and a connection of the test's own.
+fn store(tasks: &[&str]) -> (PgStore, Conn, ScratchDatabase) {
+    let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
+        panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one)")
+    });
+    let db = ScratchDatabase::create(&server, "pier_rounds").unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::open(db.url()).unwrap_or_else(|e| panic!("{e}"));
+    let toml: String = tasks.iter().map(|t| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\n\n")).collect();
+    let plan = crate::plan::parse(&toml, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    let conn = store.db.pool.connect().unwrap_or_else(|e| panic!("{e}"));
+    (store, conn, db)
+}
+
+fn job(
+    task: Option<&str>,
+    work: impl FnMut(&mut dyn Tx) -> Result<(String, i64), StoreError> + Send + 'static,
+) -> (Box<dyn Job>, Reply) {
+    let (reply, answer) = std::sync::mpsc::sync_channel(1);
+    let task = task.map(|t| ("r".to_owned(), t.to_owned()));
+    (Box::new(Op { work, task, answer: None, tries: 0, reply }), answer)
+}
+
+fn claim(task: &'static str) -> (Box<dyn Job>, Reply) {
+    job(Some(task), move |tx| {
+        let (claimed, seq) = ops::claim(tx, "r", task, "o", FAR)?;
+        Ok((format!("{:?}", claimed.map(|(a, row)| (a.n, row.state))), seq))
+    })
+}
+
+fn attempt(task: &str) -> Attempt {
+    Attempt { run: "r".into(), task: task.into(), n: 1, owner: "o".into() }
+}
+
+/// Each job's answer, an error as its `Debug` text.
+fn answers(replies: &[Reply]) -> Vec<Result<String, String>> {
+    let answer = |r: &Reply| r.try_recv().unwrap_or_else(|e| panic!("no answer: {e}"));
+    replies.iter().map(|r| answer(r).map(|(a, _)| a).map_err(|e| format!("{e:?}"))).collect()
+}
+
+/// Runs `jobs` as one group the usual way (in rounds, then job by job if sent back) and
+/// answers them; whether the group was sent back.
+fn commit_group(conn: &mut Conn, jobs: Vec<Box<dyn Job>>) -> bool {
+    let mut outcome = run_group(conn, jobs, false, false, false);
+    let redone = matches!(outcome, Group::Redo { .. });
+    if let Group::Redo { jobs } = outcome {
+        outcome = run_group(conn, jobs, true, false, false);
+    }
+    let Group::Committed { done, failed, again, .. } = outcome else { panic!("the group did not commit") };
+    assert!(again.is_empty());
+    for (job, seq) in done {
+        job.finish(Ok(seq));
+    }
+    for (job, e) in failed {
+        job.finish(Err(e));
+    }
+    redone
+}
+
+#[test]
+fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
+    let (store, mut conn, _db) = store(&["a", "b", "c", "d"]);
+    let (jobs, replies): (Vec<_>, Vec<_>) = ["a", "b", "c", "d"].into_iter().map(claim).unzip();
+    let mut t = PgTx::begin(&mut conn, false);
+    let Rounds::Ended(ended, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
+    // One statement each, all four in one round trip.
+    assert_eq!(rounds, 1);
+    let mut done = Vec::new();
+    for (job, ended) in ended {
+        let Ok(events) = ended else { panic!("a claim failed") };
+        t.events.extend(events);
+        done.push(job);
+    }
+    let (numbered, committed) = number_and_commit(&mut t, false, false);
+    assert!(committed.is_ok());
+    let ((first, last), _) = numbered.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(last - first + 1, 4, "one transition each");
+    for job in done {
+        job.finish(Ok(last));
+    }
+    for (reply, _) in replies.iter().zip(0..) {
+        assert_eq!(answers(std::slice::from_ref(reply)), [Ok("Some((1, Running))".to_owned())]);
+    }
+    // Operations of several statements, side by side: the longest sets the rounds.
+    let (park, parked) =
+        job(Some("d"), |tx| ops::park(tx, &attempt("d"), &QuestionRequest::from_stored(json!({"sessionId": "s", "toolCall": {"toolCallId": "t"}, "options": []})).unwrap_or_else(|e| panic!("{e}"))).map(|(n, s)| (n.to_string(), s)));
+    let (beat, beaten) =
+        job(Some("a"), |tx| ops::heartbeat(tx, &attempt("a"), FAR + 1).map(|(b, s)| (b.to_string(), s)));
+    let ending = Ending::Completed { result: "fine".into(), usage: None };
+    let (end, ended) = job(Some("b"), move |tx| {
+        ops::finish(tx, &attempt("b"), &ending, None).map(|(r, s)| (r.state.as_str().to_owned(), s))
+    });
+    let evidence = [json!({"wrote": "x"}), json!({"wrote": "y"})];
+    let (note, noted) = job(Some("c"), move |tx| {
+        ops::record(tx, &attempt("c"), &[("note".into(), json!({}))], &evidence).map(|(l, s)| (l.to_string(), s))
+    });
+    assert!(!commit_group(&mut conn, vec![park, beat, end, note]));
+    let got = answers(&[parked, beaten, ended, noted]);
+    assert_eq!(got[..3], [Ok("1".to_owned()), Ok("true".to_owned()), Ok("completed".to_owned())]);
+    assert!(got[3].is_ok());
+    let state = |t: &str| store.task("r", t).ok().flatten().map(|r| r.state);
+    assert_eq!(
+        [state("a"), state("b"), state("d")],
+        [Some(TaskState::Running), Some(TaskState::Completed), Some(TaskState::AwaitingInput)]
+    );
+    assert_eq!(store.task("r", "a").ok().flatten().and_then(|r| r.lease_expires_at_ms), Some(FAR + 1));
+    assert_eq!(store.evidence("r", "c", 1).unwrap_or_default().len(), 2);
+    assert!(store.open_question("r", "d").ok().flatten().is_some());
+}
+
+#[test]
+fn a_job_failing_after_a_write_sends_the_group_back_and_fails_alone() {
+    let (store, mut conn, _db) = store(&["a", "b"]);
+    let (j, r) = claim("a");
+    commit_group(&mut conn, vec![j]);
+    answers(&[r]);
+    store.say("r", "a", "one more thing", false, "p").unwrap_or_else(|e| panic!("{e}"));
+    // The ending writes, then finds the message: it must be undone, and only a savepoint
+    // undoes one job of a group.
+    let last = Last { events: Vec::new(), evidence: Vec::new(), output: json!("out"), unless_messages: true };
+    let ending = Ending::Completed { result: "fine".into(), usage: None };
+    let (end, ended) = job(Some("a"), move |tx| {
+        let (row, seq) = ops::finish_keeping(tx, &attempt("a"), &last, &ending)?;
+        Ok((format!("{:?}", row.map(|r| r.state)), seq))
+    });
+    let (take, took) = claim("b");
+    assert!(commit_group(&mut conn, vec![end, take]), "the group was not sent back");
+    let got = answers(&[ended, took]);
+    assert!(got[0].as_ref().is_err_and(|e| e.starts_with("MessagesWaiting")), "{:?}", got[0]);
+    assert_eq!(got[1], Ok("Some((1, Running))".to_owned()));
+    assert_eq!(store.task("r", "a").ok().flatten().map(|r| r.state), Some(TaskState::Running));
+}
+
+#[test]
+fn a_failing_statement_or_a_diverging_job_sends_the_group_back() {
+    let (store, mut conn, _db) = store(&["a", "b", "c"]);
+    let (bad, failed) = job(Some("a"), |tx| tx.exec("UPDATE nowhere SET x = 1", &[]).map(|n| (n.to_string(), 0)));
+    let (take, took) = claim("b");
+    assert!(commit_group(&mut conn, vec![bad, take]));
+    let got = answers(&[failed, took]);
+    assert!(got[0].as_ref().is_err_and(|e| e.contains("nowhere")), "{:?}", got[0]);
+    assert_eq!(got[1], Ok("Some((1, Running))".to_owned()));
+    // A job that asks for another statement when run again (it read the clock on an edge).
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = runs.clone();
+    let (odd, oddly) = job(Some("a"), move |tx| {
+        let sql = match seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+            0 => "SELECT 1::BIGINT",
+            _ => "SELECT 2::BIGINT",
+        };
+        tx.int(sql, &[])?;
+        Ok((tx.int("SELECT 3::BIGINT", &[])?.unwrap_or_default().to_string(), 0))
+    });
+    let (take, took) = claim("c");
+    assert!(commit_group(&mut conn, vec![odd, take]));
+    assert_eq!(answers(&[oddly, took]), [Ok("3".to_owned()), Ok("Some((1, Running))".to_owned())]);
+    assert_eq!(store.task("r", "c").ok().flatten().map(|r| r.state), Some(TaskState::Running));
+}
+
+#[test]
+fn only_the_first_job_of_a_task_goes_side_by_side() {
+    let (a1, _r1) = claim("a");
+    let (a2, _r2) = claim("a");
+    let (b, _r3) = claim("b");
+    let (none, _r4) = job(None, |_| Ok((String::new(), 0)));
+    let (together, rest) = rounds::side_by_side(vec![a1, a2, b, none]);
+    let tasks = |jobs: &[Box<dyn Job>]| jobs.iter().map(|j| j.task().map(|(_, t)| t.clone())).collect::<Vec<_>>();
+    assert_eq!(tasks(&together), [Some("a".to_owned()), Some("b".to_owned())]);
+    assert_eq!(tasks(&rest), [Some("a".to_owned()), None]);
+    // One job alone gains nothing from rounds.
+    let (a, _r5) = claim("a");
+    let (together, rest) = rounds::side_by_side(vec![a]);
+    assert_eq!((together.len(), rest.len()), (0, 1));
+}
