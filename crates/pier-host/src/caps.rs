@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::host::{HostConfig, blocking};
 use pier_store::plan::{Plan, PlanError, Problem, TaskSpec};
-use pier_store::requires::{is_worker, missing};
+use pier_store::requires::missing;
 use pier_store::TaskStore;
 
 /// Checks every task with `requires` against its agent's capabilities: from the store, or
@@ -26,7 +26,7 @@ pub async fn check(plan: &Plan, store: &std::sync::Arc<dyn TaskStore>, config: &
     let mut problems = Vec::new();
     // One answer per agent spec, whichever task names it first.
     let mut answers: BTreeMap<String, Result<Value, String>> = BTreeMap::new();
-    for t in plan.tasks.iter().filter(|t| !t.requires.is_empty() && !is_worker(&t.agent)) {
+    for t in plan.tasks.iter().filter(|t| !t.requires.is_empty() && !t.is_worker()) {
         if !answers.contains_key(&t.agent) {
             let mut answer = capabilities(t, store, config, false).await;
             // A stored answer that falls short may be old (the agent was upgraded since): ask

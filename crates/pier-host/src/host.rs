@@ -80,11 +80,6 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .map_err(|e| StoreError::Db(format!("store worker: {e}")))?
 }
 
-/// Tasks with agent `worker` or `worker:CAPABILITY` are claimed by pull workers over HTTP.
-pub fn is_worker_task(t: &TaskRow) -> bool {
-    t.spec.agent == "worker" || t.spec.agent.starts_with("worker:")
-}
-
 /// Which tasks a host drives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scope {
@@ -648,7 +643,7 @@ impl View {
             for t in r.unfinished() {
                 if t.state == TaskState::Pending
                     && t.not_before_ms <= now
-                    && !is_worker_task(t)
+                    && !t.spec.is_worker()
                     && !r.busy.contains(&t.id)
                     && r.ready(t)
                 {
@@ -687,7 +682,7 @@ impl View {
         for (_, r) in self.driven() {
             for t in r.unfinished() {
                 let due = match t.state {
-                    TaskState::Pending if t.not_before_ms > now && !is_worker_task(t) && r.ready(t) => {
+                    TaskState::Pending if t.not_before_ms > now && !t.spec.is_worker() && r.ready(t) => {
                         Some(t.not_before_ms)
                     }
                     TaskState::Running | TaskState::AwaitingInput if !r.busy.contains(&t.id) => t.lease_expires_at_ms,

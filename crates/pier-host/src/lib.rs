@@ -4,14 +4,17 @@
 //! to ACP agents through `pier-client`.
 
 pub mod attempt;
-pub mod caps;
+mod caps;
 pub mod decide;
 pub mod host;
-pub mod person;
+mod person;
 pub mod pool;
+pub mod tasks;
 pub mod telemetry;
 
-pub use host::{Host, HostConfig, Scope};
+pub use host::{HostConfig, Scope, Summary};
+pub use person::{ActionError, Answered, Input};
+pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 pub use pier_store::{
     AgentRow, Attempt, AttemptRow, Ending, ErrorClass, ErrorCode, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow,
     PgStore, Plan, PlanError, Question, QuestionRequest, SqliteStore, StoreError, TaskRow, TaskSpec, TaskState,

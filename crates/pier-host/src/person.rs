@@ -6,8 +6,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use pier_store::ErrorCode;
+use pier_store::plan::PlanError;
 use crate::decide::{Context, Outcome, decide};
-use crate::host::is_worker_task;
 use pier_store::state::TaskState;
 use pier_store::{
     Attempt, Ending, ErrorClass, Idem, Question, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms, offered_option,
@@ -15,7 +15,7 @@ use pier_store::{
 };
 
 /// The task a person names, or which of run and task is unknown.
-fn task_of(store: &dyn TaskStore, run: &str, task: &str) -> Result<TaskRow, StoreError> {
+pub(crate) fn task_of(store: &dyn TaskStore, run: &str, task: &str) -> Result<TaskRow, StoreError> {
     if !store.run_exists(run)? {
         return Err(StoreError::UnknownRun(run.to_owned()));
     }
@@ -33,6 +33,9 @@ pub enum ActionError {
     /// The request is malformed (an unknown status, a report on a task no worker runs).
     #[error("{message}")]
     Refused { code: ErrorCode, message: String },
+    /// A plan refused whole: every problem with its line.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
 }
 
 impl ActionError {
@@ -41,14 +44,19 @@ impl ActionError {
             ActionError::Store(e) => e.code(),
             ActionError::BadOption(_) => ErrorCode::BadRequest,
             ActionError::Refused { code, .. } => *code,
+            ActionError::Plan(_) => ErrorCode::BadPlan,
         }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> ActionError {
+        ActionError::Refused { code: ErrorCode::BadRequest, message: message.into() }
     }
 }
 
 /// A person's retry of a failed or cancelled task (`pier retry`, `POST …/retry`), with
 /// `dependents` also the cancelled tasks below it: each is `pending` again, with its whole
 /// `max_attempts`; the run's host (or the next `pier run --resume`) starts a new attempt.
-pub fn retry(
+pub(crate) fn retry(
     store: &dyn TaskStore,
     run: &str,
     task: &str,
@@ -86,7 +94,7 @@ pub fn retry(
 /// the next prompt on the task's session when its current turn ends, or, with `interrupt`,
 /// sent at once after the current turn is cancelled through the handshake. Returns the
 /// message's number.
-pub fn say(
+pub(crate) fn say(
     store: &dyn TaskStore,
     run: &str,
     task: &str,
@@ -95,7 +103,7 @@ pub fn say(
     by: &str,
 ) -> Result<i64, ActionError> {
     let row = task_of(store, run, task)?;
-    if is_worker_task(&row) {
+    if row.spec.is_worker() {
         return Err(ActionError::Refused {
             code: ErrorCode::NoSession,
             message: format!(
@@ -137,20 +145,10 @@ pub enum Input {
 }
 
 /// A person's answer to the question a task waits on (`awaiting_input`): checked against
-/// the fields the agent asked for, recorded (an event), and handed to the waiting attempt.
-pub fn answer_input(
-    store: &dyn TaskStore,
-    run: &str,
-    task: &str,
-    input: Input,
-    by: &str,
-) -> Result<Value, ActionError> {
-    answer_input_to(store, run, task, None, input, by)
-}
-
-/// [`answer_input`], refused unless the open question is number `expect` (when given): the
+/// the fields the agent asked for, recorded (an event), and handed to the waiting attempt;
+/// refused unless the open question is number `expect` (when given): the
 /// one the person saw.
-pub fn answer_input_to(
+pub(crate) fn answer_input_to(
     store: &dyn TaskStore,
     run: &str,
     task: &str,
@@ -208,22 +206,10 @@ pub enum Answered {
 }
 
 /// A person's answer to a task in `awaiting_input`: the open question if there is one
-/// (`option`, else allow_once/reject_once), else the re-run decision.
-pub fn answer(
-    store: &dyn TaskStore,
-    run: &str,
-    task: &str,
-    allow: bool,
-    option: Option<&str>,
-    by: &str,
-) -> Result<Answered, ActionError> {
-    answer_to(store, run, task, None, allow, option, by)
-}
-
-/// [`answer`], refused unless what the task waits on is still what the person saw:
+/// (`option`, else allow_once/reject_once), else the re-run decision; refused unless what the task waits on is still what the person saw:
 /// `expect` is the question's number (0: the re-run decision, no question). A form
 /// submitted twice, or after someone else answered, is refused and applies nothing.
-pub fn answer_to(
+pub(crate) fn answer_to(
     store: &dyn TaskStore,
     run: &str,
     task: &str,
@@ -297,8 +283,8 @@ pub struct Report {
     pub status: String,
     pub idempotency_key: String,
     /// Accepted for older workers; the lease, not the version, fences a report.
-    #[serde(default)]
-    pub version: Option<i64>,
+    #[serde(default, rename = "version")]
+    pub _version: Option<i64>,
     #[serde(default)]
     pub result: Option<String>,
     #[serde(default)]
@@ -311,7 +297,7 @@ pub struct Report {
 /// Applies a worker's report: only the holder of the live lease ends a task, only a
 /// worker task is ended this way, and the ending is decided by the same rule as the
 /// host's own attempts. A repeat of a report (same key, same body) gets the first answer.
-pub fn report(
+pub(crate) fn report(
     store: &dyn TaskStore,
     run: &str,
     task: &str,
@@ -320,7 +306,7 @@ pub fn report(
     retry_base: std::time::Duration,
 ) -> Result<TaskRow, ActionError> {
     let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
-    if !is_worker_task(&row) {
+    if !row.spec.is_worker() {
         return Err(ActionError::Refused {
             code: ErrorCode::NotAWorkerTask,
             message: format!(

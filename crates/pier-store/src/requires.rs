@@ -17,9 +17,29 @@ pub const REQUIREMENTS: &[(&str, &str)] = &[
     ("mcp_http", "/agentCapabilities/mcpCapabilities/http"),
 ];
 
-/// Whether `spec` is a pull workers' task (`worker` or `worker:CAPABILITY`).
+/// Whether `agent` names pull workers (`worker` or `worker:CAPABILITY`) rather than an ACP
+/// agent the host starts: the one place that rule is written.
 pub fn is_worker(agent: &str) -> bool {
-    agent == "worker" || agent.starts_with("worker:")
+    worker_capability(agent).is_some()
+}
+
+/// The capability a pull-worker agent names (`""` for plain `worker`); `None` for an ACP agent.
+pub fn worker_capability(agent: &str) -> Option<&str> {
+    if agent == "worker" { Some("") } else { agent.strip_prefix("worker:") }
+}
+
+impl TaskSpec {
+    /// Whether pull workers run the task (its agent is `worker` or `worker:CAPABILITY`).
+    pub fn is_worker(&self) -> bool {
+        is_worker(&self.agent)
+    }
+
+    /// Whether a worker with `capabilities` may lease the task: it is a worker task, and the
+    /// worker has its `worker:` capability and everything it `requires`.
+    pub fn fits_worker(&self, capabilities: &[String]) -> bool {
+        let has = |c: &str| c.is_empty() || capabilities.iter().any(|mine| mine == c);
+        worker_capability(&self.agent).is_some_and(has) && self.requires.iter().all(|r| has(r))
+    }
 }
 
 /// The requirements of `t` no check could ever meet: unknown words (for an ACP agent) or

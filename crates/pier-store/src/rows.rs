@@ -209,7 +209,7 @@ pub struct NodeRow {
 }
 
 /// A question for a person, as stored.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Question {
     pub attempt: i64,
     pub n: i64,

@@ -1,0 +1,93 @@
+//! What people do to tasks: answer, say, retry, cancel. The rules are [`crate::person`]'s.
+
+use pier_store::{StoreError, TaskRow};
+use serde_json::Value;
+
+use super::Tasks;
+use crate::person::{self, ActionError, Answered, Input};
+
+impl Tasks {
+    /// The run task `task` is in: `run` when given (checked), else the newest run with it.
+    pub async fn locate(&self, task: &str, run: Option<&str>) -> Result<String, ActionError> {
+        let (task, run) = (task.to_owned(), run.map(str::to_owned));
+        self.blocking(move |s| match run {
+            Some(run) => {
+                person::task_of(s, &run, &task)?;
+                Ok(run)
+            }
+            None => s.runs_with_task(&task)?.into_iter().next().ok_or_else(|| StoreError::UnknownTask(task).into()),
+        })
+        .await
+    }
+
+    /// A person's answer to what task `task` waits on: the open permission question
+    /// (`option`, else allow_once / reject_once) or the re-run decision. With `expect`, refused
+    /// unless that is still what it waits on (the question's number; 0 for the decision).
+    pub async fn answer(
+        &self,
+        run: &str,
+        task: &str,
+        expect: Option<i64>,
+        allow: bool,
+        option: Option<&str>,
+        by: &str,
+    ) -> Result<Answered, ActionError> {
+        let (run, task, option, by) = (run.to_owned(), task.to_owned(), option.map(str::to_owned), by.to_owned());
+        self.blocking(move |s| person::answer_to(s, &run, &task, expect, allow, option.as_deref(), &by)).await
+    }
+
+    /// A person's answer to the question a task's agent asked (a form), checked against its fields.
+    pub async fn answer_input(
+        &self,
+        run: &str,
+        task: &str,
+        expect: Option<i64>,
+        input: Input,
+        by: &str,
+    ) -> Result<Value, ActionError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.blocking(move |s| person::answer_input_to(s, &run, &task, expect, input, &by)).await
+    }
+
+    /// A person's message to a running task; its number.
+    pub async fn say(&self, run: &str, task: &str, text: &str, interrupt: bool, by: &str) -> Result<i64, ActionError> {
+        let (run, task, text, by) = (run.to_owned(), task.to_owned(), text.to_owned(), by.to_owned());
+        self.blocking(move |s| person::say(s, &run, &task, &text, interrupt, &by)).await
+    }
+
+    /// A person's retry of a failed or cancelled task (with `dependents`, the cancelled
+    /// tasks below it too); the rows as they are now.
+    pub async fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, ActionError> {
+        let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
+        self.blocking(move |s| person::retry(s, &run, &task, dependents, &by)).await
+    }
+
+    /// Cancels a task that has not ended; the task as it is now (cancelled, or as it ended).
+    pub async fn cancel_task(&self, run: &str, task: &str, reason: &str) -> Result<TaskRow, ActionError> {
+        let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
+        self.blocking(move |s| {
+            person::task_of(s, &run, &task)?;
+            match s.cancel(&run, &task, &reason)? {
+                Some(row) => Ok(row),
+                None => Ok(person::task_of(s, &run, &task)?),
+            }
+        })
+        .await
+    }
+
+    /// Cancels every unfinished task of a run; how many it cancelled.
+    pub async fn cancel_run(&self, run: &str, reason: &str) -> Result<usize, ActionError> {
+        let (run, reason) = (run.to_owned(), reason.to_owned());
+        self.blocking(move |s| {
+            if !s.run_exists(&run)? {
+                return Err(StoreError::UnknownRun(run).into());
+            }
+            let mut n = 0;
+            for t in s.tasks(&run)?.into_iter().filter(|t| !t.state.is_terminal()) {
+                n += usize::from(s.cancel(&run, &t.id, &reason)?.is_some());
+            }
+            Ok(n)
+        })
+        .await
+    }
+}

@@ -1,0 +1,106 @@
+//! Submitting a plan: parsed and checked whole (agents, requirements) before anything is
+//! stored, then created as a run of the store.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use pier_client::AgentDef;
+use pier_store::plan::{self, Plan, PlanError};
+use pier_store::{ErrorCode, TaskSpec};
+
+use super::Tasks;
+use crate::person::ActionError;
+
+/// Parses a plan, every agent it names checked: a pull-worker agent, or one the registry
+/// (`agents`, pier's own `exe`, `PATH`) resolves. Needs no store: a refused plan leaves
+/// nothing behind.
+pub fn parse_plan(text: &str, agents: &BTreeMap<String, AgentDef>, exe: &Path) -> Result<Plan, PlanError> {
+    let path = std::env::var("PATH").ok();
+    let known = |agent: &str| {
+        if pier_store::requires::is_worker(agent) {
+            return Ok(());
+        }
+        pier_client::registry::resolve(agent, agents, exe, path.as_deref()).map(|_| ()).map_err(|e| e.to_string())
+    };
+    plan::parse(text, &known)
+}
+
+/// A plan to store as a run.
+pub struct Submission {
+    pub plan: Plan,
+    /// The run's id; a new one is made when none is given.
+    pub run: Option<String>,
+    /// Where the plan came from (its file, `http`), kept with the run.
+    pub source: String,
+    /// The run is this process's alone (`pier run`): its lease is taken before it is created,
+    /// and an existing run of the same id and plan is joined (another plan is refused). A
+    /// shared run (`pier serve`) is driven by whichever node leases it; an existing id is refused.
+    pub own: bool,
+}
+
+/// What a submission stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Submitted {
+    pub run: String,
+    /// False when an own run of the same plan was joined.
+    pub created: bool,
+}
+
+impl Tasks {
+    /// Stores a parsed plan as a run, once what its tasks require of their agents is checked.
+    pub async fn submit(&self, s: Submission) -> Result<Submitted, ActionError> {
+        if let Some(id) = &s.run {
+            plan::check_run_id(id).map_err(|why| ActionError::bad_request(format!("the run id: {why}")))?;
+        }
+        let run = s.run.clone().unwrap_or_else(new_run_id);
+        if s.own && self.joins(&run, &s.plan.tasks).await? {
+            return Ok(Submitted { run, created: false });
+        }
+        crate::caps::check(&s.plan, &self.store, &self.config).await.map_err(ActionError::Plan)?;
+        let (r, config) = (run.clone(), self.config.clone());
+        self.blocking(move |store| {
+            if s.own {
+                crate::host::create_own_run(store, &config, &r, &s.plan, &s.source)?;
+            } else {
+                store.create_run(&r, &s.plan, &s.source)?;
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(Submitted { run, created: true })
+    }
+
+    /// Whether run `run` exists with these tasks (a second host joining it); another plan
+    /// under an existing id is refused, never silently ignored.
+    async fn joins(&self, run: &str, tasks: &[TaskSpec]) -> Result<bool, ActionError> {
+        let (run, tasks) = (run.to_owned(), tasks.to_vec());
+        self.blocking(move |s| {
+            if !s.run_exists(&run)? {
+                return Ok(false);
+            }
+            let stored: Vec<TaskSpec> = s.tasks(&run)?.into_iter().map(|t| t.spec).collect();
+            if stored != tasks {
+                return Err(ActionError::Refused {
+                    code: ErrorCode::RunExists,
+                    message: format!(
+                        "run `{run}` already exists with another plan; resume it with `pier run --resume {run}`, or \
+                         give this plan another --run-id"
+                    ),
+                });
+            }
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Whether run `run` exists (`pier run --resume`, `pier events --run`).
+    pub async fn run_exists(&self, run: &str) -> Result<bool, ActionError> {
+        let run = run.to_owned();
+        self.blocking(move |s| Ok(s.run_exists(&run)?)).await
+    }
+}
+
+/// A new run id: `run-` and 12 hex digits.
+fn new_run_id() -> String {
+    format!("run-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}

@@ -1,0 +1,192 @@
+//! The read views every face shows — the JSON API, the dashboard, `pier show`, `pier run`'s
+//! summary — written once, so a page can never show what the API would not.
+
+use std::collections::BTreeMap;
+
+use pier_store::{AgentRow, AttemptRow, Event, NodeRow, Question, TaskRow, TaskState, TaskStore};
+use serde::Serialize;
+
+use super::Tasks;
+use super::workers::dependency_results;
+use crate::person::{self, ActionError};
+
+/// Most events a task's transcript shows: a chatty task shows its last attempt, not its first.
+const TRANSCRIPT_EVENTS: usize = 20_000;
+
+/// How many tasks are in each state.
+pub fn counts(tasks: &[TaskRow]) -> BTreeMap<&'static str, usize> {
+    let mut c = BTreeMap::new();
+    for t in tasks {
+        *c.entry(t.state.as_str()).or_default() += 1;
+    }
+    c
+}
+
+/// One run in a list of runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    pub run: String,
+    pub created_at_ms: i64,
+    /// When its last event was written.
+    pub updated_at_ms: i64,
+    pub counts: BTreeMap<&'static str, usize>,
+    pub tasks: usize,
+    /// Attempts started, over all its tasks.
+    pub attempts: i64,
+}
+
+impl RunSummary {
+    /// `running` while anything is unfinished, then `completed` if everything completed,
+    /// else `failed`.
+    pub fn state(&self) -> &'static str {
+        let n = |s: TaskState| self.counts.get(s.as_str()).copied().unwrap_or(0);
+        if n(TaskState::Pending) + n(TaskState::Running) + n(TaskState::AwaitingInput) > 0 {
+            "running"
+        } else if n(TaskState::Completed) == self.tasks {
+            "completed"
+        } else {
+            "failed"
+        }
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.counts.get(TaskState::AwaitingInput.as_str()).copied().unwrap_or(0)
+    }
+}
+
+/// A run's tasks in plan order, each waiting task with the question it waits on.
+#[derive(Debug, Clone)]
+pub struct RunView {
+    pub run: String,
+    pub tasks: Vec<(TaskRow, Option<Question>)>,
+}
+
+impl RunView {
+    pub fn counts(&self) -> BTreeMap<&'static str, usize> {
+        let rows: Vec<TaskRow> = self.tasks.iter().map(|(t, _)| t.clone()).collect();
+        counts(&rows)
+    }
+
+    /// The tasks waiting on a person, each with its question (none: a re-run decision).
+    pub fn waiting(&self) -> impl Iterator<Item = &(TaskRow, Option<Question>)> {
+        self.tasks.iter().filter(|(t, _)| t.state == TaskState::AwaitingInput)
+    }
+}
+
+/// One task whole.
+#[derive(Debug, Clone)]
+pub struct TaskView {
+    pub row: TaskRow,
+    pub attempts: Vec<AttemptRow>,
+    pub question: Option<Question>,
+    /// Its agent's last `initialize` answer, when known.
+    pub agent: Option<AgentRow>,
+    /// Its prompt as its agent gets it: the results of its dependencies filled in.
+    pub prompt: String,
+}
+
+impl TaskView {
+    /// The current attempt's side effects.
+    pub fn evidence(&self) -> &[serde_json::Value] {
+        self.attempts.iter().find(|a| a.attempt == self.row.attempt).map_or(&[], |a| &a.evidence)
+    }
+}
+
+/// How many tasks of the whole store are in each state, and the last event's sequence.
+#[derive(Debug, Clone)]
+pub struct StoreCounts {
+    pub tasks: Vec<(String, i64)>,
+    pub last_seq: i64,
+}
+
+fn run_view(s: &dyn TaskStore, run: &str) -> Result<RunView, ActionError> {
+    if !s.run_exists(run)? {
+        return Err(pier_store::StoreError::UnknownRun(run.to_owned()).into());
+    }
+    let mut tasks = Vec::new();
+    for t in s.tasks(run)? {
+        let q = match t.state {
+            TaskState::AwaitingInput => s.open_question(run, &t.id)?,
+            _ => None,
+        };
+        tasks.push((t, q));
+    }
+    Ok(RunView { run: run.to_owned(), tasks })
+}
+
+impl Tasks {
+    /// Every run, oldest first.
+    pub async fn runs(&self) -> Result<Vec<RunSummary>, ActionError> {
+        self.blocking(|s| {
+            let mut out = Vec::new();
+            for (run, created_at_ms, updated_at_ms) in s.run_times()? {
+                let tasks = s.tasks(&run)?;
+                out.push(RunSummary {
+                    counts: counts(&tasks),
+                    tasks: tasks.len(),
+                    attempts: tasks.iter().map(|t| t.attempt).sum(),
+                    run,
+                    created_at_ms,
+                    updated_at_ms,
+                });
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    pub async fn run(&self, run: &str) -> Result<RunView, ActionError> {
+        let run = run.to_owned();
+        self.blocking(move |s| run_view(s, &run)).await
+    }
+
+    pub async fn task(&self, run: &str, task: &str) -> Result<TaskView, ActionError> {
+        let (run, task) = (run.to_owned(), task.to_owned());
+        self.blocking(move |s| {
+            let row = person::task_of(s, &run, &task)?;
+            let prompt = pier_store::plan::render(&row.spec.prompt, &dependency_results(s, &row)?);
+            Ok(TaskView {
+                attempts: s.attempts(&run, &task)?,
+                question: s.open_question(&run, &task)?,
+                agent: s.agent(&row.spec.agent)?,
+                prompt,
+                row,
+            })
+        })
+        .await
+    }
+
+    /// A task's latest events, oldest first (picked out by the store, not read from the run's log).
+    pub async fn transcript(&self, run: &str, task: &str) -> Result<Vec<Event>, ActionError> {
+        let (run, task) = (run.to_owned(), task.to_owned());
+        self.blocking(move |s| Ok(s.task_events(&run, &task, TRANSCRIPT_EVENTS)?)).await
+    }
+
+    /// Every task of the store waiting on a person, with its question (none: a re-run decision).
+    pub async fn waiting(&self) -> Result<Vec<(TaskRow, Option<Question>)>, ActionError> {
+        self.blocking(|s| {
+            let mut out = Vec::new();
+            for t in s.unfinished_tasks()?.into_iter().filter(|t| t.state == TaskState::AwaitingInput) {
+                let q = s.open_question(&t.run_id, &t.id)?;
+                out.push((t, q));
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Each agent spec's last `initialize` answer, as the host recorded it.
+    pub async fn agents(&self) -> Result<Vec<AgentRow>, ActionError> {
+        self.blocking(|s| Ok(s.agents()?)).await
+    }
+
+    /// The live host nodes on this store and the runs each drives.
+    pub async fn nodes(&self) -> Result<Vec<NodeRow>, ActionError> {
+        self.blocking(|s| Ok(s.nodes()?)).await
+    }
+
+    /// The store's counts by state and its last sequence (`/metrics`): one aggregate query.
+    pub async fn counts(&self) -> Result<StoreCounts, ActionError> {
+        self.blocking(|s| Ok(StoreCounts { tasks: s.task_counts()?, last_seq: s.last_seq()? })).await
+    }
+}

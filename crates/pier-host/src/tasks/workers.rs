@@ -1,0 +1,104 @@
+//! Pull workers: lease a task that fits, keep the lease, report the ending.
+
+use std::collections::HashMap;
+
+use pier_store::{Attempt, ErrorCode, TaskRow, TaskState, TaskStore, now_ms};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::Tasks;
+use crate::person::{self, ActionError, Report};
+
+/// A lease a worker asks for lasts this long by default, and within these bounds.
+const DEFAULT_TTL_MS: i64 = 30_000;
+const TTL_BOUNDS_MS: (i64, i64) = (1_000, 3_600_000);
+
+/// A task leased by a worker, with its prompt (the results of its dependencies filled in).
+#[derive(Debug, Clone, Serialize)]
+pub struct Leased {
+    pub task: TaskRow,
+    pub prompt: String,
+}
+
+fn ttl(ttl_ms: Option<i64>) -> i64 {
+    ttl_ms.unwrap_or(DEFAULT_TTL_MS).clamp(TTL_BOUNDS_MS.0, TTL_BOUNDS_MS.1)
+}
+
+/// The results of `row`'s dependencies, by task id, for its prompt.
+pub(super) fn dependency_results(s: &dyn TaskStore, row: &TaskRow) -> Result<HashMap<String, String>, ActionError> {
+    let mut results = HashMap::new();
+    for d in &row.spec.depends_on {
+        if let Some(t) = s.task(&row.run_id, d)? {
+            results.insert(t.id, t.result.unwrap_or_default());
+        }
+    }
+    Ok(results)
+}
+
+impl Tasks {
+    /// Leases the first pending worker task that fits `capabilities` (its `worker:` capability
+    /// and what it `requires`), is due, and whose dependencies completed; `None` if none does.
+    pub async fn lease(
+        &self,
+        worker: &str,
+        capabilities: &[String],
+        ttl_ms: Option<i64>,
+    ) -> Result<Option<Leased>, ActionError> {
+        let (worker, capabilities, ttl) = (worker.to_owned(), capabilities.to_vec(), ttl(ttl_ms));
+        let leased = self
+            .blocking(move |s| {
+                for t in s.pending_tasks()? {
+                    if !t.spec.fits_worker(&capabilities) || t.not_before_ms > now_ms() {
+                        continue;
+                    }
+                    let mut ready = true;
+                    for d in &t.spec.depends_on {
+                        ready &= s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed);
+                    }
+                    if !ready {
+                        continue;
+                    }
+                    if let Some((_, task)) = s.claim(&t.run_id, &t.id, &worker, now_ms() + ttl)? {
+                        let prompt = pier_store::plan::render(&task.spec.prompt, &dependency_results(s, &task)?);
+                        return Ok(Some(Leased { task, prompt }));
+                    }
+                }
+                Ok(None)
+            })
+            .await?;
+        if leased.is_some() {
+            crate::telemetry::attempt_started();
+        }
+        Ok(leased)
+    }
+
+    /// Renews a worker's lease on its attempt; when it now expires.
+    pub async fn heartbeat(
+        &self,
+        run: &str,
+        task: &str,
+        worker: &str,
+        attempt: i64,
+        ttl_ms: Option<i64>,
+    ) -> Result<i64, ActionError> {
+        let expires = now_ms() + ttl(ttl_ms);
+        let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: attempt, owner: worker.to_owned() };
+        let held = self.blocking(move |s| Ok(s.heartbeat(&attempt, expires)?)).await?;
+        if !held {
+            return Err(ActionError::Refused {
+                code: ErrorCode::LeaseLost,
+                message: "the lease is not yours any more; stop working on this task".into(),
+            });
+        }
+        Ok(expires)
+    }
+
+    /// Applies a worker's report on its attempt (`body` is the report as sent: a repeat with
+    /// the same idempotency key and body gets the first answer).
+    pub async fn report(&self, run: &str, task: &str, body: Value) -> Result<TaskRow, ActionError> {
+        let report: Report = serde_json::from_value(body.clone())
+            .map_err(|e| ActionError::bad_request(format!("the report is not valid: {e}")))?;
+        let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
+        self.blocking(move |s| person::report(s, &run, &task, &report, &body, retry_base)).await
+    }
+}
