@@ -192,6 +192,59 @@ fn choices(p: &agent_client_protocol_schema::v1::StringPropertySchema) -> Vec<&s
         .collect()
 }
 
+/// How a form field is answered.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input<'a> {
+    Boolean,
+    Number,
+    Integer,
+    /// One of these (a string field with choices), or several (a multi-select).
+    Choice(Vec<&'a str>),
+    Text,
+}
+
+/// A form field as a page shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Field<'a> {
+    pub name: &'a str,
+    pub title: &'a str,
+    pub description: Option<&'a str>,
+    pub required: bool,
+    pub input: Input<'a>,
+}
+
+/// The fields a form-mode question asks for, in the schema's order.
+pub fn fields(schema: &ElicitationSchema) -> Vec<Field<'_>> {
+    let required: Vec<&str> = schema.required.iter().flatten().map(String::as_str).collect();
+    schema
+        .properties
+        .iter()
+        .map(|(name, property)| {
+            let (title, description, input) = match property {
+                ElicitationPropertySchema::String(p) => {
+                    let choices = choices(p);
+                    let input = if choices.is_empty() { Input::Text } else { Input::Choice(choices) };
+                    (p.title.as_deref(), p.description.as_deref(), input)
+                }
+                ElicitationPropertySchema::Number(p) => (p.title.as_deref(), p.description.as_deref(), Input::Number),
+                ElicitationPropertySchema::Integer(p) => (p.title.as_deref(), p.description.as_deref(), Input::Integer),
+                ElicitationPropertySchema::Boolean(p) => (p.title.as_deref(), p.description.as_deref(), Input::Boolean),
+                ElicitationPropertySchema::Array(p) => {
+                    let choices: Vec<&str> = match &p.items {
+                        MultiSelectItems::String(items) => items.values.iter().map(String::as_str).collect(),
+                        MultiSelectItems::Titled(items) => items.options.iter().map(|o| o.value.as_str()).collect(),
+                        _ => Vec::new(),
+                    };
+                    let input = if choices.is_empty() { Input::Text } else { Input::Choice(choices) };
+                    (p.title.as_deref(), p.description.as_deref(), input)
+                }
+                _ => (None, None, Input::Text),
+            };
+            Field { name, title: title.unwrap_or(name), description, required: required.contains(&name.as_str()), input }
+        })
+        .collect()
+}
+
 /// A field's kind and choices, for the prompt.
 fn describe(property: &ElicitationPropertySchema) -> String {
     match property {

@@ -16,7 +16,7 @@ pub use host::{HostConfig, Scope, Summary};
 pub use person::{ActionError, Answered, Input};
 pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 pub use pier_store::{
-    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, ErrorCode, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow,
+    AgentEvent, AgentRow, Entry, offered_option, option_kind, Attempt, AttemptRow, Ending, ErrorClass, ErrorCode, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow,
     PgStore, Plan, PlanError, Question, QuestionRequest, SqliteStore, StoreError, TaskRow, TaskSpec, TaskState,
     TaskStore, code, plan, requires, state,
 };

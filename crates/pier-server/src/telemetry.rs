@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use pier_host::TaskState;
 
-use crate::{ApiError, ErrorCode, Shared, blocking};
+use crate::{ApiError, ErrorCode, Shared};
 
 const LATENCY: &str = "pier_http_request_duration_seconds";
 
@@ -69,12 +69,12 @@ pub async fn scrape(State(app): State<Shared>) -> Result<Response, ApiError> {
     let Some(handle) = handle() else {
         return Err(ApiError::new(ErrorCode::Internal, "no metrics recorder is installed in this process"));
     };
-    let (counts, last) = blocking(&app, |s| Ok((s.task_counts()?, s.last_seq()?))).await?;
+    let counts = app.tasks.counts().await?;
     for state in TaskState::ALL {
-        let n = counts.iter().find(|(s, _)| s == state.as_str()).map_or(0, |(_, n)| *n);
+        let n = counts.tasks.iter().find(|(s, _)| s == state.as_str()).map_or(0, |(_, n)| *n);
         metrics::gauge!("pier_tasks", "state" => state.as_str()).set(n as f64);
     }
-    metrics::counter!("pier_events_total").absolute(last.max(0) as u64);
+    metrics::counter!("pier_events_total").absolute(counts.last_seq.max(0) as u64);
     handle.run_upkeep();
     Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], handle.render()).into_response())
 }

@@ -16,6 +16,7 @@
 
 mod api;
 mod backend;
+mod entry;
 mod error;
 mod log;
 mod ops;
@@ -33,6 +34,7 @@ use std::sync::Arc;
 
 pub use api::TaskStore;
 pub use code::ErrorCode;
+pub use entry::{AgentEvent, Entry};
 pub use error::StoreError;
 pub use log::{Event, LogCursor, LogEvent, OwnCommit, RawEvent, own_following};
 pub use pg::{Pg, ScratchDatabase, redacted};

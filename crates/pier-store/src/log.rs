@@ -170,6 +170,39 @@ pub struct Event {
     pub data: Value,
 }
 
+impl Event {
+    /// The event as one flat JSON object, its own fields (`seq`, `run`, `task`, `type`,
+    /// `at_ms`) first and its data's after: the SSE `data` of `/events` and each line of
+    /// `pier events --format json`. [`Event::from_wire`] reads it back.
+    pub fn to_wire(&self) -> Value {
+        let mut out = serde_json::Map::new();
+        out.insert("seq".into(), self.seq.into());
+        out.insert("run".into(), self.run.clone().into());
+        out.insert("type".into(), self.kind.clone().into());
+        out.insert("at_ms".into(), self.at_ms.into());
+        if let Some(t) = &self.task {
+            out.insert("task".into(), t.clone().into());
+        }
+        if let Value::Object(data) = &self.data {
+            for (k, v) in data {
+                out.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        Value::Object(out)
+    }
+
+    /// An event from its flat JSON object ([`Event::to_wire`]); `None` if it is not one.
+    pub fn from_wire(v: Value) -> Option<Event> {
+        let Value::Object(mut data) = v else { return None };
+        let seq = data.remove("seq")?.as_i64()?;
+        let run = data.remove("run")?.as_str()?.to_owned();
+        let kind = data.remove("type")?.as_str()?.to_owned();
+        let at_ms = data.remove("at_ms").and_then(|v| v.as_i64()).unwrap_or(0);
+        let task = data.remove("task").and_then(|v| v.as_str().map(str::to_owned));
+        Some(Event { seq, run, task, kind, at_ms, data: Value::Object(data) })
+    }
+}
+
 /// What the host itself writes to the event log (the agents' events are `ClientEvent`s,
 /// recorded as they serialize). One type, so the log's shape is checked by the compiler:
 /// `type` is the event's name, the other fields its data.

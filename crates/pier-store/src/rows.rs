@@ -177,6 +177,18 @@ pub struct AgentRow {
     pub seen_at_ms: i64,
 }
 
+impl AgentRow {
+    /// The agent's name and version, as its `initialize` answer gave them.
+    pub fn info(&self) -> Option<agent_client_protocol_schema::v1::Implementation> {
+        #[derive(Deserialize)]
+        struct Init {
+            #[serde(rename = "agentInfo")]
+            agent_info: Option<agent_client_protocol_schema::v1::Implementation>,
+        }
+        serde_json::from_value::<Init>(self.init.clone()).ok()?.agent_info
+    }
+}
+
 /// One attempt of a task as stored: its side effects and what it showed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AttemptRow {

@@ -1,5 +1,5 @@
 //! The dashboard: server-rendered pages under `/ui` (the API owns `/runs`), read through
-//! [`crate::views`] — the API's own reads — and kept live by one small ES module that
+//! the host's API ([`pier_host::Tasks`]) — the API's own reads — and kept live by one small ES module that
 //! listens to the same `/events` stream and re-renders the page's live region.
 //!
 //! Invariants: every value the plan, the agent or the model wrote reaches the page through
@@ -23,7 +23,9 @@ use serde::Deserialize;
 
 pub use auth::Sessions;
 
-use crate::{ApiError, Shared, blocking, views};
+use pier_host::{Answered, Input};
+
+use crate::{ApiError, Shared};
 
 /// The dashboard's routes, merged into the server's router.
 pub fn router(app: Shared) -> Router {
@@ -117,16 +119,17 @@ async fn ui_events(
     State(app): State<Shared>,
     s: auth::Session,
     headers: axum::http::HeaderMap,
-    Query(q): Query<crate::EventsQuery>,
+    Query(q): Query<crate::sse::EventsQuery>,
 ) -> Response {
-    match crate::event_stream(app, headers, q, s.ending()) {
+    match crate::sse::event_stream(app, headers, q, s.ending()) {
         Ok(sse) => sse.into_response(),
         Err(e) => e.into_response(),
     }
 }
 
 /// A page, or the error page in the same layout.
-fn page(result: Result<maud::Markup, ApiError>) -> Response {
+fn page(result: Result<maud::Markup, pier_host::ActionError>) -> Response {
+    let result = result.map_err(ApiError::from);
     match result {
         Ok(markup) => axum::response::Html(markup.into_string()).into_response(),
         Err(e) => {
@@ -143,15 +146,13 @@ struct RunsQuery {
 
 async fn runs_page(State(app): State<Shared>, s: auth::Session, Query(q): Query<RunsQuery>) -> Response {
     // The sequence before the reads: an event in between is shown twice, never missed.
-    page(
-        blocking(&app, move |st| {
-            let seq = st.last_seq()?;
-            let mut runs = views::runs(st)?;
-            runs.reverse();
-            Ok(pages::runs(&s, &runs, q.state.as_deref(), seq))
-        })
-        .await,
-    )
+    page(async {
+        let seq = app.tasks.position().await?;
+        let mut runs = app.tasks.runs().await?;
+        runs.reverse();
+        Ok(pages::runs(&s, &runs, q.state.as_deref(), seq))
+    }
+    .await)
 }
 
 #[derive(Deserialize, Default)]
@@ -165,13 +166,11 @@ async fn run_page(
     Path(run): Path<String>,
     Query(n): Query<Notice>,
 ) -> Response {
-    page(
-        blocking(&app, move |st| {
-            let seq = st.last_seq()?;
-            Ok(pages::run(&s, &run, &views::run(st, &run)?, seq, n.notice.as_deref()))
-        })
-        .await,
-    )
+    page(async {
+        let seq = app.tasks.position().await?;
+        Ok(pages::run(&s, &run, &app.tasks.run(&run).await?, seq, n.notice.as_deref()))
+    }
+    .await)
 }
 
 async fn task_page(
@@ -180,37 +179,25 @@ async fn task_page(
     Path((run, task)): Path<(String, String)>,
     Query(n): Query<Notice>,
 ) -> Response {
-    page(
-        blocking(&app, move |st| {
-            let seq = st.last_seq()?;
-            let view = views::task(st, &run, &task)?;
-            // The prompt as the agent got it: with its dependencies' results in place.
-            let mut results = std::collections::HashMap::new();
-            for d in &view.row.spec.depends_on {
-                if let Some(dep) = st.task(&run, d)? {
-                    results.insert(dep.id, dep.result.unwrap_or_default());
-                }
-            }
-            let prompt = pier_host::plan::render(&view.row.spec.prompt, &results);
-            let events = views::task_events(st, &run, &task)?;
-            Ok(pages::task(&s, &run, &view, &prompt, &events, seq, n.notice.as_deref()))
-        })
-        .await,
-    )
+    page(async {
+        let seq = app.tasks.position().await?;
+        let view = app.tasks.task(&run, &task).await?;
+        let events = app.tasks.transcript(&run, &task).await?;
+        Ok(pages::task(&s, &run, &view, &events, seq, n.notice.as_deref()))
+    }
+    .await)
 }
 
 async fn approvals_page(State(app): State<Shared>, s: auth::Session, Query(n): Query<Notice>) -> Response {
-    page(
-        blocking(&app, move |st| {
-            let seq = st.last_seq()?;
-            Ok(pages::approvals(&s, &views::approvals(st)?, seq, n.notice.as_deref()))
-        })
-        .await,
-    )
+    page(async {
+        let seq = app.tasks.position().await?;
+        Ok(pages::approvals(&s, &app.tasks.waiting().await?, seq, n.notice.as_deref()))
+    }
+    .await)
 }
 
 async fn nodes_page(State(app): State<Shared>, s: auth::Session) -> Response {
-    page(blocking(&app, move |st| Ok(pages::nodes(&s, &views::nodes(st)?))).await)
+    page(async { Ok(pages::nodes(&s, &app.tasks.nodes().await?)) }.await)
 }
 
 #[derive(Deserialize)]
@@ -227,11 +214,9 @@ async fn cancel_run(
     if let Err(refused) = s.check(&f.csrf) {
         return refused;
     }
-    let r = run.clone();
-    let done = blocking(&app, move |st| views::cancel_run(st, &r, "run cancelled from the dashboard")).await;
-    let notice = match done {
+    let notice = match app.tasks.cancel_run(&run, "run cancelled from the dashboard").await {
         Ok(n) => format!("{n} unfinished task(s) cancelled"),
-        Err(e) => format!("refused: {}", e.message),
+        Err(e) => format!("refused: {e}"),
     };
     back(&format!("/ui/runs/{}", pages::seg(&run)), &notice)
 }
@@ -262,16 +247,10 @@ async fn answer(
         "reject" => false,
         _ => return refusal(StatusCode::BAD_REQUEST, "The form's decision is neither allow nor reject."),
     };
-    let (r, t, option) = (run.clone(), task.clone(), f.option.clone());
     let by = format!("dashboard:{}", s.short());
-    let answered = tokio::task::spawn_blocking(move || {
-        pier_host::person::answer_to(app.store.as_ref(), &r, &t, Some(f.n), allow, option.as_deref(), &by)
-    })
-    .await;
-    let notice = match answered {
-        Ok(Ok(pier_host::person::Answered::Option(o))) => format!("answered `{o}` for task {task}"),
-        Ok(Ok(pier_host::person::Answered::Rerun(row))) => format!("task {task} is now {}", row.state.as_str()),
-        Ok(Err(e)) => format!("refused: {e}"),
+    let notice = match app.tasks.answer(&run, &task, Some(f.n), allow, f.option.as_deref(), &by).await {
+        Ok(Answered::Option(o)) => format!("answered `{o}` for task {task}"),
+        Ok(Answered::Rerun(row)) => format!("task {task} is now {}", row.state.as_str()),
         Err(e) => format!("refused: {e}"),
     };
     // Back to the page the form was on (only dashboard paths), else the task's page.
@@ -296,9 +275,9 @@ async fn input(
     }
     let n = get("n").and_then(|n| n.parse::<i64>().ok());
     let given = if get("decline").is_some() {
-        pier_host::person::Input::Decline
+        Input::Decline
     } else {
-        pier_host::person::Input::Pairs(
+        Input::Pairs(
             fields
                 .iter()
                 .filter_map(|(k, v)| Some((k.strip_prefix("f.")?.to_owned(), v.clone())))
@@ -306,15 +285,9 @@ async fn input(
                 .collect(),
         )
     };
-    let (r, t) = (run.clone(), task.clone());
     let by = format!("dashboard:{}", s.short());
-    let store = app.store.clone();
-    let answered =
-        tokio::task::spawn_blocking(move || pier_host::person::answer_input_to(store.as_ref(), &r, &t, n, given, &by))
-            .await;
-    let notice = match answered {
-        Ok(Ok(_)) => format!("answered the question of task {task}"),
-        Ok(Err(e)) => format!("refused: {e}"),
+    let notice = match app.tasks.answer_input(&run, &task, n, given, &by).await {
+        Ok(_) => format!("answered the question of task {task}"),
         Err(e) => format!("refused: {e}"),
     };
     let to = get("from")

@@ -1,14 +1,25 @@
 //! The pages, in maud: markup checked at compile time and escaped by default, so nothing
 //! the plan, the agent or the model wrote can become markup (this file has no `PreEscaped`).
 
+use agent_client_protocol_schema::v1::{
+    ContentBlock, PermissionOption, RequestPermissionOutcome, ToolCall, ToolCallContent, ToolCallUpdate,
+};
 use maud::{DOCTYPE, Markup, html};
-use pier_host::{NodeRow, Question, TaskRow};
+use pier_client::elicit::{Input, fields, form_schema};
+use pier_host::{LogEvent, NodeRow, Question, QuestionRequest, RunSummary, RunView, TaskRow, TaskView, option_kind};
 use serde_json::Value;
 
 use super::auth::Session;
 use super::graph::{glyph, svg};
 use super::transcript::{Item, build, diff_lines};
-use crate::views::{RunSummary, TaskView};
+
+/// A schema enum's wire name (`in_progress`, `execute`): what it serializes to.
+fn wire_name<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(Value::String(s)) => s,
+        _ => "other".to_owned(),
+    }
+}
 
 pub use crate::segment as seg;
 
@@ -147,9 +158,10 @@ pub fn runs(s: &Session, runs: &[RunSummary], filter: Option<&str>, seq: i64) ->
     layout("Runs", Some(s), Some(("follow=true".into(), seq)), None, body)
 }
 
-pub fn run(s: &Session, run: &str, tasks: &[(TaskRow, Option<Question>)], seq: i64, notice: Option<&str>) -> Markup {
+pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str>) -> Markup {
+    let tasks = &view.tasks;
     let rows: Vec<TaskRow> = tasks.iter().map(|(t, _)| t.clone()).collect();
-    let counts = crate::views::counts(&rows);
+    let counts = view.counts();
     let unfinished = rows.iter().any(|t| !t.state.is_terminal());
     let body = html! {
         h1 { "Run " (run) }
@@ -214,16 +226,15 @@ fn first_line(text: &str) -> String {
 }
 
 /// What a question asks, in a line.
-fn asks(request: &Value) -> String {
-    if let Some(q) = request.get(pier_host::person::ELICITATION) {
-        return q["message"].as_str().unwrap_or("a question").to_owned();
+fn asks(request: &QuestionRequest) -> String {
+    match request {
+        QuestionRequest::Elicitation(q) => q.message.clone(),
+        QuestionRequest::Permission(p) => format!(
+            "permission for {} ({})",
+            p.tool_call.fields.title.as_deref().unwrap_or("a tool call"),
+            p.tool_call.fields.kind.as_ref().map_or_else(|| "?".to_owned(), wire_name)
+        ),
     }
-    let call = &request["toolCall"];
-    format!(
-        "permission for {} ({})",
-        call["title"].as_str().unwrap_or("a tool call"),
-        call["kind"].as_str().unwrap_or("?")
-    )
 }
 
 /// The buttons that answer what a task waits on: the agent's own options verbatim, or the
@@ -233,30 +244,28 @@ fn decide(s: &Session, run: &str, task: &str, q: Option<&Question>, from: &str) 
     html! {
         div class="decide" {
             @match q {
-                Some(q) if q.request.get(pier_host::person::ELICITATION).is_some() => {
-                    @let ask = &q.request[pier_host::person::ELICITATION];
+                Some(q @ Question { request: QuestionRequest::Elicitation(ask), .. }) => {
                     @let input = format!("/ui/runs/{}/tasks/{}/input", seg(run), seg(task));
-                    @let required: Vec<&str> = ask["requestedSchema"]["required"].as_array().map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
                     p { "The agent asks: " strong { (asks(&q.request)) } }
                     form method="post" action=(input) class="question-form" {
                         input type="hidden" name="csrf" value=(s.csrf);
                         input type="hidden" name="n" value=(q.n);
                         input type="hidden" name="from" value=(from);
-                        @for (name, field) in ask["requestedSchema"]["properties"].as_object().into_iter().flatten() {
-                            @let id = format!("f-{}-{}", seg(task), seg(name));
-                            @let label = field["title"].as_str().unwrap_or(name);
-                            @let choices: Vec<String> = field["enum"].as_array().or(field["items"]["enum"].as_array())
-                                .map(|o| o.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default();
-                            label for=(id) { (label) @if required.contains(&name.as_str()) { " (required)" } }
-                            @if let Some(d) = field["description"].as_str() { small { (d) } }
-                            @if field["type"] == "boolean" {
-                                select id=(id) name={ "f." (name) } { option value="" { "—" } option value="true" { "yes" } option value="false" { "no" } }
-                            } @else if !choices.is_empty() {
-                                select id=(id) name={ "f." (name) } { option value="" { "—" } @for c in &choices { option value=(c) { (c) } } }
-                            } @else if field["type"] == "number" || field["type"] == "integer" {
-                                input id=(id) name={ "f." (name) } type="number" step=(if field["type"] == "integer" { "1" } else { "any" });
-                            } @else {
-                                input id=(id) name={ "f." (name) } type="text";
+                        @for field in form_schema(ask).map(fields).unwrap_or_default() {
+                            @let id = format!("f-{}-{}", seg(task), seg(field.name));
+                            @let name = format!("f.{}", field.name);
+                            label for=(id) { (field.title) @if field.required { " (required)" } }
+                            @if let Some(d) = field.description { small { (d) } }
+                            @match &field.input {
+                                Input::Boolean => {
+                                    select id=(id) name=(name) { option value="" { "—" } option value="true" { "yes" } option value="false" { "no" } }
+                                }
+                                Input::Choice(choices) => {
+                                    select id=(id) name=(name) { option value="" { "—" } @for c in choices { option value=(c) { (c) } } }
+                                }
+                                Input::Number => { input id=(id) name=(name) type="number" step="any"; }
+                                Input::Integer => { input id=(id) name=(name) type="number" step="1"; }
+                                Input::Text => { input id=(id) name=(name) type="text"; }
                             }
                         }
                         button type="submit" class="option allow" { "Answer" }
@@ -269,18 +278,18 @@ fn decide(s: &Session, run: &str, task: &str, q: Option<&Question>, from: &str) 
                         button type="submit" class="option reject" { "Decline" }
                     }
                 }
-                Some(q) => {
-                    (tool(&q.request["toolCall"]))
-                    @for o in q.request["options"].as_array().into_iter().flatten() {
-                        @let kind = o["kind"].as_str().unwrap_or("");
+                Some(q @ Question { request: QuestionRequest::Permission(ask), .. }) => {
+                    (requested_tool(&ask.tool_call))
+                    @for o in &ask.options {
+                        @let kind = option_kind(o.kind);
                         form method="post" action=(action) class="inline" {
                             input type="hidden" name="csrf" value=(s.csrf);
                             input type="hidden" name="n" value=(q.n);
                             input type="hidden" name="from" value=(from);
                             input type="hidden" name="decision" value=(if kind.starts_with("allow") { "allow" } else { "reject" });
-                            input type="hidden" name="option" value=(o["optionId"].as_str().unwrap_or(""));
-                            button type="submit" class={ "option " (kind) } data-option=(o["optionId"].as_str().unwrap_or("")) data-kind=(kind) {
-                                (o["name"].as_str().unwrap_or("?")) " (" (kind) ")"
+                            input type="hidden" name="option" value=(o.option_id.0);
+                            button type="submit" class={ "option " (kind) } data-option=(o.option_id.0) data-kind=(kind) {
+                                (o.name) " (" (kind) ")"
                             }
                         }
                     }
@@ -302,29 +311,39 @@ fn decide(s: &Session, run: &str, task: &str, q: Option<&Question>, from: &str) 
     }
 }
 
+/// The tool call a permission request is about, as far as the request tells it.
+fn requested_tool(call: &ToolCallUpdate) -> Markup {
+    match ToolCall::try_from(call.clone()) {
+        Ok(call) => tool(&call),
+        Err(_) => html! { p { "a tool call" } },
+    }
+}
+
 /// One tool call: kind, status, title, and its content (text, diffs as unified diffs).
-fn tool(call: &Value) -> Markup {
-    let status = call["status"].as_str().unwrap_or("pending");
+fn tool(call: &ToolCall) -> Markup {
+    let status = wire_name(&call.status);
     html! {
-        div class={ "tool status-" (status) } data-tool=(call["toolCallId"].as_str().unwrap_or("")) {
+        div class={ "tool status-" (status) } data-tool=(call.tool_call_id.0) {
             p class="tool-head" {
-                span class="kind" { (call["kind"].as_str().unwrap_or("other")) }
-                " " strong { (call["title"].as_str().unwrap_or("")) }
+                span class="kind" { (wire_name(&call.kind)) }
+                " " strong { (call.title) }
                 " " span class="status" { "[" (status) "]" }
             }
-            @for c in call["content"].as_array().into_iter().flatten() {
-                @match c["type"].as_str() {
-                    Some("diff") => {
+            @for c in &call.content {
+                @match c {
+                    ToolCallContent::Diff(d) => {
                         div class="diff" {
-                            p class="path" { (c["path"].as_str().unwrap_or("")) @if c["oldText"].is_null() { " (new file)" } }
+                            p class="path" { (d.path.display()) @if d.old_text.is_none() { " (new file)" } }
                             pre {
-                                @for (class, line) in diff_lines(c["oldText"].as_str().unwrap_or(""), c["newText"].as_str().unwrap_or("")) {
+                                @for (class, line) in diff_lines(d.old_text.as_deref().unwrap_or(""), &d.new_text) {
                                     span class=(class) { (line) "\n" }
                                 }
                             }
                         }
                     }
-                    Some("content") => { pre class="output" { (c["content"]["text"].as_str().unwrap_or("")) } }
+                    ToolCallContent::Content(c) => {
+                        @if let ContentBlock::Text(t) = &c.content { pre class="output" { (t.text) } }
+                    }
                     _ => {}
                 }
             }
@@ -336,7 +355,6 @@ pub fn task(
     s: &Session,
     run: &str,
     v: &TaskView,
-    prompt: &str,
     events: &[pier_host::Event],
     seq: i64,
     notice: Option<&str>,
@@ -349,7 +367,7 @@ pub fn task(
         h1 { "Task " (t.id) }
         dl class="facts" {
             dt { "state" } dd { (state(t.state.as_str())) }
-            dt { "agent" } dd { code { (t.spec.agent) } @if let Some(a) = &v.agent { " (" (a["init"]["agentInfo"]["name"].as_str().unwrap_or("?")) " " (a["init"]["agentInfo"]["version"].as_str().unwrap_or("")) ")" } }
+            dt { "agent" } dd { code { (t.spec.agent) } @if let Some(info) = v.agent.as_ref().and_then(|a| a.info()) { " (" (info.name) " " (info.version) ")" } }
             dt { "attempts" } dd { (t.attempt) " (" (t.failures) " failed)" }
             @if let Some(owner) = &t.lease_owner { dt { "lease" } dd { (owner) } }
             @if !t.spec.depends_on.is_empty() { dt { "depends on" } dd { (t.spec.depends_on.join(", ")) } }
@@ -358,16 +376,14 @@ pub fn task(
             section class="waiting" aria-label="waiting for you" {
                 h2 { "Waiting for you" }
                 (decide(s, run, &t.id, v.question.as_ref(), &here))
-                @if v.question.is_none() {
-                    @if let Some(a) = v.attempts.iter().find(|a| a.attempt == t.attempt) {
-                        h3 { "The evidence" }
-                        ul { @for e in &a.evidence { li { code { (e.to_string()) } } } }
-                    }
+                @if v.question.is_none() && !v.evidence().is_empty() {
+                    h3 { "The evidence" }
+                    ul { @for e in v.evidence() { li { code { (e.to_string()) } } } }
                 }
             }
         }
         h2 { "Prompt" }
-        pre class="prompt" { (prompt) }
+        pre class="prompt" { (v.prompt) }
         @if let Some(r) = &t.result { h2 { "Result" } pre class="result" { (r) } }
         @if let Some(e) = &t.error { h2 { "Error" } pre class="error" { (e) } }
         @for (n, items) in &transcript {
@@ -393,44 +409,59 @@ fn item_markup(item: &Item) -> Markup {
         Item::Tool(call) => tool(call),
         Item::Plan(plan) => html! {
             ol class="plan" {
-                @for e in plan["entries"].as_array().into_iter().flatten() {
-                    li class={ "plan-" (e["status"].as_str().unwrap_or("")) } { "[" (e["status"].as_str().unwrap_or("")) "] " (e["content"].as_str().unwrap_or("")) }
+                @for e in &plan.entries {
+                    @let status = wire_name(&e.status);
+                    li class={ "plan-" (status) } { "[" (status) "] " (e.content) }
                 }
             }
         },
-        Item::Permission(p) => {
-            let chosen = p["outcome"]["optionId"].as_str().or(p["outcome"]["outcome"].as_str()).unwrap_or("?");
-            html! {
-                div class="permission" {
-                    p { "Permission for " strong { (p["toolCall"]["title"].as_str().unwrap_or("a tool call")) } }
-                    ul class="options" {
-                        @for o in p["options"].as_array().into_iter().flatten() {
-                            @let id = o["optionId"].as_str().unwrap_or("");
-                            li class=[(id == chosen).then_some("chosen")] {
-                                (o["name"].as_str().unwrap_or(id)) " (" (o["kind"].as_str().unwrap_or("")) ")"
-                                @if id == chosen { " ← chosen" }
-                            }
-                        }
-                    }
-                    p class="why" { "chosen " (chosen) " by " (rule(&p["rule"])) @if let Some(r) = p["reason"].as_str() { ": " (r) } }
-                }
-            }
-        }
-        Item::Question(q) => html! {
+        Item::Permission { tool_call, options, outcome, rule: why, reason } => permission(tool_call, options, outcome, why, reason),
+        Item::Question { request, response } => html! {
             div class="question" {
-                p { "The agent asked: " strong { (q["request"]["message"].as_str().unwrap_or("")) } }
-                p { "Answer: " code { (q["response"].to_string()) } }
+                p { "The agent asked: " strong { (request.message) } }
+                p { "Answer: " code { (response.to_string()) } }
             }
         },
-        Item::Transition(t) => html! {
+        Item::Transition(at, LogEvent::Transition { from, to, reason, owner, class, error, .. }) => html! {
             p class="transition" {
-                @if let Some(at) = t["at_ms"].as_i64() { (time(at)) " · " }
-                (t["from"].as_str().unwrap_or("?")) " → " (t["to"].as_str().unwrap_or("?")) " · " (t["reason"].as_str().unwrap_or(""))
-                @if let Some(owner) = t["owner"].as_str() { " · lease " (owner) }
-                @if let Some(class) = t["class"].as_str() { " · error class " (class) }
-                @if let Some(error) = t["error"].as_str() { " · " (first_line(error)) }
+                (time(*at)) " · "
+                (from.as_str()) " → " (to.as_str()) " · " (reason)
+                @if let Some(owner) = owner { " · lease " (owner) }
+                @if let Some(class) = class { " · error class " (wire_name(class)) }
+                @if let Some(error) = error { " · " (first_line(error)) }
             }
         },
+        Item::Transition(..) => html! {},
+    }
+}
+
+/// A permission request of the agent's, the options it offered and the one chosen.
+fn permission(
+    call: &ToolCallUpdate,
+    options: &[PermissionOption],
+    outcome: &RequestPermissionOutcome,
+    why: &Value,
+    reason: &str,
+) -> Markup {
+    let chosen = match outcome {
+        RequestPermissionOutcome::Selected(s) => s.option_id.0.to_string(),
+        RequestPermissionOutcome::Cancelled => "cancelled".to_owned(),
+        _ => "?".to_owned(),
+    };
+    html! {
+        div class="permission" {
+            p { "Permission for " strong { (call.fields.title.as_deref().unwrap_or("a tool call")) } }
+            ul class="options" {
+                @for o in options {
+                    @let id = &*o.option_id.0;
+                    li class=[(id == chosen).then_some("chosen")] {
+                        (o.name) " (" (option_kind(o.kind)) ")"
+                        @if id == chosen { " ← chosen" }
+                    }
+                }
+            }
+            p class="why" { "chosen " (chosen) " by " (rule(why)) @if !reason.is_empty() { ": " (reason) } }
+        }
     }
 }
 

@@ -5,79 +5,95 @@
 
 use std::collections::BTreeMap;
 
-use pier_host::Event;
+use agent_client_protocol_schema::v1::{
+    ContentBlock, CreateElicitationRequest, PermissionOption, Plan, RequestPermissionOutcome, SessionUpdate, ToolCall,
+    ToolCallUpdate,
+};
+use pier_host::{AgentEvent, Entry, Event, LogEvent};
 use serde_json::Value;
 
 pub enum Item {
     Said(String),
     Thought(String),
     User(String),
-    Tool(Value),
-    Plan(Value),
-    Permission(Value),
-    Question(Value),
-    Transition(Value),
+    Tool(Box<ToolCall>),
+    Plan(Plan),
+    Permission { tool_call: Box<ToolCallUpdate>, options: Vec<PermissionOption>, outcome: RequestPermissionOutcome, rule: Value, reason: String },
+    Question { request: Box<CreateElicitationRequest>, response: Value },
+    /// A transition: when, and the event.
+    Transition(i64, LogEvent),
 }
 
 /// The items of each attempt, in order; attempt 0 holds what belongs to none.
 pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
     let mut out: BTreeMap<i64, Vec<Item>> = BTreeMap::new();
     for e in events {
-        let attempt = e.data["attempt"].as_i64().unwrap_or(0);
-        let items = out.entry(attempt).or_default();
-        match e.kind.as_str() {
-            "session_update" => update(items, &e.data["update"]),
-            "permission" => items.push(Item::Permission(e.data.clone())),
-            "elicitation" => items.push(Item::Question(e.data.clone())),
-            "transition" => {
-                let mut t = e.data.clone();
-                if let Some(o) = t.as_object_mut() {
-                    o.insert("at_ms".into(), e.at_ms.into());
+        match e.entry() {
+            Entry::Agent { attempt, event } => {
+                let items = out.entry(attempt).or_default();
+                match *event {
+                    AgentEvent::SessionUpdate { update: u } => update(items, u),
+                    AgentEvent::Permission { tool_call, options, outcome, rule, reason } => {
+                        items.push(Item::Permission { tool_call: Box::new(tool_call), options, outcome, rule, reason })
+                    }
+                    AgentEvent::Elicitation { request, response, .. } => {
+                        items.push(Item::Question { request: Box::new(request), response })
+                    }
+                    AgentEvent::ClientCall { .. } | AgentEvent::ProtocolError { .. } => {}
                 }
-                items.push(Item::Transition(t));
             }
-            _ => {}
+            Entry::Host(t @ LogEvent::Transition { attempt, .. }) => {
+                out.entry(attempt).or_default().push(Item::Transition(e.at_ms, t))
+            }
+            Entry::Host(_) | Entry::Other => {}
         }
     }
     out
 }
 
-fn update(items: &mut Vec<Item>, u: &Value) {
-    let text = || u["content"]["text"].as_str().unwrap_or("").to_owned();
-    match u["sessionUpdate"].as_str().unwrap_or("") {
-        "agent_message_chunk" => match items.last_mut() {
-            Some(Item::Said(s)) => s.push_str(&text()),
-            _ => items.push(Item::Said(text())),
-        },
-        "agent_thought_chunk" => match items.last_mut() {
-            Some(Item::Thought(s)) => s.push_str(&text()),
-            _ => items.push(Item::Thought(text())),
-        },
-        "user_message_chunk" => match items.last_mut() {
-            Some(Item::User(s)) => s.push_str(&text()),
-            _ => items.push(Item::User(text())),
-        },
-        "tool_call" => items.push(Item::Tool(u.clone())),
-        "tool_call_update" => {
-            let id = &u["toolCallId"];
+fn text(block: &ContentBlock) -> &str {
+    match block {
+        ContentBlock::Text(t) => &t.text,
+        _ => "",
+    }
+}
+
+/// Appends a chunk to the item before it if that is of its kind, else starts one.
+fn chunk(items: &mut Vec<Item>, piece: &str, same: fn(&mut Item) -> Option<&mut String>, new: fn(String) -> Item) {
+    match items.last_mut().and_then(same) {
+        Some(s) => s.push_str(piece),
+        None => items.push(new(piece.to_owned())),
+    }
+}
+
+fn update(items: &mut Vec<Item>, u: SessionUpdate) {
+    match u {
+        SessionUpdate::AgentMessageChunk(c) => {
+            chunk(items, text(&c.content), |i| if let Item::Said(s) = i { Some(s) } else { None }, Item::Said)
+        }
+        SessionUpdate::AgentThoughtChunk(c) => {
+            chunk(items, text(&c.content), |i| if let Item::Thought(s) = i { Some(s) } else { None }, Item::Thought)
+        }
+        SessionUpdate::UserMessageChunk(c) => {
+            chunk(items, text(&c.content), |i| if let Item::User(s) = i { Some(s) } else { None }, Item::User)
+        }
+        SessionUpdate::ToolCall(call) => items.push(Item::Tool(Box::new(call))),
+        SessionUpdate::ToolCallUpdate(u) => {
             let seen = items.iter_mut().rev().find_map(|i| match i {
-                Item::Tool(t) if t["toolCallId"] == *id => Some(t),
+                Item::Tool(t) if t.tool_call_id == u.tool_call_id => Some(t),
                 _ => None,
             });
             match seen {
-                Some(t) => {
-                    if let (Some(t), Some(fields)) = (t.as_object_mut(), u.as_object()) {
-                        for (k, v) in fields {
-                            if !v.is_null() {
-                                t.insert(k.clone(), v.clone());
-                            }
-                        }
+                Some(t) => t.update(u.fields),
+                // An update of a call never announced: shown as far as it goes.
+                None => {
+                    if let Ok(call) = ToolCall::try_from(u) {
+                        items.push(Item::Tool(Box::new(call)));
                     }
                 }
-                None => items.push(Item::Tool(u.clone())),
             }
         }
-        "plan" => items.push(Item::Plan(u.clone())),
+        SessionUpdate::Plan(plan) => items.push(Item::Plan(plan)),
         _ => {}
     }
 }

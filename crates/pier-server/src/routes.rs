@@ -1,0 +1,211 @@
+//! The API's routes: each takes its request apart, makes one [`pier_host::Tasks`] call and
+//! turns the answer into JSON. No rule of a task's life is written here.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use pier_host::{Answered, ErrorCode, Input, Submission, TaskView};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::error::{ApiError, Body};
+use crate::Shared;
+
+#[derive(Deserialize)]
+pub(crate) struct SubmitBody {
+    plan: String,
+    run_id: Option<String>,
+}
+
+pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Result<Response, ApiError> {
+    let config = app.tasks.config();
+    let plan = pier_host::tasks::parse_plan(&body.plan, &config.agents, &config.pier_exe)
+        .map_err(pier_host::ActionError::Plan)?;
+    let submission = Submission { plan, run: body.run_id, source: "http".into(), own: false };
+    let submitted = app.tasks.submit(submission).await?;
+    Ok((StatusCode::CREATED, Json(json!({"run": submitted.run}))).into_response())
+}
+
+pub(crate) async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let runs = app.tasks.runs().await?;
+    let runs: Vec<Value> = runs
+        .iter()
+        .map(|r| {
+            json!({"run": r.run, "counts": r.counts, "state": r.state(), "created_at_ms": r.created_at_ms,
+                   "updated_at_ms": r.updated_at_ms, "attempts": r.attempts})
+        })
+        .collect();
+    Ok(Json(json!({"runs": runs})))
+}
+
+/// The live `pier serve` nodes on this store, each with the runs it drives and its last heartbeat.
+pub(crate) async fn list_nodes(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let nodes = app.tasks.nodes().await?;
+    Ok(Json(json!({"node": app.tasks.config().node, "nodes": nodes})))
+}
+
+pub(crate) async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
+    let view = app.tasks.run(&run).await?;
+    let counts = view.counts();
+    // A task waiting on a person carries the question it waits on.
+    let rows: Vec<Value> = view
+        .tasks
+        .into_iter()
+        .map(|(t, q)| {
+            let mut row = serde_json::to_value(&t).unwrap_or(Value::Null);
+            if let Some(q) = q {
+                row["question"] = json!(q);
+            }
+            row
+        })
+        .collect();
+    Ok(Json(json!({"run": run, "counts": counts, "tasks": rows})))
+}
+
+/// Each agent spec's last `initialize` answer (what it can do), as the host recorded it.
+pub(crate) async fn list_agents(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!({"agents": app.tasks.agents().await?})))
+}
+
+/// One task as the API shows it (and `pier show --server` reads).
+pub fn task_json(v: &TaskView) -> Value {
+    // `evidence`: the current attempt's, as before `attempts` was added.
+    json!({"task": v.row, "evidence": v.evidence(), "attempts": v.attempts, "question": v.question,
+           "agent": v.agent, "prompt": v.prompt})
+}
+
+pub(crate) async fn show_task(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(task_json(&app.tasks.task(&run, &task).await?)))
+}
+
+pub(crate) async fn cancel_task(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    let row = app.tasks.cancel_task(&run, &task, "cancelled over HTTP").await?;
+    Ok(Json(json!({"task": row})))
+}
+
+#[derive(Deserialize, Default)]
+struct RetryBody {
+    #[serde(default)]
+    with_dependents: bool,
+}
+
+/// A person's retry: the task (and with `with_dependents` the cancelled tasks below it)
+/// back to `pending`; the host drives it like any other pending task.
+pub(crate) async fn retry_task(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> Result<Json<Value>, ApiError> {
+    // The body is optional: no body is `{}`.
+    let body: RetryBody = if raw.iter().all(u8::is_ascii_whitespace) {
+        RetryBody::default()
+    } else {
+        serde_json::from_slice(&raw).map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("the body: {e}")))?
+    };
+    let rows = app.tasks.retry(&run, &task, body.with_dependents, "http").await?;
+    Ok(Json(json!({"run": run, "tasks": rows})))
+}
+
+pub(crate) async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
+    let cancelled = app.tasks.cancel_run(&run, "run cancelled over HTTP").await?;
+    Ok(Json(json!({"run": run, "cancelled": cancelled})))
+}
+
+#[derive(Deserialize)]
+pub(crate) struct AnswerBody {
+    /// A permission request or a re-run decision.
+    #[serde(default)]
+    allow: bool,
+    option: Option<String>,
+    /// An agent's question: the values of the fields it asked for.
+    content: Option<serde_json::Map<String, Value>>,
+    /// An agent's question: declined.
+    #[serde(default)]
+    decline: bool,
+}
+
+pub(crate) async fn answer(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Body(body): Body<AnswerBody>,
+) -> Result<Json<Value>, ApiError> {
+    let input = match (body.content, body.decline) {
+        (Some(_), true) => return Err(ApiError::new(ErrorCode::BadRequest, "give content or decline, not both")),
+        (Some(content), false) => Some(Input::Json(content)),
+        (None, true) => Some(Input::Decline),
+        (None, false) => None,
+    };
+    if let Some(input) = input {
+        let answer = app.tasks.answer_input(&run, &task, None, input, "http").await?;
+        return Ok(Json(json!({"answered": answer})));
+    }
+    let answered = app.tasks.answer(&run, &task, None, body.allow, body.option.as_deref(), "http").await?;
+    Ok(Json(match answered {
+        Answered::Option(chosen) => json!({"answered": chosen}),
+        Answered::Rerun(row) => json!({"task": row}),
+    }))
+}
+
+#[derive(Deserialize)]
+pub(crate) struct SayBody {
+    text: String,
+    #[serde(default)]
+    interrupt: bool,
+}
+
+/// A person's message to a running task: queued for its next prompt, or at once.
+pub(crate) async fn say(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Body(body): Body<SayBody>,
+) -> Result<Response, ApiError> {
+    let n = app.tasks.say(&run, &task, &body.text, body.interrupt, "http").await?;
+    Ok((StatusCode::CREATED, Json(json!({"message": n}))).into_response())
+}
+
+#[derive(Deserialize)]
+pub(crate) struct LeaseBody {
+    worker: String,
+    #[serde(default)]
+    capabilities: Vec<String>,
+    ttl_ms: Option<i64>,
+}
+
+pub(crate) async fn lease(State(app): State<Shared>, Body(body): Body<LeaseBody>) -> Result<Response, ApiError> {
+    match app.tasks.lease(&body.worker, &body.capabilities, body.ttl_ms).await? {
+        Some(leased) => Ok(Json(json!(leased)).into_response()),
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+    }
+}
+
+#[derive(Deserialize)]
+pub(crate) struct HeartbeatBody {
+    worker: String,
+    attempt: i64,
+    ttl_ms: Option<i64>,
+}
+
+pub(crate) async fn heartbeat(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Body(body): Body<HeartbeatBody>,
+) -> Result<Json<Value>, ApiError> {
+    let expires = app.tasks.heartbeat(&run, &task, &body.worker, body.attempt, body.ttl_ms).await?;
+    Ok(Json(json!({"lease_expires_at_ms": expires})))
+}
+
+pub(crate) async fn update(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Body(body): Body<Value>,
+) -> Result<Json<Value>, ApiError> {
+    let row = app.tasks.report(&run, &task, body).await?;
+    Ok(Json(json!({"task": row})))
+}
