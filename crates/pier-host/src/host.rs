@@ -45,6 +45,23 @@ pub struct HostConfig {
 }
 
 impl HostConfig {
+    /// A host of `pier_exe` with the agents `agents` (pier.toml's), resolving relative task
+    /// directories against `base_dir`; the rest as `pier run` has it by default.
+    pub fn new(pier_exe: PathBuf, agents: BTreeMap<String, AgentDef>, base_dir: PathBuf) -> HostConfig {
+        HostConfig {
+            pier_exe,
+            agents,
+            base_dir,
+            concurrency: 4,
+            owner: HostConfig::owner_id(),
+            node: HostConfig::node_id(),
+            lease_ttl: Duration::from_secs(15),
+            retry_base: Duration::from_secs(1),
+            cancel_grace: Duration::from_secs(5),
+            default_idle_timeout: Duration::from_secs(600),
+        }
+    }
+
     pub fn owner_id() -> String {
         format!("{}:{}:{}", hostname(), std::process::id(), uuid::Uuid::new_v4().simple())
     }

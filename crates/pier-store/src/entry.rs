@@ -111,8 +111,8 @@ mod tests {
             serde_json::json!({"attempt": 3, "sessionId": "s",
                 "update": {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "hi"}}}),
         );
-        let Entry::Agent { attempt: 3, event } = said.entry() else { panic!("{:?}", said.entry()) };
-        assert!(matches!(*event, AgentEvent::SessionUpdate { update: SessionUpdate::AgentMessageChunk(_) }));
+        let Entry::Agent { attempt: 3, event: told } = said.entry() else { panic!("{:?}", said.entry()) };
+        assert!(matches!(*told, AgentEvent::SessionUpdate { update: SessionUpdate::AgentMessageChunk(_) }));
         assert_eq!(event("note", serde_json::json!({"text": "x"})).entry(), Entry::Other);
         assert_eq!(event("transition", serde_json::json!({"to": "nowhere"})).entry(), Entry::Other);
     }

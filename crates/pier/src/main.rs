@@ -5,8 +5,10 @@ mod client_cmd;
 mod config;
 mod config_cmd;
 mod demo;
+mod events_cmd;
 mod logging;
 mod models_cmd;
+mod person_cmd;
 mod render;
 mod retry_cmd;
 mod run_cmd;
@@ -42,11 +44,11 @@ enum Command {
     /// Run a plan of tasks on a pool of ACP agents, durably
     Run(run_cmd::RunArgs),
     /// Print the event log
-    Events(run_cmd::EventsArgs),
+    Events(events_cmd::EventsArgs),
     /// Answer a task waiting for input: allow its permission request, or run it again
-    Approve(run_cmd::AnswerArgs),
+    Approve(person_cmd::AnswerArgs),
     /// Answer a task waiting for input: reject its permission request, or cancel it
-    Deny(run_cmd::AnswerArgs),
+    Deny(person_cmd::AnswerArgs),
     /// List the runs of the store, newest first, with their tasks' states
     Runs(show_cmd::RunsArgs),
     /// Show a run, or one task: its result, attempts, what it waits on, what its agent can do
@@ -54,9 +56,9 @@ enum Command {
     /// Run a failed or cancelled task again, as a new attempt (and the tasks cancelled below it)
     Retry(retry_cmd::RetryArgs),
     /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
-    Answer(run_cmd::InputArgs),
+    Answer(person_cmd::InputArgs),
     /// Tell a running task something: queued for its next prompt, or at once with --interrupt
-    Say(run_cmd::SayArgs),
+    Say(person_cmd::SayArgs),
     /// Serve the task host over HTTP (bearer token, SSE events, pull workers)
     Serve(serve_cmd::ServeArgs),
     /// Submit a plan to a running `pier serve`
@@ -131,11 +133,11 @@ fn main() {
             Command::Prompt(args) => Ok(client_cmd::prompt(args).await),
             Command::Sessions(cmd) => client_cmd::sessions(cmd).map(|()| 0),
             Command::Run(args) => run_cmd::run(args).await,
-            Command::Events(args) => run_cmd::events(args).await.map(|()| 0),
-            Command::Approve(args) => run_cmd::answer(args, true).map(|()| 0),
-            Command::Deny(args) => run_cmd::answer(args, false).map(|()| 0),
-            Command::Say(args) => run_cmd::say(args).map(|()| 0),
-            Command::Answer(args) => run_cmd::answer_input(args).map(|()| 0),
+            Command::Events(args) => events_cmd::events(args).await.map(|()| 0),
+            Command::Approve(args) => person_cmd::answer(args, true).await.map(|()| 0),
+            Command::Deny(args) => person_cmd::answer(args, false).await.map(|()| 0),
+            Command::Say(args) => person_cmd::say(args).await.map(|()| 0),
+            Command::Answer(args) => person_cmd::answer_input(args).await.map(|()| 0),
             Command::Retry(args) => retry_cmd::retry(args).await.map(|()| 0),
             Command::Show(args) => show_cmd::show(args).await.map(|()| 0),
             Command::Runs(args) => show_cmd::runs(args).await.map(|()| 0),

@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use crate::run_cmd::{EventFormat, open_store};
+use crate::run_cmd::{EventFormat, open_tasks};
 use crate::serve_cmd::segment;
 
 #[derive(Debug, clap::Args)]
@@ -34,9 +34,9 @@ pub async fn retry(args: RetryArgs) -> anyhow::Result<()> {
             v["tasks"].as_array().cloned().unwrap_or_default()
         }
         None => {
-            let store = open_store(&args.source.store)?;
-            let by = crate::run_cmd::person();
-            let rows = pier_host::person::retry(store.as_ref(), &args.run, &args.task, args.with_dependents, &by)?;
+            let tasks = open_tasks(&args.source.store)?;
+            let by = crate::person_cmd::person();
+            let rows = tasks.retry(&args.run, &args.task, args.with_dependents, &by).await?;
             rows.iter().map(|r| json!(r)).collect()
         }
     };

@@ -51,7 +51,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let home = config::pier_home(&env)?;
     let here = std::env::current_dir()?;
     let files = config::load_files(&env, &here)?;
-    let store = crate::run_cmd::open_store(&args.store)?;
     if args.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
         anyhow::bail!("--token is empty: give a token, or leave --token out to use the token file");
     }
@@ -68,11 +67,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     let config = HostConfig {
-        pier_exe: std::env::current_exe()?,
-        agents: files.agents.clone(),
-        base_dir: here,
         concurrency: args.concurrency.max(1),
-        owner: HostConfig::owner_id(),
         node: match &args.node_id {
             Some(n) if n.trim().is_empty() => {
                 anyhow::bail!("--node-id is empty: give this node a name, or leave it out")
@@ -81,15 +76,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             None => HostConfig::node_id(),
         },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
-        retry_base: Duration::from_secs(1),
-        cancel_grace: Duration::from_secs(5),
-        default_idle_timeout: Duration::from_secs(600),
+        ..HostConfig::new(std::env::current_exe()?, files.agents.clone(), here)
     };
+    let tasks = crate::run_cmd::open_tasks_with(&args.store, config)?;
     let sse = pier_server::SseLimits {
         buffer: args.sse_buffer.max(1),
         patience: Duration::from_millis(args.sse_patience_ms),
     };
-    let app = App::with_sse_limits(store.clone(), config, token, sse);
+    let app = App::with_sse_limits(tasks, token, sse);
     // Runs left unfinished by an earlier host go on, with every run submitted later.
     let host = app.start();
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -300,15 +294,8 @@ pub async fn events(
         while let Some(chunk) = stream.next().await {
             let Ok(chunk) = chunk else { break };
             for data in sse.push(&chunk).map_err(|e| anyhow::anyhow!("an event line of {} bytes is too long", e.0))? {
-                let v: Value = serde_json::from_str(&data)?;
-                let event = pier_host::Event {
-                    seq: v["seq"].as_i64().unwrap_or(after),
-                    run: v["run"].as_str().unwrap_or("").to_owned(),
-                    task: v["task"].as_str().map(str::to_owned),
-                    kind: v["type"].as_str().unwrap_or("").to_owned(),
-                    at_ms: v["at_ms"].as_i64().unwrap_or(0),
-                    data: v.clone(),
-                };
+                let event = pier_host::Event::from_wire(serde_json::from_str(&data)?)
+                    .ok_or_else(|| anyhow::anyhow!("the server sent an event that is not one: {data}"))?;
                 after = event.seq;
                 print(&event);
             }

@@ -4,11 +4,9 @@
 //! each attempt with what it showed and its side effects, the question a task waits on with
 //! the command that answers it, and what its agent can do.
 
-use std::collections::BTreeMap;
-
 use serde_json::{Value, json};
 
-use crate::run_cmd::{EventFormat, open_store};
+use crate::run_cmd::{EventFormat, open_tasks};
 use crate::waiting::waiting_for;
 
 /// Where the runs are read: the local store, or a server.
@@ -64,16 +62,8 @@ pub async fn runs(args: RunsArgs) -> anyhow::Result<()> {
             v["runs"].as_array().cloned().unwrap_or_default()
         }
         None => {
-            let store = open_store(&args.source.store)?;
-            let mut out = Vec::new();
-            for run in store.run_ids()? {
-                let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-                for t in store.tasks(&run)? {
-                    *counts.entry(t.state.as_str()).or_default() += 1;
-                }
-                out.push(json!({"run": run, "counts": counts}));
-            }
-            out
+            let runs = open_tasks(&args.source.store)?.runs().await?;
+            runs.iter().map(|r| json!({"run": r.run, "counts": r.counts})).collect()
         }
     };
     runs.reverse();
@@ -117,7 +107,7 @@ impl ShowArgs {
 pub async fn show(args: ShowArgs) -> anyhow::Result<()> {
     let shown = match args.source.server() {
         Some(server) => remote(server, &args.run, args.task.as_deref()).await?,
-        None => local(&args.source.store, &args.run, args.task.as_deref())?,
+        None => local(&args.source.store, &args.run, args.task.as_deref()).await?,
     };
     match args.format {
         EventFormat::Json => println!("{shown}"),
@@ -128,41 +118,29 @@ pub async fn show(args: ShowArgs) -> anyhow::Result<()> {
 }
 
 /// A run (`{run, tasks: [{id, state, attempts, agent, result, error, asks?}]}`) or one task
-/// whole (`{task, attempts, question, agent}`), from the local store.
-fn local(store: &Option<String>, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
-    let store = open_store(store)?;
-    anyhow::ensure!(store.run_exists(run)?, "there is no run `{run}` in the store; `pier runs` lists them");
-    let tasks = store.tasks(run)?;
-    match task {
-        Some(id) => {
-            let t = tasks
-                .iter()
-                .find(|t| t.id == id)
-                .ok_or_else(|| anyhow::anyhow!("run `{run}` has no task `{id}`; `pier show {run}` lists them"))?;
-            let question = store.open_question(run, id)?;
-            Ok(json!({
-                "task": t,
-                "attempts": store.attempts(run, id)?,
-                "question": question.map(|q| json!({"attempt": q.attempt, "n": q.n, "request": q.request})),
-                "agent": store.agent(&t.spec.agent)?,
-            }))
-        }
-        None => {
-            let mut rows = Vec::new();
-            for t in &tasks {
-                let mut row = json!({
-                    "id": t.id, "state": t.state.as_str(), "attempts": t.attempt, "agent": t.spec.agent,
-                    "result": t.result, "error": t.error,
-                });
-                if t.state == pier_host::TaskState::AwaitingInput {
-                    let q = store.open_question(run, &t.id)?;
-                    row["asks"] = json!(waiting_for(run, &t.id, q.as_ref().map(|q| &q.request)));
-                }
-                rows.push(row);
-            }
-            Ok(json!({"run": run, "tasks": rows}))
-        }
+/// whole (as `GET …/tasks/{task}` has it), from the local store.
+async fn local(store: &Option<String>, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
+    let tasks = open_tasks(store)?;
+    if let Some(id) = task {
+        return Ok(pier_server::task_json(&tasks.task(run, id).await?));
     }
+    let view = tasks.run(run).await?;
+    let rows = view.tasks.iter().map(|(t, q)| {
+        let mut row = json!({
+            "id": t.id, "state": t.state.as_str(), "attempts": t.attempt, "agent": t.spec.agent,
+            "result": t.result, "error": t.error,
+        });
+        if t.state == pier_host::TaskState::AwaitingInput {
+            row["asks"] = json!(waiting_for(run, &t.id, q.as_ref().map(|q| &q.request)));
+        }
+        row
+    });
+    Ok(json!({"run": run, "tasks": rows.collect::<Vec<_>>()}))
+}
+
+/// A question's request as the API shows it, typed again.
+fn request_of(question: &Value) -> Option<pier_host::QuestionRequest> {
+    serde_json::from_value(question.get("request")?.clone()).ok()
 }
 
 /// The same views from a server's `GET /runs/{run}` and `GET /runs/{run}/tasks/{task}`.
@@ -183,8 +161,7 @@ async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result
             });
             if t["state"] == "awaiting_input" {
                 let id = t["id"].as_str().unwrap_or("?");
-                let request = &t["question"]["request"];
-                row["asks"] = json!(waiting_for(run, id, (!request.is_null()).then_some(request)));
+                row["asks"] = json!(waiting_for(run, id, request_of(&t["question"]).as_ref()));
             }
             row
         })
@@ -236,8 +213,8 @@ fn task_text(run: &str, v: &Value) -> String {
         let words: Vec<&str> = requires.iter().filter_map(Value::as_str).collect();
         out.push_str(&format!("requires: {}\n", words.join(", ")));
     }
-    if let Some(q) = v["question"].as_object() {
-        out.push_str(&format!("waits: {}\n", waiting_for(run, id, Some(&q["request"]))));
+    if let Some(request) = request_of(&v["question"]) {
+        out.push_str(&format!("waits: {}\n", waiting_for(run, id, Some(&request))));
     } else if t["state"] == "awaiting_input" {
         out.push_str(&format!("waits: {}\n", waiting_for(run, id, None)));
     }
@@ -273,7 +250,7 @@ fn agent_line(agent: &Value) -> String {
     }
     let info = &init["agentInfo"];
     let mut offers = Vec::new();
-    for (word, pointer) in pier_host::caps::REQUIREMENTS {
+    for (word, pointer) in pier_host::requires::REQUIREMENTS {
         if init.pointer(pointer).and_then(Value::as_bool) == Some(true) {
             offers.push(*word);
         }

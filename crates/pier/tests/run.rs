@@ -303,7 +303,9 @@ async fn a_question_of_a_dead_host_is_void_and_a_person_decides_the_rerun() {
         let store = h.store();
         let effect = serde_json::json!({"toolCallId": "e1", "kind": "edit", "status": "completed"});
         must(pier_host::TaskStore::record(&store, &attempt, &[], &[effect]), "evidence");
-        let ask = serde_json::json!({"options": [{"optionId": "allow_once", "kind": "allow_once", "name": "Allow"}]});
+        let ask = serde_json::json!({"sessionId": "s", "toolCall": {"toolCallId": "t1"},
+            "options": [{"optionId": "allow_once", "kind": "allow_once", "name": "Allow"}]});
+        let ask = must(pier_host::QuestionRequest::from_stored(ask), "a permission request");
         must(pier_host::TaskStore::park(&store, &attempt, &ask), "ask, waiting for a person");
     }
     let o = h.run(&["run", "--resume", "r1", "--format", "json"]).await;

@@ -269,12 +269,12 @@ async fn input(
     Path((run, task)): Path<(String, String)>,
     Form(fields): Form<Vec<(String, String)>>,
 ) -> Response {
-    let get = |k: &str| fields.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone());
-    if let Err(refused) = s.check(&get("csrf").unwrap_or_default()) {
+    let field = |k: &str| fields.iter().find(|(name, _)| name == k).map(|(_, v)| v.clone());
+    if let Err(refused) = s.check(&field("csrf").unwrap_or_default()) {
         return refused;
     }
-    let n = get("n").and_then(|n| n.parse::<i64>().ok());
-    let given = if get("decline").is_some() {
+    let n = field("n").and_then(|n| n.parse::<i64>().ok());
+    let given = if field("decline").is_some() {
         Input::Decline
     } else {
         Input::Pairs(
@@ -290,7 +290,7 @@ async fn input(
         Ok(_) => format!("answered the question of task {task}"),
         Err(e) => format!("refused: {e}"),
     };
-    let to = get("from")
+    let to = field("from")
         .filter(|p| returnable(p))
         .unwrap_or_else(|| format!("/ui/runs/{}/tasks/{}", pages::seg(&run), pages::seg(&task)));
     back(&to, &notice)

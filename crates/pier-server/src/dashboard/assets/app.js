@@ -5,7 +5,7 @@
 
 const main = document.getElementById("main");
 const live = main && main.dataset.live;
-const run = live ? new URLSearchParams(live).get("run") : null;
+const run = live ? new URLSearchParams(live).get('run') : null;
 
 // Events that change what a page shows; session updates only feed the rail.
 const MOVES = new Set(["run_created", "task_created", "transition", "question", "answer", "permission", "message"]);
@@ -190,6 +190,6 @@ if (live) {
   document.addEventListener("submit", (ev) => {
     if (ev.target.id !== "replay") return;
     ev.preventDefault();
-    history(Math.max(0, Math.floor(Number(new FormData(ev.target).get("from")) || 0)));
+    history(Math.max(0, Math.floor(Number(new FormData(ev.target).get('from')) || 0)));
   });
 }
