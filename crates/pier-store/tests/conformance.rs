@@ -859,3 +859,26 @@ fn a_single_run_lease_is_taken_only_when_free_and_never_from_a_live_holder() {
         assert!(s.lease_run("run-a", "r", now + 60_000).unwrap_or(false), "{name}: handed back at once");
     });
 }
+
+/// Issue #28: a stored permission rule that does not parse (an edited or damaged store) fails
+/// the read of its task with a message naming the run, the task and the rule; it was dropped
+/// silently, so a stored `deny` could vanish and the tool run unasked.
+#[test]
+fn a_stored_permission_rule_that_does_not_parse_is_refused_naming_it() {
+    let fresh = sqlite();
+    let s = open(&fresh.spec);
+    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\npermissions = { edit = \"deny\" }\n", &|_| Ok(()))
+        .unwrap_or_else(|e| panic!("{e}"));
+    s.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    let db = rusqlite::Connection::open(&fresh.spec).unwrap_or_else(|e| panic!("{e}"));
+    let changed = db
+        .execute("UPDATE tasks SET spec = replace(spec, '\"deny\"', '\"dney\"') WHERE id = 'a'", [])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(changed, 1);
+    for read in [s.task("r", "a").map(|_| ()), s.tasks("r").map(|_| ()), s.pending_tasks().map(|_| ())] {
+        let Err(e) = read else { panic!("a task whose rule does not parse was read as if it had none") };
+        let text = e.to_string();
+        assert!(matches!(e, StoreError::Corrupt { .. }), "{text}");
+        assert!(text.contains("`a`") && text.contains("`r`") && text.contains("dney"), "{text}");
+    }
+}
