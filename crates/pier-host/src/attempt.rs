@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::decide::{Context, Outcome, decide};
-use crate::host::{HostConfig, blocking};
+use crate::config::{HostConfig, blocking};
 use pier_store::plan::{TaskSpec, render};
 use crate::pool::AgentPool;
 use pier_store::{Attempt, ErrorClass, Last, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms};

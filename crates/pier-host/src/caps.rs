@@ -15,7 +15,7 @@ use pier_client::run::LiveAgent;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::host::{HostConfig, blocking};
+use crate::config::{HostConfig, blocking};
 use pier_store::plan::{Plan, PlanError, Problem, TaskSpec};
 use pier_store::requires::missing;
 use pier_store::TaskStore;

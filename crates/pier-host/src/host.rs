@@ -10,91 +10,25 @@
 //! Each claimed attempt runs in [`crate::attempt`] with its token.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pier_client::AgentDef;
 use tokio::sync::broadcast;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::attempt::Run;
+use crate::config::{HostConfig, Summary, blocking};
 use crate::decide::{Context, Outcome, decide};
 use crate::pool::AgentPool;
 use pier_store::state::TaskState;
 use pier_store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms, own_following};
 
-/// How the host runs tasks.
-#[derive(Debug, Clone)]
-pub struct HostConfig {
-    pub pier_exe: PathBuf,
-    pub agents: BTreeMap<String, AgentDef>,
-    /// Relative task `cwd`s are resolved against it (the plan's directory).
-    pub base_dir: PathBuf,
-    pub concurrency: usize,
-    /// This host's identity in leases: `HOST:PID:RANDOM`.
-    pub owner: String,
-    /// This host's name among `pier serve` nodes (run leases, `GET /nodes`): `--node-id`,
-    /// by default `HOST-PID`.
-    pub node: String,
-    pub lease_ttl: Duration,
-    pub retry_base: Duration,
-    pub cancel_grace: Duration,
-    pub default_idle_timeout: Duration,
-}
-
-impl HostConfig {
-    /// A host of `pier_exe` with the agents `agents` (pier.toml's), resolving relative task
-    /// directories against `base_dir`; the rest as `pier run` has it by default.
-    pub fn new(pier_exe: PathBuf, agents: BTreeMap<String, AgentDef>, base_dir: PathBuf) -> HostConfig {
-        HostConfig {
-            pier_exe,
-            agents,
-            base_dir,
-            concurrency: 4,
-            owner: HostConfig::owner_id(),
-            node: HostConfig::node_id(),
-            lease_ttl: Duration::from_secs(15),
-            retry_base: Duration::from_secs(1),
-            cancel_grace: Duration::from_secs(5),
-            default_idle_timeout: Duration::from_secs(600),
-        }
-    }
-
-    pub fn owner_id() -> String {
-        format!("{}:{}:{}", hostname(), std::process::id(), uuid::Uuid::new_v4().simple())
-    }
-
-    pub fn node_id() -> String {
-        format!("{}-{}", hostname(), std::process::id())
-    }
-}
-
-/// This machine's name, read once: lease owners are `HOST:PID:RANDOM`.
-fn hostname() -> &'static str {
-    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    NAME.get_or_init(|| std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_owned())
-}
-
 /// Whether a lease owner is a process of this machine that no longer exists.
 fn owner_dead(owner: &str) -> bool {
     let mut parts = owner.split(':');
     let (Some(host), Some(pid)) = (parts.next(), parts.next()) else { return false };
-    host == hostname() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
-}
-
-/// Counts by state at the end of a run.
-pub type Summary = BTreeMap<&'static str, usize>;
-
-pub(crate) async fn blocking<T: Send + 'static>(
-    store: &Arc<dyn TaskStore>,
-    f: impl FnOnce(&dyn TaskStore) -> Result<T, StoreError> + Send + 'static,
-) -> Result<T, StoreError> {
-    let store = store.clone();
-    tokio::task::spawn_blocking(move || f(store.as_ref()))
-        .await
-        .map_err(|e| StoreError::Db(format!("store worker: {e}")))?
+    host == crate::config::hostname() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
 }
 
 /// Which tasks a host drives.

@@ -5,6 +5,7 @@
 
 pub mod attempt;
 mod caps;
+mod config;
 pub mod decide;
 pub mod host;
 mod person;
@@ -12,7 +13,8 @@ pub mod pool;
 pub mod tasks;
 pub mod telemetry;
 
-pub use host::{HostConfig, Scope, Summary};
+pub use config::{HostConfig, Summary};
+pub use host::Scope;
 pub use person::{ActionError, Answered, Input};
 pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 pub use pier_store::{

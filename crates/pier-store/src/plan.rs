@@ -49,6 +49,20 @@ pub struct TaskSpec {
     pub requires: Vec<String>,
 }
 
+impl TaskSpec {
+    /// Whether pull workers run the task (its agent is `worker` or `worker:CAPABILITY`).
+    pub fn is_worker(&self) -> bool {
+        crate::requires::is_worker(&self.agent)
+    }
+
+    /// Whether a worker with `capabilities` may lease the task: it is a worker task, and the
+    /// worker has its `worker:` capability and everything it `requires`.
+    pub fn fits_worker(&self, capabilities: &[String]) -> bool {
+        let has = |c: &str| c.is_empty() || capabilities.iter().any(|mine| mine == c);
+        crate::requires::worker_capability(&self.agent).is_some_and(has) && self.requires.iter().all(|r| has(r))
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Defaults {
@@ -308,7 +322,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
                 });
             }
         }
-        for why in crate::requires::unknown_requirements(t) {
+        for why in crate::requires::unknown_requirements(&t.agent, &t.requires) {
             problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
         }
     }

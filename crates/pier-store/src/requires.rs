@@ -4,7 +4,6 @@
 
 use serde_json::Value;
 
-use crate::plan::TaskSpec;
 
 /// The requirement words of ACP agents, and where each is in an `initialize` answer.
 /// (`elicitation`, that the agent's questions are answered, is the host's own: pier's client
@@ -28,28 +27,15 @@ pub fn worker_capability(agent: &str) -> Option<&str> {
     if agent == "worker" { Some("") } else { agent.strip_prefix("worker:") }
 }
 
-impl TaskSpec {
-    /// Whether pull workers run the task (its agent is `worker` or `worker:CAPABILITY`).
-    pub fn is_worker(&self) -> bool {
-        is_worker(&self.agent)
-    }
-
-    /// Whether a worker with `capabilities` may lease the task: it is a worker task, and the
-    /// worker has its `worker:` capability and everything it `requires`.
-    pub fn fits_worker(&self, capabilities: &[String]) -> bool {
-        let has = |c: &str| c.is_empty() || capabilities.iter().any(|mine| mine == c);
-        worker_capability(&self.agent).is_some_and(has) && self.requires.iter().all(|r| has(r))
-    }
-}
 
 /// The requirements of `t` no check could ever meet: unknown words (for an ACP agent) or
 /// empty ones.
-pub fn unknown_requirements(t: &TaskSpec) -> Vec<String> {
+pub fn unknown_requirements(agent: &str, requires: &[String]) -> Vec<String> {
     let mut out = Vec::new();
-    for r in &t.requires {
+    for r in requires {
         if r.trim().is_empty() {
             out.push("an empty requirement".to_owned());
-        } else if !is_worker(&t.agent) && r != "elicitation" && !REQUIREMENTS.iter().any(|(w, _)| w == r) {
+        } else if !is_worker(agent) && r != "elicitation" && !REQUIREMENTS.iter().any(|(w, _)| w == r) {
             let mut known: Vec<&str> = REQUIREMENTS.iter().map(|(w, _)| *w).collect();
             known.push("elicitation");
             out.push(format!("unknown requirement `{r}`; an agent can be required to offer {}", known.join(", ")));

@@ -13,7 +13,7 @@ use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::Tasks;
+use super::handle::Tasks;
 
 /// Events read from the store at a time.
 const BATCH: usize = 2000;

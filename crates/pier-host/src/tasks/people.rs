@@ -3,7 +3,7 @@
 use pier_store::{StoreError, TaskRow};
 use serde_json::Value;
 
-use super::Tasks;
+use super::handle::Tasks;
 use crate::person::{self, ActionError, Answered, Input};
 
 impl Tasks {

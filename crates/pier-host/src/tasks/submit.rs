@@ -8,7 +8,7 @@ use pier_client::AgentDef;
 use pier_store::plan::{self, Plan, PlanError};
 use pier_store::{ErrorCode, TaskSpec};
 
-use super::Tasks;
+use super::handle::Tasks;
 use crate::person::ActionError;
 
 /// Parses a plan, every agent it names checked: a pull-worker agent, or one the registry

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use pier_store::{AgentRow, AttemptRow, Event, NodeRow, Question, TaskRow, TaskState, TaskStore};
 use serde::Serialize;
 
-use super::Tasks;
+use super::handle::Tasks;
 use super::workers::dependency_results;
 use crate::person::{self, ActionError};
 

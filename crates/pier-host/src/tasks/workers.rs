@@ -6,7 +6,7 @@ use pier_store::{Attempt, ErrorCode, TaskRow, TaskState, TaskStore, now_ms};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::Tasks;
+use super::handle::Tasks;
 use crate::person::{self, ActionError, Report};
 
 /// A lease a worker asks for lasts this long by default, and within these bounds.

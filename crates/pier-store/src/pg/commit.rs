@@ -1,50 +1,18 @@
 //! The committer: queued jobs, the group commit, its numbering of events and its doorbell.
 
-use super::*;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
-pub(crate) trait Job: Send {
-    /// Runs the operation in the open transaction and keeps its answer.
-    fn run(&mut self, tx: &mut dyn Tx) -> Result<(), StoreError>;
-    /// Counts a try; false once the job has had its share.
-    fn again(&mut self) -> bool;
-    /// Hands over the answer with the last sequence the job wrote (0 for none), or the error.
-    fn finish(self: Box<Self>, outcome: Result<i64, StoreError>);
-    /// The task (run, id) whose rows alone the job touches, if it is one: jobs of different
-    /// tasks run side by side (`pg_rounds`).
-    fn task(&self) -> Option<&(String, String)>;
-}
+use tokio::sync::{broadcast, watch};
+use tokio_postgres::types::ToSql;
 
-pub(super) struct Op<T, F> {
-    pub(super) work: F,
-    pub(super) task: Option<(String, String)>,
-    pub(super) answer: Option<T>,
-    pub(super) tries: u32,
-    pub(super) reply: std::sync::mpsc::SyncSender<Result<(T, i64), StoreError>>,
-}
-
-impl<T: Send, F: FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send> Job for Op<T, F> {
-    fn run(&mut self, tx: &mut dyn Tx) -> Result<(), StoreError> {
-        self.answer = Some((self.work)(tx)?.0);
-        Ok(())
-    }
-
-    fn again(&mut self) -> bool {
-        self.tries += 1;
-        self.tries <= RETRIES
-    }
-
-    fn finish(self: Box<Self>, outcome: Result<i64, StoreError>) {
-        let this = *self;
-        let answer = outcome.and_then(|seq| {
-            this.answer.map(|a| (a, seq)).ok_or_else(|| StoreError::Db("a write finished without an answer".into()))
-        });
-        let _ = this.reply.send(answer);
-    }
-
-    fn task(&self) -> Option<&(String, String)> {
-        self.task.as_ref()
-    }
-}
+use crate::backend::Row;
+use crate::log::{OwnCommit, RawEvent, announce};
+use crate::{StoreError, lock};
+use super::conn::*;
+use super::tx::*;
+use super::job::*;
+use super::rounds::*;
 
 pub(super) fn retry_or_fail(jobs: Vec<Box<dyn Job>>, error: &StoreError) -> Vec<Box<dyn Job>> {
     let mut again = Vec::new();
@@ -267,9 +235,9 @@ pub(super) fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ri
     let mut again = Vec::new();
     // Jobs of different tasks first, side by side in rounds (`pg_rounds`); the rest after them,
     // one by one.
-    let (together, rest) = if careful { (Vec::new(), jobs) } else { rounds::side_by_side(jobs) };
+    let (together, rest) = if careful { (Vec::new(), jobs) } else { super::rounds::side_by_side(jobs) };
     if !together.is_empty() {
-        match rounds::run(&mut t, together) {
+        match super::rounds::run(&mut t, together) {
             Rounds::Ended(ended, rounds) => {
                 tracing::trace!(rounds, jobs = ended.len(), "jobs of a group ran side by side");
                 for (mut job, ended) in ended {

@@ -1,7 +1,17 @@
 //! Connections: the pool the reads and the committer draw from, errors as the store's,
 //! and rows as cells.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Statement};
+
+use crate::backend::{Cell, Query, Row};
+use crate::ops::Arg;
+use crate::{StoreError, lock};
+use super::target::{Target, tls_advice};
 
 pub(super) const MAX_CONNECTIONS: usize = 16;
 // One write connection per store, on the committer thread: measured on B5, four writers

@@ -26,34 +26,31 @@
 //! the server and no thread hop, and a caller crosses threads twice per operation, not
 //! twice per statement (measured: the hops, not the server, were most of a write's time).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde_json::Value;
 use tokio::sync::{broadcast, watch};
-use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::Client;
 
-use rounds::{Answer, Owned, Replay, Rounds, Want, no_answer};
-use target::{Target, tls_advice};
+use target::Target;
 
-use crate::backend::{Backend, Cell, Query, Row};
-use crate::log::{OwnCommit, RawEvent, announce, publish};
-use crate::ops::{self, Arg, RawTask, Tx};
-use crate::state::TaskState;
+use crate::backend::{Backend, Cell, Query};
+use crate::log::{OwnCommit, publish};
+use crate::ops::{self, Arg, Tx};
 use crate::store::Store;
-use crate::{Attempt, PgStore, StoreError, TaskRow, lock, task_columns};
+use crate::{PgStore, StoreError, TaskRow, lock, task_columns};
 
 mod commit;
 mod conn;
+mod job;
+mod replay;
 mod rounds;
 mod target;
 mod tx;
 
 use commit::*;
 use conn::*;
-use tx::*;
+use job::Op;
 
 pub use target::redacted;
 

@@ -1,5 +1,9 @@
 use super::*;
-use crate::{Ending, Last, QuestionRequest, TaskStore};
+use crate::{Attempt, Ending, Last, QuestionRequest, TaskStore};
+use super::job::Job;
+use super::rounds::{self, Rounds};
+use super::tx::PgTx;
+use crate::state::TaskState;
 use serde_json::json;
 
 #[test]

@@ -1,7 +1,17 @@
 //! The open write transaction of the committer: statements pipelined, or noted and answered
 //! from a replay when its group runs in rounds.
 
-use super::*;
+use std::collections::HashMap;
+
+use serde_json::Value;
+use tokio_postgres::{Client, Statement};
+
+use crate::backend::Row;
+use crate::ops::{self, Arg, RawTask, Tx};
+use crate::state::TaskState;
+use crate::{Attempt, StoreError, TaskRow};
+use super::conn::*;
+use super::replay::*;
 
 pub(crate) struct Pending {
     pub(super) run: String,

@@ -1,0 +1,62 @@
+//! The [`Tasks`] handle itself: what it holds, and how its calls reach the store.
+
+use std::sync::Arc;
+
+use pier_store::{StoreError, TaskStore};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{HostConfig, Summary};
+use crate::host::{Host, Scope};
+use crate::person::ActionError;
+
+/// The host's API over one store. Cheap to clone: every clone shares the store, the
+/// configuration and the one [`Host`] that drives runs in this process.
+#[derive(Clone)]
+pub struct Tasks {
+    pub(super) store: Arc<dyn TaskStore>,
+    pub(super) config: Arc<HostConfig>,
+    host: Arc<Host>,
+}
+
+impl Tasks {
+    pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Tasks {
+        let host = Arc::new(Host::new(store.clone(), config.clone()));
+        Tasks { store, config: Arc::new(config), host }
+    }
+
+    /// Opens the store `spec` names (a PostgreSQL URL, `sqlite://PATH` or a path).
+    pub fn open(spec: &str, config: HostConfig) -> Result<Tasks, StoreError> {
+        Ok(Tasks::new(pier_store::open(spec)?, config))
+    }
+
+    pub fn config(&self) -> &HostConfig {
+        &self.config
+    }
+
+    /// Drives the tasks in `scope` until `stop` fires or, for one run, until none of its tasks
+    /// can make progress ([`Host::drive`]).
+    pub async fn drive(&self, scope: Scope, stop: CancellationToken) -> Result<Summary, StoreError> {
+        self.host.drive(scope, stop).await
+    }
+
+    /// Runs `f` over the store on a blocking thread.
+    pub(super) async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn TaskStore) -> Result<T, ActionError> + Send + 'static,
+    ) -> Result<T, ActionError> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || f(store.as_ref()))
+            .await
+            .map_err(|e| ActionError::Store(StoreError::Db(format!("a store call failed: {e}"))))?
+    }
+
+    /// Whether the store answers a read (`/ready`).
+    pub async fn ready(&self) -> Result<(), ActionError> {
+        self.blocking(|s| Ok(s.last_seq().map(|_| ())?)).await
+    }
+
+    /// Where the log stands: read before a view, so an event is shown twice, never missed.
+    pub async fn position(&self) -> Result<i64, ActionError> {
+        self.blocking(|s| Ok(s.last_seq()?)).await
+    }
+}
