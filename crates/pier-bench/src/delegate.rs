@@ -99,6 +99,22 @@ async fn direct(pier: &Path, env: &[(String, String)], cwd: &Path) -> Duration {
 const CHILD_ARGS: &[&str] =
     &["agent", "--profile", "automation", "--subagents", "--subagent-depth", "1", "--ask", "execute"];
 
+/// The model's side: a parent delegates once, then answers; anything else answers "ok".
+fn script(body: &Value) -> Reply {
+    let user = first_user(body);
+    let answered = body["messages"].as_array().is_some_and(|m| m.iter().any(|m| m["role"] == "tool"));
+    match (user.strip_prefix("parent "), answered) {
+        (Some(n), false) => Reply::Stream(vec![
+            Step::ToolCallStart { index: 0, id: format!("d{n}"), name: "delegate".into() },
+            Step::ToolCallArgs { index: 0, fragment: json!({"prompt": "child: answer"}).to_string() },
+            Step::Finish("tool_calls".into()),
+            Step::Done,
+        ]),
+        (Some(_), true) => Reply::text("done"),
+        (None, _) => Reply::text("ok"),
+    }
+}
+
 pub async fn run(args: &[String]) {
     let n = super::arg(args, "--n", 20) as usize;
     let pier: PathBuf = args
@@ -111,20 +127,7 @@ pub async fn run(args: &[String]) {
         Ok(f) => f,
         Err(e) => panic!("fake model: {e}"),
     };
-    fake.set_fallback(|body| {
-        let user = first_user(body);
-        let answered = body["messages"].as_array().is_some_and(|m| m.iter().any(|m| m["role"] == "tool"));
-        match (user.strip_prefix("parent "), answered) {
-            (Some(n), false) => Reply::Stream(vec![
-                Step::ToolCallStart { index: 0, id: format!("d{n}"), name: "delegate".into() },
-                Step::ToolCallArgs { index: 0, fragment: json!({"prompt": "child: answer"}).to_string() },
-                Step::Finish("tool_calls".into()),
-                Step::Done,
-            ]),
-            (Some(_), true) => Reply::text("done"),
-            (None, _) => Reply::text("ok"),
-        }
-    });
+    fake.set_fallback(script);
     let home = match tempfile::tempdir() {
         Ok(d) => d,
         Err(e) => panic!("temp dir: {e}"),

@@ -455,34 +455,25 @@ async fn host(args: &[String], cmd: &[String]) {
 /// B5, several runs at once on one `pier serve`: `--runs` plans of `--tasks` trivial tasks
 /// each, submitted together over HTTP to a server whose one host runs them all under a global
 /// `--concurrency`; timed from the first submit to the last completion seen on `/events`.
-async fn serve_runs(args: &[String], cmd: &[String]) {
-    let runs = arg(args, "--runs", 10);
-    let tasks = arg(args, "--tasks", 1_000);
-    let concurrency = arg(args, "--concurrency", 8);
-    let Some(pier) = cmd.first() else { panic!("give the pier binary after --") };
-    let dir = std::env::temp_dir().join(format!("pier-bench-serve-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    if let Err(e) = std::fs::create_dir_all(&dir) {
-        panic!("{}: {e}", dir.display());
-    }
-    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
-    let toml = format!("[agents.bench]\ncommand = {:?}\nargs = [\"agent\"]\n", exe.display().to_string());
-    if let Err(e) = std::fs::write(dir.join("pier.toml"), toml) {
-        panic!("pier.toml: {e}");
-    }
-    let nodes = arg(args, "--nodes", 1).max(1);
-    let db = bench_db(args);
-    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url().to_owned());
+/// Starts `nodes` `pier serve` processes on one store, each answering `/health`: the
+/// processes and their addresses.
+async fn start_servers(
+    pier: &str,
+    dir: &std::path::Path,
+    store: &str,
+    nodes: u64,
+    concurrency: u64,
+) -> (Vec<tokio::process::Child>, Vec<String>) {
+    let http = reqwest::Client::new();
     let port = 20_000 + (std::process::id() % 20_000) as u16;
     let mut servers = Vec::new();
     let mut bases = Vec::new();
-    let http = reqwest::Client::new();
     for n in 0..nodes {
         let port = port + n as u16;
         let server = tokio::process::Command::new(pier)
             .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--token", "bench"])
-            .args(["--concurrency", &concurrency.to_string(), "--store", &store])
-            .current_dir(&dir)
+            .args(["--concurrency", &concurrency.to_string(), "--store", store])
+            .current_dir(dir)
             .env("PIER_HOME", dir.join(format!("home{n}")))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -499,26 +490,11 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
         }
         bases.push(base);
     }
-    let base = bases[0].clone();
-    let mut plan = String::from("[defaults]\nagent = \"bench\"\n");
-    for i in 0..tasks {
-        plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
-    }
-    let started = Instant::now();
-    let submits = (0..runs).map(|r| {
-        let body = json!({"plan": plan, "run_id": format!("run{r}")}).to_string();
-        http.post(format!("{}/runs", bases[r as usize % bases.len()]))
-            .bearer_auth("bench")
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-    });
-    for submitted in futures::future::join_all(submits).await {
-        if let Err(e) = submitted.and_then(reqwest::Response::error_for_status) {
-            panic!("submit: {e}");
-        }
-    }
-    let want = runs * tasks;
+    (servers, bases)
+}
+
+/// Follows `/events` from the start until `want` tasks have completed; how many did.
+async fn count_completed(http: &reqwest::Client, base: &str, want: u64) -> u64 {
     let mut completed = 0u64;
     let response = http
         .get(format!("{base}/events?after=0"))
@@ -545,6 +521,50 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
             line.clear();
         }
     }
+    completed
+}
+
+async fn serve_runs(args: &[String], cmd: &[String]) {
+    let runs = arg(args, "--runs", 10);
+    let tasks = arg(args, "--tasks", 1_000);
+    let concurrency = arg(args, "--concurrency", 8);
+    let Some(pier) = cmd.first() else { panic!("give the pier binary after --") };
+    let dir = std::env::temp_dir().join(format!("pier-bench-serve-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        panic!("{}: {e}", dir.display());
+    }
+    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
+    let toml = format!("[agents.bench]\ncommand = {:?}\nargs = [\"agent\"]\n", exe.display().to_string());
+    if let Err(e) = std::fs::write(dir.join("pier.toml"), toml) {
+        panic!("pier.toml: {e}");
+    }
+    let nodes = arg(args, "--nodes", 1).max(1);
+    let db = bench_db(args);
+    let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url().to_owned());
+    let (servers, bases) = start_servers(pier, &dir, &store, nodes, concurrency).await;
+    let http = reqwest::Client::new();
+    let base = bases[0].clone();
+    let mut plan = String::from("[defaults]\nagent = \"bench\"\n");
+    for i in 0..tasks {
+        plan.push_str(&format!("\n[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
+    }
+    let started = Instant::now();
+    let submits = (0..runs).map(|r| {
+        let body = json!({"plan": plan, "run_id": format!("run{r}")}).to_string();
+        http.post(format!("{}/runs", bases[r as usize % bases.len()]))
+            .bearer_auth("bench")
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    });
+    for submitted in futures::future::join_all(submits).await {
+        if let Err(e) = submitted.and_then(reqwest::Response::error_for_status) {
+            panic!("submit: {e}");
+        }
+    }
+    let want = runs * tasks;
+    let completed = count_completed(&http, &base, want).await;
     let seconds = started.elapsed().as_secs_f64();
     for mut server in servers {
         let _ = server.start_kill();
@@ -859,6 +879,69 @@ async fn stream_direct(base: &str, token: &str) -> StreamCounter {
 /// can, through the agent (`--kind pier|codex|claude`, the command after `--`), or read
 /// straight from the fake (`--kind direct`). Counts the agent's `agent_message_chunk`
 /// updates, checks their text, times the stream and each token, and reads the agent's RSS.
+/// Streams one prompt through the agent `cmd` (run in `work`), counting what it shows: the
+/// counter, when the prompt went out and was answered, and the peaks of its memory (its own,
+/// its process group's, the sampled group, the processes seen).
+async fn stream_agent(
+    cmd: &[String],
+    env: &[(String, String)],
+    work: &std::path::Path,
+    scratch: &std::path::Path,
+    token: &str,
+    timeout: Duration,
+    result: &mut Value,
+) -> (Arc<StreamCounter>, Instant, Instant, (u64, u64, u64, usize)) {
+    let Some((program, rest)) = cmd.split_first() else { panic!("give the agent command after --") };
+    // The agent runs in a scratch directory: a relative program path is resolved here.
+    let program = if program.contains('/') {
+        std::path::absolute(program).map_or(program.clone(), |p| p.display().to_string())
+    } else {
+        program.clone()
+    };
+    let stderr = std::fs::File::create(scratch.join("agent.stderr")).map(Stdio::from).unwrap_or(Stdio::null());
+    let mut child = match tokio::process::Command::new(&program)
+        .args(rest)
+        .envs(env.iter().cloned())
+        .current_dir(work)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => panic!("spawn {program}: {e}"),
+    };
+    let pid = child.id().unwrap_or(0);
+    let counter = Arc::new(StreamCounter { token: token.as_bytes().to_vec(), stats: Default::default() });
+    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else { panic!("pipes") };
+    let conn = Connection::spawn(stdout, stdin, counter.clone(), ConnectionConfig::default());
+    call(&conn, "initialize", json!({"protocolVersion": 1, "clientCapabilities": {}})).await;
+    let session = call(&conn, "session/new", json!({"cwd": work.display().to_string(), "mcpServers": []})).await;
+    let sid = session["sessionId"].as_str().unwrap_or("").to_owned();
+    let stop_sampling = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = sample_group(pid, stop_sampling.clone());
+    let prompt_sent = Instant::now();
+    let prompt = json!({"sessionId": sid, "prompt": [{"type": "text", "text": "Stream your answer."}]});
+    let answer = tokio::time::timeout(timeout, conn.request_value("session/prompt", &prompt)).await;
+    let answered = Instant::now();
+    match answer {
+        Ok(Ok(v)) => result["stop_reason"] = v["stopReason"].clone(),
+        Ok(Err(e)) => result["error"] = json!(e.to_string()),
+        Err(_) => result["error"] = json!("timed out"),
+    }
+    // Peaks read before the agent ends: its own, and the sum over its process group.
+    let group = group_pids(pid);
+    let agent_hwm = status_kb(pid, "VmHWM:");
+    let group_hwm: u64 = group.iter().map(|&p| status_kb(p, "VmHWM:")).sum();
+    stop_sampling.store(true, Ordering::Relaxed);
+    let (group_rss_peak, procs) = sampler.join().unwrap_or((0, 0));
+    drop(conn);
+    end(child).await;
+    (counter, prompt_sent, answered, (agent_hwm, group_hwm, group_rss_peak, procs.max(group.len())))
+}
+
 async fn stream(args: &[String], cmd: &[String]) {
     let tokens = arg(args, "--tokens", 20_000) as usize;
     let timeout = Duration::from_secs(arg(args, "--timeout-s", 600));
@@ -881,55 +964,9 @@ async fn stream(args: &[String], cmd: &[String]) {
         let counter = stream_direct(&base, &token).await;
         (Arc::new(counter), started, Instant::now(), None)
     } else {
-        let Some((program, rest)) = cmd.split_first() else { panic!("give the agent command after --") };
-        // The agent runs in a scratch directory: a relative program path is resolved here.
-        let program = if program.contains('/') {
-            std::path::absolute(program).map_or(program.clone(), |p| p.display().to_string())
-        } else {
-            program.clone()
-        };
-        let stderr = std::fs::File::create(scratch.join("agent.stderr")).map(Stdio::from).unwrap_or(Stdio::null());
-        let mut child = match tokio::process::Command::new(&program)
-            .args(rest)
-            .envs(stream_env(&kind, &scratch, &base))
-            .current_dir(&work)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) => panic!("spawn {program}: {e}"),
-        };
-        let pid = child.id().unwrap_or(0);
-        let counter = Arc::new(StreamCounter { token: token.as_bytes().to_vec(), stats: Default::default() });
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else { panic!("pipes") };
-        let conn = Connection::spawn(stdout, stdin, counter.clone(), ConnectionConfig::default());
-        call(&conn, "initialize", json!({"protocolVersion": 1, "clientCapabilities": {}})).await;
-        let session = call(&conn, "session/new", json!({"cwd": work.display().to_string(), "mcpServers": []})).await;
-        let sid = session["sessionId"].as_str().unwrap_or("").to_owned();
-        let stop_sampling = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let sampler = sample_group(pid, stop_sampling.clone());
-        let prompt_sent = Instant::now();
-        let prompt = json!({"sessionId": sid, "prompt": [{"type": "text", "text": "Stream your answer."}]});
-        let answer = tokio::time::timeout(timeout, conn.request_value("session/prompt", &prompt)).await;
-        let answered = Instant::now();
-        match answer {
-            Ok(Ok(v)) => result["stop_reason"] = v["stopReason"].clone(),
-            Ok(Err(e)) => result["error"] = json!(e.to_string()),
-            Err(_) => result["error"] = json!("timed out"),
-        }
-        // Peaks read before the agent ends: its own, and the sum over its process group.
-        let group = group_pids(pid);
-        let agent_hwm = status_kb(pid, "VmHWM:");
-        let group_hwm: u64 = group.iter().map(|&p| status_kb(p, "VmHWM:")).sum();
-        stop_sampling.store(true, Ordering::Relaxed);
-        let (group_rss_peak, procs) = sampler.join().unwrap_or((0, 0));
-        drop(conn);
-        end(child).await;
-        (counter, prompt_sent, answered, Some((agent_hwm, group_hwm, group_rss_peak, procs.max(group.len()))))
+        let (counter, prompt_sent, answered, rss) =
+            stream_agent(cmd, &stream_env(&kind, &scratch, &base), &work, &scratch, &token, timeout, &mut result).await;
+        (counter, prompt_sent, answered, Some(rss))
     };
     let sent = fake.token_times();
     drop(stop_fake);

@@ -240,7 +240,13 @@ pub fn fields(schema: &ElicitationSchema) -> Vec<Field<'_>> {
                 }
                 _ => (None, None, Input::Text),
             };
-            Field { name, title: title.unwrap_or(name), description, required: required.contains(&name.as_str()), input }
+            Field {
+                name,
+                title: title.unwrap_or(name),
+                description,
+                required: required.contains(&name.as_str()),
+                input,
+            }
         })
         .collect()
 }

@@ -23,6 +23,7 @@ pub mod run;
 pub mod sandbox;
 pub mod store;
 pub mod terminal;
+mod turn;
 
 pub use event::{ClientEvent, Evidence, SideEffects};
 pub use partial::Partial;

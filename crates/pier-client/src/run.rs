@@ -24,10 +24,9 @@ use std::time::{Duration, Instant};
 
 use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
-    ClientCapabilities, ContentBlock, ElicitationCapabilities, ElicitationFormCapabilities, EmbeddedResource,
-    EmbeddedResourceResource, FileSystemCapabilities, Implementation, InitializeRequest, InitializeResponse,
-    LoadSessionRequest, NewSessionRequest, NewSessionResponse, PromptRequest, PromptResponse, ResumeSessionRequest,
-    SessionNotification, SessionUpdate, StopReason, TextContent,
+    ClientCapabilities, ContentBlock, ElicitationCapabilities, ElicitationFormCapabilities, FileSystemCapabilities,
+    Implementation, InitializeRequest, InitializeResponse, LoadSessionRequest, NewSessionRequest, NewSessionResponse,
+    ResumeSessionRequest, SessionNotification, SessionUpdate, StopReason,
 };
 use pier_acp::{Connection, ConnectionConfig, RequestError};
 use serde::Serialize;
@@ -40,6 +39,7 @@ use crate::policy::ClientPolicy;
 use crate::process::AgentProcess;
 use crate::registry::AgentCommand;
 use crate::sandbox::Sandbox;
+use crate::turn::*;
 use crate::{ClientError, ClientEvent};
 
 /// How to run.
@@ -185,13 +185,13 @@ pub const MAX_TEXT: usize = 1 << 20;
 /// The tail of one assistant message, at most [`MAX_TEXT`] once rendered, and how
 /// many bytes were cut from its start.
 #[derive(Debug, Default, Clone)]
-struct Kept {
-    text: String,
-    cut: usize,
+pub(crate) struct Kept {
+    pub(crate) text: String,
+    pub(crate) cut: usize,
 }
 
 impl Kept {
-    fn push(&mut self, s: &str) {
+    pub(crate) fn push(&mut self, s: &str) {
         self.text.push_str(s);
         // Trim in batches: each byte is moved at most once more.
         if self.text.len() > 2 * MAX_TEXT {
@@ -199,7 +199,7 @@ impl Kept {
         }
     }
 
-    fn trim(&mut self) {
+    pub(crate) fn trim(&mut self) {
         if self.text.len() <= MAX_TEXT {
             return;
         }
@@ -211,11 +211,11 @@ impl Kept {
         self.cut += at;
     }
 
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.text.is_empty() && self.cut == 0
     }
 
-    fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut kept = self.clone();
         kept.trim();
         if kept.cut == 0 {
@@ -230,15 +230,15 @@ impl Kept {
 
 /// Builds the final assistant message from updates: a tool call starts a new message.
 #[derive(Default)]
-struct Transcript {
-    current: Kept,
-    last: Kept,
-    usage: Option<Value>,
+pub(crate) struct Transcript {
+    pub(crate) current: Kept,
+    pub(crate) last: Kept,
+    pub(crate) usage: Option<Value>,
 }
 
 impl Transcript {
     /// Takes one `session/update`.
-    fn see(&mut self, n: &SessionNotification) {
+    pub(crate) fn see(&mut self, n: &SessionNotification) {
         match &n.update {
             SessionUpdate::ToolCall(_) if !self.current.is_empty() => {
                 self.last = std::mem::take(&mut self.current);
@@ -252,13 +252,13 @@ impl Transcript {
         }
     }
 
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         if self.current.is_empty() { self.last.render() } else { self.current.render() }
     }
 }
 
 /// How long `session/close` may take before the agent is deemed unfit for reuse.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How many events may wait between a turn and whoever consumes its `events`.
 pub const EVENT_QUEUE: usize = 1024;
@@ -291,17 +291,17 @@ pub async fn run(
 }
 
 /// Why a run stopped before an answer: how it ended and what to say.
-struct Stopped {
-    ending: Ending,
-    error: ClientError,
+pub(crate) struct Stopped {
+    pub(crate) ending: Ending,
+    pub(crate) error: ClientError,
 }
 
 impl Stopped {
-    fn failed(error: ClientError) -> Stopped {
+    pub(crate) fn failed(error: ClientError) -> Stopped {
         Stopped { ending: Ending::Failed, error }
     }
 
-    fn into_outcome(self, base: Option<RunOutcome>) -> RunOutcome {
+    pub(crate) fn into_outcome(self, base: Option<RunOutcome>) -> RunOutcome {
         let mut outcome = base.unwrap_or_else(|| RunOutcome::failed(None));
         outcome.ending = self.ending;
         outcome.error = Some(self.error);
@@ -312,12 +312,12 @@ impl Stopped {
 /// The latest instant a setup request (handshake, session) may be answered by, and
 /// the limit that sets it.
 #[derive(Debug, Clone, Copy)]
-struct Deadline {
-    at: Instant,
-    limit: TimeLimit,
+pub(crate) struct Deadline {
+    pub(crate) at: Instant,
+    pub(crate) limit: TimeLimit,
 }
 
-fn setup_deadline(opts: &RunOptions, from: Instant) -> Deadline {
+pub(crate) fn setup_deadline(opts: &RunOptions, from: Instant) -> Deadline {
     let limit = match opts.max_time {
         Some(max) if max < opts.setup_timeout => TimeLimit::Total(max),
         _ => TimeLimit::Setup(opts.setup_timeout),
@@ -331,16 +331,16 @@ fn setup_deadline(opts: &RunOptions, from: Instant) -> Deadline {
 /// ([`LiveAgent::reusable`]): a task host keeps such agents warm instead of paying a
 /// process start per task.
 pub struct LiveAgent {
-    process: AgentProcess,
-    conn: Connection,
-    state: Arc<ClientState>,
-    inner_rx: EventReceiver,
-    init: Value,
-    info: Option<Implementation>,
-    load_session: bool,
-    resume_session: bool,
+    pub(crate) process: AgentProcess,
+    pub(crate) conn: Connection,
+    pub(crate) state: Arc<ClientState>,
+    pub(crate) inner_rx: EventReceiver,
+    pub(crate) init: Value,
+    pub(crate) info: Option<Implementation>,
+    pub(crate) load_session: bool,
+    pub(crate) resume_session: bool,
     /// False once a turn ended in anything but an answer: a cancel, a kill, an error.
-    clean: bool,
+    pub(crate) clean: bool,
 }
 
 impl LiveAgent {
@@ -366,7 +366,7 @@ impl LiveAgent {
     }
 
     /// [`LiveAgent::start`], ended by an interrupt: the agent's group is killed at once.
-    async fn start_interruptible(
+    pub(crate) async fn start_interruptible(
         opts: &RunOptions,
         events: &mpsc::Sender<ClientEvent>,
         interrupts: &mut Interrupts,
@@ -418,7 +418,7 @@ impl LiveAgent {
         }
     }
 
-    async fn handshake(
+    pub(crate) async fn handshake(
         &mut self,
         opts: &RunOptions,
         deadline: Deadline,
@@ -521,7 +521,7 @@ impl LiveAgent {
 
     /// One prompt in an open session, followed to its answer (or its stop).
     #[allow(clippy::too_many_arguments)]
-    async fn prompt(
+    pub(crate) async fn prompt(
         &mut self,
         opts: &RunOptions,
         session_id: String,
@@ -552,7 +552,7 @@ impl LiveAgent {
 
     /// What every turn ends with: a turn that did not end in an answer makes the agent unfit
     /// for another task; the turn's terminals are killed and its last events passed on.
-    async fn end_turn(
+    pub(crate) async fn end_turn(
         &mut self,
         mut outcome: RunOutcome,
         events: &mpsc::Sender<ClientEvent>,
@@ -597,7 +597,7 @@ impl LiveAgent {
 
     /// The session the turn runs in: a new one (authenticating first if the agent
     /// asks for it), or an earlier one resumed or loaded.
-    async fn open_session(
+    pub(crate) async fn open_session(
         &mut self,
         opts: &RunOptions,
         target: SessionTarget,
@@ -648,7 +648,7 @@ impl LiveAgent {
         Ok(session_id)
     }
 
-    fn cannot_continue(&self) -> ClientError {
+    pub(crate) fn cannot_continue(&self) -> ClientError {
         ClientError::Agent {
             agent: self.process.name.clone(),
             message: "it cannot continue sessions (it offers neither session/resume nor session/load), \
@@ -658,7 +658,11 @@ impl LiveAgent {
     }
 
     /// Authenticates with the first env-var method whose variables are all set.
-    async fn authenticate(&mut self, deadline: Deadline, interrupts: &mut Interrupts) -> Result<(), Stopped> {
+    pub(crate) async fn authenticate(
+        &mut self,
+        deadline: Deadline,
+        interrupts: &mut Interrupts,
+    ) -> Result<(), Stopped> {
         let methods = self.init["authMethods"].as_array().cloned().unwrap_or_default();
         let usable = methods.iter().find(|m| {
             let vars: Vec<&str> =
@@ -690,7 +694,7 @@ impl LiveAgent {
     }
 
     /// One setup request, answered or failed.
-    async fn setup<T: DeserializeOwned>(
+    pub(crate) async fn setup<T: DeserializeOwned>(
         &mut self,
         what: &str,
         params: &impl Serialize,
@@ -704,7 +708,7 @@ impl LiveAgent {
     /// The one place a setup request (handshake, authentication, session) waits: for
     /// its answer, bounded by `deadline` (`--timeout`, `--max-time`), a protocol breach
     /// or an interrupt. A timeout or an interrupt kills the agent's group at once.
-    async fn setup_raw<T: DeserializeOwned>(
+    pub(crate) async fn setup_raw<T: DeserializeOwned>(
         &mut self,
         what: &str,
         params: &impl Serialize,
@@ -741,7 +745,7 @@ impl LiveAgent {
     }
 
     /// A request's answer, or the agent failure it means.
-    async fn settle<T>(&mut self, what: &str, r: Result<T, RequestError>) -> Result<T, Stopped> {
+    pub(crate) async fn settle<T>(&mut self, what: &str, r: Result<T, RequestError>) -> Result<T, Stopped> {
         match r {
             Ok(v) => Ok(v),
             Err(e) => {
@@ -753,298 +757,4 @@ impl LiveAgent {
             }
         }
     }
-}
-
-/// Where a turn is, once its session is open.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    /// The prompt is out; updates are taken until its answer.
-    Prompting,
-    /// `session/cancel` went out at `since`: every permission request is answered
-    /// `cancelled` (R088) and the agent has the grace period to confirm.
-    Cancelling { since: Instant, cause: Cause },
-}
-
-/// Why a turn is being cancelled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Cause {
-    /// `--timeout` or `--max-time`.
-    Timeout(TimeLimit),
-    /// Ctrl-C, SIGTERM or the host's stop.
-    Interrupt,
-    /// `--non-interactive fail` met an *ask*.
-    Permission,
-}
-
-impl Phase {
-    /// How the turn ended, given whether the agent confirmed a cancel.
-    fn ending(self, confirmed: bool) -> Ending {
-        match self {
-            Phase::Prompting => Ending::Answered,
-            Phase::Cancelling { cause: Cause::Timeout(limit), .. } => Ending::TimedOut { confirmed, limit },
-            Phase::Cancelling { cause: Cause::Interrupt, .. } => Ending::Interrupted { confirmed },
-            Phase::Cancelling { cause: Cause::Permission, .. } => Ending::PermissionRequired,
-        }
-    }
-}
-
-/// The agent's answer to the prompt.
-struct Answer {
-    stop_reason: StopReason,
-    usage: Option<Value>,
-}
-
-/// What woke the turn's loop.
-enum Wake {
-    Answered(Result<Value, RequestError>),
-    Event(ClientEvent),
-    Asking,
-    TimedOut,
-    PermissionRequired,
-    Interrupted,
-    GraceOver,
-}
-
-/// The state of one turn: its session, what it kept of the answer, and its phase.
-struct Turn<'a> {
-    opts: &'a RunOptions,
-    session_id: String,
-    started: Instant,
-    last_activity: Instant,
-    transcript: Transcript,
-    phase: Phase,
-}
-
-impl<'a> Turn<'a> {
-    fn new(opts: &'a RunOptions, session_id: String, started: Instant) -> Turn<'a> {
-        Turn {
-            opts,
-            session_id,
-            started,
-            last_activity: Instant::now(),
-            transcript: Transcript::default(),
-            phase: Phase::Prompting,
-        }
-    }
-
-    /// The first of `--timeout` (since the last update) and `--max-time` (since the turn began).
-    /// While a person is being asked, only `--max-time` runs: waiting for a person is not
-    /// idleness.
-    fn timeout_at(&self, asking: bool) -> Instant {
-        let far = self.started + Duration::from_secs(365 * 24 * 3600);
-        let idle = match self.opts.idle_timeout {
-            Some(t) if !asking => self.last_activity + t,
-            _ => far,
-        };
-        let max = self.opts.max_time.map_or(far, |t| self.started + t);
-        idle.min(max)
-    }
-
-    /// Which limit `timeout_at` found reached.
-    fn limit_reached(&self, asking: bool) -> TimeLimit {
-        match (self.opts.max_time, self.opts.idle_timeout) {
-            (Some(max), _) if Instant::now() >= self.started + max => TimeLimit::Total(max),
-            (_, Some(idle)) if !asking => TimeLimit::Idle(idle),
-            (max, _) => TimeLimit::Total(max.unwrap_or_default()),
-        }
-    }
-
-    fn grace_over_at(&self) -> Instant {
-        match self.phase {
-            Phase::Cancelling { since, .. } => since + self.opts.cancel_grace,
-            Phase::Prompting => self.started + Duration::from_secs(365 * 24 * 3600),
-        }
-    }
-
-    /// Sends the prompt and follows the turn to its answer, or to the kill that ends a
-    /// cancel the agent did not confirm.
-    async fn drive(
-        &mut self,
-        agent: &mut LiveAgent,
-        prompt: Vec<ContentBlock>,
-        events: &mpsc::Sender<ClientEvent>,
-        interrupts: &mut Interrupts,
-    ) -> Result<Answer, Stopped> {
-        let request = PromptRequest::new(self.session_id.clone(), prompt).meta(self.opts.meta.clone());
-        let conn = agent.conn.clone();
-        let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
-        tokio::pin!(prompt_fut);
-        let mut asking = agent.state.asking.subscribe();
-        loop {
-            let prompting = self.phase == Phase::Prompting;
-            let asked = *asking.borrow_and_update() > 0;
-            let wake = tokio::select! {
-                answer = &mut prompt_fut => Wake::Answered(answer),
-                Some(event) = agent.inner_rx.recv() => Wake::Event(event),
-                Ok(()) = asking.changed() => Wake::Asking,
-                _ = tokio::time::sleep_until(self.timeout_at(asked).into()), if prompting => Wake::TimedOut,
-                _ = agent.state.permission_failed.cancelled(), if prompting => Wake::PermissionRequired,
-                Some(()) = interrupts.recv() => Wake::Interrupted,
-                _ = tokio::time::sleep_until(self.grace_over_at().into()), if !prompting => Wake::GraceOver,
-            };
-            match wake {
-                Wake::Answered(answer) => {
-                    // Updates that raced the answer are still part of the turn.
-                    while let Ok(event) = agent.inner_rx.try_recv() {
-                        self.take(agent, event, events).await?;
-                    }
-                    // A permission `--non-interactive fail` refused may have ended the turn
-                    // before its own wake-up was taken (`select!` picks among ready branches
-                    // at random): the turn still ends as refused, not as answered. Nothing is
-                    // left to cancel.
-                    if prompting && agent.state.permission_failed.is_cancelled() {
-                        self.phase = Phase::Cancelling { since: Instant::now(), cause: Cause::Permission };
-                    }
-                    let answer = agent.settle("session/prompt", answer).await?;
-                    let usage = answer.get("usage").cloned();
-                    let response: PromptResponse = serde_json::from_value(answer).map_err(|e| {
-                        let message = format!("its session/prompt response is malformed: {e}");
-                        Stopped::failed(protocol_fault(&mut agent.process, message))
-                    })?;
-                    return Ok(Answer { stop_reason: response.stop_reason, usage });
-                }
-                Wake::Event(event) => {
-                    self.last_activity = Instant::now();
-                    self.take(agent, event, events).await?;
-                }
-                // A question opened or closed: the idle timer starts afresh either way.
-                Wake::Asking => self.last_activity = Instant::now(),
-                Wake::TimedOut => {
-                    let limit = self.limit_reached(asked);
-                    self.cancel(agent, Cause::Timeout(limit)).await
-                }
-                Wake::PermissionRequired => self.cancel(agent, Cause::Permission).await,
-                Wake::Interrupted if prompting => self.cancel(agent, Cause::Interrupt).await,
-                Wake::Interrupted => {
-                    agent.process.kill().await;
-                    let error = agent_error(&mut agent.process, "interrupted twice; the agent was killed".into());
-                    return Err(Stopped { ending: Ending::Interrupted { confirmed: false }, error });
-                }
-                Wake::GraceOver => {
-                    agent.process.kill().await;
-                    let error = agent_error(
-                        &mut agent.process,
-                        format!("it did not confirm the cancel within {:?}; it was killed", self.opts.cancel_grace),
-                    );
-                    return Err(Stopped { ending: self.phase.ending(false), error });
-                }
-            }
-        }
-    }
-
-    /// Passes one event of this turn's session on. A bounded queue: while its consumer
-    /// is behind, this waits, the handler's backlog grows, and the connection stops
-    /// reading (see `event_channel`).
-    async fn take(
-        &mut self,
-        agent: &mut LiveAgent,
-        event: ClientEvent,
-        events: &mpsc::Sender<ClientEvent>,
-    ) -> Result<(), Stopped> {
-        if !of_session(&event, &self.session_id) {
-            return Ok(());
-        }
-        match &event {
-            ClientEvent::Update(params) => self.transcript.see(params),
-            ClientEvent::ProtocolError(_) => {
-                let _ = events.send(event).await;
-                return Err(Stopped::failed(protocol_error(&mut agent.process, &agent.state)));
-            }
-            _ => {}
-        }
-        let _ = events.send(event).await;
-        Ok(())
-    }
-
-    /// The one place a turn starts cancelling: from here on every permission request
-    /// is answered `cancelled` (R088), and the agent is told with `session/cancel`.
-    async fn cancel(&mut self, agent: &LiveAgent, cause: Cause) {
-        self.phase = Phase::Cancelling { since: Instant::now(), cause };
-        agent.state.cancelling().cancel();
-        if let Err(e) = agent.conn.notify("session/cancel", &json!({ "sessionId": self.session_id })).await {
-            tracing::warn!(error = %e, "could not send session/cancel");
-        }
-    }
-}
-
-/// The prompt as this agent may take it: an embedded resource goes as a text block
-/// (its path, then its text) to an agent that does not advertise
-/// `promptCapabilities.embeddedContext`, which a client must not send it otherwise.
-fn fit_prompt(prompt: Vec<ContentBlock>, init: &Value) -> Vec<ContentBlock> {
-    if init["agentCapabilities"]["promptCapabilities"]["embeddedContext"] == Value::Bool(true) {
-        return prompt;
-    }
-    prompt
-        .into_iter()
-        .map(|block| match block {
-            ContentBlock::Resource(r) => match r.resource {
-                EmbeddedResourceResource::TextResourceContents(t) => {
-                    let path = t.uri.strip_prefix("file://").unwrap_or(&t.uri).to_owned();
-                    ContentBlock::Text(TextContent::new(format!("{path}:\n{}", t.text)))
-                }
-                other => ContentBlock::Resource(EmbeddedResource::new(other)),
-            },
-            other => other,
-        })
-        .collect()
-}
-
-/// An agent failure with the last lines of its stderr.
-fn agent_error(agent: &mut AgentProcess, message: String) -> ClientError {
-    let mut message = message;
-    if let Some(status) = agent.try_exit() {
-        message.push_str(&format!(" (the agent exited: {status})"));
-    }
-    let tail = agent.stderr_tail();
-    if !tail.is_empty() {
-        let last: Vec<String> = tail.iter().rev().take(10).rev().cloned().collect();
-        message.push_str(&format!("\nlast lines of its stderr:\n  {}", last.join("\n  ")));
-    }
-    ClientError::Agent { agent: agent.name.clone(), message }
-}
-
-/// The same failure as [`agent_error`], classed as a broken protocol (not retried).
-fn protocol_fault(agent: &mut AgentProcess, message: String) -> ClientError {
-    match agent_error(agent, message) {
-        ClientError::Agent { agent, message } => ClientError::Protocol { agent, message },
-        other => other,
-    }
-}
-
-/// JSON-RPC codes that say the request itself was wrong: pier sends well-formed requests
-/// of methods the agent advertised, so from an agent they mean it broke the protocol.
-const PROTOCOL_CODES: [i32; 4] = [-32700, -32600, -32601, -32602];
-
-fn request_error(agent: &mut AgentProcess, what: &str, e: RequestError) -> ClientError {
-    let (message, protocol) = match e {
-        RequestError::Closed => (format!("it closed the connection during {what}"), false),
-        RequestError::Remote(err) => {
-            let code = i32::from(err.code);
-            let data = err.data.map(|d| format!(" ({d})")).unwrap_or_default();
-            (format!("{what} failed: {code} {}{data}", err.message), PROTOCOL_CODES.contains(&code))
-        }
-        other => (format!("{what} failed: {other}"), false),
-    };
-    if protocol { protocol_fault(agent, message) } else { agent_error(agent, message) }
-}
-
-/// Whether an event belongs to this turn's session. An agent that serves several
-/// turns may still send an update for an earlier session; it is not this turn's.
-fn of_session(event: &ClientEvent, session_id: &str) -> bool {
-    match event {
-        ClientEvent::Update(n) => {
-            let of = n.session_id.0.as_ref() == session_id;
-            if !of {
-                tracing::debug!(session = %n.session_id.0, "ignored an update for another session");
-            }
-            of
-        }
-        _ => true,
-    }
-}
-
-fn protocol_error(agent: &mut AgentProcess, state: &ClientState) -> ClientError {
-    let what =
-        state.protocol_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone().unwrap_or_default();
-    protocol_fault(agent, format!("it wrote something that is not a JSON-RPC message to stdout: {what}"))
 }

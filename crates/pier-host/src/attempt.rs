@@ -15,10 +15,10 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::decide::{Context, Outcome, decide};
 use crate::config::{HostConfig, blocking};
-use pier_store::plan::{TaskSpec, render};
+use crate::decide::{Context, Outcome, decide};
 use crate::pool::AgentPool;
+use pier_store::plan::{TaskSpec, render};
 use pier_store::{Attempt, ErrorClass, Last, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms};
 use pier_tools::Rule;
 

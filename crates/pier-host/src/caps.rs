@@ -16,9 +16,9 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::config::{HostConfig, blocking};
+use pier_store::TaskStore;
 use pier_store::plan::{Plan, PlanError, Problem, TaskSpec};
 use pier_store::requires::missing;
-use pier_store::TaskStore;
 
 /// Checks every task with `requires` against its agent's capabilities: from the store, or
 /// from a probe of the agent (recorded for next time). The problems carry the task's line.

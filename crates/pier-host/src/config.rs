@@ -73,4 +73,3 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .await
         .map_err(|e| StoreError::Db(format!("store worker: {e}")))?
 }
-

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -28,7 +28,8 @@ use pier_store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms, own_followin
 fn owner_dead(owner: &str) -> bool {
     let mut parts = owner.split(':');
     let (Some(host), Some(pid)) = (parts.next(), parts.next()) else { return false };
-    host == crate::config::hostname() && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+    host == crate::config::hostname()
+        && pid.parse::<u32>().is_ok_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
 }
 
 /// Which tasks a host drives.
@@ -54,6 +55,84 @@ enum HostEvent {
     /// A retry's `not_before` or a lease's expiry is due.
     Due,
     Stop,
+}
+
+/// What a pass of the host decided.
+enum Step {
+    /// Wait for the next [`HostEvent`].
+    Wait,
+    /// Pass again at once: something changed that may cascade.
+    Again,
+    /// Nothing is left to do (one run), or the host stopped.
+    Done,
+    /// The host stopped on an error no task can get past.
+    Failed(StoreError),
+}
+
+/// The host's state while it drives, which lives as long as one `drive`.
+struct Pass {
+    view: View,
+    /// The attempts running, each ending with its task's key and a fatal store error, if any.
+    attempts: JoinSet<(Key, Option<StoreError>)>,
+    /// A cancel token per running attempt.
+    active: HashMap<Key, CancellationToken>,
+    fatal: Option<StoreError>,
+    /// Something changed since the last pass looked.
+    dirty: bool,
+    /// When the next timer falls due, as of the last pass.
+    next_wake: Option<i64>,
+    next_lease: tokio::time::Instant,
+}
+
+impl Pass {
+    /// Waits for whatever comes first: a commit, an attempt's end, a timer, a stop.
+    async fn wait(&mut self, commits: &mut watch::Receiver<i64>, stop: &CancellationToken) -> HostEvent {
+        let sleep = self
+            .next_wake
+            .map_or(Duration::from_secs(3600), |w| Duration::from_millis((w - now_ms()).clamp(1, 3_600_000) as u64));
+        tokio::select! {
+            changed = commits.changed() => match changed {
+                Ok(()) => {
+                    commits.borrow_and_update();
+                    HostEvent::Commit
+                }
+                Err(_) => HostEvent::Stop,
+            },
+            Some(done) = self.attempts.join_next(), if !self.attempts.is_empty() => match done {
+                Ok((key, fatal)) => HostEvent::AttemptEnded { key, fatal },
+                Err(e) => HostEvent::AttemptEnded {
+                    key: (String::new(), String::new()),
+                    fatal: Some(StoreError::Db(format!("an attempt failed: {e}"))),
+                },
+            },
+            _ = tokio::time::sleep(sleep) => HostEvent::Due,
+            _ = tokio::time::sleep_until(self.next_lease) => HostEvent::Due,
+            _ = stop.cancelled() => HostEvent::Stop,
+        }
+    }
+
+    fn apply(&mut self, event: HostEvent) {
+        match event {
+            HostEvent::Commit | HostEvent::Stop => {}
+            HostEvent::AttemptEnded { key, fatal } => {
+                self.ended(&key, fatal);
+                self.dirty = true;
+                // Every attempt that has ended by now is taken in this one pass.
+                while let Some(done) = self.attempts.try_join_next() {
+                    if let Ok((key, fatal)) = done {
+                        self.ended(&key, fatal);
+                    }
+                }
+            }
+            HostEvent::Due => self.dirty = true,
+        }
+    }
+
+    fn ended(&mut self, key: &Key, fatal: Option<StoreError>) {
+        self.view.set_busy(key, false);
+        self.active.remove(key);
+        self.fatal = self.fatal.take().or(fatal);
+    }
 }
 
 pub struct Host {
@@ -104,145 +183,36 @@ impl Host {
         commits.borrow_and_update();
         // Before the view is loaded: no own commit after the load's sequence is missed.
         let mut own = self.store.own_commits();
-        let mut view = View::load(&self.store, scope).await?;
-        let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
-        let mut next_lease = tokio::time::Instant::now();
-        let mut attempts: JoinSet<(Key, Option<StoreError>)> = JoinSet::new();
-        let mut active: HashMap<Key, CancellationToken> = HashMap::new();
-        let mut fatal: Option<StoreError> = None;
-        let mut dirty = true;
-        // When the next timer falls due, as of the last pass.
-        let mut next_wake: Option<i64> = None;
-        // A store error that may pass (a database restarting, a commit whose answer was lost)
-        // costs a pass, not the host: it is logged and the pass runs again a second later.
-        // Only a full disk or a corrupt row, which no retry gets past, stops the host.
-        macro_rules! or_retry {
-            ($e:expr) => {
-                match $e {
-                    Ok(v) => v,
-                    Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => return Err(e),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a store operation failed; the host tries again in a second");
-                        tokio::select! {
-                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                            _ = stop.cancelled() => {}
-                        }
-                        dirty = true;
-                        continue;
-                    }
-                }
-            };
-        }
+        let mut p = Pass {
+            view: View::load(&self.store, scope).await?,
+            attempts: JoinSet::new(),
+            active: HashMap::new(),
+            fatal: None,
+            dirty: true,
+            next_wake: None,
+            next_lease: tokio::time::Instant::now(),
+        };
         loop {
-            // Only when something committed past what the view has read: an attempt's end or a
-            // timer wakes this loop too, and most of those wake-ups have nothing new to read.
-            let watched = *commits.borrow();
-            if watched > view.seq {
-                dirty |= or_retry!(view.refresh(&self.store, &mut own, watched).await);
-            }
-            if tokio::time::Instant::now() >= next_lease || view.unleased_run_seen {
-                let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
-                // `pier serve` takes its fair share of every run; `pier run` only its own run,
-                // so it never schedules a run a server node drives (or another `pier run`).
-                let held = match scope {
-                    Scope::All => or_retry!(blocking(&self.store, move |s| s.lease_runs(&node, until)).await),
-                    Scope::Run(run) => {
-                        let r = run.clone();
-                        let holds = or_retry!(blocking(&self.store, move |s| s.lease_run(&node, &r, until)).await);
-                        if holds { vec![run.clone()] } else { Vec::new() }
+            match self.step(scope, stop, &mut p, &commits, &mut own).await {
+                Ok(Step::Wait) => {
+                    let event = p.wait(&mut commits, stop).await;
+                    p.apply(event);
+                }
+                Ok(Step::Again) => {}
+                Ok(Step::Done) => break,
+                Ok(Step::Failed(e)) => return Err(e),
+                // Only a full disk or a corrupt row, which no retry gets past, stops the host.
+                Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => return Err(e),
+                // Any other store error may pass (a database restarting, a commit whose answer
+                // was lost): it costs a pass, not the host, and the pass runs again a second later.
+                Err(e) => {
+                    tracing::warn!(error = %e, "a store operation failed; the host tries again in a second");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = stop.cancelled() => {}
                     }
-                };
-                dirty |= view.set_held(held);
-                next_lease = tokio::time::Instant::now() + lease_every;
-            }
-            // An attempt whose task ended under it (a person's cancel) stops now, through the
-            // cancel handshake, not when its next heartbeat finds out.
-            for (key, token) in &active {
-                if view.get(&key.0, &key.1).is_some_and(|t| t.state.is_terminal()) {
-                    token.cancel();
+                    p.dirty = true;
                 }
-            }
-            if stop.is_cancelled() || fatal.is_some() {
-                // The runs go back first, so another node takes them as the attempts
-                // cancelled here put their tasks back (it sees them become pending),
-                // without waiting for the leases to expire.
-                let node = self.config.node.clone();
-                if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
-                    tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
-                }
-                for token in active.values() {
-                    token.cancel();
-                }
-                while let Some(done) = attempts.join_next().await {
-                    if let Ok((key, _)) = done {
-                        active.remove(&key);
-                    }
-                }
-                if let Some(e) = fatal {
-                    return Err(e);
-                }
-                break;
-            }
-            let now = now_ms();
-            if dirty || next_wake.is_some_and(|w| w <= now) {
-                dirty = false;
-                // A change (which may cascade) is read afresh before anything starts.
-                let lost = or_retry!(self.take_back_lost(&mut view, now).await);
-                if lost | or_retry!(self.cancel_doomed(&mut view).await) {
-                    dirty = true;
-                    continue;
-                }
-                self.start_runnable(&mut view, &mut active, &mut attempts, stop, now);
-                next_wake = view.next_wake(now);
-            }
-            // Nothing left that this host can do — unless another holds the run's lease and
-            // works on it, which this one waits out (it takes the run over if that one dies).
-            if let Scope::Run(run) = scope
-                && active.is_empty()
-                && next_wake.is_none()
-                && (view.holds(run) || !view.in_progress(run))
-            {
-                break;
-            }
-            let sleep = next_wake.map_or(Duration::from_secs(3600), |w| {
-                Duration::from_millis((w - now_ms()).clamp(1, 3_600_000) as u64)
-            });
-            let event = tokio::select! {
-                changed = commits.changed() => match changed {
-                    Ok(()) => HostEvent::Commit,
-                    Err(_) => HostEvent::Stop,
-                },
-                Some(done) = attempts.join_next(), if !attempts.is_empty() => match done {
-                    Ok((key, fatal)) => HostEvent::AttemptEnded { key, fatal },
-                    Err(e) => HostEvent::AttemptEnded {
-                        key: (String::new(), String::new()),
-                        fatal: Some(StoreError::Db(format!("an attempt failed: {e}"))),
-                    },
-                },
-                _ = tokio::time::sleep(sleep) => HostEvent::Due,
-                _ = tokio::time::sleep_until(next_lease) => HostEvent::Due,
-                _ = stop.cancelled() => HostEvent::Stop,
-            };
-            match event {
-                HostEvent::Commit => {
-                    commits.borrow_and_update();
-                }
-                HostEvent::AttemptEnded { key, fatal: f } => {
-                    view.set_busy(&key, false);
-                    active.remove(&key);
-                    fatal = fatal.or(f);
-                    dirty = true;
-                    // Every attempt that has ended by now is taken in this one pass.
-                    while let Some(done) = attempts.try_join_next() {
-                        if let Ok((key, f)) = done {
-                            view.set_busy(&key, false);
-                            active.remove(&key);
-                            fatal = fatal.or(f);
-                        }
-                    }
-                }
-                HostEvent::Due => dirty = true,
-                HostEvent::Stop => {}
             }
         }
         let mut summary = Summary::new();
@@ -255,8 +225,97 @@ impl Host {
         Ok(summary)
     }
 
-    /// Attempts held by someone else whose lease expired or whose host died go through the
-    /// safe re-run decision. True if a task moved.
+    /// One pass: the view brought current, the leases renewed when due, attempts of ended
+    /// tasks stopped, lost attempts taken back, doomed tasks cancelled, runnable ones started.
+    async fn step(
+        &self,
+        scope: &Scope,
+        stop: &CancellationToken,
+        p: &mut Pass,
+        commits: &watch::Receiver<i64>,
+        own: &mut broadcast::Receiver<Arc<OwnCommit>>,
+    ) -> Result<Step, StoreError> {
+        // Only when something committed past what the view has read: an attempt's end or a
+        // timer wakes this loop too, and most of those wake-ups have nothing new to read.
+        let watched = *commits.borrow();
+        if watched > p.view.seq {
+            p.dirty |= p.view.refresh(&self.store, own, watched).await?;
+        }
+        if tokio::time::Instant::now() >= p.next_lease || p.view.unleased_run_seen {
+            self.renew_leases(scope, p).await?;
+        }
+        // An attempt whose task ended under it (a person's cancel) stops now, through the
+        // cancel handshake, not when its next heartbeat finds out.
+        for (key, token) in &p.active {
+            if p.view.get(&key.0, &key.1).is_some_and(|t| t.state.is_terminal()) {
+                token.cancel();
+            }
+        }
+        if stop.is_cancelled() || p.fatal.is_some() {
+            self.wind_down(p).await;
+            return Ok(p.fatal.take().map_or(Step::Done, Step::Failed));
+        }
+        let now = now_ms();
+        if p.dirty || p.next_wake.is_some_and(|w| w <= now) {
+            p.dirty = false;
+            // A change (which may cascade) is read afresh before anything starts.
+            let lost = self.take_back_lost(&mut p.view, now).await?;
+            if lost | self.cancel_doomed(&mut p.view).await? {
+                p.dirty = true;
+                return Ok(Step::Again);
+            }
+            self.start_runnable(&mut p.view, &mut p.active, &mut p.attempts, stop, now);
+            p.next_wake = p.view.next_wake(now);
+        }
+        // Nothing left that this host can do — unless another holds the run's lease and
+        // works on it, which this one waits out (it takes the run over if that one dies).
+        if let Scope::Run(run) = scope
+            && p.active.is_empty()
+            && p.next_wake.is_none()
+            && (p.view.holds(run) || !p.view.in_progress(run))
+        {
+            return Ok(Step::Done);
+        }
+        Ok(Step::Wait)
+    }
+
+    /// Renews this host's run leases: `pier serve` takes its fair share of every run;
+    /// `pier run` only its own run, so it never schedules a run a server node drives (or
+    /// another `pier run`).
+    async fn renew_leases(&self, scope: &Scope, p: &mut Pass) -> Result<(), StoreError> {
+        let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
+        let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
+        let held = match scope {
+            Scope::All => blocking(&self.store, move |s| s.lease_runs(&node, until)).await?,
+            Scope::Run(run) => {
+                let r = run.clone();
+                let holds = blocking(&self.store, move |s| s.lease_run(&node, &r, until)).await?;
+                if holds { vec![run.clone()] } else { Vec::new() }
+            }
+        };
+        p.dirty |= p.view.set_held(held);
+        p.next_lease = tokio::time::Instant::now() + lease_every;
+        Ok(())
+    }
+
+    /// Stops: the runs go back first, so another node takes them as the attempts cancelled
+    /// here put their tasks back (it sees them become pending) without waiting for the
+    /// leases to expire; then every attempt is cancelled and awaited.
+    async fn wind_down(&self, p: &mut Pass) {
+        let node = self.config.node.clone();
+        if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
+            tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
+        }
+        for token in p.active.values() {
+            token.cancel();
+        }
+        while let Some(done) = p.attempts.join_next().await {
+            if let Ok((key, _)) = done {
+                p.active.remove(&key);
+            }
+        }
+    }
+
     async fn take_back_lost(&self, view: &mut View, now: i64) -> Result<bool, StoreError> {
         let suspects = view.suspects(now);
         let mut moved = false;

@@ -16,12 +16,12 @@ pub mod telemetry;
 pub use config::{HostConfig, Summary};
 pub use host::Scope;
 pub use person::{ActionError, Answered, Input};
-pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 pub use pier_store::{
-    AgentEvent, AgentRow, Entry, offered_option, option_kind, Attempt, AttemptRow, Ending, ErrorClass, ErrorCode, Event, Held, Idem, Last, LogCursor, LogEvent, NodeRow,
-    PgStore, Plan, PlanError, Question, QuestionRequest, SqliteStore, StoreError, TaskRow, TaskSpec, TaskState,
-    TaskStore, code, plan, requires, state,
+    AgentEvent, AgentRow, Attempt, AttemptRow, Ending, Entry, ErrorClass, ErrorCode, Event, Held, Idem, Last,
+    LogCursor, LogEvent, NodeRow, PgStore, Plan, PlanError, Question, QuestionRequest, SqliteStore, StoreError,
+    TaskRow, TaskSpec, TaskState, TaskStore, code, offered_option, option_kind, plan, requires, state,
 };
+pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 
 /// The store below the host (`pier-store`), for the wiring that opens one.
 pub mod store {

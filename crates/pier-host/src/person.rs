@@ -5,13 +5,13 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::decide::{Context, Outcome, decide};
 use pier_store::ErrorCode;
 use pier_store::plan::PlanError;
-use crate::decide::{Context, Outcome, decide};
 use pier_store::state::TaskState;
 use pier_store::{
-    Attempt, Ending, ErrorClass, Idem, Question, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms, offered_option,
-    option_kind,
+    Attempt, Ending, ErrorClass, Idem, Question, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms,
+    offered_option, option_kind,
 };
 
 /// The task a person names, or which of run and task is unknown.
@@ -158,13 +158,12 @@ pub(crate) fn answer_input_to(
 ) -> Result<Value, ActionError> {
     let row = task_of(store, run, task)?;
     let refused = |message: String| ActionError::Refused { code: ErrorCode::BadRequest, message };
-    let question =
-        store.open_question(run, task)?.filter(|q| q.request.elicitation().is_some()).ok_or_else(|| {
-            ActionError::Refused {
-                code: ErrorCode::BadTransition,
-                message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
-            }
-        })?;
+    let question = store.open_question(run, task)?.filter(|q| q.request.elicitation().is_some()).ok_or_else(|| {
+        ActionError::Refused {
+            code: ErrorCode::BadTransition,
+            message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
+        }
+    })?;
     if expect.is_some_and(|n| n != question.n) {
         return Err(ActionError::Refused {
             code: ErrorCode::BadTransition,
@@ -173,7 +172,9 @@ pub(crate) fn answer_input_to(
             ),
         });
     }
-    let Some(request) = question.request.elicitation() else { return Err(refused("the question is not a form".into())) };
+    let Some(request) = question.request.elicitation() else {
+        return Err(refused("the question is not a form".into()));
+    };
     let schema = pier_client::elicit::form_schema(request)
         .ok_or_else(|| refused("the question is not a form; it cannot be answered here".into()))?;
     let answer = match input {
@@ -245,7 +246,10 @@ pub(crate) fn answer_to(
             ),
         }),
         Some(question) => {
-            let request = question.request.permission().ok_or_else(|| ActionError::BadOption("the question offers no options".into()))?;
+            let request = question
+                .request
+                .permission()
+                .ok_or_else(|| ActionError::BadOption("the question offers no options".into()))?;
             let wanted = match (option, allow) {
                 (Some(o), _) => o.to_owned(),
                 (None, true) => "allow_once".to_owned(),

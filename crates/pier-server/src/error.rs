@@ -1,10 +1,10 @@
 //! The JSON error envelope: every error response is `{"error": {"code", "message"}}` with a
 //! stable [`ErrorCode`], paired with its HTTP status in one place ([`status_of`]).
 
+use axum::Json;
 use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use pier_host::{ActionError, ErrorCode, StoreError};
 use serde_json::{Value, json};
 
@@ -131,4 +131,3 @@ pub(crate) async fn envelope(resp: Response) -> Response {
     let text = axum::body::to_bytes(resp.into_body(), 64 * 1024).await.unwrap_or_default();
     ApiError::of_status(status, &String::from_utf8_lossy(&text)).into_response()
 }
-

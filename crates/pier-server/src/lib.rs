@@ -45,9 +45,9 @@ use pier_host::{ErrorCode, Scope, StoreError, Tasks};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use error::envelope;
 pub use error::{ApiError, Body, status_of};
 pub use routes::task_json;
-use error::envelope;
 use routes::*;
 use sse::events;
 

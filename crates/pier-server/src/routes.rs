@@ -1,16 +1,16 @@
 //! The API's routes: each takes its request apart, makes one [`pier_host::Tasks`] call and
 //! turns the answer into JSON. No rule of a task's life is written here.
 
+use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use pier_host::{Answered, ErrorCode, Input, Submission, TaskView};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::error::{ApiError, Body};
 use crate::Shared;
+use crate::error::{ApiError, Body};
 
 #[derive(Deserialize)]
 pub(crate) struct SubmitBody {

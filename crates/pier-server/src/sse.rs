@@ -71,7 +71,9 @@ pub(crate) fn event_stream(
     let stream = delivered.map(move |d| {
         let _counted = &client;
         Ok(match d {
-            Delivered::Event(e) => SseEvent::default().id(e.seq.to_string()).event(&e.kind).data(e.to_wire().to_string()),
+            Delivered::Event(e) => {
+                SseEvent::default().id(e.seq.to_string()).event(&e.kind).data(e.to_wire().to_string())
+            }
             Delivered::Cut { after } => {
                 SseEvent::default().comment(format!("too slow; reconnect with Last-Event-ID {after}"))
             }

@@ -5,10 +5,12 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 
+use crate::StoreError;
 use crate::log::{Event, OwnCommit};
 use crate::plan::Plan;
-use crate::rows::{AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow};
-use crate::StoreError;
+use crate::rows::{
+    AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
+};
 
 /// What the host needs from a store. Every backend passes the conformance suite
 /// (`tests/conformance.rs`), which is written against this trait only.
@@ -133,4 +135,3 @@ pub trait TaskStore: Send + Sync + 'static {
     /// one's `after` shows the gap.
     fn own_commits(&self) -> broadcast::Receiver<Arc<OwnCommit>>;
 }
-

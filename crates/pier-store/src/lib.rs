@@ -13,7 +13,6 @@
 //! the request's body, a repeat with the same body gets that answer back and changes
 //! nothing, and a repeat with another body is refused (`idempotency_conflict`).
 
-
 mod api;
 mod backend;
 mod entry;
@@ -69,4 +68,3 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
-

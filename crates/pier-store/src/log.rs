@@ -304,4 +304,3 @@ mod tests {
         assert!(!follows(&mut c, &mut rx), "not while a full batch is pending");
     }
 }
-

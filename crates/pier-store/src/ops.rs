@@ -8,9 +8,9 @@
 
 use serde_json::{Value, json};
 
-use crate::{Attempt, Ending, Held, Idem, LogEvent, Question, QuestionRequest, StoreError, TaskRow, now_ms};
 use crate::plan::{Plan, TaskSpec};
 use crate::state::TaskState;
+use crate::{Attempt, Ending, Held, Idem, LogEvent, Question, QuestionRequest, StoreError, TaskRow, now_ms};
 
 /// A task row as read, before its JSON columns are decoded by [`decode`]: the row with
 /// its plain columns, then `spec`, `usage` and `state` as stored.

@@ -248,60 +248,75 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
     for spanned in file.tasks {
         let line = index.header(spanned.span().start);
         let t = spanned.into_inner();
-        for why in number_problems(t.timeout, t.max_time, t.max_attempts) {
-            problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
-        }
-        if t.id.trim().is_empty() {
-            problems.push(Problem { line, message: "a task has an empty id".into() });
-        }
         if let Some(first) = seen.insert(t.id.clone(), line) {
             problems.push(Problem { line, message: format!("duplicate task id `{}` (first at line {first})", t.id) });
         }
         lines.entry(t.id.clone()).or_insert(line);
-        let agent = t.agent.or_else(|| d.agent.clone()).unwrap_or_else(|| "pier".to_owned());
-        if let Err(why) = agent_known(&agent) {
-            problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
-        }
-        let mut permissions = BTreeMap::new();
-        for (kind, rule) in d.permissions.iter().chain(&t.permissions) {
-            match (kind.parse::<ToolKind>(), rule.parse::<Rule>()) {
-                (Ok(kind), Ok(rule)) => {
-                    permissions.insert(kind, rule);
-                }
-                (Err(_), _) => {
-                    problems.push(Problem { line, message: format!("task `{}`: unknown tool kind `{kind}`", t.id) });
-                }
-                (_, Err(_)) => {
-                    problems.push(Problem { line, message: format!("task `{}`: unknown permission rule `{rule}`", t.id) });
-                }
-            }
-        }
-        let mut roots = d.roots.clone();
-        roots.extend(t.roots);
-        tasks.push(TaskSpec {
-            id: t.id,
-            prompt: t.prompt,
-            agent,
-            depends_on: t.depends_on,
-            cwd: t.cwd.or_else(|| d.cwd.clone()),
-            timeout: t.timeout.or(d.timeout),
-            max_time: t.max_time.or(d.max_time),
-            max_attempts: t.max_attempts.or(d.max_attempts).unwrap_or(3),
-            retry_on: t.retry_on.or_else(|| d.retry_on.clone()).unwrap_or_default(),
-            idempotent: t.idempotent.or(d.idempotent).unwrap_or(false),
-            fresh_agent: t.fresh_agent.or(d.fresh_agent).unwrap_or(false),
-            metadata: t.metadata.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect(),
-            permissions,
-            roots,
-            writable: t.writable.or_else(|| d.writable.clone()),
-            requires: t.requires.or_else(|| d.requires.clone()).unwrap_or_default(),
-        });
+        let mut say = |message: String| problems.push(Problem { line, message });
+        tasks.push(task_spec(t, &d, agent_known, &mut say));
     }
     if tasks.is_empty() {
         problems.push(Problem { line: 0, message: "the plan has no [[tasks]]".into() });
     }
+    problems.extend(graph_problems(&tasks, &lines));
+    if problems.is_empty() { Ok(Plan { tasks, lines }) } else { Err(PlanError(problems)) }
+}
+
+/// A task with the defaults applied; what is wrong with it alone goes to `say`.
+fn task_spec(
+    t: TaskDef,
+    d: &Defaults,
+    agent_known: &dyn Fn(&str) -> Result<(), String>,
+    say: &mut dyn FnMut(String),
+) -> TaskSpec {
+    for why in number_problems(t.timeout, t.max_time, t.max_attempts) {
+        say(format!("task `{}`: {why}", t.id));
+    }
+    if t.id.trim().is_empty() {
+        say("a task has an empty id".into());
+    }
+    let agent = t.agent.or_else(|| d.agent.clone()).unwrap_or_else(|| "pier".to_owned());
+    if let Err(why) = agent_known(&agent) {
+        say(format!("task `{}`: {why}", t.id));
+    }
+    let mut permissions = BTreeMap::new();
+    for (kind, rule) in d.permissions.iter().chain(&t.permissions) {
+        match (kind.parse::<ToolKind>(), rule.parse::<Rule>()) {
+            (Ok(kind), Ok(rule)) => {
+                permissions.insert(kind, rule);
+            }
+            (Err(_), _) => say(format!("task `{}`: unknown tool kind `{kind}`", t.id)),
+            (_, Err(_)) => say(format!("task `{}`: unknown permission rule `{rule}`", t.id)),
+        }
+    }
+    let mut roots = d.roots.clone();
+    roots.extend(t.roots);
+    TaskSpec {
+        id: t.id,
+        prompt: t.prompt,
+        agent,
+        depends_on: t.depends_on,
+        cwd: t.cwd.or_else(|| d.cwd.clone()),
+        timeout: t.timeout.or(d.timeout),
+        max_time: t.max_time.or(d.max_time),
+        max_attempts: t.max_attempts.or(d.max_attempts).unwrap_or(3),
+        retry_on: t.retry_on.or_else(|| d.retry_on.clone()).unwrap_or_default(),
+        idempotent: t.idempotent.or(d.idempotent).unwrap_or(false),
+        fresh_agent: t.fresh_agent.or(d.fresh_agent).unwrap_or(false),
+        metadata: t.metadata.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect(),
+        permissions,
+        roots,
+        writable: t.writable.or_else(|| d.writable.clone()),
+        requires: t.requires.or_else(|| d.requires.clone()).unwrap_or_default(),
+    }
+}
+
+/// What is wrong with the tasks together: unknown or own dependencies, results used without
+/// depending on them, cycles.
+fn graph_problems(tasks: &[TaskSpec], lines: &HashMap<String, usize>) -> Vec<Problem> {
+    let mut problems = Vec::new();
     let ids: HashSet<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
-    for t in &tasks {
+    for t in tasks {
         let line = lines.get(&t.id).copied().unwrap_or(0);
         for dep in &t.depends_on {
             if !ids.contains(dep.as_str()) {
@@ -326,11 +341,11 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
             problems.push(Problem { line, message: format!("task `{}`: {why}", t.id) });
         }
     }
-    for cycle in cycles(&tasks) {
+    for cycle in cycles(tasks) {
         let line = lines.get(&cycle[0]).copied().unwrap_or(0);
         problems.push(Problem { line, message: format!("dependency cycle: {}", cycle_text(&cycle)) });
     }
-    if problems.is_empty() { Ok(Plan { tasks, lines }) } else { Err(PlanError(problems)) }
+    problems
 }
 
 fn toml_to_json(v: toml::Value) -> serde_json::Value {

@@ -4,7 +4,6 @@
 
 use serde_json::Value;
 
-
 /// The requirement words of ACP agents, and where each is in an `initialize` answer.
 /// (`elicitation`, that the agent's questions are answered, is the host's own: pier's client
 /// serves form elicitation, so it always holds.)
@@ -26,7 +25,6 @@ pub fn is_worker(agent: &str) -> bool {
 pub fn worker_capability(agent: &str) -> Option<&str> {
     if agent == "worker" { Some("") } else { agent.strip_prefix("worker:") }
 }
-
 
 /// The requirements of `t` no check could ever meet: unknown words (for an ACP agent) or
 /// empty ones.
@@ -56,4 +54,3 @@ pub fn missing(init: &Value, requires: &[String]) -> Vec<(String, &'static str)>
         })
         .collect()
 }
-

@@ -84,7 +84,9 @@ impl<B: Backend> Store<B> {
             &[Arg::OptText(spec)],
         )?;
         rows.into_iter()
-            .map(|mut r| Ok(AgentRow { spec: r.text(0)?, init: serde_json::from_str(&r.text(1)?)?, seen_at_ms: r.int(2)? }))
+            .map(|mut r| {
+                Ok(AgentRow { spec: r.text(0)?, init: serde_json::from_str(&r.text(1)?)?, seen_at_ms: r.int(2)? })
+            })
             .collect()
     }
 }
@@ -202,7 +204,8 @@ impl<B: Backend> TaskStore for Store<B> {
         )?;
         let Some(mut r) = rows.into_iter().next() else { return Ok(None) };
         let corrupt = |what: String| StoreError::Corrupt { run: run.to_owned(), task: task.to_owned(), what };
-        let stored = serde_json::from_str(&r.text(2)?).map_err(|e| corrupt(format!("its question is not JSON ({e})")))?;
+        let stored =
+            serde_json::from_str(&r.text(2)?).map_err(|e| corrupt(format!("its question is not JSON ({e})")))?;
         let request = QuestionRequest::from_stored(stored).map_err(corrupt)?;
         Ok(Some(Question { attempt: r.int(0)?, n: r.int(1)?, request }))
     }

@@ -11,7 +11,6 @@ use pier_store::plan::parse;
 use pier_store::{Attempt, Ending, ErrorClass, Idem, Last, StoreError, TaskState, TaskStore};
 use serde_json::json;
 
-
 /// A permission request offering `options`, as an agent would send it.
 fn question(options: serde_json::Value) -> pier_store::QuestionRequest {
     let request = json!({"sessionId": "s", "toolCall": {"toolCallId": "t"}, "options": options});

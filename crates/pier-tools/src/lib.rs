@@ -117,7 +117,6 @@ impl std::str::FromStr for Rule {
     }
 }
 
-
 /// Limits every tool call runs under.
 #[derive(Debug, Clone)]
 pub struct Limits {

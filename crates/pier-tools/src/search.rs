@@ -79,6 +79,24 @@ impl Tool for Grep {
     }
 }
 
+/// The files a glob picks out beneath `root`.
+fn overrides(root: &std::path::Path, glob: &str) -> Result<ignore::overrides::Override, ToolError> {
+    let mut overrides = ignore::overrides::OverrideBuilder::new(root);
+    overrides.add(glob).map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?;
+    overrides.build().map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))
+}
+
+/// A matched line as the model sees it: `PATH:N: line`, cut at [`MAX_LINE_CHARS`].
+fn shown_line(shown: &str, number: u64, line: &str) -> String {
+    let line = line.trim_end_matches(['\n', '\r']);
+    if line.chars().count() > MAX_LINE_CHARS {
+        let cut: String = line.chars().take(MAX_LINE_CHARS).chain("…".chars()).collect();
+        format!("{shown}:{number}: {cut}")
+    } else {
+        format!("{shown}:{number}: {line}")
+    }
+}
+
 fn search(
     ws: &Workspace,
     root: &std::path::Path,
@@ -89,14 +107,7 @@ fn search(
 ) -> Result<(Vec<String>, bool, usize), ToolError> {
     let matcher =
         RegexMatcher::new_line_matcher(pattern).map_err(|e| ToolError::new(format!("invalid pattern: {e}")))?;
-    let overrides = match glob {
-        Some(glob) => {
-            let mut overrides = ignore::overrides::OverrideBuilder::new(root);
-            overrides.add(glob).map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?;
-            Some(overrides.build().map_err(|e| ToolError::new(format!("invalid glob {glob:?}: {e}")))?)
-        }
-        None => None,
-    };
+    let overrides = glob.map(|glob| overrides(root, glob)).transpose()?;
     let mut searcher =
         SearcherBuilder::new().binary_detection(BinaryDetection::quit(b'\x00')).line_number(true).build();
     let (mut lines, mut files, mut capped, mut cancelled) = (Vec::new(), 0usize, false, false);
@@ -107,13 +118,7 @@ fn search(
             &matcher,
             &file,
             UTF8(|number, line| {
-                let line = line.trim_end_matches(['\n', '\r']);
-                let line: String = if line.chars().count() > MAX_LINE_CHARS {
-                    line.chars().take(MAX_LINE_CHARS).chain("…".chars()).collect()
-                } else {
-                    line.to_owned()
-                };
-                lines.push(format!("{shown}:{number}: {line}"));
+                lines.push(shown_line(&shown, number, line));
                 if lines.len() >= max {
                     capped = true;
                     return Ok(false);

@@ -1,5 +1,6 @@
 //! `pier agent`: serve ACP on stdio.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,15 +84,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let home = config::pier_home(&env)?;
     let (model, local) = choose_model(&args.model, &env, &files, &home)?;
     tracing::info!(model = %model.describe(), home = %home.display(), "pier agent starting");
-    let mut engine_config = EngineConfig::new(home);
-    if let Some(n) = args.max_turn_requests.or(files.max_turn_requests) {
-        engine_config.max_turn_requests = n;
-    }
-    engine_config.system_prompt = files.system_prompt.clone();
-    if !args.writable.is_empty() {
-        let dirs = args.writable.iter().map(|d| cwd.join(d)).collect();
-        engine_config.writable = Some(dirs);
-    }
+    let mut engine_config = engine_config(&args, &files, home, &cwd);
     let policy = config::resolve_policy(&files, &args.permissions)?;
     let profile = match (args.profile, files.profile.as_deref()) {
         (Some(ProfileArg::Editor), _) | (None, Some("editor")) => Profile::Editor,
@@ -124,20 +117,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
     };
     let engine = Engine::new(engine_config, model, toolbox, policy);
-    let mut options = AgentOptions::new(profile);
+    let mut options = agent_options(&args, &files, profile, local, &env)?;
     options.cancel_subagent = cancel_subagent;
-    options.task_context = !args.no_task_context && files.task_context.unwrap_or(true);
-    if let Some(mode) = &files.mode {
-        options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
-    }
-    if !local {
-        options.vision = config::resolve_vision(&args.model, &env, &files);
-        let (chosen, named) = config::named_models(&args.model, &env, &files)?;
-        for (name, config, vision) in named {
-            options.models.push(NamedModel { name, provider: Arc::new(OpenAiProvider::new(config)?), vision });
-        }
-        options.default_model = chosen.filter(|c| options.models.iter().any(|m| &m.name == c));
-    }
     tracing::info!(profile = profile.name(), "profile");
     let agent = AcpAgent::with_options(engine, options);
     let (stdin, stdout) = pier_acp::stdio::streams();
@@ -156,6 +137,44 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tracing::error!("sessions did not close within 10 s");
     }
     Ok(())
+}
+
+/// The engine's settings from the flags and pier.toml.
+fn engine_config(args: &AgentArgs, files: &config::FileConfig, home: PathBuf, cwd: &std::path::Path) -> EngineConfig {
+    let mut engine_config = EngineConfig::new(home);
+    if let Some(n) = args.max_turn_requests.or(files.max_turn_requests) {
+        engine_config.max_turn_requests = n;
+    }
+    engine_config.system_prompt = files.system_prompt.clone();
+    if !args.writable.is_empty() {
+        engine_config.writable = Some(args.writable.iter().map(|d| cwd.join(d)).collect());
+    }
+    engine_config
+}
+
+/// The ACP agent's options: profile, task context, mode, and (with a remote model) the
+/// models a session may switch between.
+fn agent_options(
+    args: &AgentArgs,
+    files: &config::FileConfig,
+    profile: Profile,
+    local: bool,
+    env: &dyn config::Env,
+) -> anyhow::Result<AgentOptions> {
+    let mut options = AgentOptions::new(profile);
+    options.task_context = !args.no_task_context && files.task_context.unwrap_or(true);
+    if let Some(mode) = &files.mode {
+        options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
+    }
+    if !local {
+        options.vision = config::resolve_vision(&args.model, env, files);
+        let (chosen, named) = config::named_models(&args.model, env, files)?;
+        for (name, config, vision) in named {
+            options.models.push(NamedModel { name, provider: Arc::new(OpenAiProvider::new(config)?), vision });
+        }
+        options.default_model = chosen.filter(|c| options.models.iter().any(|m| &m.name == c));
+    }
+    Ok(options)
 }
 
 /// The `delegate` tool's configuration, when this agent offers it: subagents are on
@@ -183,7 +202,40 @@ fn subagents(
     }
     let max_concurrent = flags.max_subagents.or(files.max_subagents).unwrap_or(4).max(1);
     let pier_exe = std::env::current_exe().context("cannot find the running pier binary to start subagents")?;
-    // The default child: pier's own agent, automation profile, this agent's model and rules.
+    let own_args = own_child_args(args, files, policy, engine, &confinement, max_depth, max_concurrent);
+    let own = pier_client::AgentCommand {
+        name: "pier".into(),
+        program: pier_exe.clone(),
+        args: own_args,
+        env: vec![],
+        guarded: false,
+    };
+    Ok(Some(pier_subagent::SubagentConfig {
+        agents: files.agents.clone(),
+        pier_exe,
+        path: env.var("PATH"),
+        own,
+        max_concurrent,
+        cancel_grace: Duration::from_millis(flags.cancel_grace_ms),
+        setup_timeout: Duration::from_secs(60),
+        writable: engine.writable.clone(),
+        confinement,
+        children: Default::default(),
+    }))
+}
+
+/// The default child's arguments: pier's own agent, automation profile, this agent's model
+/// and rules, one level deeper.
+fn own_child_args(
+    args: &AgentArgs,
+    files: &config::FileConfig,
+    policy: &pier_engine::PermissionPolicy,
+    engine: &EngineConfig,
+    confinement: &pier_tools::Confinement,
+    max_depth: u32,
+    max_concurrent: usize,
+) -> Vec<String> {
+    let flags = &args.subagents;
     let mut own_args: Vec<String> = vec!["agent".into(), "--profile".into(), "automation".into()];
     for (flag, value) in
         [("--provider", &args.model.provider), ("--base-url", &args.model.base_url), ("--model", &args.model.model)]
@@ -224,25 +276,7 @@ fn subagents(
         "--cancel-grace-ms".into(),
         flags.cancel_grace_ms.to_string(),
     ]);
-    let own = pier_client::AgentCommand {
-        name: "pier".into(),
-        program: pier_exe.clone(),
-        args: own_args,
-        env: vec![],
-        guarded: false,
-    };
-    Ok(Some(pier_subagent::SubagentConfig {
-        agents: files.agents.clone(),
-        pier_exe,
-        path: env.var("PATH"),
-        own,
-        max_concurrent,
-        cancel_grace: Duration::from_millis(flags.cancel_grace_ms),
-        setup_timeout: Duration::from_secs(60),
-        writable: engine.writable.clone(),
-        confinement,
-        children: Default::default(),
-    }))
+    own_args
 }
 
 async fn terminated() {

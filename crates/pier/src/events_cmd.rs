@@ -67,7 +67,9 @@ pub fn event_text(e: &Event) -> Option<String> {
         Entry::Agent { event, .. } => match *event {
             AgentEvent::Permission { outcome, reason, .. } => {
                 let chosen = match outcome {
-                    agent_client_protocol_schema::v1::RequestPermissionOutcome::Selected(s) => s.option_id.0.to_string(),
+                    agent_client_protocol_schema::v1::RequestPermissionOutcome::Selected(s) => {
+                        s.option_id.0.to_string()
+                    }
                     agent_client_protocol_schema::v1::RequestPermissionOutcome::Cancelled => "cancelled".into(),
                     _ => "?".into(),
                 };

@@ -46,6 +46,41 @@ pub struct ServeArgs {
     sse_patience_ms: u64,
 }
 
+/// The token: `--token`, `PIER_TOKEN`, or the token file (made on first use).
+fn token(args: &ServeArgs, home: &std::path::Path) -> anyhow::Result<String> {
+    Ok(match args.token.clone().or_else(|| std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty())) {
+        Some(t) => t,
+        None => {
+            let path = pier_server::token_path(home);
+            let (token, created) =
+                pier_server::load_or_create_token(&path).with_context(|| format!("token file {}", path.display()))?;
+            if created {
+                eprintln!("pier serve: created a token (saved to {}, mode 0600): {token}", path.display());
+            }
+            token
+        }
+    })
+}
+
+/// Resolves once SIGTERM or SIGINT comes, or the service fails (with its error).
+async fn stopped(app: &std::sync::Arc<pier_server::App>) -> Option<pier_host::StoreError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let signals = async {
+        if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        _ = signals => None,
+        e = app.failed() => Some(e),
+    }
+}
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let env = ProcessEnv;
     let home = config::pier_home(&env)?;
@@ -54,18 +89,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
         anyhow::bail!("--token is empty: give a token, or leave --token out to use the token file");
     }
-    let token = match args.token.clone().or_else(|| std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty())) {
-        Some(t) => t,
-        None => {
-            let path = pier_server::token_path(&home);
-            let (token, created) =
-                pier_server::load_or_create_token(&path).with_context(|| format!("token file {}", path.display()))?;
-            if created {
-                eprintln!("pier serve: created a token (saved to {}, mode 0600): {token}", path.display());
-            }
-            token
-        }
-    };
+    let token = token(&args, &home)?;
     let config = HostConfig {
         concurrency: args.concurrency.max(1),
         node: match &args.node_id {
@@ -107,24 +131,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let fatal_seen = fatal.clone();
     axum::serve(listener, pier_server::router(app))
         .with_graceful_shutdown(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            let signals = async {
-                if let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-                {
-                    tokio::select! {
-                        _ = term.recv() => {}
-                        _ = int.recv() => {}
-                    }
-                } else {
-                    std::future::pending::<()>().await;
-                }
-            };
-            tokio::select! {
-                _ = signals => {}
-                e = shutdown_app.failed() => {
-                    *fatal_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
-                }
-            }
+            *fatal_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = stopped(&shutdown_app).await;
             shutdown_app.shutdown();
         })
         .await?;

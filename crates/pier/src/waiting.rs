@@ -23,7 +23,10 @@ pub fn waiting_for(run: &str, task: &str, request: Option<&QuestionRequest>) -> 
             let call = &p.tool_call.fields;
             let mut what = call.title.clone().unwrap_or_else(|| "a tool call".to_owned());
             if let Some(kind) = &call.kind {
-                what.push_str(&format!(" ({})", serde_json::to_value(kind).ok().and_then(|k| k.as_str().map(str::to_owned)).unwrap_or_default()));
+                what.push_str(&format!(
+                    " ({})",
+                    serde_json::to_value(kind).ok().and_then(|k| k.as_str().map(str::to_owned)).unwrap_or_default()
+                ));
             }
             let options: Vec<&str> = p.options.iter().map(|o| &*o.option_id.0).collect();
             format!(

@@ -48,7 +48,9 @@ pub struct Follower {
 pub enum Delivered {
     Event(Event),
     /// The client took nothing for too long and was cut: it resumes after this sequence.
-    Cut { after: i64 },
+    Cut {
+        after: i64,
+    },
 }
 
 impl Tasks {
@@ -176,7 +178,10 @@ impl Follower {
                         Ok(Ok(())) => sent = seq,
                         Ok(Err(_)) => return,
                         Err(_) => {
-                            tracing::warn!(after = sent, "cut a slow follower of the log");
+                            tracing::warn!(
+                                after = sent,
+                                "cut a slow /events client (it took nothing for its patience)"
+                            );
                             let _ = cut_tx.send(sent);
                             return;
                         }

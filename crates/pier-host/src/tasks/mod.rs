@@ -20,4 +20,3 @@ pub use handle::Tasks;
 pub use submit::{Submission, Submitted, parse_plan};
 pub use views::{RunSummary, RunView, StoreCounts, TaskView, counts};
 pub use workers::Leased;
-

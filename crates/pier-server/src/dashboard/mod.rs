@@ -146,13 +146,15 @@ struct RunsQuery {
 
 async fn runs_page(State(app): State<Shared>, s: auth::Session, Query(q): Query<RunsQuery>) -> Response {
     // The sequence before the reads: an event in between is shown twice, never missed.
-    page(async {
-        let seq = app.tasks.position().await?;
-        let mut runs = app.tasks.runs().await?;
-        runs.reverse();
-        Ok(pages::runs(&s, &runs, q.state.as_deref(), seq))
-    }
-    .await)
+    page(
+        async {
+            let seq = app.tasks.position().await?;
+            let mut runs = app.tasks.runs().await?;
+            runs.reverse();
+            Ok(pages::runs(&s, &runs, q.state.as_deref(), seq))
+        }
+        .await,
+    )
 }
 
 #[derive(Deserialize, Default)]
@@ -166,11 +168,13 @@ async fn run_page(
     Path(run): Path<String>,
     Query(n): Query<Notice>,
 ) -> Response {
-    page(async {
-        let seq = app.tasks.position().await?;
-        Ok(pages::run(&s, &run, &app.tasks.run(&run).await?, seq, n.notice.as_deref()))
-    }
-    .await)
+    page(
+        async {
+            let seq = app.tasks.position().await?;
+            Ok(pages::run(&s, &run, &app.tasks.run(&run).await?, seq, n.notice.as_deref()))
+        }
+        .await,
+    )
 }
 
 async fn task_page(
@@ -179,21 +183,25 @@ async fn task_page(
     Path((run, task)): Path<(String, String)>,
     Query(n): Query<Notice>,
 ) -> Response {
-    page(async {
-        let seq = app.tasks.position().await?;
-        let view = app.tasks.task(&run, &task).await?;
-        let events = app.tasks.transcript(&run, &task).await?;
-        Ok(pages::task(&s, &run, &view, &events, seq, n.notice.as_deref()))
-    }
-    .await)
+    page(
+        async {
+            let seq = app.tasks.position().await?;
+            let view = app.tasks.task(&run, &task).await?;
+            let events = app.tasks.transcript(&run, &task).await?;
+            Ok(pages::task(&s, &run, &view, &events, seq, n.notice.as_deref()))
+        }
+        .await,
+    )
 }
 
 async fn approvals_page(State(app): State<Shared>, s: auth::Session, Query(n): Query<Notice>) -> Response {
-    page(async {
-        let seq = app.tasks.position().await?;
-        Ok(pages::approvals(&s, &app.tasks.waiting().await?, seq, n.notice.as_deref()))
-    }
-    .await)
+    page(
+        async {
+            let seq = app.tasks.position().await?;
+            Ok(pages::approvals(&s, &app.tasks.waiting().await?, seq, n.notice.as_deref()))
+        }
+        .await,
+    )
 }
 
 async fn nodes_page(State(app): State<Shared>, s: auth::Session) -> Response {

@@ -415,7 +415,9 @@ fn item_markup(item: &Item) -> Markup {
                 }
             }
         },
-        Item::Permission { tool_call, options, outcome, rule: why, reason } => permission(tool_call, options, outcome, why, reason),
+        Item::Permission { tool_call, options, outcome, rule: why, reason } => {
+            permission(tool_call, options, outcome, why, reason)
+        }
         Item::Question { request, response } => html! {
             div class="question" {
                 p { "The agent asked: " strong { (request.message) } }

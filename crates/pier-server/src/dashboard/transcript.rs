@@ -18,8 +18,17 @@ pub enum Item {
     User(String),
     Tool(Box<ToolCall>),
     Plan(Plan),
-    Permission { tool_call: Box<ToolCallUpdate>, options: Vec<PermissionOption>, outcome: RequestPermissionOutcome, rule: Value, reason: String },
-    Question { request: Box<CreateElicitationRequest>, response: Value },
+    Permission {
+        tool_call: Box<ToolCallUpdate>,
+        options: Vec<PermissionOption>,
+        outcome: RequestPermissionOutcome,
+        rule: Value,
+        reason: String,
+    },
+    Question {
+        request: Box<CreateElicitationRequest>,
+        response: Value,
+    },
     /// A transition: when, and the event.
     Transition(i64, LogEvent),
 }

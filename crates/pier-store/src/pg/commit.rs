@@ -6,13 +6,16 @@ use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, watch};
 use tokio_postgres::types::ToSql;
 
+use super::conn::*;
+use super::job::*;
+use super::rounds::*;
+use super::tx::*;
 use crate::backend::Row;
 use crate::log::{OwnCommit, RawEvent, announce};
 use crate::{StoreError, lock};
-use super::conn::*;
-use super::tx::*;
-use super::job::*;
-use super::rounds::*;
+
+/// The rows of the tasks a group touched and its events, numbered: what its own commit carries.
+pub(super) type Read = (Vec<Row>, Vec<RawEvent>);
 
 pub(super) fn retry_or_fail(jobs: Vec<Box<dyn Job>>, error: &StoreError) -> Vec<Box<dyn Job>> {
     let mut again = Vec::new();
@@ -38,7 +41,7 @@ pub(super) enum Group {
         numbered: (i64, i64),
         /// The tasks with an event in the group, as it left them, and its events, if they
         /// were asked for.
-        own: Option<(Vec<Row>, Vec<RawEvent>)>,
+        own: Option<Read>,
     },
     /// Rolled back before the commit (the connection broke): nothing happened.
     Lost { jobs: Vec<Box<dyn Job>>, error: StoreError },
@@ -341,7 +344,7 @@ pub(super) fn number_and_commit(
     t: &mut PgTx<'_>,
     ring: bool,
     rows: bool,
-) -> (Result<((i64, i64), Option<(Vec<Row>, Vec<RawEvent>)>), StoreError>, Result<(), tokio_postgres::Error>) {
+) -> (Result<((i64, i64), Option<Read>), StoreError>, Result<(), tokio_postgres::Error>) {
     // `r` holds the counter and the ring; a volatile function (`pg_notify`) keeps it from being
     // folded into the outer query, so it rings once whatever number of task rows follow.
     const NUMBER: &str = "WITH c AS (UPDATE pier_seq SET n = n + ?1 WHERE id = 1 RETURNING n),
@@ -390,6 +393,17 @@ pub(super) fn number_and_commit(
         // The transaction is aborted: the `COMMIT` behind it rolled it back.
         return (Err(StoreError::from(&e)), Ok(()));
     }
+    (numbered(t, answer, k, rows), committed)
+}
+
+/// What the numbering statement answered: the group's sequences and, if asked for (`rows`),
+/// the rows of the tasks it touched with its events numbered.
+fn numbered(
+    t: &mut PgTx<'_>,
+    answer: Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+    k: i64,
+    rows: bool,
+) -> Result<((i64, i64), Option<Read>), StoreError> {
     let numbered = answer.and_then(|answer| {
         let last = answer.first().map(|r| r.try_get::<_, i64>(13)).transpose()?;
         let tasks = if rows {
@@ -403,7 +417,7 @@ pub(super) fn number_and_commit(
         };
         Ok((last, tasks))
     });
-    let numbered = match numbered {
+    match numbered {
         Ok((Some(last), tasks)) => {
             let first = last - k + 1;
             let own = tasks.map(|tasks| {
@@ -424,6 +438,5 @@ pub(super) fn number_and_commit(
         }
         Ok((None, _)) => Err(StoreError::Db("numbering the events returned no counter".into())),
         Err(e) => Err(StoreError::from(&e)),
-    };
-    (numbered, committed)
+    }
 }

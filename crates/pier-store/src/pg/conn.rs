@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 
+use super::target::{Target, tls_advice};
 use crate::backend::{Cell, Query, Row};
 use crate::ops::Arg;
 use crate::{StoreError, lock};
-use super::target::{Target, tls_advice};
 
+/// Connections one store opens at most; callers beyond it wait for one to come back.
 pub(super) const MAX_CONNECTIONS: usize = 16;
 // One write connection per store, on the committer thread: measured on B5, four writers
 // were slower (115 vs 172 tasks/s): smaller groups, more WAL flushes, and the counter row
@@ -298,7 +299,6 @@ pub(super) fn cells(r: &tokio_postgres::Row) -> Result<Row, tokio_postgres::Erro
     Ok(Row(out))
 }
 
-
 impl From<&tokio_postgres::Error> for StoreError {
     fn from(e: &tokio_postgres::Error) -> Self {
         StoreError::Db(describe(e))
@@ -322,7 +322,6 @@ pub(super) fn connect_once(url: &str) -> Result<Client, StoreError> {
 /// The runtime of administrative connections (tests and benchmarks creating databases).
 static ADMIN: std::sync::OnceLock<std::io::Result<tokio::runtime::Handle>> = std::sync::OnceLock::new();
 
-
 impl Query for Conn {
     fn rows(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
         let read = self.statement(sql).and_then(|s| block_on(self.client.query(&s, &args(a))));
@@ -333,4 +332,3 @@ impl Query for Conn {
         })
     }
 }
-

@@ -51,4 +51,3 @@ impl<T: Send, F: FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send> Job 
         self.task.as_ref()
     }
 }
-

@@ -56,8 +56,6 @@ pub use target::redacted;
 
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
-/// Connections one store opens at most; callers beyond it wait for one to come back.
-
 const MIGRATIONS: &[&str] = &[
     r#"
 CREATE TABLE runs (

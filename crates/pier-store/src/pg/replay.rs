@@ -1,8 +1,8 @@
 //! What a job of the rounds asks and is answered: its statements noted with owned arguments,
 //! and the answers replayed to it when it runs again from its start.
 
-use tokio_postgres::{Row, Statement};
 use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Row, Statement};
 
 use crate::StoreError;
 use crate::ops::Arg;

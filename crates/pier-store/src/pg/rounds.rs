@@ -23,11 +23,11 @@ use std::collections::HashSet;
 
 use tokio_postgres::types::ToSql;
 
-use crate::StoreError;
 use super::conn::block_on;
 use super::job::Job;
 use super::replay::{Answer, Replay, Want};
 use super::tx::{Pending, PgTx};
+use crate::StoreError;
 
 /// A group's jobs.
 pub(crate) type Jobs = Vec<Box<dyn Job>>;

@@ -1,9 +1,9 @@
-use super::*;
-use crate::{Attempt, Ending, Last, QuestionRequest, TaskStore};
 use super::job::Job;
 use super::rounds::{self, Rounds};
 use super::tx::PgTx;
+use super::*;
 use crate::state::TaskState;
+use crate::{Attempt, Ending, Last, QuestionRequest, TaskStore};
 use serde_json::json;
 
 #[test]
@@ -100,8 +100,15 @@ fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
         assert_eq!(answers(std::slice::from_ref(reply)), [Ok("Some((1, Running))".to_owned())]);
     }
     // Operations of several statements, side by side: the longest sets the rounds.
-    let (park, parked) =
-        job(Some("d"), |tx| ops::park(tx, &attempt("d"), &QuestionRequest::from_stored(json!({"sessionId": "s", "toolCall": {"toolCallId": "t"}, "options": []})).unwrap_or_else(|e| panic!("{e}"))).map(|(n, s)| (n.to_string(), s)));
+    let (park, parked) = job(Some("d"), |tx| {
+        ops::park(
+            tx,
+            &attempt("d"),
+            &QuestionRequest::from_stored(json!({"sessionId": "s", "toolCall": {"toolCallId": "t"}, "options": []}))
+                .unwrap_or_else(|e| panic!("{e}")),
+        )
+        .map(|(n, s)| (n.to_string(), s))
+    });
     let (beat, beaten) =
         job(Some("a"), |tx| ops::heartbeat(tx, &attempt("a"), FAR + 1).map(|(b, s)| (b.to_string(), s)));
     let ending = Ending::Completed { result: "fine".into(), usage: None };

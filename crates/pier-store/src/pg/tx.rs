@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use serde_json::Value;
 use tokio_postgres::{Client, Statement};
 
+use super::conn::*;
+use super::replay::*;
 use crate::backend::Row;
 use crate::ops::{self, Arg, RawTask, Tx};
 use crate::state::TaskState;
 use crate::{Attempt, StoreError, TaskRow};
-use super::conn::*;
-use super::replay::*;
 
 pub(crate) struct Pending {
     pub(super) run: String,
@@ -113,7 +113,10 @@ impl PgTx<'_> {
 
     /// In rounds: the answers to a call of `wants` (statement, arguments, whether rows are
     /// wanted), or `Err` with the call noted as where the job stops. `None` outside rounds.
-    pub(super) fn replayed(&mut self, wants: &[(&'static str, &[Arg<'_>], bool)]) -> Option<Result<Vec<Answer>, StoreError>> {
+    pub(super) fn replayed(
+        &mut self,
+        wants: &[(&'static str, &[Arg<'_>], bool)],
+    ) -> Option<Result<Vec<Answer>, StoreError>> {
         let sqls: Vec<&'static str> = wants.iter().map(|w| w.0).collect();
         let replay = self.replay.as_mut()?;
         if let Some(answers) = replay.answer(&sqls) {
@@ -198,7 +201,8 @@ impl PgTx<'_> {
     }
 }
 
-pub(super) const TASK_FOR_UPDATE: &str = "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
+pub(super) const TASK_FOR_UPDATE: &str =
+    "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
      not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
 /// A claim in one statement: the row locked by primary key, skipped if another claimer holds
 /// it; updated through its `ctid` only if pending and due; the attempt's row added; the row
