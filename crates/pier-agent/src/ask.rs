@@ -57,48 +57,42 @@ fn yes() -> bool {
     true
 }
 
-impl Tool for AskUser {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    /// `think`: asking is not acting; the person's answer decides what happens next.
-    fn kind(&self) -> ToolKind {
-        ToolKind::Think
-    }
-
-    fn description(&self) -> &str {
-        "Ask the user a question when you cannot go on without their input (a choice, a missing value, a \
+/// What the model reads of [`AskUser`].
+const ASK_USER_DESCRIPTION: &str = "Ask the user a question when you cannot go on without their input (a choice, a missing value, a \
          confirmation). Give the question in `message` and, if you need structured answers, the `fields` to fill \
          (name, description, type string|number|integer|boolean, options to choose from, required). The user \
-         may decline."
-    }
+         may decline.";
 
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "message": {"type": "string", "description": "The question"},
-                "fields": {
-                    "type": "array",
-                    "description": "What to fill in; default one text field `answer`",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "name": {"type": "string"},
-                            "description": {"type": "string"},
-                            "type": {"type": "string", "enum": ["string", "number", "integer", "boolean"]},
-                            "options": {"type": "array", "items": {"type": "string"}},
-                            "required": {"type": "boolean"}
-                        },
-                        "required": ["name"]
-                    }
+/// The arguments [`AskUser`] takes (JSON schema).
+fn ask_user_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "message": {"type": "string", "description": "The question"},
+            "fields": {
+                "type": "array",
+                "description": "What to fill in; default one text field `answer`",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "type": {"type": "string", "enum": ["string", "number", "integer", "boolean"]},
+                        "options": {"type": "array", "items": {"type": "string"}},
+                        "required": {"type": "boolean"}
+                    },
+                    "required": ["name"]
                 }
-            },
-            "required": ["message"],
-            "additionalProperties": false
-        })
-    }
+            }
+        },
+        "required": ["message"],
+        "additionalProperties": false
+    })
+}
+
+impl Tool for AskUser {
+    // `think`: asking is not acting; the person's answer decides what happens next.
+    pier_tools::tool_spec!(NAME, ToolKind::Think, ASK_USER_DESCRIPTION, ask_user_parameters);
 
     fn preview(&self, args: &Value, _workspace: &Workspace) -> Preview {
         let message = args.get("message").and_then(Value::as_str).unwrap_or("a question");

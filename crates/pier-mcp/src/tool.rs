@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use pier_tools::{Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, Workspace};
+use pier_tools::{Preview, Tool, ToolContext, ToolError, ToolKind, ToolOutput, ToolSpec, Workspace};
 use rmcp::model::CallToolRequestParams;
 use rmcp::service::ServiceError;
 use serde_json::Value;
@@ -19,13 +19,10 @@ use crate::server::Server;
 const MAX_NAME: usize = 64;
 
 pub(crate) struct McpTool {
-    /// The name the model sees: `{server}__{tool}`, sanitised and unique.
-    name: String,
+    /// Its name is the one the model sees: `{server}__{tool}`, sanitised and unique.
+    spec: ToolSpec,
     /// The name the server knows.
     tool: String,
-    kind: ToolKind,
-    description: String,
-    parameters: Value,
     server: Arc<Server>,
 }
 
@@ -33,36 +30,26 @@ impl McpTool {
     pub(crate) fn new(name: String, tool: &rmcp::model::Tool, server: Arc<Server>) -> McpTool {
         let read_only = tool.annotations.as_ref().and_then(|a| a.read_only_hint).unwrap_or(false);
         McpTool {
-            name,
+            spec: ToolSpec {
+                name: name.into(),
+                kind: if read_only { ToolKind::Read } else { ToolKind::Other },
+                description: tool.description.as_deref().unwrap_or_default().to_owned().into(),
+                parameters: Value::Object((*tool.input_schema).clone()),
+            },
             tool: tool.name.to_string(),
-            kind: if read_only { ToolKind::Read } else { ToolKind::Other },
-            description: tool.description.as_deref().unwrap_or_default().to_string(),
-            parameters: Value::Object((*tool.input_schema).clone()),
             server,
         }
     }
 }
 
 impl Tool for McpTool {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn kind(&self) -> ToolKind {
-        self.kind
-    }
-
-    fn description(&self) -> &str {
-        &self.description
-    }
-
-    fn parameters(&self) -> Value {
-        self.parameters.clone()
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
     }
 
     /// An *always* answer covers this tool only, not every tool of kind `other`.
     fn scope(&self, _args: &Value) -> pier_tools::Scope {
-        pier_tools::Scope::Names(vec![self.name.clone()])
+        pier_tools::Scope::Names(vec![self.spec.name.to_string()])
     }
 
     fn preview(&self, _args: &Value, _workspace: &Workspace) -> Preview {

@@ -12,6 +12,10 @@ use crate::log::OwnCommit;
 use crate::ops::{Arg, RawTask, Tx, plain_row};
 use crate::rows::TaskRow;
 
+/// A write job: a named operation over the open transaction, its answer and the last event
+/// sequence it wrote (0 for none).
+pub(crate) type Work<T> = Box<dyn FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send>;
+
 /// A database the store can live in.
 pub(crate) trait Backend: Send + Sync + 'static {
     /// Every pending task of every run, oldest run first, in plan order (the index hint is
@@ -26,11 +30,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// event sequence it wrote (0 for none) once the commit is durable. `work` may run more
     /// than once (a group rolled back runs again); `task` names the task whose rows alone it
     /// touches, if it is one (jobs of different tasks may run side by side).
-    fn write<T: Send + 'static>(
-        &self,
-        task: Option<(&str, &str)>,
-        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<(T, i64), StoreError>;
+    fn write<T: Send + 'static>(&self, task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError>;
 
     /// Runs `f` on a read connection, which sees committed data only. `f` may run again on
     /// a fresh connection if the first one broke.
@@ -111,6 +111,26 @@ impl Row {
         );
         Ok((row, self.text(12)?, self.opt_text(10)?, self.text(2)?))
     }
+}
+
+/// The tasks of every run whose state meets `$state` (`= 'pending'`, `IN (…)`: the very terms
+/// of the partial index, which SQLite uses only for a condition that implies its own), oldest
+/// run first, in plan order; `$hint` names the index where the dialect takes one (SQLite's
+/// `INDEXED BY`).
+#[macro_export]
+#[doc(hidden)]
+macro_rules! tasks_in {
+    ($state:literal, $hint:literal) => {
+        concat!(
+            "SELECT ",
+            $crate::task_columns!(t),
+            " FROM tasks t ",
+            $hint,
+            " JOIN runs r ON r.id = t.run_id WHERE t.state ",
+            $state,
+            " ORDER BY r.created_at_ms, r.id, t.ord"
+        )
+    };
 }
 
 /// The columns of a task row, in the order [`Row::raw_task`] reads them; `t` is the table

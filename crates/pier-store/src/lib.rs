@@ -21,6 +21,7 @@ mod log;
 mod ops;
 mod pg;
 mod rows;
+mod schema;
 mod sqlite;
 mod store;
 

@@ -25,6 +25,24 @@ pub(crate) enum Arg<'a> {
     OptText(Option<&'a str>),
 }
 
+/// A claim of a pending task for `owner`, with a lease until `until`, if it may run at `now`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claim<'a> {
+    pub run: &'a str,
+    pub task: &'a str,
+    pub owner: &'a str,
+    pub until: i64,
+    pub now: i64,
+}
+
+/// An ending of the attempt holding a task ([`Tx::end_held`]).
+pub(crate) struct EndHeld<'a> {
+    pub attempt: &'a Attempt,
+    pub columns: &'a Columns,
+    pub now: i64,
+    pub beside: Beside<'a>,
+}
+
 /// An open write transaction of a backend.
 pub(crate) trait Tx {
     /// Runs a statement; the number of rows it changed.
@@ -40,22 +58,16 @@ pub(crate) trait Tx {
     /// attempt bumped, the lease set, the attempt's row added. The task as the claim left it;
     /// `None` if it is not claimable, or if another transaction holds its row (a racing
     /// claimer: it is skipped, not waited for).
-    fn take(&mut self, run: &str, task: &str, owner: &str, until: i64, now: i64)
-    -> Result<Option<TaskRow>, StoreError>;
-    /// Ends attempt `a` if it holds its task at `now` (same attempt and owner, the task
-    /// live, the lease not expired), writing `c` and releasing the lease: the task's state
-    /// before, and the row after; `None` if the attempt does not hold it. `b.output`, if any,
-    /// is kept on the attempt's row whether or not the ending applies. With
-    /// `b.unless_messages`, an applied ending fails with [`StoreError::MessagesWaiting`] if
-    /// a message waits for the task, looked for after the row is locked (so a `say` that
-    /// held the lock is seen); the caller's transaction then undoes it.
-    fn end_held(
-        &mut self,
-        a: &Attempt,
-        c: &Columns,
-        now: i64,
-        b: Beside<'_>,
-    ) -> Result<Option<(TaskState, TaskRow)>, StoreError>;
+    fn take(&mut self, c: &Claim<'_>) -> Result<Option<TaskRow>, StoreError>;
+    /// Ends attempt `e.attempt` if it holds its task at `e.now` (same attempt and owner, the
+    /// task live, the lease not expired), writing `e.columns` and releasing the lease: the
+    /// task's state before, and the row after; `None` if the attempt does not hold it.
+    /// `e.beside.output`, if any, is kept on the attempt's row whether or not the ending
+    /// applies. With `e.beside.unless_messages`, an applied ending fails with
+    /// [`StoreError::MessagesWaiting`] if a message waits for the task, looked for after the
+    /// row is locked (so a `say` that held the lock is seen); the caller's transaction then
+    /// undoes it.
+    fn end_held(&mut self, e: &EndHeld<'_>) -> Result<Option<(TaskState, TaskRow)>, StoreError>;
     /// Appends an event to the log; its sequence number (or, where the backend numbers
     /// events at commit, a number that only says one was written).
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
@@ -221,7 +233,7 @@ pub(crate) fn claim(
     owner: &str,
     until: i64,
 ) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
-    let Some(claimed) = tx.take(run, task, owner, until, now_ms())? else { return Ok((None, 0)) };
+    let Some(claimed) = tx.take(&Claim { run, task, owner, until, now: now_ms() })? else { return Ok((None, 0)) };
     let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: claimed.attempt, owner: owner.to_owned() };
     let reason = format!("attempt {} started", attempt.n);
     let before = Was { run, task, state: TaskState::Pending, version: claimed.version - 1 };
@@ -239,14 +251,8 @@ pub(crate) fn claim(
 /// [`Tx::take`] as statements both dialects run: the row read (and locked), the update
 /// fenced on the version read, the attempt's row, and the row as the update left it built
 /// rather than read back.
-pub(crate) fn take_by_statements(
-    tx: &mut dyn Tx,
-    run: &str,
-    task: &str,
-    owner: &str,
-    until: i64,
-    now: i64,
-) -> Result<Option<TaskRow>, StoreError> {
+pub(crate) fn take_by_statements(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
+    let Claim { run, task, owner, until, now } = *c;
     let Some(raw) = tx.task(run, task)? else { return Ok(None) };
     let row = decode(raw)?;
     if row.state != TaskState::Pending || row.not_before_ms > now {
@@ -464,11 +470,9 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
 /// locked), the fence tested, the ending applied, the inbox looked at.
 pub(crate) fn end_held_by_statements(
     tx: &mut dyn Tx,
-    a: &Attempt,
-    c: &Columns,
-    now: i64,
-    b: Beside<'_>,
+    e: &EndHeld<'_>,
 ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+    let (a, c, now, b) = (e.attempt, e.columns, e.now, e.beside);
     if let Some(output) = b.output {
         keep_output(tx, a, output)?;
     }
@@ -521,7 +525,9 @@ pub(crate) fn finish(
     if idem.is_none() {
         // The fence and the ending in one step where the backend can (`Tx::end_held`).
         let (c, extra) = columns(ending);
-        let Some((from, after)) = tx.end_held(a, &c, now_ms(), Beside::default())? else {
+        let Some((from, after)) =
+            tx.end_held(&EndHeld { attempt: a, columns: &c, now: now_ms(), beside: Beside::default() })?
+        else {
             return Err(lease_lost(a));
         };
         return ended(tx, from, after, a.n, ending, extra);
@@ -822,7 +828,7 @@ pub(crate) fn finish_keeping(
     let (c, extra) = columns(ending);
     let output = last.output.to_string();
     let beside = Beside { output: Some(&output), unless_messages: last.unless_messages };
-    match tx.end_held(a, &c, now_ms(), beside)? {
+    match tx.end_held(&EndHeld { attempt: a, columns: &c, now: now_ms(), beside })? {
         Some((from, after)) => {
             let (row, seq) = ended(tx, from, after, a.n, ending, extra)?;
             Ok((Ok(row), seq))

@@ -51,7 +51,7 @@ impl TaskRow {
 }
 
 /// The token of a live attempt: attempt `n` of a task, held by `owner`. Only
-/// [`TaskStore::claim`] makes one; every operation of the attempt is fenced on it.
+/// [`crate::TaskStore::claim`] makes one; every operation of the attempt is fenced on it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Attempt {
     pub run: String,
@@ -61,7 +61,7 @@ pub struct Attempt {
 }
 
 /// An attempt as another party saw it, with the lease expiry it saw: what
-/// [`TaskStore::release_lost`] fences on, so a renewal in between wins.
+/// [`crate::TaskStore::release_lost`] fences on, so a renewal in between wins.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
     pub attempt: Attempt,
@@ -79,9 +79,9 @@ pub enum ErrorClass {
     Business,
 }
 
-/// What the end of an attempt does to its task. Made by [`crate::decide::decide`] (or a
-/// person's or a worker's report); applied by [`TaskStore::finish`] and
-/// [`TaskStore::release_lost`]. The lease is released whatever the ending.
+/// What the end of an attempt does to its task. Made by the host's `decide` (or a
+/// person's or a worker's report); applied by [`crate::TaskStore::finish`] and
+/// [`crate::TaskStore::release_lost`]. The lease is released whatever the ending.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "to", rename_all = "snake_case")]
 pub enum Ending {

@@ -8,7 +8,7 @@
 //! of their own and see committed data only. Events get their sequence number
 //! from `INTEGER PRIMARY KEY` inside the writing transaction, so the log is
 //! gap-free and strictly increasing in commit order. The operations' SQL is in
-//! [`super::ops`]; this file is the machinery around it.
+//! [`crate::ops`]; this file is the machinery around it.
 //!
 //! Commits of other processes sharing the file (a second `pier serve`, `pier approve`)
 //! reach [`TaskStore::subscribe`] through a watcher thread that asks SQLite's
@@ -24,9 +24,10 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 
-use crate::backend::{Backend, Cell, Query, Row};
+use crate::backend::{Backend, Cell, Query, Row, Work};
 use crate::log::{OwnCommit, RawEvent, publish};
 use crate::ops::{self, Arg, RawTask, Tx};
+use crate::schema::{self, *};
 use crate::state::TaskState;
 use crate::store::Store;
 use crate::{Attempt, SqliteStore, StoreError, TaskRow, lock, task_columns};
@@ -68,125 +69,17 @@ pub struct Sqlite {
 type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, StoreError>, Finish) + Send>;
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
-const MIGRATIONS: &[&str] = &[
-    r#"
-CREATE TABLE runs (
-    id TEXT PRIMARY KEY,
-    source TEXT NOT NULL,
-    plan TEXT NOT NULL,
-    created_at_ms INTEGER NOT NULL
-);
-CREATE TABLE tasks (
-    run_id TEXT NOT NULL REFERENCES runs(id),
-    id TEXT NOT NULL,
-    ord INTEGER NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('pending','running','awaiting_input','completed','failed','cancelled')),
-    version INTEGER NOT NULL,
-    attempt INTEGER NOT NULL DEFAULT 0,
-    failures INTEGER NOT NULL DEFAULT 0,
-    lease_owner TEXT,
-    lease_expires_at_ms INTEGER,
-    not_before_ms INTEGER NOT NULL DEFAULT 0,
-    result TEXT,
-    usage TEXT,
-    error TEXT,
-    spec TEXT NOT NULL,
-    PRIMARY KEY (run_id, id)
-);
-CREATE TABLE attempts (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    evidence TEXT NOT NULL DEFAULT '[]',
-    PRIMARY KEY (run_id, task_id, attempt)
-);
-CREATE TABLE updates (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    key TEXT NOT NULL,
-    answer TEXT NOT NULL,
-    PRIMARY KEY (run_id, task_id, key)
-);
-CREATE TABLE events (
-    seq INTEGER PRIMARY KEY,
-    run_id TEXT NOT NULL,
-    task_id TEXT,
-    type TEXT NOT NULL,
-    at_ms INTEGER NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE INDEX events_by_run ON events(run_id, seq);
-"#,
-    r#"
-CREATE TABLE questions (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    n INTEGER NOT NULL,
-    request TEXT NOT NULL,
-    answer TEXT,
-    answered_by TEXT,
-    PRIMARY KEY (run_id, task_id, attempt, n)
-);
-"#,
-    // Pending tasks across all runs, for handing worker tasks out without reading every run.
-    r#"
-CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending';
-"#,
-    // The body an idempotency key first came with (a repeat with another body is refused),
-    // and the tasks a host drives.
-    r#"
-ALTER TABLE updates ADD COLUMN request TEXT;
-CREATE INDEX tasks_unfinished ON tasks(run_id, ord) WHERE state IN ('pending', 'running', 'awaiting_input');
-"#,
-    // `pier serve` nodes and the runs each drives.
-    r#"
-CREATE TABLE nodes (
-    id TEXT PRIMARY KEY,
-    started_at_ms INTEGER NOT NULL,
-    heartbeat_at_ms INTEGER NOT NULL,
-    expires_at_ms INTEGER NOT NULL
-);
-CREATE TABLE run_leases (
-    run_id TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,
-    expires_at_ms INTEGER NOT NULL
-);
-CREATE INDEX run_leases_by_owner ON run_leases(owner);
-"#,
-    // What each attempt showed (its text, its tool calls), kept when it ends, whatever ended it.
-    r#"
-ALTER TABLE attempts ADD COLUMN output TEXT;
-"#,
-    // Each agent spec's last `initialize` answer: what it can do.
-    r#"
-CREATE TABLE agents (
-    spec TEXT PRIMARY KEY,
-    init TEXT NOT NULL,
-    seen_at_ms INTEGER NOT NULL
-);
-"#,
-    // People's messages to running tasks (`pier say`), and which attempt sent each.
-    r#"
-CREATE TABLE messages (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    n INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    interrupt INTEGER NOT NULL,
-    at_ms INTEGER NOT NULL,
-    sent_attempt INTEGER,
-    PRIMARY KEY (run_id, task_id, n)
-);
-CREATE TABLE messages_closed (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    PRIMARY KEY (run_id, task_id, attempt)
-);
-"#,
-    // The inbox closes with the attempt's ending (`Last::unless_messages`), not with a row.
-    "DROP TABLE messages_closed;",
+/// SQLite's migrations, in the order its stores met them.
+const MIGRATIONS: [Migration; 9] = [
+    &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
+    &[QUESTIONS],
+    &[TASKS_PENDING],
+    &[UPDATES_REQUEST, TASKS_UNFINISHED],
+    LATER[0],
+    LATER[1],
+    LATER[2],
+    LATER[3],
+    LATER[4],
 ];
 
 /// How often the watcher asks SQLite whether another process committed.
@@ -237,7 +130,7 @@ fn migrate(conn: &Connection) -> Result<(), StoreError> {
     let migrated = (|| -> Result<(), StoreError> {
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
         for (i, migration) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
-            conn.execute_batch(migration)?;
+            conn.execute_batch(&schema::batch(migration, "INTEGER"))?;
             conn.pragma_update(None, "user_version", (i + 1) as i64)?;
         }
         Ok(())
@@ -479,25 +372,12 @@ fn is_full(message: &str) -> bool {
 }
 
 impl Backend for Sqlite {
-    const PENDING_TASKS: &'static str = concat!(
-        "SELECT ",
-        task_columns!(t),
-        " FROM tasks t INDEXED BY tasks_pending JOIN runs r ON r.id = t.run_id
-         WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord"
-    );
-    const UNFINISHED_TASKS: &'static str = concat!(
-        "SELECT ",
-        task_columns!(t),
-        " FROM tasks t INDEXED BY tasks_unfinished JOIN runs r ON r.id = t.run_id
-         WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord"
-    );
+    const PENDING_TASKS: &'static str = crate::tasks_in!("= 'pending'", "INDEXED BY tasks_pending");
+    const UNFINISHED_TASKS: &'static str =
+        crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "INDEXED BY tasks_unfinished");
     const LAST_SEQ: &'static str = "SELECT COALESCE(MAX(seq), 0) FROM events";
 
-    fn write<T: Send + 'static>(
-        &self,
-        _task: Option<(&str, &str)>,
-        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<(T, i64), StoreError> {
+    fn write<T: Send + 'static>(&self, _task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError> {
         self.group_commit(work)
     }
 
@@ -581,26 +461,13 @@ impl Tx for SqliteTx<'_> {
         self.rows(sql, &[Arg::Text(run), Arg::Text(task)])?.into_iter().next().map(Row::raw_task).transpose()
     }
 
-    fn take(
-        &mut self,
-        run: &str,
-        task: &str,
-        owner: &str,
-        until: i64,
-        now: i64,
-    ) -> Result<Option<TaskRow>, StoreError> {
+    fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
         // The transaction holds the file: nobody races the read and the update.
-        ops::take_by_statements(self, run, task, owner, until, now)
+        ops::take_by_statements(self, c)
     }
 
-    fn end_held(
-        &mut self,
-        a: &Attempt,
-        c: &ops::Columns,
-        now: i64,
-        b: ops::Beside<'_>,
-    ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
-        ops::end_held_by_statements(self, a, c, now, b)
+    fn end_held(&mut self, e: &ops::EndHeld<'_>) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+        ops::end_held_by_statements(self, e)
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {

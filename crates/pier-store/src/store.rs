@@ -61,7 +61,7 @@ impl<B: Backend> Store<B> {
         &self,
         work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.db.write(None, work).map(|(answer, _)| answer)
+        self.db.write(None, Box::new(work)).map(|(answer, _)| answer)
     }
 
     /// [`Store::op`] for an operation that touches attempt `a`'s task's rows only.
@@ -70,7 +70,7 @@ impl<B: Backend> Store<B> {
         a: &Attempt,
         work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.db.write(Some((&a.run, &a.task)), work).map(|(answer, _)| answer)
+        self.db.write(Some((&a.run, &a.task)), Box::new(work)).map(|(answer, _)| answer)
     }
 
     fn rows(&self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
@@ -134,7 +134,7 @@ impl<B: Backend> TaskStore for Store<B> {
     ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
         let (r, t, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
         let work = move |tx: &mut dyn Tx| ops::claim(tx, &r, &t, &owner, lease_until_ms);
-        self.db.write(Some((run, task)), work).map(|(answer, _)| answer)
+        self.db.write(Some((run, task)), Box::new(work)).map(|(answer, _)| answer)
     }
 
     fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
@@ -215,7 +215,7 @@ impl<B: Backend> TaskStore for Store<B> {
             return self.last_seq();
         }
         let events = events.to_vec();
-        self.db.write(None, move |tx| ops::append_events(tx, &events)).map(|(_, last)| last)
+        self.db.write(None, Box::new(move |tx| ops::append_events(tx, &events))).map(|(_, last)| last)
     }
 
     fn evidence(&self, run: &str, task: &str, attempt: i64) -> Result<Vec<Value>, StoreError> {

@@ -166,38 +166,32 @@ struct Args {
     timeout_s: Option<f64>,
 }
 
-impl Tool for Delegate {
-    fn name(&self) -> &str {
-        NAME
-    }
-
-    /// `other`, not `think`: a child may act by rules of its own (a third-party agent that
-    /// runs commands without asking), so starting one is not a read-only step; every action
-    /// the child does ask about comes back to this session's rules besides.
-    fn kind(&self) -> ToolKind {
-        ToolKind::Other
-    }
-
-    fn description(&self) -> &str {
-        "Hand a self-contained piece of work to a subagent: a fresh agent process gets `prompt` in a new \
+/// What the model reads of [`Delegate`].
+const DELEGATE_DESCRIPTION: &str = "Hand a self-contained piece of work to a subagent: a fresh agent process gets `prompt` in a new \
          session, works with its own tools inside this session's directories, and its final answer comes back \
          as this tool's result. The subagent sees nothing of this conversation, so put everything it needs in \
-         the prompt. Several delegate calls in one message run at the same time."
-    }
+         the prompt. Several delegate calls in one message run at the same time.";
 
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "prompt": {"type": "string", "description": "The whole task for the subagent"},
-                "agent": {"type": "string", "description": "Which agent: a registry name (pier, codex, claude, gemini or one from [agents]); default pier"},
-                "cwd": {"type": "string", "description": "Its working directory, inside this session's roots; default the session directory"},
-                "timeout_s": {"type": "number", "description": "Longest time the subagent may take, in seconds"}
-            },
-            "required": ["prompt"],
-            "additionalProperties": false
-        })
-    }
+/// The arguments [`Delegate`] takes (JSON schema).
+fn delegate_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "prompt": {"type": "string", "description": "The whole task for the subagent"},
+            "agent": {"type": "string", "description": "Which agent: a registry name (pier, codex, claude, gemini or one from [agents]); default pier"},
+            "cwd": {"type": "string", "description": "Its working directory, inside this session's roots; default the session directory"},
+            "timeout_s": {"type": "number", "description": "Longest time the subagent may take, in seconds"}
+        },
+        "required": ["prompt"],
+        "additionalProperties": false
+    })
+}
+
+impl Tool for Delegate {
+    // `other`, not `think`: a child may act by rules of its own (a third-party agent that
+    // runs commands without asking), so starting one is not a read-only step; every action
+    // the child does ask about comes back to this session's rules besides.
+    pier_tools::tool_spec!(NAME, ToolKind::Other, DELEGATE_DESCRIPTION, delegate_parameters);
 
     fn preview(&self, args: &Value, _workspace: &Workspace) -> Preview {
         let agent = args.get("agent").and_then(Value::as_str).unwrap_or("pier");

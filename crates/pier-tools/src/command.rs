@@ -33,27 +33,24 @@ struct Args {
 /// How long output readers may drain after the group is gone.
 const DRAIN: Duration = Duration::from_secs(2);
 
+/// What the model reads of [`RunCommand`].
+const RUN_COMMAND_DESCRIPTION: &str = "Run a shell command (`sh -c`) in the session directory. Returns the exit code and the output; long output \
+         keeps its beginning and end. Background processes do not outlive the command. Default timeout 120 s.";
+
+/// The arguments [`RunCommand`] takes (JSON schema).
+fn run_command_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The shell command"},
+            "timeout_ms": {"type": "integer", "minimum": 1, "description": "Timeout in milliseconds (default 120000)"}
+        },
+        "required": ["command"]
+    })
+}
+
 impl Tool for RunCommand {
-    fn name(&self) -> &str {
-        "run_command"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Execute
-    }
-    fn description(&self) -> &str {
-        "Run a shell command (`sh -c`) in the session directory. Returns the exit code and the output; long output \
-         keeps its beginning and end. Background processes do not outlive the command. Default timeout 120 s."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "command": {"type": "string", "description": "The shell command"},
-                "timeout_ms": {"type": "integer", "minimum": 1, "description": "Timeout in milliseconds (default 120000)"}
-            },
-            "required": ["command"]
-        })
-    }
+    crate::tool_spec!("run_command", ToolKind::Execute, RUN_COMMAND_DESCRIPTION, run_command_parameters);
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let command = args.get("command").and_then(Value::as_str).unwrap_or("?");
         let short: String = command.chars().take(120).collect();

@@ -247,12 +247,50 @@ pub enum Scope {
 }
 
 /// A built-in tool.
-pub trait Tool: Send + Sync + 'static {
-    fn name(&self) -> &str;
-    fn kind(&self) -> ToolKind;
-    fn description(&self) -> &str;
+/// What a tool is, as the model and the permission policy see it: written once per tool
+/// (a `static` for pier's own, built from the server's listing for an MCP tool).
+#[derive(Debug, Clone)]
+pub struct ToolSpec {
+    pub name: std::borrow::Cow<'static, str>,
+    pub kind: ToolKind,
+    pub description: std::borrow::Cow<'static, str>,
     /// JSON schema of the arguments.
-    fn parameters(&self) -> Value;
+    pub parameters: Value,
+}
+
+/// A tool's [`Tool::spec`], made once on first use: `tool_spec!(NAME, KIND, DESCRIPTION,
+/// parameters)` in an `impl Tool`, `parameters` a function returning the JSON schema.
+#[macro_export]
+macro_rules! tool_spec {
+    ($name:expr, $kind:expr, $description:expr, $parameters:expr) => {
+        fn spec(&self) -> &$crate::ToolSpec {
+            static SPEC: std::sync::LazyLock<$crate::ToolSpec> = std::sync::LazyLock::new(|| $crate::ToolSpec {
+                name: $name.into(),
+                kind: $kind,
+                description: $description.into(),
+                parameters: $parameters(),
+            });
+            &SPEC
+        }
+    };
+}
+
+pub trait Tool: Send + Sync + 'static {
+    /// What the tool is; the methods below read it.
+    fn spec(&self) -> &ToolSpec;
+    fn name(&self) -> &str {
+        &self.spec().name
+    }
+    fn kind(&self) -> ToolKind {
+        self.spec().kind
+    }
+    fn description(&self) -> &str {
+        &self.spec().description
+    }
+    /// JSON schema of the arguments.
+    fn parameters(&self) -> Value {
+        self.spec().parameters.clone()
+    }
     /// Title and locations of a call with `args`, without running it.
     fn preview(&self, args: &Value, workspace: &Workspace) -> Preview;
     /// Runs the call.

@@ -16,23 +16,21 @@ struct Args {
     path: Option<String>,
 }
 
+/// What the model reads of [`ListDir`].
+const LIST_DIR_DESCRIPTION: &str =
+    "List a directory of the session: each entry with its type and size. Files ignored by .gitignore are left out.";
+
+/// The arguments [`ListDir`] takes (JSON schema).
+fn list_dir_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {"path": {"type": "string", "description": "Directory, relative to the session directory (default: .)"}},
+        "required": ["path"]
+    })
+}
+
 impl Tool for ListDir {
-    fn name(&self) -> &str {
-        "list_dir"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Read
-    }
-    fn description(&self) -> &str {
-        "List a directory of the session: each entry with its type and size. Files ignored by .gitignore are left out."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {"path": {"type": "string", "description": "Directory, relative to the session directory (default: .)"}},
-            "required": ["path"]
-        })
-    }
+    crate::tool_spec!("list_dir", ToolKind::Read, LIST_DIR_DESCRIPTION, list_dir_parameters);
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let path = arg_path(args).unwrap_or(".");
         Preview {

@@ -37,37 +37,34 @@ struct Args {
     entries: Vec<PlanEntry>,
 }
 
-impl Tool for UpdatePlan {
-    fn name(&self) -> &str {
-        "update_plan"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Think
-    }
-    fn description(&self) -> &str {
-        "Record your plan for the task as a full list of steps. Each call replaces the whole plan, so always send \
-         every step with its current status."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "entries": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "properties": {
-                            "content": {"type": "string"},
-                            "priority": {"type": "string", "enum": ["high", "medium", "low"]},
-                            "status": {"type": "string", "enum": ["pending", "in_progress", "completed"]}
-                        },
-                        "required": ["content", "priority", "status"]
-                    }
+/// What the model reads of [`UpdatePlan`].
+const UPDATE_PLAN_DESCRIPTION: &str = "Record your plan for the task as a full list of steps. Each call replaces the whole plan, so always send \
+         every step with its current status.";
+
+/// The arguments [`UpdatePlan`] takes (JSON schema).
+fn update_plan_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "entries": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "content": {"type": "string"},
+                        "priority": {"type": "string", "enum": ["high", "medium", "low"]},
+                        "status": {"type": "string", "enum": ["pending", "in_progress", "completed"]}
+                    },
+                    "required": ["content", "priority", "status"]
                 }
-            },
-            "required": ["entries"]
-        })
-    }
+            }
+        },
+        "required": ["entries"]
+    })
+}
+
+impl Tool for UpdatePlan {
+    crate::tool_spec!("update_plan", ToolKind::Think, UPDATE_PLAN_DESCRIPTION, update_plan_parameters);
     fn preview(&self, args: &Value, _ws: &Workspace) -> Preview {
         let n = args.get("entries").and_then(Value::as_array).map_or(0, Vec::len);
         Preview { title: format!("Update plan ({n} steps)"), locations: Vec::new(), content: Vec::new() }

@@ -24,28 +24,25 @@ struct Args {
     limit: Option<u64>,
 }
 
+/// What the model reads of [`ReadFile`].
+const READ_FILE_DESCRIPTION: &str = "Read a text file in the session directory. Large files are returned a page at a time: pass `line` \
+         (1-based first line) and `limit` (number of lines) to read further.";
+
+/// The arguments [`ReadFile`] takes (JSON schema).
+fn read_file_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "File path, relative to the session directory"},
+            "line": {"type": "integer", "minimum": 1, "description": "First line to read (1-based)"},
+            "limit": {"type": "integer", "minimum": 1, "description": "Maximum number of lines to read"}
+        },
+        "required": ["path"]
+    })
+}
+
 impl Tool for ReadFile {
-    fn name(&self) -> &str {
-        "read_file"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Read
-    }
-    fn description(&self) -> &str {
-        "Read a text file in the session directory. Large files are returned a page at a time: pass `line` \
-         (1-based first line) and `limit` (number of lines) to read further."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "path": {"type": "string", "description": "File path, relative to the session directory"},
-                "line": {"type": "integer", "minimum": 1, "description": "First line to read (1-based)"},
-                "limit": {"type": "integer", "minimum": 1, "description": "Maximum number of lines to read"}
-            },
-            "required": ["path"]
-        })
-    }
+    crate::tool_spec!("read_file", ToolKind::Read, READ_FILE_DESCRIPTION, read_file_parameters);
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let path = arg_path(args).unwrap_or("?");
         let line = args.get("line").and_then(Value::as_u64).map(|l| l as u32);

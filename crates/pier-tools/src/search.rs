@@ -27,28 +27,25 @@ struct Args {
 /// Longest matched line shown, in chars.
 const MAX_LINE_CHARS: usize = 400;
 
+/// What the model reads of [`Grep`].
+const GREP_DESCRIPTION: &str = "Search files of the session for a regular expression (Rust regex syntax). Returns `path:line: text` \
+         for each matching line. Respects .gitignore and skips binary files. Narrow with `path` and `glob` (e.g. `*.rs`).";
+
+/// The arguments [`Grep`] takes (JSON schema).
+fn grep_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "pattern": {"type": "string", "description": "Regular expression"},
+            "path": {"type": "string", "description": "File or directory to search (default: .)"},
+            "glob": {"type": "string", "description": "Only search files whose path matches this glob, e.g. *.rs"}
+        },
+        "required": ["pattern"]
+    })
+}
+
 impl Tool for Grep {
-    fn name(&self) -> &str {
-        "grep"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Search
-    }
-    fn description(&self) -> &str {
-        "Search files of the session for a regular expression (Rust regex syntax). Returns `path:line: text` \
-         for each matching line. Respects .gitignore and skips binary files. Narrow with `path` and `glob` (e.g. `*.rs`)."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "pattern": {"type": "string", "description": "Regular expression"},
-                "path": {"type": "string", "description": "File or directory to search (default: .)"},
-                "glob": {"type": "string", "description": "Only search files whose path matches this glob, e.g. *.rs"}
-            },
-            "required": ["pattern"]
-        })
-    }
+    crate::tool_spec!("grep", ToolKind::Search, GREP_DESCRIPTION, grep_parameters);
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let pattern = args.get("pattern").and_then(Value::as_str).unwrap_or("?");
         let path = args.get("path").and_then(Value::as_str).unwrap_or(".");

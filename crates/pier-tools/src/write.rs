@@ -85,27 +85,42 @@ fn apply_edit(old: &str, args: &EditArgs) -> Result<(String, usize, usize), &'st
     Ok((new, count, line))
 }
 
+/// What the model reads of [`WriteFile`].
+const WRITE_FILE_DESCRIPTION: &str = "Create a file, or replace a file's whole content. Parent directories are created. Prefer edit_file for \
+         changing part of an existing file.";
+
+/// The arguments [`WriteFile`] takes (JSON schema).
+fn write_file_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "File path, relative to the session directory"},
+            "content": {"type": "string", "description": "The complete new content of the file"}
+        },
+        "required": ["path", "content"]
+    })
+}
+
+/// What the model reads of [`EditFile`].
+const EDIT_FILE_DESCRIPTION: &str = "Replace exact text in a file. `old_text` must match exactly once (whitespace included) unless \
+         `replace_all` is true; include enough surrounding lines to make it unique.";
+
+/// The arguments [`EditFile`] takes (JSON schema).
+fn edit_file_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": "File path, relative to the session directory"},
+            "old_text": {"type": "string", "description": "Exact text to replace"},
+            "new_text": {"type": "string", "description": "Replacement text"},
+            "replace_all": {"type": "boolean", "description": "Replace every occurrence (default false)"}
+        },
+        "required": ["path", "old_text", "new_text"]
+    })
+}
+
 impl Tool for WriteFile {
-    fn name(&self) -> &str {
-        "write_file"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Edit
-    }
-    fn description(&self) -> &str {
-        "Create a file, or replace a file's whole content. Parent directories are created. Prefer edit_file for \
-         changing part of an existing file."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "path": {"type": "string", "description": "File path, relative to the session directory"},
-                "content": {"type": "string", "description": "The complete new content of the file"}
-            },
-            "required": ["path", "content"]
-        })
-    }
+    crate::tool_spec!("write_file", ToolKind::Edit, WRITE_FILE_DESCRIPTION, write_file_parameters);
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let content = args.get("content").and_then(Value::as_str).map(str::to_owned);
         preview("Write", args, ws, |_| content.map(|c| (c, 1)))
@@ -138,28 +153,7 @@ impl Tool for WriteFile {
 }
 
 impl Tool for EditFile {
-    fn name(&self) -> &str {
-        "edit_file"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Edit
-    }
-    fn description(&self) -> &str {
-        "Replace exact text in a file. `old_text` must match exactly once (whitespace included) unless \
-         `replace_all` is true; include enough surrounding lines to make it unique."
-    }
-    fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "path": {"type": "string", "description": "File path, relative to the session directory"},
-                "old_text": {"type": "string", "description": "Exact text to replace"},
-                "new_text": {"type": "string", "description": "Replacement text"},
-                "replace_all": {"type": "boolean", "description": "Replace every occurrence (default false)"}
-            },
-            "required": ["path", "old_text", "new_text"]
-        })
-    }
+    crate::tool_spec!("edit_file", ToolKind::Edit, EDIT_FILE_DESCRIPTION, edit_file_parameters);
     fn preview(&self, args: &Value, ws: &Workspace) -> Preview {
         let edit: Option<EditArgs> = serde_json::from_value(args.clone()).ok();
         preview("Edit", args, ws, |old| {

@@ -380,19 +380,16 @@ async fn update_plan_takes_the_whole_plan() {
 
 struct Panics;
 
+/// What the model reads of [`Panics`].
+const PANICS_DESCRIPTION: &str = "panics";
+
+/// The arguments [`Panics`] takes (JSON schema).
+fn panics_parameters() -> Value {
+    json!({})
+}
+
 impl Tool for Panics {
-    fn name(&self) -> &str {
-        "panics"
-    }
-    fn kind(&self) -> ToolKind {
-        ToolKind::Other
-    }
-    fn description(&self) -> &str {
-        "panics"
-    }
-    fn parameters(&self) -> Value {
-        json!({})
-    }
+    pier_tools::tool_spec!("panics", ToolKind::Other, PANICS_DESCRIPTION, panics_parameters);
     fn preview(&self, _: &Value, _: &Workspace) -> Preview {
         Preview { title: "panics".into(), locations: vec![], content: vec![] }
     }

@@ -236,7 +236,7 @@ pub(super) fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ri
     let mut ran: Vec<(Box<dyn Job>, usize, usize)> = Vec::with_capacity(jobs.len());
     let mut failed = Vec::new();
     let mut again = Vec::new();
-    // Jobs of different tasks first, side by side in rounds (`pg_rounds`); the rest after them,
+    // Jobs of different tasks first, side by side in rounds (`rounds`); the rest after them,
     // one by one.
     let (together, rest) = if careful { (Vec::new(), jobs) } else { super::rounds::side_by_side(jobs) };
     if !together.is_empty() {

@@ -16,7 +16,7 @@ pub(crate) trait Job: Send {
     /// Hands over the answer with the last sequence the job wrote (0 for none), or the error.
     fn finish(self: Box<Self>, outcome: Result<i64, StoreError>);
     /// The task (run, id) whose rows alone the job touches, if it is one: jobs of different
-    /// tasks run side by side (`pg_rounds`).
+    /// tasks run side by side (`rounds`).
     fn task(&self) -> Option<&(String, String)>;
 }
 

@@ -1,7 +1,7 @@
 //! The PostgreSQL backend: several hosts (`pier serve` nodes) over one database.
 //!
-//! The operations are [`super::ops`], run by the committer in group transactions (READ
-//! COMMITTED; see `run_group`), those of different tasks side by side ([`super::pg_rounds`]). Row locks do what SQLite's single writer does: [`Tx::task`]
+//! The operations are [`crate::ops`], run by the committer in group transactions (READ
+//! COMMITTED; see `run_group`), those of different tasks side by side ([`rounds`]). Row locks do what SQLite's single writer does: [`Tx::task`]
 //! reads a task `FOR UPDATE`, and a claim (one statement, `CLAIM`) locks it `FOR UPDATE SKIP
 //! LOCKED`, so of racing claimers one wins and the others skip the row at once.
 //!
@@ -34,9 +34,10 @@ use tokio_postgres::Client;
 
 use target::Target;
 
-use crate::backend::{Backend, Cell, Query};
+use crate::backend::{Backend, Cell, Query, Work};
 use crate::log::{OwnCommit, publish};
 use crate::ops::{self, Arg, Tx};
+use crate::schema::{self, *};
 use crate::store::Store;
 use crate::{PgStore, StoreError, TaskRow, lock, task_columns};
 
@@ -56,118 +57,27 @@ pub use target::redacted;
 
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
-const MIGRATIONS: &[&str] = &[
-    r#"
-CREATE TABLE runs (
-    id TEXT PRIMARY KEY,
-    source TEXT NOT NULL,
-    plan TEXT NOT NULL,
-    created_at_ms BIGINT NOT NULL
-);
-CREATE TABLE tasks (
-    run_id TEXT NOT NULL REFERENCES runs(id),
-    id TEXT NOT NULL,
-    ord BIGINT NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('pending','running','awaiting_input','completed','failed','cancelled')),
-    version BIGINT NOT NULL,
-    attempt BIGINT NOT NULL DEFAULT 0,
-    failures BIGINT NOT NULL DEFAULT 0,
-    lease_owner TEXT,
-    lease_expires_at_ms BIGINT,
-    not_before_ms BIGINT NOT NULL DEFAULT 0,
-    result TEXT,
-    usage TEXT,
-    error TEXT,
-    spec TEXT NOT NULL,
-    PRIMARY KEY (run_id, id)
-);
-CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending';
-CREATE INDEX tasks_unfinished ON tasks(run_id, ord) WHERE state IN ('pending', 'running', 'awaiting_input');
-CREATE TABLE attempts (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    attempt BIGINT NOT NULL,
-    evidence TEXT NOT NULL DEFAULT '[]',
-    PRIMARY KEY (run_id, task_id, attempt)
-);
-CREATE TABLE updates (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    key TEXT NOT NULL,
-    answer TEXT NOT NULL,
-    request TEXT,
-    PRIMARY KEY (run_id, task_id, key)
-);
-CREATE TABLE questions (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    attempt BIGINT NOT NULL,
-    n BIGINT NOT NULL,
-    request TEXT NOT NULL,
-    answer TEXT,
-    answered_by TEXT,
-    PRIMARY KEY (run_id, task_id, attempt, n)
-);
-CREATE TABLE events (
-    seq BIGINT PRIMARY KEY,
-    run_id TEXT NOT NULL,
-    task_id TEXT,
-    type TEXT NOT NULL,
-    at_ms BIGINT NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE INDEX events_by_run ON events(run_id, seq);
-CREATE TABLE pier_seq (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL);
-INSERT INTO pier_seq VALUES (1, 0);
-"#,
-    // `pier serve` nodes and the runs each drives.
-    r#"
-CREATE TABLE nodes (
-    id TEXT PRIMARY KEY,
-    started_at_ms BIGINT NOT NULL,
-    heartbeat_at_ms BIGINT NOT NULL,
-    expires_at_ms BIGINT NOT NULL
-);
-CREATE TABLE run_leases (
-    run_id TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,
-    expires_at_ms BIGINT NOT NULL
-);
-CREATE INDEX run_leases_by_owner ON run_leases(owner);
-"#,
-    // What each attempt showed (its text, its tool calls), kept when it ends, whatever ended it.
-    r#"
-ALTER TABLE attempts ADD COLUMN output TEXT;
-"#,
-    // Each agent spec's last `initialize` answer: what it can do.
-    r#"
-CREATE TABLE agents (
-    spec TEXT PRIMARY KEY,
-    init TEXT NOT NULL,
-    seen_at_ms BIGINT NOT NULL
-);
-"#,
-    // People's messages to running tasks (`pier say`), and which attempt sent each.
-    r#"
-CREATE TABLE messages (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    n BIGINT NOT NULL,
-    text TEXT NOT NULL,
-    interrupt BIGINT NOT NULL,
-    at_ms BIGINT NOT NULL,
-    sent_attempt BIGINT,
-    PRIMARY KEY (run_id, task_id, n)
-);
-CREATE TABLE messages_closed (
-    run_id TEXT NOT NULL,
-    task_id TEXT NOT NULL,
-    attempt BIGINT NOT NULL,
-    PRIMARY KEY (run_id, task_id, attempt)
-);
-"#,
-    // The inbox closes with the attempt's ending (`Last::unless_messages`), not with a row.
-    "DROP TABLE messages_closed;",
+/// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
+const MIGRATIONS: [Migration; 6] = [
+    &[
+        RUNS,
+        TASKS,
+        TASKS_PENDING,
+        TASKS_UNFINISHED,
+        ATTEMPTS,
+        UPDATES,
+        UPDATES_REQUEST,
+        QUESTIONS,
+        EVENTS,
+        EVENTS_BY_RUN,
+        "CREATE TABLE pier_seq (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL)",
+        "INSERT INTO pier_seq VALUES (1, 0)",
+    ],
+    LATER[0],
+    LATER[1],
+    LATER[2],
+    LATER[3],
+    LATER[4],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
@@ -311,7 +221,7 @@ impl ScratchDatabase {
         Ok(ScratchDatabase { server: server.to_owned(), name, url })
     }
 
-    /// The database's URL, for `--store` or [`super::open`].
+    /// The database's URL, for `--store` or [`crate::open`].
     pub fn url(&self) -> &str {
         &self.url
     }
@@ -353,7 +263,7 @@ fn migrate(client: &mut Client) -> Result<(), StoreError> {
         }
         for (i, migration) in MIGRATIONS.iter().enumerate().skip(have as usize) {
             let tx = block_on(client.transaction())?;
-            block_on(tx.batch_execute(migration))?;
+            block_on(tx.batch_execute(&schema::batch(migration, "BIGINT")))?;
             block_on(
                 tx.execute("INSERT INTO pier_migrations VALUES ($1, $2)", &[&((i + 1) as i64), &crate::now_ms()]),
             )?;
@@ -426,24 +336,11 @@ async fn listen(Target { config, tls }: Target, seq_tx: Weak<watch::Sender<i64>>
 }
 
 impl Backend for Pg {
-    const PENDING_TASKS: &'static str = concat!(
-        "SELECT ",
-        task_columns!(t),
-        " FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.state = 'pending' ORDER BY r.created_at_ms, r.id, t.ord"
-    );
-    const UNFINISHED_TASKS: &'static str = concat!(
-        "SELECT ",
-        task_columns!(t),
-        " FROM tasks t JOIN runs r ON r.id = t.run_id
-         WHERE t.state IN ('pending', 'running', 'awaiting_input') ORDER BY r.created_at_ms, r.id, t.ord"
-    );
+    const PENDING_TASKS: &'static str = crate::tasks_in!("= 'pending'", "");
+    const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "");
     const LAST_SEQ: &'static str = "SELECT n FROM pier_seq";
 
-    fn write<T: Send + 'static>(
-        &self,
-        task: Option<(&str, &str)>,
-        work: impl FnMut(&mut dyn Tx) -> Result<(T, i64), StoreError> + Send + 'static,
-    ) -> Result<(T, i64), StoreError> {
+    fn write<T: Send + 'static>(&self, task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError> {
         self.queue(task, work)
     }
 

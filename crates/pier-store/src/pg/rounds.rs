@@ -1,7 +1,7 @@
 //! A group's jobs side by side: each job's statements go to PostgreSQL in *rounds*, one round
 //! trip carrying the next statement of every job, instead of one round trip per statement.
 //!
-//! The operations ([`super::ops`]) are synchronous code over [`super::ops::Tx`] and stay so
+//! The operations ([`crate::ops`]) are synchronous code over [`crate::ops::Tx`] and stay so
 //! (SQLite runs the same code). A job runs until it asks for a statement whose answer it does
 //! not have yet: the call is noted and the job stops there (`Replay::wanted`; the error it
 //! returns is dropped). Once every job has stopped or ended, the noted statements are sent in

@@ -11,7 +11,7 @@ fn placeholders_become_dollars() {
     assert_eq!(dialect("a = ?1 AND b = ?12 AND c = '?'"), "a = $1 AND b = $12 AND c = '?'");
 }
 
-// Jobs side by side (`pg_rounds`), against the server `PIER_TEST_PG` names.
+// Jobs side by side (`rounds`), against the server `PIER_TEST_PG` names.
 
 const FAR: i64 = i64::MAX / 2;
 type Reply = std::sync::mpsc::Receiver<Result<(String, i64), StoreError>>;

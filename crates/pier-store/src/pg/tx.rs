@@ -45,7 +45,7 @@ pub(crate) struct PgTx<'c> {
     pub(crate) wrote: bool,
     /// A statement failed: PostgreSQL aborted the transaction (or the savepoint).
     pub(crate) aborted: bool,
-    /// In rounds (`pg_rounds`): the current job's answers so far, and where it stops.
+    /// In rounds (`rounds`): the current job's answers so far, and where it stops.
     pub(super) replay: Option<Replay>,
 }
 
@@ -97,7 +97,7 @@ impl PgTx<'_> {
         Ok(s)
     }
 
-    /// Runs one job with `replay`'s answers (see `pg_rounds`): its outcome, the replay with
+    /// Runs one job with `replay`'s answers (see `rounds`): its outcome, the replay with
     /// where it stopped, and the events it buffered.
     pub(crate) fn replaying(
         &mut self,
@@ -273,13 +273,8 @@ impl Tx for PgTx<'_> {
         self.one_task(TASK_FOR_UPDATE, run, task)
     }
 
-    fn end_held(
-        &mut self,
-        a: &Attempt,
-        c: &ops::Columns,
-        now: i64,
-        b: ops::Beside<'_>,
-    ) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+    fn end_held(&mut self, e: &ops::EndHeld<'_>) -> Result<Option<(TaskState, TaskRow)>, StoreError> {
+        let (a, c, now, b) = (e.attempt, e.columns, e.now, e.beside);
         let usage = c.usage.as_ref().map(Value::to_string);
         let mut params = vec![
             Arg::Text(&a.run),
@@ -349,14 +344,8 @@ impl Tx for PgTx<'_> {
         Ok(Some((from, ops::decode(raw)?)))
     }
 
-    fn take(
-        &mut self,
-        run: &str,
-        task: &str,
-        owner: &str,
-        until: i64,
-        now: i64,
-    ) -> Result<Option<TaskRow>, StoreError> {
+    fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
+        let ops::Claim { run, task, owner, until, now } = *c;
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
         let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;

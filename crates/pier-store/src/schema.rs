@@ -1,0 +1,94 @@
+//! The schema, written once for both databases. A backend's migrations are lists of these
+//! statements (SQLite's history is longer: its stores predate PostgreSQL's); `{INT}` is the
+//! dialect's 64-bit integer (`INTEGER` in SQLite, where `seq INTEGER PRIMARY KEY` numbers
+//! events in the writing transaction; `BIGINT` in PostgreSQL, which numbers them at commit).
+
+/// A migration: its statements, in order.
+pub(crate) type Migration = &'static [&'static str];
+
+/// The statements of `migration` as one batch in the dialect whose integer type is `int`.
+pub(crate) fn batch(migration: Migration, int: &str) -> String {
+    migration.iter().map(|s| s.replace("{INT}", int)).collect::<Vec<_>>().join(";\n")
+}
+
+pub(crate) const RUNS: &str = "CREATE TABLE runs (id TEXT PRIMARY KEY, source TEXT NOT NULL, plan TEXT NOT NULL, \
+     created_at_ms {INT} NOT NULL)";
+
+pub(crate) const TASKS: &str = "CREATE TABLE tasks (
+    run_id TEXT NOT NULL REFERENCES runs(id),
+    id TEXT NOT NULL,
+    ord {INT} NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('pending','running','awaiting_input','completed','failed','cancelled')),
+    version {INT} NOT NULL,
+    attempt {INT} NOT NULL DEFAULT 0,
+    failures {INT} NOT NULL DEFAULT 0,
+    lease_owner TEXT,
+    lease_expires_at_ms {INT},
+    not_before_ms {INT} NOT NULL DEFAULT 0,
+    result TEXT,
+    usage TEXT,
+    error TEXT,
+    spec TEXT NOT NULL,
+    PRIMARY KEY (run_id, id))";
+
+/// Pending tasks across all runs, for handing worker tasks out without reading every run.
+pub(crate) const TASKS_PENDING: &str = "CREATE INDEX tasks_pending ON tasks(run_id, ord) WHERE state = 'pending'";
+
+/// The tasks a host drives.
+pub(crate) const TASKS_UNFINISHED: &str = "CREATE INDEX tasks_unfinished ON tasks(run_id, ord) \
+     WHERE state IN ('pending', 'running', 'awaiting_input')";
+
+pub(crate) const ATTEMPTS: &str = "CREATE TABLE attempts (run_id TEXT NOT NULL, task_id TEXT NOT NULL, \
+     attempt {INT} NOT NULL, evidence TEXT NOT NULL DEFAULT '[]', PRIMARY KEY (run_id, task_id, attempt))";
+
+/// What each attempt showed (its text, its tool calls), kept when it ends, whatever ended it.
+pub(crate) const ATTEMPTS_OUTPUT: &str = "ALTER TABLE attempts ADD COLUMN output TEXT";
+
+/// The first answer to each idempotency key.
+pub(crate) const UPDATES: &str = "CREATE TABLE updates (run_id TEXT NOT NULL, task_id TEXT NOT NULL, \
+     key TEXT NOT NULL, answer TEXT NOT NULL, PRIMARY KEY (run_id, task_id, key))";
+
+/// The body an idempotency key first came with: a repeat with another body is refused.
+pub(crate) const UPDATES_REQUEST: &str = "ALTER TABLE updates ADD COLUMN request TEXT";
+
+pub(crate) const QUESTIONS: &str = "CREATE TABLE questions (run_id TEXT NOT NULL, task_id TEXT NOT NULL, \
+     attempt {INT} NOT NULL, n {INT} NOT NULL, request TEXT NOT NULL, answer TEXT, answered_by TEXT, \
+     PRIMARY KEY (run_id, task_id, attempt, n))";
+
+pub(crate) const EVENTS: &str = "CREATE TABLE events (seq {INT} PRIMARY KEY, run_id TEXT NOT NULL, task_id TEXT, \
+     type TEXT NOT NULL, at_ms {INT} NOT NULL, data TEXT NOT NULL)";
+
+pub(crate) const EVENTS_BY_RUN: &str = "CREATE INDEX events_by_run ON events(run_id, seq)";
+
+/// `pier serve` nodes, and the runs each drives.
+pub(crate) const NODES: &str = "CREATE TABLE nodes (id TEXT PRIMARY KEY, started_at_ms {INT} NOT NULL, \
+     heartbeat_at_ms {INT} NOT NULL, expires_at_ms {INT} NOT NULL)";
+
+pub(crate) const RUN_LEASES: &str =
+    "CREATE TABLE run_leases (run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at_ms {INT} NOT NULL)";
+
+pub(crate) const RUN_LEASES_BY_OWNER: &str = "CREATE INDEX run_leases_by_owner ON run_leases(owner)";
+
+/// Each agent spec's last `initialize` answer: what it can do.
+pub(crate) const AGENTS: &str =
+    "CREATE TABLE agents (spec TEXT PRIMARY KEY, init TEXT NOT NULL, seen_at_ms {INT} NOT NULL)";
+
+/// People's messages to running tasks (`pier say`), and which attempt sent each.
+pub(crate) const MESSAGES: &str = "CREATE TABLE messages (run_id TEXT NOT NULL, task_id TEXT NOT NULL, \
+     n {INT} NOT NULL, text TEXT NOT NULL, interrupt {INT} NOT NULL, at_ms {INT} NOT NULL, sent_attempt {INT}, \
+     PRIMARY KEY (run_id, task_id, n))";
+
+/// Once how an inbox closed; it closes with the attempt's ending now (`Last::unless_messages`).
+pub(crate) const MESSAGES_CLOSED: &str = "CREATE TABLE messages_closed (run_id TEXT NOT NULL, \
+     task_id TEXT NOT NULL, attempt {INT} NOT NULL, PRIMARY KEY (run_id, task_id, attempt))";
+
+pub(crate) const DROP_MESSAGES_CLOSED: &str = "DROP TABLE messages_closed";
+
+/// The migrations both databases end with, after each one's first.
+pub(crate) const LATER: [Migration; 5] = [
+    &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
+    &[ATTEMPTS_OUTPUT],
+    &[AGENTS],
+    &[MESSAGES, MESSAGES_CLOSED],
+    &[DROP_MESSAGES_CLOSED],
+];
