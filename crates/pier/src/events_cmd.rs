@@ -41,10 +41,10 @@ fn transition_text(seq: i64, task: &str, t: &LogEvent) -> String {
     line
 }
 
-/// The line a person reads for event `e`, if it is one a person reads.
-pub fn event_text(e: &Event) -> Option<String> {
+/// The line a person reads for event `e` (whose entry is `entry`), if it is one a person reads.
+pub fn event_text(e: &Event, entry: Entry) -> Option<String> {
     let task = e.task.as_deref().unwrap_or("-");
-    match e.entry() {
+    match entry {
         Entry::Host(t @ LogEvent::Transition { .. }) => {
             let mut line = transition_text(e.seq, task, &t);
             // Parked on evidence (not on a question, which has an event of its own).
@@ -106,38 +106,40 @@ impl LiveView {
 
     pub fn see(&mut self, e: &Event, out: &mut String) {
         let task = e.task.clone().unwrap_or_default();
-        match e.entry() {
+        // Decoded once: the view's update and the line both read it.
+        let entry = e.entry();
+        match &entry {
             Entry::Host(LogEvent::TaskCreated { .. }) => {
                 self.states.insert(task, TaskState::Pending);
                 return;
             }
             Entry::Host(LogEvent::Transition { to, evidence, .. }) => {
-                if to == TaskState::Running {
+                if *to == TaskState::Running {
                     self.running.insert(task.clone(), (std::time::Instant::now(), String::new()));
                 } else {
                     self.running.remove(&task);
                 }
-                if to != TaskState::AwaitingInput {
+                if *to != TaskState::AwaitingInput {
                     self.waiting.remove(&task);
                 } else if evidence.is_some() {
                     self.waiting.insert(task.clone(), waiting_for(&e.run, &task, None));
                 }
-                self.states.insert(task, to);
+                self.states.insert(task, *to);
             }
             Entry::Host(LogEvent::Question { request, .. }) => {
-                self.waiting.insert(task.clone(), waiting_for(&e.run, &task, Some(&request)));
+                self.waiting.insert(task.clone(), waiting_for(&e.run, &task, Some(request)));
             }
             Entry::Agent { event, .. } => {
                 if let AgentEvent::SessionUpdate { update } = event.as_ref() {
-                    if let (Some(title), Some(entry)) = (tool_title(update), self.running.get_mut(&task)) {
-                        entry.1 = title;
+                    if let (Some(title), Some(running)) = (tool_title(update), self.running.get_mut(&task)) {
+                        running.1 = title;
                     }
                     return;
                 }
             }
             _ => {}
         }
-        if let Some(line) = event_text(e) {
+        if let Some(line) = event_text(e, entry) {
             out.push_str(&line);
             out.push('\n');
         }
@@ -191,7 +193,7 @@ pub fn print_event(e: &Event, format: EventFormat) {
             let _ = writeln!(out, "{}", e.to_wire());
         }
         EventFormat::Text => {
-            if let Some(line) = event_text(e) {
+            if let Some(line) = event_text(e, e.entry()) {
                 let _ = writeln!(out, "{line}");
             }
         }

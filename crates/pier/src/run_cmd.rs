@@ -60,19 +60,19 @@ pub struct RunArgs {
 pub fn open_tasks(flag: &Option<String>) -> anyhow::Result<Tasks> {
     let here = std::env::current_dir()?;
     let files = config::load_files(&ProcessEnv, &here)?;
-    open_tasks_with(flag, HostConfig::new(std::env::current_exe()?, files.agents, here))
+    let config = HostConfig::new(std::env::current_exe()?, files.agents.clone(), here);
+    open_tasks_with(flag, &files, config)
 }
 
-/// [`open_tasks`] for a host configured as `config`.
-pub fn open_tasks_with(flag: &Option<String>, config: HostConfig) -> anyhow::Result<Tasks> {
-    let files = config::load_files(&ProcessEnv, &std::env::current_dir()?)?;
-    let spec = config::store_spec(&ProcessEnv, flag.as_deref(), &files)?;
+/// [`open_tasks`] for a host configured as `config`, with the config files already read.
+pub fn open_tasks_with(flag: &Option<String>, files: &config::FileConfig, config: HostConfig) -> anyhow::Result<Tasks> {
+    let spec = config::store_spec(&ProcessEnv, flag.as_deref(), files)?;
     Tasks::open(&spec, config).with_context(|| format!("cannot open the store {}", pier_host::store::redacted(&spec)))
 }
 
 /// A plan checked before the store is touched (a refused plan leaves nothing behind), and
 /// the host's configuration for it.
-fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, Option<(pier_host::Plan, String)>)> {
+fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Option<(pier_host::Plan, String)>)> {
     let here = std::env::current_dir()?;
     let files = config::load_files(&ProcessEnv, &here)?;
     let pier_exe = std::env::current_exe()?;
@@ -95,9 +95,9 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, Option<(pier_host::Pla
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         retry_base: Duration::from_millis(args.retry_base_ms),
         cancel_grace: Duration::from_millis(args.cancel_grace_ms),
-        ..HostConfig::new(pier_exe, files.agents, base_dir)
+        ..HostConfig::new(pier_exe, files.agents.clone(), base_dir)
     };
-    Ok((config, plan))
+    Ok((config, files, plan))
 }
 
 /// Stops the run on SIGTERM or SIGINT (running tasks are cancelled, the run can be resumed).
@@ -165,8 +165,8 @@ async fn print_run(mut follower: Follower, mut live: Option<LiveView>, format: E
 /// `pier run`: returns the exit code (0 only if every task completed).
 #[allow(clippy::print_stdout)]
 pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
-    let (config, plan) = prepare(&args)?;
-    let tasks = open_tasks_with(&args.store, config)?;
+    let (config, files, plan) = prepare(&args)?;
+    let tasks = open_tasks_with(&args.store, &files, config)?;
     // Print what this invocation commits: a new run from its creation, a resumed one from now.
     let start_seq = tasks.position().await?;
     let run_id = match (&args.resume, plan) {

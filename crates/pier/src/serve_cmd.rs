@@ -102,7 +102,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         ..HostConfig::new(std::env::current_exe()?, files.agents.clone(), here)
     };
-    let tasks = crate::run_cmd::open_tasks_with(&args.store, config)?;
+    let tasks = crate::run_cmd::open_tasks_with(&args.store, &files, config)?;
     let sse = pier_server::SseLimits {
         buffer: args.sse_buffer.max(1),
         patience: Duration::from_millis(args.sse_patience_ms),

@@ -14,7 +14,7 @@ use crate::person::{self, ActionError};
 const TRANSCRIPT_EVENTS: usize = 20_000;
 
 /// How many tasks are in each state.
-pub fn counts(tasks: &[TaskRow]) -> BTreeMap<&'static str, usize> {
+pub fn counts<'a>(tasks: impl IntoIterator<Item = &'a TaskRow>) -> BTreeMap<&'static str, usize> {
     let mut c = BTreeMap::new();
     for t in tasks {
         *c.entry(t.state.as_str()).or_default() += 1;
@@ -63,8 +63,7 @@ pub struct RunView {
 
 impl RunView {
     pub fn counts(&self) -> BTreeMap<&'static str, usize> {
-        let rows: Vec<TaskRow> = self.tasks.iter().map(|(t, _)| t.clone()).collect();
-        counts(&rows)
+        counts(self.tasks.iter().map(|(t, _)| t))
     }
 
     /// The tasks waiting on a person, each with its question (none: a re-run decision).
