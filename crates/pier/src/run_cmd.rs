@@ -70,9 +70,12 @@ pub fn open_tasks_with(flag: &Option<String>, files: &config::FileConfig, config
     Tasks::open(&spec, config).with_context(|| format!("cannot open the store {}", pier_host::store::redacted(&spec)))
 }
 
+/// A plan to submit, and where it came from.
+type NewPlan = (pier_host::Plan, String);
+
 /// A plan checked before the store is touched (a refused plan leaves nothing behind), and
 /// the host's configuration for it.
-fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Option<(pier_host::Plan, String)>)> {
+fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Option<NewPlan>)> {
     let here = std::env::current_dir()?;
     let files = config::load_files(&ProcessEnv, &here)?;
     let pier_exe = std::env::current_exe()?;
