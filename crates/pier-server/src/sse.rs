@@ -65,15 +65,17 @@ pub(crate) fn event_stream(
     };
     let after = from_header.or(from_query).unwrap_or(0);
     let follower = app.tasks.follow(Follow { run: q.run, after, live });
-    let delivered = follower.queued(app.sse.buffer, app.sse.patience, end);
+    let encode = |e: pier_host::Event| {
+        let (seq, kind) = (e.seq, e.kind.clone());
+        SseEvent::default().id(seq.to_string()).event(kind).data(e.into_wire().to_string())
+    };
+    let delivered = follower.queued(app.sse.buffer, app.sse.patience, end, encode);
     // The client is counted while its response lives (dropped when it disconnects).
     let client = telemetry::SseClient::new();
     let stream = delivered.map(move |d| {
         let _counted = &client;
         Ok(match d {
-            Delivered::Event(e) => {
-                SseEvent::default().id(e.seq.to_string()).event(&e.kind).data(e.to_wire().to_string())
-            }
+            Delivered::Event(e) => e,
             Delivered::Cut { after } => {
                 SseEvent::default().comment(format!("too slow; reconnect with Last-Event-ID {after}"))
             }

@@ -43,10 +43,10 @@ pub struct Follower {
     next: Option<JoinHandle<Result<Vec<Event>, StoreError>>>,
 }
 
-/// What a queued follower delivers.
+/// What a queued follower delivers: each event as its `encode` made it.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Delivered {
-    Event(Event),
+pub enum Delivered<T> {
+    Event(T),
     /// The client took nothing for too long and was cut: it resumes after this sequence.
     Cut {
         after: i64,
@@ -151,14 +151,16 @@ impl Follower {
     /// The events through a queue of at most `buffer`, for a client that may stall: one that
     /// takes nothing for `patience` while the queue is full is cut (the last thing it gets is
     /// [`Delivered::Cut`]). Ends with the log (a follower that is not live), a store error,
-    /// the client leaving, or `end`.
-    pub fn queued(
+    /// the client leaving, or `end`. Each event is `encode`d on the reading side of the queue,
+    /// so a replay encodes one batch while the client's side writes the last (both cores).
+    pub fn queued<T: Send + 'static>(
         mut self,
         buffer: usize,
         patience: Duration,
         end: CancellationToken,
-    ) -> impl futures::Stream<Item = Delivered> + Send + 'static {
-        let (tx, rx) = tokio::sync::mpsc::channel::<Event>(buffer.max(1));
+        mut encode: impl FnMut(Event) -> T + Send + 'static,
+    ) -> impl futures::Stream<Item = Delivered<T>> + Send + 'static {
+        let (tx, rx) = tokio::sync::mpsc::channel::<T>(buffer.max(1));
         let (cut_tx, cut_rx) = tokio::sync::oneshot::channel::<i64>();
         let mut sent = self.after();
         tokio::spawn(async move {
@@ -174,7 +176,7 @@ impl Follower {
                 };
                 for e in batch {
                     let seq = e.seq;
-                    match tokio::time::timeout(patience, tx.send(e)).await {
+                    match tokio::time::timeout(patience, tx.send(encode(e))).await {
                         Ok(Ok(())) => sent = seq,
                         Ok(Err(_)) => return,
                         Err(_) => {
