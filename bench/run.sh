@@ -6,6 +6,9 @@
 # stderr and the table of medians (min, max) on stdout. Reading the figures: docs/benchmarks.md.
 #
 #   bench/run.sh [ROUNDS] [--peers] [--only PREFIX]   # default 5 rounds; --only B6: just those
+#
+# PIER_BENCH_BINS=DIR takes `pier` and `pier-bench` from DIR instead of building them: how two
+# commits are measured side by side (build each, copy its two binaries, run the suite on each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=5
@@ -33,12 +36,18 @@ if [ "$with_peers" = 1 ] && [ ! -x "$interop/node_modules/.bin/gemini" ]; then
     @zed-industries/codex-acp@0.16.0 @zed-industries/claude-agent-acp@0.23.1 @google/gemini-cli@0.61.0
 fi
 ln -sfn "$peers/node_modules" bench/ts/node_modules
-cargo build --release --quiet -p pier -p pier-bench
-cargo build --release --quiet -p pier --example interop
-(cd bench/rust-sdk && cargo build --release --quiet)
+bins="${PIER_BENCH_BINS:-}"
+if [ -z "$bins" ]; then
+  cargo build --release --quiet -p pier -p pier-bench
+  cargo build --release --quiet -p pier --example interop
+  bins="$PWD/target/release"
+fi
+if [ -z "$only" ] || wanted B1 || wanted B4; then
+  (cd bench/rust-sdk && cargo build --release --quiet)
+fi
 sdk="$PWD/bench/rust-sdk/target/release/sdk-bench"
-bench="$PWD/target/release/pier-bench"
-pier="$PWD/target/release/pier"
+bench="$bins/pier-bench"
+pier="$bins/pier"
 sdk_agent="$peers/node_modules/@agentclientprotocol/sdk/dist/examples/agent.js"
 work="$(mktemp -d)"
 server=""
