@@ -122,6 +122,10 @@ if wanted B5-sse; then
   run B5-sse-replay-1M       "$bench" replay --token bench -- "http://127.0.0.1:$port"
   kill "$server"; server=""
 fi
+# B8: the cost of confinement: the bench agent's start open, under workspace and under strict
+# (interleaved), and a request direct and through the egress proxy.
+run B8-jail-startup        "$bench" jail-startup --n 20 --pier "$pier" -- "$bench" agent
+run B8-egress              "$bench" egress --n 2000
 # B6: one answer of 20,000 one-token deltas streamed by the fake model (started inside
 # pier-bench) as fast as it can, through the agent to a counting client; `direct` is the
 # fake read straight over HTTP, no agent (the fake's own ceiling and loopback latency).

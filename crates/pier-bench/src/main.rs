@@ -21,10 +21,13 @@
 //!   started here) to a client that counts `agent_message_chunk`s and times every token.
 //! - `delegate --pier PATH`: B7, a delegation (spawn → answer) beside the same child run
 //!   directly ([`delegate`]).
+//! - `jail-startup --pier PATH CMD…` and `egress`: B8, an agent's start open and jailed, and a
+//!   request direct and through the egress proxy ([`jail`]).
 
 #![allow(clippy::print_stdout)]
 
 mod delegate;
+mod jail;
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -1040,6 +1043,8 @@ async fn main() {
         Some("replay") => replay(opts, cmd.first().map_or("http://127.0.0.1:8477", String::as_str)).await,
         Some("echo") => echo(),
         Some("startup") => startup(opts, cmd).await,
+        Some("jail-startup") => jail::startup(opts, cmd).await,
+        Some("egress") => jail::egress(opts).await,
         Some("sessions") => sessions(opts, cmd).await,
         Some("stream") => stream(opts, cmd).await,
         Some("delegate") => delegate::run(opts).await,

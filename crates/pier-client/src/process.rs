@@ -18,6 +18,22 @@ use tokio::process::{Child, ChildStdin, ChildStdout};
 use crate::ClientError;
 use crate::registry::AgentCommand;
 
+/// The jail an agent process runs in: who starts it and what it allows.
+#[derive(Clone)]
+pub struct JailSetup {
+    pub jailer: pier_jail::Jailer,
+    pub request: pier_jail::Request,
+}
+
+impl std::fmt::Debug for JailSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.request.fmt(f)
+    }
+}
+
+/// How long a jail's helper may take to hand over its proxy listener.
+const JAIL_START: Duration = Duration::from_secs(10);
+
 /// How many stderr lines are kept for error messages.
 const STDERR_LINES: usize = 40;
 
@@ -31,6 +47,8 @@ pub struct AgentProcess {
     stderr: Arc<Mutex<VecDeque<String>>>,
     /// The task reading stderr; it ends at the agent's EOF.
     stderr_reader: Option<tokio::task::JoinHandle<()>>,
+    /// The agent's jail (its cgroup, proxy, private directories), undone on drop after the group is killed.
+    jail: Option<pier_jail::Running>,
 }
 
 /// The pipes the connection runs over.
@@ -40,28 +58,57 @@ pub struct AgentPipes {
 }
 
 impl AgentProcess {
-    /// Spawns `command` in `cwd`. With `echo_stderr`, the agent's stderr is also copied to ours.
-    pub fn spawn(
+    /// Spawns `command` in `cwd`, inside `jail` when given. With `echo_stderr`, the agent's
+    /// stderr is also copied to ours. Call it from a long-lived thread (see [`AgentCommand::guarded`]):
+    /// a jailed or guarded agent is told when that thread dies.
+    pub async fn spawn(
         command: &AgentCommand,
         cwd: &std::path::Path,
         echo_stderr: bool,
+        jail: Option<&JailSetup>,
     ) -> Result<(AgentProcess, AgentPipes), ClientError> {
-        let mut cmd = tokio::process::Command::new(&command.program);
-        cmd.args(&command.args)
-            .envs(command.env.iter().map(|(k, v)| (k, v)))
-            .current_dir(cwd)
+        let spawn_error = |message: String| ClientError::Spawn { agent: command.name.clone(), message };
+        let mut prepared = match jail {
+            Some(j) => {
+                let program = pier_jail::Program {
+                    program: command.program.clone(),
+                    args: command.args.clone(),
+                    env: command.env.clone(),
+                };
+                Some(j.jailer.prepare(&j.request, &program).map_err(|e| spawn_error(e.to_string()))?)
+            }
+            None => None,
+        };
+        let mut cmd = match &prepared {
+            Some(p) => {
+                let mut cmd = tokio::process::Command::new(&p.program);
+                cmd.args(&p.args).envs(command.env.iter().map(|(k, v)| (k, v)));
+                cmd
+            }
+            None => {
+                let mut cmd = tokio::process::Command::new(&command.program);
+                cmd.args(&command.args).envs(command.env.iter().map(|(k, v)| (k, v)));
+                cmd
+            }
+        };
+        cmd.current_dir(cwd)
             .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        if command.guarded {
+        if let Some(p) = prepared.as_mut() {
+            p.configure(&mut cmd);
+        }
+        if command.guarded || prepared.is_some() {
             pier_tools::contain::die_with_parent(cmd.as_std_mut(), Signal::SIGTERM);
         }
-        let mut child = cmd.spawn().map_err(|e| ClientError::Spawn {
-            agent: command.name.clone(),
-            message: format!("{}: {e}", command.program.display()),
-        })?;
+        let mut child = cmd.spawn().map_err(|e| spawn_error(format!("{}: {e}", command.program.display())))?;
+        let guarded = command.guarded || prepared.is_some();
+        let jail = match prepared {
+            Some(p) => Some(p.started(command.name.clone(), JAIL_START).await),
+            None => None,
+        };
         let pgid = child.id().map(|id| Pid::from_raw(id as i32));
         let (Some(stdin), Some(stdout), Some(err)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
@@ -89,9 +136,10 @@ impl AgentProcess {
                 name: command.name.clone(),
                 child,
                 pgid,
-                guarded: command.guarded,
+                guarded,
                 stderr,
                 stderr_reader: Some(stderr_reader),
+                jail,
             },
             AgentPipes { stdin, stdout },
         ))
@@ -100,6 +148,11 @@ impl AgentProcess {
     /// The agent's process id, which is also its process group id.
     pub fn pid(&self) -> Option<i32> {
         self.pgid.map(Pid::as_raw)
+    }
+
+    /// The limit of its jail the agent broke, if it broke one.
+    pub fn breach(&self) -> Option<pier_jail::Breach> {
+        self.jail.as_ref().and_then(pier_jail::Running::breach)
     }
 
     /// The last lines the agent wrote to stderr.
@@ -166,5 +219,7 @@ impl Drop for AgentProcess {
     fn drop(&mut self) {
         metrics::gauge!("pier_agent_processes").decrement(1.0);
         self.kill_group();
+        // After the group: the jail's drop kills what is left in its cgroup and removes its directories.
+        self.jail.take();
     }
 }

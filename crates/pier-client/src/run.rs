@@ -68,6 +68,8 @@ pub struct RunOptions {
     /// How `terminal/*` commands are confined (`--sandbox off`: no Landlock; they still
     /// end with their turn).
     pub confinement: pier_tools::Confinement,
+    /// The jail the agent process runs in (`None`: unconfined, only its process group ends with it).
+    pub jail: Option<crate::process::JailSetup>,
     /// Told each turn's session id as soon as the agent gives it, before the prompt is
     /// sent (a parent showing its subagent's session, say).
     pub session_ids: Option<mpsc::UnboundedSender<String>>,
@@ -158,6 +160,8 @@ pub struct RunOutcome {
     pub resume_session: bool,
     pub error: Option<ClientError>,
     pub duration: Duration,
+    /// The limit of its jail the agent broke, when that ended the run.
+    pub breach: Option<pier_jail::Breach>,
 }
 
 impl RunOutcome {
@@ -174,6 +178,7 @@ impl RunOutcome {
             resume_session: false,
             error,
             duration: Duration::ZERO,
+            breach: None,
         }
     }
 }
@@ -373,14 +378,15 @@ impl LiveAgent {
     ) -> Result<LiveAgent, Stopped> {
         let deadline = setup_deadline(opts, Instant::now());
         let sandbox = Sandbox::new(&opts.cwd, &opts.allow_dirs)
-            .map(|s| s.with_confinement(opts.confinement.clone()))
+            .map(|s| s.with_confinement(opts.confinement.clone()).with_jail(opts.jail.clone()))
             .and_then(|s| match &opts.writable {
                 Some(w) => s.with_writable(w),
                 None => Ok(s),
             })
             .map_err(|e| Stopped::failed(ClientError::usage(format!("cannot use the directories to serve: {e}"))))?;
-        let (process, pipes) =
-            AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr).map_err(Stopped::failed)?;
+        let (process, pipes) = AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr, opts.jail.as_ref())
+            .await
+            .map_err(Stopped::failed)?;
         let (inner_tx, inner_rx) = event_channel();
         let state = Arc::new(ClientState::new(
             sandbox,
@@ -560,6 +566,14 @@ impl LiveAgent {
     ) -> RunOutcome {
         if outcome.ending != Ending::Answered || outcome.error.is_some() {
             self.clean = false;
+        }
+        // The jail stopped the agent at a limit: that, not the broken pipe it left, is the ending.
+        if let Some(breach) = self.process.breach() {
+            self.clean = false;
+            outcome.ending = Ending::Failed;
+            outcome.error =
+                Some(ClientError::Agent { agent: self.process.name.clone(), message: breach.message.clone() });
+            outcome.breach = Some(breach);
         }
         self.state.terminals.kill_all();
         while let Ok(event) = self.inner_rx.try_recv() {

@@ -16,6 +16,8 @@ pub struct Sandbox {
     writable: Option<Vec<Workspace>>,
     /// How terminals are confined.
     confinement: Confinement,
+    /// The agent's jail: a terminal's command runs in one like it, never beside it on the host.
+    jail: Option<crate::process::JailSetup>,
 }
 
 impl Sandbox {
@@ -24,7 +26,7 @@ impl Sandbox {
         for dir in allow_dirs {
             roots.push(Workspace::new(dir)?);
         }
-        Ok(Sandbox { roots, writable: None, confinement: Confinement::default() })
+        Ok(Sandbox { roots, writable: None, confinement: Confinement::default(), jail: None })
     }
 
     /// Sets how terminals are confined (`--sandbox off` turns Landlock off).
@@ -35,6 +37,16 @@ impl Sandbox {
 
     pub fn confinement(&self) -> &Confinement {
         &self.confinement
+    }
+
+    /// Runs terminals' commands in a jail like the agent's.
+    pub fn with_jail(mut self, jail: Option<crate::process::JailSetup>) -> Sandbox {
+        self.jail = jail;
+        self
+    }
+
+    pub fn jail(&self) -> Option<&crate::process::JailSetup> {
+        self.jail.as_ref()
     }
 
     /// The directories a terminal's command may write beneath under Landlock.

@@ -95,18 +95,58 @@ impl Terminals {
         if req.command.is_empty() {
             return Err(invalid_params("the command is empty"));
         }
-        let mut cmd = tokio::process::Command::new(&req.command);
-        cmd.args(&req.args)
-            .envs(req.env.iter().map(|v| (v.name.clone(), v.value.clone())))
+        let env: Vec<(String, String)> = req.env.iter().map(|v| (v.name.clone(), v.value.clone())).collect();
+        // A jailed agent's command runs in a jail of its own with the agent's rules (the helper
+        // builds it, so Landlock, which forbids mounts, is the jail's to apply, not contain's).
+        let mut prepared = match sandbox.jail() {
+            Some(j) => {
+                let mut request = j.request.clone();
+                request.cwd = cwd.clone();
+                let program = pier_jail::Program {
+                    program: req.command.clone().into(),
+                    args: req.args.clone(),
+                    env: env.clone(),
+                };
+                Some(
+                    j.jailer
+                        .prepare(&request, &program)
+                        .map_err(|e| internal(format!("cannot start `{}`: {e}", req.command)))?,
+                )
+            }
+            None => None,
+        };
+        let mut cmd = match &prepared {
+            Some(p) => {
+                let mut cmd = tokio::process::Command::new(&p.program);
+                cmd.args(&p.args);
+                cmd
+            }
+            None => {
+                let mut cmd = tokio::process::Command::new(&req.command);
+                cmd.args(&req.args);
+                cmd
+            }
+        };
+        cmd.envs(env)
             .current_dir(&cwd)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        let (mut child, contained) =
-            pier_tools::contain::spawn(&mut cmd, sandbox.confinement(), &sandbox.write_roots())
-                .map_err(|e| internal(format!("cannot start `{}`: {e}", req.command)))?;
+        let confinement = match prepared.as_mut() {
+            Some(p) => {
+                p.configure(&mut cmd);
+                pier_tools::Confinement { landlock: false, ..sandbox.confinement().clone() }
+            }
+            None => sandbox.confinement().clone(),
+        };
+        let (mut child, contained) = pier_tools::contain::spawn(&mut cmd, &confinement, &sandbox.write_roots())
+            .map_err(|e| internal(format!("cannot start `{}`: {e}", req.command)))?;
         drop(cmd);
+        let jail = match prepared {
+            Some(p) => Some(p.started(format!("terminal `{}`", req.command), std::time::Duration::from_secs(10)).await),
+            None => None,
+        };
         let contained = Arc::new(Mutex::new(contained));
         let limit = req.output_byte_limit.map_or(DEFAULT_LIMIT, |l| l as usize);
         let output = Arc::new(Mutex::new(Output { bytes: Vec::new(), truncated: false, limit }));
@@ -120,6 +160,7 @@ impl Terminals {
             let status = child.wait().await;
             // Nothing the command started outlives it.
             let _ = tokio::task::spawn_blocking(move || lock(&ending).end()).await;
+            drop(jail);
             for r in readers.into_iter().flatten() {
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(2), r).await;
             }

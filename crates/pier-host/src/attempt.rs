@@ -340,6 +340,10 @@ fn outcome_of(o: &RunOutcome) -> Outcome {
         Some(e) if !e.is_retryable() => ErrorClass::Protocol,
         _ => ErrorClass::Business,
     };
+    // Counted where it was seen (pier-jail's `pier_limit_breaches_total`).
+    if let Some(breach) = &o.breach {
+        return Outcome::Failed { error: breach.message.clone(), class: ErrorClass::Resource };
+    }
     match (o.ending, o.stop_reason) {
         (ClientEnding::Answered, Some(stop_reason)) => {
             Outcome::Answered { stop_reason, text: o.text.clone(), usage: o.usage.clone() }
@@ -375,6 +379,9 @@ pub fn attempt_limits(spec: &TaskSpec, default_idle: Duration) -> Result<(Durati
 /// the function between a stored task and a running attempt. Never panics.
 pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOptions, String> {
     let (idle_timeout, max_time) = attempt_limits(spec, config.default_idle_timeout)?;
+    // A store written by an older pier (or by hand) may hold what the plan check now refuses.
+    spec.limits.check()?;
+    pier_jail::check_network(&spec.network)?;
     let path = std::env::var("PATH").ok();
     let mut agent =
         registry::resolve(&spec.agent, &config.agents, &config.pier_exe, path.as_deref()).map_err(|e| e.to_string())?;
@@ -394,7 +401,9 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         Some(c) => config.base_dir.join(c),
         None => config.base_dir.clone(),
     };
-    let roots = spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { config.base_dir.join(r) }).collect();
+    let roots: Vec<PathBuf> =
+        spec.roots.iter().map(|r| if r.is_absolute() { r.clone() } else { config.base_dir.join(r) }).collect();
+    let jail = jail_for(spec, config, &cwd, &roots, writable.as_ref());
     let mut policy = ClientPolicy::default();
     for (kind, rule) in &spec.permissions {
         policy.set(*kind, *rule);
@@ -416,9 +425,36 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         writable,
         asker: None,
         confinement: pier_tools::Confinement::default(),
+        jail,
         session_ids: None,
         meta: None,
     })
+}
+
+/// The jail of an attempt of `spec`: its level, paths, hosts and limits over the host's.
+/// `off` runs the agent open, said in the log every time.
+fn jail_for(
+    spec: &TaskSpec,
+    config: &HostConfig,
+    cwd: &std::path::Path,
+    roots: &[PathBuf],
+    writable: Option<&Vec<PathBuf>>,
+) -> Option<pier_client::process::JailSetup> {
+    let (level, network, limits) = config.sandbox.for_task(spec);
+    if level == pier_jail::Level::Off {
+        tracing::warn!(task = %spec.id, "sandbox = \"off\": the agent runs unconfined");
+        return None;
+    }
+    let request = pier_jail::Request {
+        level,
+        cwd: cwd.to_owned(),
+        roots: roots.to_vec(),
+        writable: writable.cloned(),
+        network,
+        limits,
+        hide: config.sandbox.hide.clone(),
+    };
+    Some(pier_client::process::JailSetup { jailer: config.sandbox.jailer.clone(), request })
 }
 
 /// The plan's permission layer as flags of pier's own agent, which runs its tools itself:

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pier_client::AgentDef;
-use pier_store::{StoreError, TaskStore};
+use pier_jail::{Jailer, Level, Limits};
+use pier_store::{StoreError, TaskSpec, TaskStore};
 
 /// How the host runs tasks.
 #[derive(Debug, Clone)]
@@ -26,6 +27,59 @@ pub struct HostConfig {
     pub retry_base: Duration,
     pub cancel_grace: Duration,
     pub default_idle_timeout: Duration,
+    /// How agents are confined when their task does not say.
+    pub sandbox: SandboxConfig,
+}
+
+/// The confinement of a host's agents (pier.toml's `[sandbox]` and `[limits]`), and the
+/// jailer that applies it.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// The level of tasks that give none: strict unless pier.toml says otherwise.
+    pub level: Level,
+    /// Hosts every task's agent may reach, besides the model providers' and the task's own.
+    pub network: Vec<String>,
+    /// Limits of every attempt, under the task's own.
+    pub limits: Limits,
+    /// pier's own state (its home, the store's files, the token): never visible to an agent.
+    pub hide: Vec<PathBuf>,
+    pub jailer: Jailer,
+}
+
+impl SandboxConfig {
+    /// Strict, no extra hosts, no limits; probes this machine once (`pier_exe jail --probe`).
+    pub fn new(pier_exe: &std::path::Path) -> SandboxConfig {
+        let hide = std::env::var_os("PIER_HOME").map(PathBuf::from).into_iter().collect();
+        SandboxConfig {
+            level: Level::Strict,
+            network: Vec::new(),
+            limits: Limits::default(),
+            hide,
+            jailer: Jailer::new(pier_exe),
+        }
+    }
+
+    /// The level, hosts and limits an attempt of `spec` runs with.
+    pub fn for_task(&self, spec: &TaskSpec) -> (Level, Vec<String>, Limits) {
+        let mut network = self.network.clone();
+        network.extend(spec.network.iter().cloned());
+        (spec.sandbox.unwrap_or(self.level), network, self.limits.overlaid(spec.limits))
+    }
+
+    /// Why `spec` cannot run confined as it asks on this machine, if it cannot (checked at
+    /// submit): never run open instead.
+    pub fn refuses(&self, spec: &TaskSpec) -> Option<String> {
+        if spec.is_worker() {
+            return None;
+        }
+        let (level, _, limits) = self.for_task(spec);
+        self.jailer.kernel().refuses(level, &limits)
+    }
+
+    /// One line for the start-up log and `GET /agents`: the default level and what this machine enforces.
+    pub fn describe(&self) -> String {
+        format!("sandbox {} by default; this machine enforces: {}", self.level, self.jailer.kernel().describe())
+    }
 }
 
 impl HostConfig {
@@ -33,7 +87,6 @@ impl HostConfig {
     /// directories against `base_dir`; the rest as `pier run` has it by default.
     pub fn new(pier_exe: PathBuf, agents: BTreeMap<String, AgentDef>, base_dir: PathBuf) -> HostConfig {
         HostConfig {
-            pier_exe,
             agents,
             base_dir,
             concurrency: 4,
@@ -43,6 +96,8 @@ impl HostConfig {
             retry_base: Duration::from_secs(1),
             cancel_grace: Duration::from_secs(5),
             default_idle_timeout: Duration::from_secs(600),
+            sandbox: SandboxConfig::new(&pier_exe),
+            pier_exe,
         }
     }
 

@@ -80,6 +80,15 @@ pub fn decide(outcome: &Outcome, cx: &Context<'_>) -> Ending {
             failure: true,
         },
         Outcome::Failed { error, class: ErrorClass::Business } => failed_attempt(error.clone(), cx),
+        Outcome::Failed { error, class: ErrorClass::Resource } => Ending::Failed {
+            error: error.clone(),
+            class: ErrorClass::Resource,
+            reason: format!(
+                "attempt {} went past a resource limit and was stopped; not retried (raise the task's [limits] to let it finish)",
+                cx.attempt
+            ),
+            failure: true,
+        },
         Outcome::Interrupted { why } => rerun(why, None, false, cx),
         Outcome::Unusable { error } => Ending::Failed {
             error: error.clone(),
@@ -173,6 +182,17 @@ mod tests {
                 Outcome::Failed { error: "garbage".into(), class: ErrorClass::Protocol },
                 3,
                 false,
+                &[],
+                0,
+                false,
+                TaskState::Failed,
+                true,
+            ),
+            // A limit of the sandbox: another attempt would meet it again, attempts left or not.
+            (
+                Outcome::Failed { error: "memory limit".into(), class: ErrorClass::Resource },
+                3,
+                true,
                 &[],
                 0,
                 false,

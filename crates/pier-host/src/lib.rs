@@ -13,7 +13,7 @@ pub mod pool;
 pub mod tasks;
 pub mod telemetry;
 
-pub use config::{HostConfig, Summary};
+pub use config::{HostConfig, SandboxConfig, Summary};
 pub use host::Scope;
 pub use person::{ActionError, Answered, Input};
 pub use pier_store::{

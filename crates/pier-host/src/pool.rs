@@ -37,7 +37,8 @@ impl AgentPool {
                 opts.terminal,
                 &opts.policy,
                 opts.interactive,
-                &opts.writable
+                &opts.writable,
+                &opts.jail
             )
         )
     }

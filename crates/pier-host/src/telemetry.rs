@@ -17,6 +17,7 @@ pub fn attempt_ended(outcome: &Outcome, ending: &Ending) {
             Outcome::Failed { class, .. } => match class {
                 pier_store::ErrorClass::Protocol => "protocol",
                 pier_store::ErrorClass::Business => "business",
+                pier_store::ErrorClass::Resource => "resource",
             },
             Outcome::Interrupted { .. } => "interrupted",
             Outcome::Answered { .. } => "stop_reason",

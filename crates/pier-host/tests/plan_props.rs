@@ -2,7 +2,7 @@
 //! check nor the function that turns a stored task into an attempt's settings.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use pier_host::HostConfig;
@@ -55,6 +55,9 @@ const FIELDS: &[&str] = &[
     "roots",
     "writable",
     "fresh_agent",
+    "sandbox",
+    "network",
+    "limits",
 ];
 
 fn config() -> HostConfig {
@@ -69,6 +72,7 @@ fn config() -> HostConfig {
         retry_base: Duration::from_secs(1),
         cancel_grace: Duration::from_secs(1),
         default_idle_timeout: Duration::from_secs(600),
+        sandbox: pier_host::SandboxConfig::new(Path::new("/bin/true")),
     }
 }
 
@@ -111,6 +115,8 @@ proptest! {
         timeout in prop::option::of(any::<f64>()),
         max_time in prop::option::of(any::<f64>()),
         max_attempts in any::<u32>(),
+        cpu in prop::option::of(any::<f64>()),
+        memory in prop::option::of(any::<u64>()),
     ) {
         let spec = TaskSpec {
             id: "t".into(),
@@ -129,6 +135,9 @@ proptest! {
             writable: None,
             fresh_agent: false,
             requires: vec![],
+            sandbox: None,
+            network: vec![],
+            limits: pier_host::plan::Limits { cpu, memory, pids: None },
         };
         let _ = attempt_options(&spec, &config());
         for bad in [-1.0, 0.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e300] {

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 
+pub use pier_jail::{Level, Limits};
 use pier_tools::{Rule, ToolKind};
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +48,15 @@ pub struct TaskSpec {
     /// task, capabilities the worker must have besides its `worker:` one).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub requires: Vec<String>,
+    /// `sandbox = "strict" | "workspace" | "off"`; `None`: the host's (pier.toml's `[sandbox]`, else strict).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<Level>,
+    /// Hosts (`host[:port]`) the agent may reach through pier's egress proxy, besides the model providers'.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub network: Vec<String>,
+    /// Resource limits over the host's (`[limits]` in pier.toml).
+    #[serde(default, skip_serializing_if = "Limits::is_empty")]
+    pub limits: Limits,
 }
 
 impl TaskSpec {
@@ -80,6 +90,11 @@ struct Defaults {
     writable: Option<Vec<PathBuf>>,
     fresh_agent: Option<bool>,
     requires: Option<Vec<String>>,
+    sandbox: Option<String>,
+    #[serde(default)]
+    network: Vec<String>,
+    #[serde(default)]
+    limits: Limits,
 }
 
 #[derive(Debug, Deserialize)]
@@ -105,6 +120,11 @@ struct TaskDef {
     writable: Option<Vec<PathBuf>>,
     fresh_agent: Option<bool>,
     requires: Option<Vec<String>>,
+    sandbox: Option<String>,
+    #[serde(default)]
+    network: Vec<String>,
+    #[serde(default)]
+    limits: Limits,
 }
 
 #[derive(Debug, Deserialize)]
@@ -291,6 +311,22 @@ fn task_spec(
     }
     let mut roots = d.roots.clone();
     roots.extend(t.roots);
+    let sandbox = match t.sandbox.as_deref().or(d.sandbox.as_deref()).map(str::parse::<Level>).transpose() {
+        Ok(level) => level,
+        Err(why) => {
+            say(format!("task `{}`: {why}", t.id));
+            None
+        }
+    };
+    let mut network = d.network.clone();
+    network.extend(t.network);
+    if let Err(why) = pier_jail::check_network(&network) {
+        say(format!("task `{}`: {why}", t.id));
+    }
+    let limits = d.limits.overlaid(t.limits);
+    if let Err(why) = limits.check() {
+        say(format!("task `{}`: {why}", t.id));
+    }
     TaskSpec {
         id: t.id,
         prompt: t.prompt,
@@ -308,6 +344,9 @@ fn task_spec(
         roots,
         writable: t.writable.or_else(|| d.writable.clone()),
         requires: t.requires.or_else(|| d.requires.clone()).unwrap_or_default(),
+        sandbox,
+        network,
+        limits,
     }
 }
 

@@ -77,6 +77,9 @@ pub enum ErrorClass {
     Protocol,
     /// A model outage, a tool failure, a timeout, a crash: retried with backoff.
     Business,
+    /// The agent went past a limit of its sandbox (memory, processes) and was stopped: another
+    /// attempt under the same limit would meet it again. Not retried.
+    Resource,
 }
 
 /// What the end of an attempt does to its task. Made by the host's `decide` (or a

@@ -268,6 +268,7 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
         asker: Some(Arc::new(ParentAsker { link: cx.link.clone(), agent: name.clone() })),
         writable: config.writable.clone(),
         confinement: config.confinement.clone(),
+        jail: None,
         session_ids: Some(session_tx),
         meta: None,
     };

@@ -71,7 +71,10 @@ pub struct ClientArgs {
     /// How long a cancel may take to be confirmed before the agent is killed
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
     cancel_grace: f64,
-    /// Confine the writes of terminal/* commands to the roots and the temp dir with Landlock [default: on, or `sandbox` in pier.toml]
+    /// `on`: terminal/* commands write only beneath the roots and the temp dir (Landlock), the agent
+    /// runs open; `strict`: the agent and its commands run in a jail (files, network through pier's
+    /// proxy, processes, `[limits]`); `workspace`: a jail for files only; `off`: nothing
+    /// [default: on, or `sandbox = "off"` in pier.toml]
     #[arg(long, value_enum)]
     sandbox: Option<config::SandboxArg>,
     /// Show the agent's stderr and every client call
@@ -155,6 +158,33 @@ fn policy(args: &ClientArgs, files: &FileConfig) -> Result<ClientPolicy, ClientE
     Ok(p)
 }
 
+/// The jail of `pier exec`/`pier prompt --sandbox strict|workspace`: the session's directories,
+/// pier.toml's hosts and limits, pier's home hidden. Refused, never run open, where the
+/// machine cannot give it.
+fn client_jail(
+    level: pier_jail::Level,
+    exe: &std::path::Path,
+    files: &config::FileConfig,
+    cwd: &std::path::Path,
+    allow_dirs: &[PathBuf],
+) -> Result<pier_client::process::JailSetup, ClientError> {
+    let jailer = pier_jail::Jailer::new(exe);
+    if let Some(why) = jailer.kernel().refuses(level, &files.limits) {
+        return Err(ClientError::usage(format!("--sandbox {level}: {why}")));
+    }
+    let hide = config::pier_home(&ProcessEnv).map(|h| vec![h]).unwrap_or_default();
+    let request = pier_jail::Request {
+        level,
+        cwd: cwd.to_owned(),
+        roots: allow_dirs.to_vec(),
+        writable: None,
+        network: files.network.clone(),
+        limits: files.limits,
+        hide,
+    };
+    Ok(pier_client::process::JailSetup { jailer, request })
+}
+
 fn options(args: &ClientArgs) -> Result<(RunOptions, Vec<ContentBlock>), ClientError> {
     let env = ProcessEnv;
     let here =
@@ -167,6 +197,10 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, Vec<ContentBlock>), ClientE
     let agent = registry::resolve(&args.agent, &files.agents, &exe, path.as_deref())?;
     let prompt = read_prompt(args)?;
     let interactive = std::io::stdin().is_terminal() && std::io::stderr().is_terminal();
+    let jail = match args.sandbox.and_then(config::SandboxArg::jail) {
+        Some(level) => Some(client_jail(level, &exe, &files, &cwd, &args.allow_dirs)?),
+        None => None,
+    };
     let opts = RunOptions {
         agent,
         cwd,
@@ -184,6 +218,7 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, Vec<ContentBlock>), ClientE
         writable: None,
         confinement: config::resolve_confinement(&files, args.sandbox)
             .map_err(|e| ClientError::usage(format!("{e:#}")))?,
+        jail,
         session_ids: None,
         meta: None,
     };

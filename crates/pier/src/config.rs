@@ -33,8 +33,17 @@ pub struct FileConfig {
     /// `[tools]`: limits of the built-in tools.
     #[serde(default)]
     pub tools: ToolsTable,
-    /// `sandbox = "off"`: commands run without Landlock (they still end with their turn).
+    /// `sandbox = "strict" | "workspace" | "off"`: how `pier run` and `pier serve` confine agents
+    /// whose task does not say (default strict); `"off"` also runs `pier agent`'s commands without
+    /// Landlock (they still end with their turn). `"on"` is the old word for the default.
     pub sandbox: Option<String>,
+    /// `network = ["host[:port]", …]`: hosts every confined agent may reach through pier's proxy,
+    /// besides the model providers'.
+    #[serde(default)]
+    pub network: Vec<String>,
+    /// `[limits]`: memory, pids and cpu of every confined agent (a task's own win).
+    #[serde(default)]
+    pub limits: pier_jail::Limits,
     /// The host's store: `postgres://USER@HOST/DB`, `sqlite://PATH` or a path
     /// [default: $PIER_HOME/pier.db].
     pub store: Option<String>,
@@ -114,6 +123,8 @@ impl FileConfig {
         self.profile = over.profile.or(self.profile);
         self.mode = over.mode.or(self.mode);
         self.sandbox = over.sandbox.or(self.sandbox);
+        self.network.extend(over.network);
+        self.limits = self.limits.overlaid(over.limits);
         self.store = over.store.or(self.store);
         self.subagents = over.subagents.or(self.subagents);
         self.task_context = over.task_context.or(self.task_context);
@@ -186,22 +197,42 @@ pub fn resolve_policy(files: &FileConfig, flags: &PermissionFlags) -> anyhow::Re
     Ok(policy)
 }
 
-/// `--sandbox`: whether commands' writes are confined with Landlock.
+/// `--sandbox`: `on` confines commands' writes with Landlock (the agent itself runs open);
+/// `strict` and `workspace` also run the agent in a jail (pier-jail); `off` confines nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SandboxArg {
     On,
+    Strict,
+    Workspace,
     Off,
 }
 
-/// How commands are confined, from the files (`sandbox = "on" | "off"`) and the flag, which wins.
+impl SandboxArg {
+    /// The agent's jail level, if the agent runs in one.
+    pub fn jail(self) -> Option<pier_jail::Level> {
+        match self {
+            SandboxArg::Strict => Some(pier_jail::Level::Strict),
+            SandboxArg::Workspace => Some(pier_jail::Level::Workspace),
+            SandboxArg::On | SandboxArg::Off => None,
+        }
+    }
+}
+
+/// How commands are confined, from the files (`sandbox`) and the flag, which wins.
 pub fn resolve_confinement(files: &FileConfig, flag: Option<SandboxArg>) -> anyhow::Result<Confinement> {
-    let on = match (flag, files.sandbox.as_deref()) {
-        (Some(flag), _) => flag == SandboxArg::On,
-        (None, None | Some("on")) => true,
-        (None, Some("off")) => false,
-        (None, Some(other)) => anyhow::bail!("sandbox = \"{other}\" in pier.toml; expected \"on\" or \"off\""),
+    let on = match flag {
+        Some(flag) => flag != SandboxArg::Off,
+        None => host_level(files)? != pier_jail::Level::Off,
     };
     Ok(if on { Confinement::default() } else { Confinement::off() })
+}
+
+/// The level of `pier run` and `pier serve` tasks that give none: pier.toml's `sandbox`, else strict.
+pub fn host_level(files: &FileConfig) -> anyhow::Result<pier_jail::Level> {
+    match files.sandbox.as_deref() {
+        None | Some("on") => Ok(pier_jail::Level::Strict),
+        Some(word) => word.parse().map_err(|why: String| anyhow::anyhow!("{why} (in pier.toml)")),
+    }
 }
 
 /// Tool limits from the files.

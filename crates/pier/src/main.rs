@@ -85,6 +85,17 @@ enum Command {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<std::ffi::OsString>,
     },
+    /// Run PROGRAM confined as the spec says (started by pier itself, see pier-jail)
+    #[command(hide = true)]
+    Jail {
+        /// Only check that this machine can build a jail; the reason on stderr if not
+        #[arg(long)]
+        probe: bool,
+        #[arg(long, required_unless_present = "probe")]
+        spec: Option<String>,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 /// Sessions, agents, MCP servers and SSE clients each hold descriptors: take the whole
@@ -106,6 +117,17 @@ fn main() {
         && let Some((program, args)) = command.split_first()
     {
         std::process::exit(pier_subagent::guard::run(program, args));
+    }
+    // The jail helper forks and unshares namespaces: it must run before any thread starts too.
+    if let Command::Jail { probe, spec, command } = &cli.command {
+        std::process::exit(match (probe, spec, command.split_first()) {
+            (true, ..) => pier_jail::helper::probe(),
+            (false, Some(spec), Some((program, args))) => pier_jail::helper::run(spec, program, args),
+            _ => {
+                eprintln!("pier jail: give --spec and a command after --");
+                2
+            }
+        });
     }
     if let Err(e) = logging::init(cli.log_file.as_deref()) {
         eprintln!("pier: {e:#}");
@@ -153,7 +175,7 @@ fn main() {
                 clap_complete::generate(shell, &mut Cli::command(), "pier", &mut std::io::stdout());
                 Ok(0)
             }
-            Command::SubagentGuard { .. } => Ok(0),
+            Command::SubagentGuard { .. } | Command::Jail { .. } => Ok(0),
         }
     });
     // A blocked stdin read must not hold the process open once we are done.

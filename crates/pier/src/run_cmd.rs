@@ -65,8 +65,25 @@ pub fn open_tasks(flag: &Option<String>) -> anyhow::Result<Tasks> {
 }
 
 /// [`open_tasks`] for a host configured as `config`, with the config files already read.
-pub fn open_tasks_with(flag: &Option<String>, files: &config::FileConfig, config: HostConfig) -> anyhow::Result<Tasks> {
+pub fn open_tasks_with(
+    flag: &Option<String>,
+    files: &config::FileConfig,
+    mut config: HostConfig,
+) -> anyhow::Result<Tasks> {
     let spec = config::store_spec(&ProcessEnv, flag.as_deref(), files)?;
+    config.sandbox.level = config::host_level(files)?;
+    config.sandbox.network = files.network.clone();
+    pier_jail::check_network(&config.sandbox.network).map_err(|why| anyhow::anyhow!("network in pier.toml: {why}"))?;
+    config.sandbox.limits = files.limits;
+    config.sandbox.limits.check().map_err(|why| anyhow::anyhow!("[limits] in pier.toml: {why}"))?;
+    // pier's own state: its home (the token, the default store) and the store's files wherever they are.
+    config.sandbox.hide.push(config::pier_home(&ProcessEnv)?);
+    if let Some(path) = spec.strip_prefix("sqlite://").or((!spec.contains("://")).then_some(spec.as_str())) {
+        for suffix in ["", "-wal", "-shm"] {
+            config.sandbox.hide.push(PathBuf::from(format!("{path}{suffix}")));
+        }
+    }
+    tracing::info!("{}", config.sandbox.describe());
     Tasks::open(&spec, config).with_context(|| format!("cannot open the store {}", pier_host::store::redacted(&spec)))
 }
 

@@ -304,7 +304,11 @@ async fn an_agent_s_question_is_answered_with_its_form_and_a_bad_answer_is_refus
         record.display()
     );
     let (s, _) = support::serve::server_configured(None, &[], Some(&toml)).await;
-    let plan = "[[tasks]]\nid = \"q\"\nagent = \"ask\"\nprompt = \"print the labels\"\n";
+    // The agent records each answer outside the workspace: the plan lets it write there.
+    let plan = format!(
+        "[[tasks]]\nid = \"q\"\nagent = \"ask\"\nprompt = \"print the labels\"\nwritable = [\".\", \"{}\"]\n",
+        dir.path().display()
+    );
     assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "form"}))).await.0, 201);
     let b = Browser::start("question").await;
     login(&b, &s.base).await;

@@ -295,6 +295,9 @@ fn spec(id: &str, prompt: &str) -> pier_host::TaskSpec {
         writable: None,
         fresh_agent: false,
         requires: vec![],
+        sandbox: None,
+        network: vec![],
+        limits: Default::default(),
     }
 }
 

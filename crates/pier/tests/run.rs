@@ -201,7 +201,9 @@ async fn a_warm_agent_serves_the_next_task_in_a_new_session_until_a_turn_ends_ba
     // f is served by d's, which waited in the pool.
     let plan = h.write(
         "p.toml",
-        "[defaults]\nagent = \"pid\"\n\n[[tasks]]\nid = \"a\"\nprompt = \"late\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"x\"\n\n\
+        // The agent reports its pid, which a jail's PID namespace renumbers: unconfined here
+        // (confine.rs holds the jail's own teardown).
+        "[defaults]\nagent = \"pid\"\nsandbox = \"off\"\n\n[[tasks]]\nid = \"a\"\nprompt = \"late\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"x\"\n\n\
          [[tasks]]\nid = \"c\"\nprompt = \"hang\"\ntimeout = 0.3\nmax_attempts = 1\n\n\
          [[tasks]]\nid = \"d\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"e\"\nprompt = \"x\"\nfresh_agent = true\n\n\
          [[tasks]]\nid = \"f\"\nprompt = \"x\"\n",
@@ -888,7 +890,12 @@ async fn ctrl_c_while_an_agent_is_stuck_in_its_handshake_stops_the_host_at_once(
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mute_agent.py");
     let plan = h.write(
         "p.toml",
-        &format!("[[tasks]]\nid = \"t\"\nagent = \"python3 {} initialize\"\nprompt = \"hi\"\n", script.display()),
+        // The agent reports its process group, which a jail's PID namespace renumbers: unconfined
+        // here (confine.rs holds the jail's own teardown).
+        &format!(
+            "[[tasks]]\nid = \"t\"\nagent = \"python3 {} initialize\"\nprompt = \"hi\"\nsandbox = \"off\"\n",
+            script.display()
+        ),
     );
     let child = must(
         h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "stuck"]).spawn(),

@@ -25,6 +25,23 @@ pub fn parse_plan(text: &str, agents: &BTreeMap<String, AgentDef>, exe: &Path) -
     plan::parse(text, &known)
 }
 
+/// Refuses every task whose confinement this machine cannot give (a strict task where user
+/// namespaces are forbidden, a limit without its cgroup controller), with its line.
+fn check_sandbox(plan: &Plan, config: &crate::HostConfig) -> Result<(), PlanError> {
+    let problems: Vec<plan::Problem> = plan
+        .tasks
+        .iter()
+        .filter_map(|t| {
+            let why = config.sandbox.refuses(t)?;
+            Some(plan::Problem {
+                line: plan.lines.get(&t.id).copied().unwrap_or(0),
+                message: format!("task `{}`: {why}", t.id),
+            })
+        })
+        .collect();
+    if problems.is_empty() { Ok(()) } else { Err(PlanError(problems)) }
+}
+
 /// A plan to store as a run.
 pub struct Submission {
     pub plan: Plan,
@@ -56,6 +73,7 @@ impl Tasks {
         if s.own && self.joins(&run, &s.plan.tasks).await? {
             return Ok(Submitted { run, created: false });
         }
+        check_sandbox(&s.plan, &self.config).map_err(ActionError::Plan)?;
         crate::caps::check(&s.plan, &self.store, &self.config).await.map_err(ActionError::Plan)?;
         let (r, config) = (run.clone(), self.config.clone());
         self.blocking(move |store| {
