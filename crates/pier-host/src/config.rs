@@ -76,6 +76,22 @@ impl SandboxConfig {
         self.jailer.kernel().refuses(level, &limits)
     }
 
+    /// How an attempt of `spec` is confined, in one line for `pier show` and `GET /runs/…/tasks/…`.
+    pub fn describe_task(&self, spec: &TaskSpec) -> String {
+        if spec.is_worker() {
+            return "as its pull worker confines it".into();
+        }
+        let (level, network, limits) = self.for_task(spec);
+        let mut out = level.to_string();
+        if level == Level::Strict && !network.is_empty() {
+            out.push_str(&format!("; network also to {}", network.join(", ")));
+        }
+        if level != Level::Off {
+            out.push_str(&format!("; {limits}; this machine enforces {}", self.jailer.kernel().describe()));
+        }
+        out
+    }
+
     /// One line for the start-up log and `GET /agents`: the default level and what this machine enforces.
     pub fn describe(&self) -> String {
         format!("sandbox {} by default; this machine enforces: {}", self.level, self.jailer.kernel().describe())

@@ -96,3 +96,26 @@ fn landlock_abi() -> Option<u32> {
     };
     u32::try_from(v).ok().filter(|v| *v > 0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_level_the_machine_cannot_give_is_refused_with_the_reason_never_lowered() {
+        let open = Kernel { landlock_abi: None, namespaces: Err("EPERM".into()), cgroups: CgroupKind::None };
+        let why = open.refuses(Level::Strict, &Limits::default()).unwrap_or_default();
+        assert!(why.contains("sandbox = \"strict\" needs namespaces") && why.contains("EPERM"), "{why}");
+        assert!(open.refuses(Level::Workspace, &Limits::default()).is_some());
+        assert_eq!(open.refuses(Level::Off, &Limits::default()), None);
+        let no_pids = Kernel {
+            landlock_abi: Some(7),
+            namespaces: Ok(()),
+            cgroups: CgroupKind::V1 { bases: vec![("memory".into(), "/sys/fs/cgroup/memory".into())] },
+        };
+        assert_eq!(no_pids.refuses(Level::Strict, &Limits { memory: Some(1 << 30), ..Limits::default() }), None);
+        let why = no_pids.refuses(Level::Strict, &Limits { pids: Some(64), ..Limits::default() }).unwrap_or_default();
+        assert!(why.contains("pids limit cannot be enforced"), "{why}");
+        assert!(no_pids.describe().starts_with("landlock 7, userns, mountns, pidns, netns, cgroup v1: memory"));
+    }
+}

@@ -65,14 +65,14 @@ pub(crate) async fn show_run(State(app): State<Shared>, Path(run): Path<String>)
 
 /// Each agent spec's last `initialize` answer (what it can do), as the host recorded it.
 pub(crate) async fn list_agents(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
-    Ok(Json(json!({"agents": app.tasks.agents().await?})))
+    Ok(Json(json!({"agents": app.tasks.agents().await?, "sandbox": app.tasks.config().sandbox.describe()})))
 }
 
 /// One task as the API shows it (and `pier show --server` reads).
 pub fn task_json(v: &TaskView) -> Value {
     // `evidence`: the current attempt's, as before `attempts` was added.
     json!({"task": v.row, "evidence": v.evidence(), "attempts": v.attempts, "question": v.question,
-           "agent": v.agent, "prompt": v.prompt})
+           "agent": v.agent, "prompt": v.prompt, "sandbox": v.sandbox})
 }
 
 pub(crate) async fn show_task(

@@ -201,6 +201,9 @@ fn task_text(run: &str, v: &Value) -> String {
     );
     let spec = &t["spec"];
     out.push_str(&format!("agent: {}{}\n", spec["agent"].as_str().unwrap_or("?"), agent_line(&v["agent"])));
+    if let Some(sandbox) = v["sandbox"].as_str() {
+        out.push_str(&format!("sandbox: {sandbox}\n"));
+    }
     if let Some(deps) = spec["depends_on"].as_array().filter(|d| !d.is_empty()) {
         let deps: Vec<&str> = deps.iter().filter_map(Value::as_str).collect();
         out.push_str(&format!("depends on: {}\n", deps.join(", ")));

@@ -55,6 +55,8 @@ struct Outcome {
     blocked_reached: usize,
     outside_written: bool,
     stderr: String,
+    /// `pier show` of the escape task.
+    shown: String,
 }
 
 async fn hostile_run(level: &str) -> Outcome {
@@ -83,11 +85,13 @@ async fn hostile_run(level: &str) -> Outcome {
             "[defaults]\nagent = \"{hostile}\"\nsandbox = \"{level}\"\nmax_attempts = 1\ncwd = \"work\"\n\n\
              [[tasks]]\nid = \"escape\"\nprompt = '''{targets}'''\nnetwork = [\"example.invalid:443\"]\n\n\
              [[tasks]]\nid = \"hog\"\nprompt = '''{{\"hog\": 536870912}}'''\nlimits = {{ memory = \"64M\" }}\n\n\
+             [[tasks]]\nid = \"forks\"\nprompt = '''{{\"forks\": 64}}'''\nlimits = {{ pids = 16 }}\n\n\
              [[tasks]]\nid = \"bystander\"\nagent = \"python3 {pid}\"\ncwd = \"other\"\nprompt = \"x\"\n",
             pid = fixture("pid_agent.py"),
         ),
     );
-    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json"]).await;
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "confine"]).await;
+    let shown = h.run(&["show", "confine", "escape"]).await;
     let store = h.store();
     let run = lines(&o).last().and_then(|l| l["run"].as_str().map(str::to_owned)).unwrap_or_default();
     let tasks: HashMap<String, pier_host::TaskRow> =
@@ -108,6 +112,7 @@ async fn hostile_run(level: &str) -> Outcome {
         blocked_reached: *blocked.reached.borrow(),
         outside_written: h.path("other/escaped.txt").exists(),
         stderr: stderr(&o),
+        shown: String::from_utf8_lossy(&shown.stdout).into_owned(),
     };
     for pid in daemons {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
@@ -147,7 +152,26 @@ async fn under_strict_a_hostile_agent_escapes_nothing_and_the_host_goes_on() {
     assert_eq!(hog.state, pier_host::TaskState::Failed, "{}", o.stderr);
     let error = hog.error.clone().unwrap_or_default();
     assert!(error.contains("memory limit (64M)"), "the failure names the limit: {error}");
+    let forks = &o.tasks["forks"];
+    assert_eq!(forks.state, pier_host::TaskState::Failed, "{}", o.stderr);
+    let error = forks.error.clone().unwrap_or_default();
+    assert!(error.contains("limit of 16 processes"), "the failure names the limit: {error}");
     assert_eq!(o.tasks["bystander"].state, pier_host::TaskState::Completed, "the other task ran: {}", o.stderr);
+    assert!(o.shown.contains("sandbox: strict; network also to example.invalid:443"), "{}", o.shown);
+    assert!(o.shown.contains("this machine enforces landlock"), "{}", o.shown);
+}
+
+#[tokio::test]
+async fn under_workspace_files_are_confined_and_the_network_is_the_machine_s() {
+    let o = hostile_run("workspace").await;
+    for name in ["read_secret", "read_token", "read_store", "write_outside", "signal_host"] {
+        let said = o.report.get(name).cloned().unwrap_or_default();
+        assert!(said.starts_with("blocked"), "{name} worked under workspace: {said}");
+    }
+    for name in ["connect_loopback", "reach_blocked_host"] {
+        assert_eq!(o.report.get(name).map(String::as_str), Some("ok"), "{name}: {:?}", o.report);
+    }
+    assert!(!o.outside_written && o.daemons.is_empty());
 }
 
 #[tokio::test]
@@ -161,6 +185,7 @@ async fn with_sandbox_off_every_escape_of_the_same_agent_works() {
     assert!(o.loopback_reached >= 1 && o.blocked_reached >= 1);
     assert!(!o.daemons.is_empty(), "unconfined, the setsid daemon outlived its attempt");
     assert_eq!(o.tasks["hog"].state, pier_host::TaskState::Completed, "no limit applies with sandbox = off");
+    assert_eq!(o.tasks["forks"].state, pier_host::TaskState::Completed, "no limit applies with sandbox = off");
 }
 
 /// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
@@ -222,4 +247,26 @@ async fn the_real_peers_answer_tasks_confined_with_model_traffic_through_the_pro
     let sdk = &tasks["sdk"];
     assert!(sdk.result.as_deref().is_some_and(|r| r.contains("successfully updated the configuration")), "{sdk:?}");
     assert!(f.requests().len() >= 4, "each model-driven peer reached the fake through the proxy");
+}
+
+/// `pier exec --sandbox strict` runs the agent it drives in the same jail; by default it
+/// stays open, as documented.
+#[tokio::test]
+async fn pier_exec_with_sandbox_strict_jails_the_agent_it_drives() {
+    let h = Host::new(None);
+    must(std::fs::create_dir_all(h.path("work")), "dir");
+    h.write("secret.txt", "a secret beside the workspace");
+    let prompt = serde_json::json!({"secret": h.path("secret.txt")}).to_string();
+    let hostile = format!("python3 {}", fixture("hostile_agent.py"));
+    let work = h.path("work").display().to_string();
+    for (flag, expect) in [(Some("strict"), "read_secret=blocked"), (None, "read_secret=ok")] {
+        let mut args = vec!["exec", "--agent", hostile.as_str(), "--cwd", work.as_str()];
+        if let Some(level) = flag {
+            args.extend(["--sandbox", level]);
+        }
+        args.push(prompt.as_str());
+        let o = h.run(&args).await;
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains(expect), "{flag:?}: {out}\n{}", stderr(&o));
+    }
 }

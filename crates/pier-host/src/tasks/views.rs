@@ -82,6 +82,8 @@ pub struct TaskView {
     pub agent: Option<AgentRow>,
     /// Its prompt as its agent gets it: the results of its dependencies filled in.
     pub prompt: String,
+    /// How its agent is confined ([`crate::SandboxConfig::describe_task`]).
+    pub sandbox: String,
 }
 
 impl TaskView {
@@ -141,10 +143,12 @@ impl Tasks {
 
     pub async fn task(&self, run: &str, task: &str) -> Result<TaskView, ActionError> {
         let (run, task) = (run.to_owned(), task.to_owned());
+        let config = self.config.clone();
         self.blocking(move |s| {
             let row = person::task_of(s, &run, &task)?;
             let prompt = pier_store::plan::render(&row.spec.prompt, &dependency_results(s, &row)?);
             Ok(TaskView {
+                sandbox: config.sandbox.describe_task(&row.spec),
                 attempts: s.attempts(&run, &task)?,
                 question: s.open_question(&run, &task)?,
                 agent: s.agent(&row.spec.agent)?,
