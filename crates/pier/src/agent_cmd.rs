@@ -41,7 +41,11 @@ pub struct AgentArgs {
     /// refused and commands may write only there and in the temp dir [default: the session's roots]
     #[arg(long, value_name = "DIR")]
     writable: Vec<std::path::PathBuf>,
-    /// Confine commands' writes to the session's roots and the temp dir with Landlock [default: on, or `sandbox` in pier.toml]
+    /// `on`: commands' writes confined to the session's roots and the temp dir with Landlock;
+    /// `strict`: the agent itself, its commands and its subagents run in a jail (files beneath
+    /// the working directory and --writable, network only through pier's proxy to the model's
+    /// host and pier.toml's `network`, processes, `[limits]`), as a host task does; `workspace`:
+    /// the jail for files only; `off`: nothing [default: on, or `sandbox = "off"` in pier.toml]
     #[arg(long, value_enum)]
     sandbox: Option<config::SandboxArg>,
     #[command(flatten)]
@@ -77,11 +81,21 @@ struct SubagentFlags {
     cancel_grace_ms: u64,
 }
 
-pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+/// Serves ACP on stdio; returns the exit code.
+pub async fn run(args: AgentArgs) -> anyhow::Result<i32> {
     let env = ProcessEnv;
     let cwd = std::env::current_dir().context("cannot read the current directory")?;
     let files = config::load_files(&env, &cwd)?;
     let home = config::pier_home(&env)?;
+    if let Some(level) = args.sandbox.and_then(config::SandboxArg::jail) {
+        let model = if config::wants_local(&args.model, &env) {
+            None
+        } else {
+            config::resolve_model(&args.model, &env, &files)?
+        };
+        let inside = crate::agent_jail::Inside { level, cwd, writable: args.writable.clone(), files, model, home };
+        return crate::agent_jail::run(inside).await;
+    }
     let (model, local) = choose_model(&args.model, &env, &files, &home)?;
     tracing::info!(model = %model.describe(), home = %home.display(), "pier agent starting");
     let mut engine_config = engine_config(&args, &files, home, &cwd);
@@ -136,7 +150,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     if tokio::time::timeout(Duration::from_secs(10), agent.shutdown()).await.is_err() {
         tracing::error!("sessions did not close within 10 s");
     }
-    Ok(())
+    Ok(0)
 }
 
 /// The engine's settings from the flags and pier.toml.
@@ -279,7 +293,7 @@ fn own_child_args(
     own_args
 }
 
-async fn terminated() {
+pub(crate) async fn terminated() {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
         return std::future::pending().await;

@@ -1,6 +1,7 @@
 //! `pier`: one binary, thin subcommands over the library crates.
 
 mod agent_cmd;
+mod agent_jail;
 mod client_cmd;
 mod config;
 mod config_cmd;
@@ -150,7 +151,7 @@ fn main() {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Agent(args) => agent_cmd::run(args).await.map(|()| 0),
+            Command::Agent(args) => agent_cmd::run(args).await,
             Command::Exec(args) => Ok(client_cmd::exec(args).await),
             Command::Prompt(args) => Ok(client_cmd::prompt(args).await),
             Command::Sessions(cmd) => client_cmd::sessions(cmd).map(|()| 0),

@@ -270,3 +270,54 @@ async fn pier_exec_with_sandbox_strict_jails_the_agent_it_drives() {
         assert!(out.contains(expect), "{flag:?}: {out}\n{}", stderr(&o));
     }
 }
+
+/// `pier agent --sandbox strict` runs itself in the jail a host task gets, so the commands it
+/// runs (and the subagents it starts, its descendants as well) are inside: a secret beside the
+/// workspace, a loopback service and the test's own process are out of reach, while its model
+/// traffic leaves through the proxy. `--sandbox on` (Landlock for writes only) reaches all three,
+/// so the test can fail.
+#[tokio::test]
+async fn pier_agent_with_sandbox_strict_runs_its_commands_in_the_jail() {
+    use pier_fake_model::{FakeModel, Reply};
+    use support::{Options, PierProcess, stop_reason};
+    let service = listener().await;
+    let outside = must(tempfile::tempdir(), "outside");
+    let secret = outside.path().join("secret.txt");
+    must(std::fs::write(&secret, "a secret beside the workspace"), "secret");
+    let command = format!(
+        "cat {secret}; python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 2)' && echo connected; \
+         kill -0 {pid} && echo signalled; true",
+        secret = secret.display(),
+        port = service.port,
+        pid = std::process::id()
+    );
+    let mut reached = 0;
+    for (level, jailed) in [("strict", true), ("on", false)] {
+        let f = must(FakeModel::start().await, "fake");
+        f.push(Reply::tool_call("c1", "run_command", &serde_json::json!({ "command": command }).to_string()));
+        f.push(Reply::text("done"));
+        let opts = Options { capture_stderr: true, ..Options::model(f.base_url()) };
+        let (mut p, sid) = PierProcess::start(opts.arg("--sandbox").arg(level).arg("--allow").arg("execute")).await;
+        let id = p.prompt(&sid, "try to get out").await;
+        let (_, response) = p.read_until_response(id).await;
+        assert_eq!(stop_reason(&response), "end_turn", "{level}: {response}\n{}", p.stderr());
+        let requests = f.requests();
+        assert_eq!(requests.len(), 2, "{level}: both model requests arrived (through the proxy when jailed)");
+        let result = requests[1].body["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|m| m["role"] == "tool")
+            .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+            .collect::<String>();
+        assert_eq!(result.contains("a secret beside the workspace"), !jailed, "{level}: {result}");
+        assert_eq!(result.contains("connected"), !jailed, "{level}: {result}");
+        assert_eq!(result.contains("signalled"), !jailed, "{level}: {result}");
+        if !jailed {
+            reached = *service.reached.borrow();
+        } else {
+            assert_eq!(*service.reached.borrow(), 0, "nothing in the jail reached the loopback service");
+        }
+    }
+    assert!(reached > 0, "with --sandbox on the command reached the service");
+}
