@@ -19,6 +19,7 @@
 //! in both directions, so a model's server-sent events reach the agent as they are produced.
 
 mod allow;
+pub mod gateway;
 mod proxy;
 
 use std::net::SocketAddr;

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{Allow, CONNECT_TIMEOUT, Counters, HEADER_READ_TIMEOUT};
 
-type BoxError = Box<dyn StdError + Send + Sync>;
+pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 /// Bodies in both directions: a client's or upstream's streamed body, or a message of our own.
 type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
 pub(crate) type UpstreamClient = Client<HttpConnector, ProxyBody>;
@@ -219,7 +219,7 @@ fn upstream_failed(ctx: &Ctx, host: &str, port: u16, reason: String) -> Response
     text(StatusCode::BAD_GATEWAY, format!("pier egress: {reason}"))
 }
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

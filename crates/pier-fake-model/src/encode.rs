@@ -81,6 +81,11 @@ impl Encoder {
         }
     }
 
+    /// The usage the answer reports (before [`Encoder::begin`]: Anthropic's opening carries input).
+    pub fn set_usage(&mut self, prompt: u64, completion: u64) {
+        self.usage = (prompt, completion);
+    }
+
     /// What opens the stream.
     pub fn begin(&mut self) -> String {
         match self.api {
@@ -92,7 +97,7 @@ impl Encoder {
                 Some("message_start"),
                 &json!({"type": "message_start", "message": {
                     "id": "msg_fake", "type": "message", "role": "assistant", "model": "fake-model", "content": [],
-                    "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 10, "output_tokens": 1}}}),
+                    "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": self.usage.0, "output_tokens": 1}}}),
             ),
             _ => String::new(),
         }

@@ -143,6 +143,8 @@ pub struct Recorded {
     /// Whether the request was answered automatically, outside the script.
     pub auxiliary: bool,
     pub authorization: Option<String>,
+    /// The key however it was sent: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key`.
+    pub api_key: Option<String>,
     pub body: Value,
 }
 
@@ -266,11 +268,11 @@ async fn serve(
     seen: &watch::Sender<usize>,
     gone: &watch::Sender<usize>,
 ) -> std::io::Result<()> {
-    let Some((path, authorization, body)) = read_request(&mut socket).await? else {
+    let Some(Head { path, authorization, api_key, body }) = read_request(&mut socket).await? else {
         return Ok(());
     };
     let Some(api) = encode::Api::from_path(&path) else {
-        lock(&state).requests.push(Recorded { path: path.clone(), auxiliary: true, authorization, body });
+        lock(&state).requests.push(Recorded { path: path.clone(), auxiliary: true, authorization, api_key, body });
         seen.send_modify(|n| *n += 1);
         return write_status(&mut socket, 404, &format!("fake model: no route for {path}"), None).await;
     };
@@ -287,7 +289,7 @@ async fn serve(
     };
     let reply = {
         let mut st = lock(&state);
-        st.requests.push(Recorded { path: path.clone(), auxiliary, authorization, body: body.clone() });
+        st.requests.push(Recorded { path: path.clone(), auxiliary, authorization, api_key, body: body.clone() });
         if let Some(why) = invalid {
             // Refused as a provider would; the test fails when the fake is dropped.
             st.violations.push(format!("{why}: {body}"));
@@ -325,6 +327,10 @@ async fn serve(
                 .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n")
                 .await?;
             let mut encoder = encode::Encoder::new(api);
+            // The usage the script reports, known from the start (Anthropic reports input first).
+            if let Some(Step::Usage { prompt, completion }) = steps.iter().find(|s| matches!(s, Step::Usage { .. })) {
+                encoder.set_usage(*prompt, *completion);
+            }
             let opening = encoder.begin();
             if !opening.is_empty() {
                 socket.write_all(opening.as_bytes()).await?;
@@ -419,8 +425,16 @@ async fn write_status(
     socket.shutdown().await
 }
 
-/// Reads one HTTP/1.1 request; returns its path, `authorization` header and JSON body.
-async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String, Option<String>, Value)>> {
+/// What [`read_request`] reads.
+struct Head {
+    path: String,
+    authorization: Option<String>,
+    api_key: Option<String>,
+    body: Value,
+}
+
+/// Reads one HTTP/1.1 request; returns its path, key headers and JSON body.
+async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<Head>> {
     let mut buf = Vec::new();
     let mut tmp = [0u8; 8192];
     let head_end = loop {
@@ -440,15 +454,23 @@ async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String,
     let mut lines = head.split("\r\n");
     let path = lines.next().and_then(|l| l.split_whitespace().nth(1)).unwrap_or("/").to_owned();
     let mut content_length = 0usize;
-    let mut authorization = None;
+    let (mut authorization, mut api_key) = (None, None);
     for line in lines {
         if let Some((k, v)) = line.split_once(':') {
             match k.trim().to_ascii_lowercase().as_str() {
                 "content-length" => content_length = v.trim().parse().unwrap_or(0),
-                "authorization" => authorization = Some(v.trim().to_owned()),
+                "authorization" => {
+                    authorization = Some(v.trim().to_owned());
+                    api_key = v.trim().strip_prefix("Bearer ").map(str::to_owned);
+                }
+                "x-api-key" | "x-goog-api-key" => api_key = Some(v.trim().to_owned()),
                 _ => {}
             }
         }
+    }
+    if api_key.is_none() {
+        let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
+        api_key = query.split('&').find_map(|kv| kv.strip_prefix("key=")).map(str::to_owned);
     }
     let mut body = buf[head_end + 4..].to_vec();
     while body.len() < content_length {
@@ -459,7 +481,7 @@ async fn read_request(socket: &mut TcpStream) -> std::io::Result<Option<(String,
         body.extend_from_slice(&tmp[..n]);
     }
     let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    Ok(Some((path, authorization, body)))
+    Ok(Some(Head { path, authorization, api_key, body }))
 }
 
 #[cfg(test)]
