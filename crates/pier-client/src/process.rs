@@ -91,6 +91,11 @@ impl AgentProcess {
                 cmd
             }
         };
+        for var in &command.env_remove {
+            cmd.env_remove(var);
+        }
+        // The command's own variables win over a removal of the same name.
+        cmd.envs(command.env.iter().map(|(k, v)| (k, v)));
         cmd.current_dir(cwd)
             .process_group(0)
             .stdin(Stdio::piped())

@@ -26,6 +26,9 @@ pub struct AgentCommand {
     pub program: PathBuf,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// Variables of pier's own environment the agent must not inherit (keys the model
+    /// gateway holds in its place).
+    pub env_remove: Vec<String>,
     /// The program is `pier subagent-guard` leading the agent's group: the kernel sends it
     /// SIGTERM when the thread that started it dies, even by SIGKILL (`PR_SET_PDEATHSIG`),
     /// and it is ended with SIGUSR1, on which it kills the rest of its group and reaps what
@@ -58,6 +61,7 @@ pub fn resolve(
             program,
             args: def.args.clone(),
             env: def.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            env_remove: vec![],
             guarded: false,
         });
     }
@@ -69,6 +73,7 @@ pub fn resolve(
             // caller (and a host's evidence), and sessions can be continued.
             args: vec!["agent".into(), "--profile".into(), "editor".into()],
             env: vec![],
+            env_remove: vec![],
             guarded: false,
         });
     }
@@ -81,6 +86,7 @@ pub fn resolve(
             program: found,
             args: args.iter().map(|a| (*a).to_owned()).collect(),
             env: vec![],
+            env_remove: vec![],
             guarded: false,
         });
     }
@@ -97,7 +103,14 @@ pub fn resolve(
             .collect();
         ClientError::usage(format!("`{program}` is neither a known agent ({}) nor a program on PATH", known.join(", ")))
     })?;
-    Ok(AgentCommand { name: program.clone(), program: found, args: args.to_vec(), env: vec![], guarded: false })
+    Ok(AgentCommand {
+        name: program.clone(),
+        program: found,
+        args: args.to_vec(),
+        env: vec![],
+        env_remove: vec![],
+        guarded: false,
+    })
 }
 
 /// `program` itself if it contains a slash, else the first match on `path`.

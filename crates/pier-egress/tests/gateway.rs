@@ -61,7 +61,7 @@ const KEYS: [(Route, &str); 4] = [
 
 async fn setup() -> Setup {
     let fake = FakeModel::start().await.unwrap_or_else(|e| panic!("fake: {e}"));
-    let gateway = Gateway::start().await.unwrap_or_else(|e| panic!("gateway: {e}"));
+    let gateway = Gateway::start().unwrap_or_else(|e| panic!("gateway: {e}"));
     let calls = Arc::new(Calls::default());
     let root = fake.base_url().trim_end_matches("/v1").to_owned();
     let upstreams = KEYS

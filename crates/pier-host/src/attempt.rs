@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{HostConfig, blocking};
 use crate::decide::{Context, Outcome, decide};
+use crate::gateway::{Lease, Settler};
 use crate::pool::AgentPool;
 use pier_store::plan::{TaskSpec, render};
 use pier_store::{Attempt, ErrorClass, Last, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms};
@@ -24,6 +25,8 @@ use pier_tools::Rule;
 
 /// How often, at most, a running turn looks in the store for an interrupting message.
 const CHECK_EVERY: Duration = Duration::from_millis(50);
+/// How long an ending waits for its agent's model requests to reach the log.
+const SETTLE: Duration = Duration::from_secs(2);
 /// Events written together at most.
 const RECORD_BATCH: usize = 256;
 
@@ -36,6 +39,9 @@ pub(crate) struct Run {
     pub row: TaskRow,
     /// The results of the task's dependencies, for its prompt.
     pub results: HashMap<String, String>,
+    /// The gateway account of the agent process the attempt runs on: its ending waits for
+    /// the model requests still being recorded.
+    pub billing: std::sync::Mutex<Option<Settler>>,
 }
 
 impl Run {
@@ -113,6 +119,10 @@ impl Run {
         unless_messages: bool,
         lease_lost: &CancellationToken,
     ) -> Option<Result<(), StoreError>> {
+        let settler = self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        if let Some(s) = settler {
+            s.settle(SETTLE).await;
+        }
         let tail = recorder.tail().await;
         let attempt = self.attempt.clone();
         let last = Last { events: tail.events, evidence: tail.evidence, output: tail.output, unless_messages };
@@ -184,11 +194,21 @@ impl Run {
         let key = AgentPool::key(&opts);
         let fresh = self.row.spec.fresh_agent;
         let warm = if fresh { None } else { self.pool.take(&key).await };
+        let (warm, mut lease) = match warm {
+            Some((agent, lease)) => (Some(agent), lease),
+            None => (None, None),
+        };
         // A stop during the handshake kills the agent at once, as one during the turn cancels it.
         let agent = match warm {
             Some(agent) => Ok(agent),
             None => {
-                let started = LiveAgent::start_or_stop(&opts, events, &mut interrupts).await;
+                // A new process gets its own account at the gateway, in its environment.
+                let mut started_with = opts.clone();
+                lease = self.config.gateway.as_ref().map(|g| g.lease(&opts.agent, &self.config.node));
+                if let Some(l) = &lease {
+                    l.apply(&mut started_with.agent);
+                }
+                let started = LiveAgent::start_or_stop(&started_with, events, &mut interrupts).await;
                 if let Ok(agent) = &started {
                     // What this agent spec can do, as its newest process says.
                     let (spec, init) = (self.row.spec.agent.clone(), agent.init().clone());
@@ -199,10 +219,17 @@ impl Run {
                 started
             }
         };
+        if let Some(l) = &lease {
+            l.bill_to(self.store.clone(), self.attempt.clone());
+        }
+        *self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = lease.as_ref().map(Lease::settler);
         let (mut outcome, ended) = match agent {
             Ok(mut agent) => {
                 let (outcome, ended) =
                     self.converse(&mut agent, &opts, prompt, recorder, &mut interrupts, lease_lost).await;
+                if let Some(l) = &lease {
+                    l.unbill();
+                }
                 if fresh {
                     agent.shutdown(events).await;
                 } else {
@@ -210,7 +237,7 @@ impl Run {
                     if let Some(id) = &outcome.session_id {
                         agent.close_session(id).await;
                     }
-                    self.pool.give_back(key, agent).await;
+                    self.pool.give_back(key, agent, lease).await;
                 }
                 (outcome, ended)
             }

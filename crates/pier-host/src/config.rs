@@ -29,6 +29,9 @@ pub struct HostConfig {
     pub default_idle_timeout: Duration,
     /// How agents are confined when their task does not say.
     pub sandbox: SandboxConfig,
+    /// The model gateway agents' model traffic goes through (`None`: agents call their
+    /// providers themselves, with the keys pier's environment gives them, and spend is unknown).
+    pub gateway: Option<crate::gateway::GatewayConfig>,
 }
 
 /// The confinement of a host's agents (pier.toml's `[sandbox]` and `[limits]`), and the
@@ -113,6 +116,7 @@ impl HostConfig {
             cancel_grace: Duration::from_secs(5),
             default_idle_timeout: Duration::from_secs(600),
             sandbox: SandboxConfig::new(&pier_exe),
+            gateway: None,
             pier_exe,
         }
     }

@@ -391,7 +391,7 @@ impl Host {
                         return (key, None);
                     }
                 };
-                let run = Run { store, pool, config, attempt, row, results };
+                let run = Run { store, pool, config, attempt, row, results, billing: Default::default() };
                 match run.run(token).await {
                     Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => (key, Some(e)),
                     Err(e) => {

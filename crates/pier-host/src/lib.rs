@@ -7,6 +7,7 @@ pub mod attempt;
 mod caps;
 mod config;
 pub mod decide;
+pub mod gateway;
 pub mod host;
 mod person;
 pub mod pool;
@@ -18,8 +19,9 @@ pub use host::Scope;
 pub use person::{ActionError, Answered, Input};
 pub use pier_store::{
     AgentEvent, AgentRow, Attempt, AttemptRow, Ending, Entry, ErrorClass, ErrorCode, Event, Held, Idem, Last,
-    LogCursor, LogEvent, NodeRow, PgStore, Plan, PlanError, Question, QuestionRequest, SqliteStore, StoreError,
-    TaskRow, TaskSpec, TaskState, TaskStore, code, offered_option, option_kind, plan, requires, state,
+    LogCursor, LogEvent, ModelRequest, NodeRow, PgStore, Plan, PlanError, Question, QuestionRequest, Spend,
+    SqliteStore, StoreError, TaskRow, TaskSpec, TaskState, TaskStore, Tokens, code, offered_option, option_kind, plan,
+    requires, state,
 };
 pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 

@@ -13,8 +13,14 @@ use std::sync::Mutex;
 use pier_client::run::{LiveAgent, RunOptions};
 use tokio::sync::mpsc;
 
+use crate::gateway::Lease;
+
+/// An idle agent: its key, the process, and its account at the model gateway (which goes
+/// with the process: its placeholder key is in the process's environment).
+type Idle = (String, LiveAgent, Option<Lease>);
+
 pub struct AgentPool {
-    idle: Mutex<Vec<(String, LiveAgent)>>,
+    idle: Mutex<Vec<Idle>>,
     max_idle: usize,
 }
 
@@ -43,17 +49,18 @@ impl AgentPool {
         )
     }
 
-    /// A warm agent for `key`, if one is idle and still able to take a turn.
-    pub async fn take(&self, key: &str) -> Option<LiveAgent> {
+    /// A warm agent for `key` with its gateway account, if one is idle and still able to take a turn.
+    pub async fn take(&self, key: &str) -> Option<(LiveAgent, Option<Lease>)> {
         loop {
-            let found = {
+            let (agent, lease) = {
                 let mut idle = self.lock();
-                let i = idle.iter().rposition(|(k, _)| k == key)?;
-                idle.remove(i).1
+                let i = idle.iter().rposition(|(k, ..)| k == key)?;
+                let (_, agent, lease) = idle.remove(i);
+                (agent, lease)
             };
-            let mut agent = found;
+            let mut agent = agent;
             if agent.reusable() {
-                return Some(agent);
+                return Some((agent, lease));
             }
             end(agent).await;
         }
@@ -61,14 +68,14 @@ impl AgentPool {
 
     /// Keeps `agent` for a later task if it can take another turn; otherwise, or when
     /// the pool is full, an agent is ended (the longest idle one, to make room).
-    pub async fn give_back(&self, key: String, mut agent: LiveAgent) {
+    pub async fn give_back(&self, key: String, mut agent: LiveAgent, lease: Option<Lease>) {
         if !agent.reusable() {
             end(agent).await;
             return;
         }
         let evicted = {
             let mut idle = self.lock();
-            idle.push((key, agent));
+            idle.push((key, agent, lease));
             (idle.len() > self.max_idle).then(|| idle.remove(0).1)
         };
         if let Some(old) = evicted {
@@ -79,12 +86,12 @@ impl AgentPool {
     /// Ends every idle agent.
     pub async fn drain(&self) {
         let idle = std::mem::take(&mut *self.lock());
-        for (_, agent) in idle {
+        for (_, agent, _) in idle {
             end(agent).await;
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, LiveAgent)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }

@@ -73,6 +73,7 @@ fn config() -> HostConfig {
         cancel_grace: Duration::from_secs(1),
         default_idle_timeout: Duration::from_secs(600),
         sandbox: pier_host::SandboxConfig::new(Path::new("/bin/true")),
+        gateway: None,
     }
 }
 

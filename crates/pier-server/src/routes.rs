@@ -33,7 +33,7 @@ pub(crate) async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, 
         .iter()
         .map(|r| {
             json!({"run": r.run, "counts": r.counts, "state": r.state(), "created_at_ms": r.created_at_ms,
-                   "updated_at_ms": r.updated_at_ms, "attempts": r.attempts})
+                   "updated_at_ms": r.updated_at_ms, "attempts": r.attempts, "spend": r.spend.to_json()})
         })
         .collect();
     Ok(Json(json!({"runs": runs})))
@@ -51,16 +51,17 @@ pub(crate) async fn show_run(State(app): State<Shared>, Path(run): Path<String>)
     // A task waiting on a person carries the question it waits on.
     let rows: Vec<Value> = view
         .tasks
-        .into_iter()
+        .iter()
         .map(|(t, q)| {
-            let mut row = serde_json::to_value(&t).unwrap_or(Value::Null);
+            let mut row = serde_json::to_value(t).unwrap_or(Value::Null);
             if let Some(q) = q {
                 row["question"] = json!(q);
             }
+            row["spend"] = view.task_spend.get(&t.id).map_or(Value::Null, pier_host::Spend::to_json);
             row
         })
         .collect();
-    Ok(Json(json!({"run": run, "counts": counts, "tasks": rows})))
+    Ok(Json(json!({"run": run, "counts": counts, "tasks": rows, "spend": view.spend.to_json()})))
 }
 
 /// Each agent spec's last `initialize` answer (what it can do), as the host recorded it.
@@ -72,7 +73,7 @@ pub(crate) async fn list_agents(State(app): State<Shared>) -> Result<Json<Value>
 pub fn task_json(v: &TaskView) -> Value {
     // `evidence`: the current attempt's, as before `attempts` was added.
     json!({"task": v.row, "evidence": v.evidence(), "attempts": v.attempts, "question": v.question,
-           "agent": v.agent, "prompt": v.prompt, "sandbox": v.sandbox})
+           "agent": v.agent, "prompt": v.prompt, "sandbox": v.sandbox, "spend": v.spend.to_json()})
 }
 
 pub(crate) async fn show_task(

@@ -103,6 +103,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Task `task`'s latest `last` events, oldest first (picked out in the database from its
     /// run's log, not read whole by the caller).
     fn task_events(&self, run: &str, task: &str, last: usize) -> Result<Vec<Event>, StoreError>;
+    /// The events of one `kind` in run `run` (of task `task` alone, when given), oldest first:
+    /// what a spend is summed from, picked out in the database.
+    fn events_of_kind(&self, run: &str, task: Option<&str>, kind: &str) -> Result<Vec<Event>, StoreError>;
     fn last_seq(&self) -> Result<i64, StoreError>;
     /// The runs that have a task with this id, newest first.
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError>;

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::log::{Event, LogEvent};
+use crate::spend::{MODEL_REQUEST, ModelRequest};
 
 /// An event's meaning.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +20,8 @@ pub enum Entry {
     Host(LogEvent),
     /// What attempt `attempt`'s agent did.
     Agent { attempt: i64, event: Box<AgentEvent> },
+    /// A model request the gateway passed for the task's agent.
+    Model(Box<ModelRequest>),
     /// An event this pier does not read (its kind and data are on the [`Event`]).
     Other,
 }
@@ -80,6 +83,9 @@ impl Event {
         };
         if HOST_KINDS.contains(&self.kind.as_str()) {
             return serde_json::from_value(tagged()).map_or(Entry::Other, Entry::Host);
+        }
+        if self.kind == MODEL_REQUEST {
+            return serde_json::from_value(self.data.clone()).map_or(Entry::Other, |r| Entry::Model(Box::new(r)));
         }
         if AGENT_KINDS.contains(&self.kind.as_str()) {
             let attempt = self.data.get("attempt").and_then(Value::as_i64).unwrap_or(0);

@@ -22,6 +22,7 @@ mod ops;
 mod pg;
 mod rows;
 mod schema;
+mod spend;
 mod sqlite;
 mod store;
 
@@ -43,6 +44,7 @@ pub use rows::{
     AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
     offered_option, option_kind,
 };
+pub use spend::{MODEL_REQUEST, ModelRequest, Spend, Subtotal, Tokens};
 pub use sqlite::Sqlite;
 pub use store::Store;
 

@@ -302,6 +302,14 @@ impl<B: Backend> TaskStore for Store<B> {
         Ok(out)
     }
 
+    fn events_of_kind(&self, run: &str, task: Option<&str>, kind: &str) -> Result<Vec<Event>, StoreError> {
+        events(self.rows(
+            "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+             WHERE run_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR task_id = ?2) AND type = ?3 ORDER BY seq",
+            &[Arg::Text(run), Arg::OptText(task), Arg::Text(kind)],
+        )?)
+    }
+
     fn last_seq(&self) -> Result<i64, StoreError> {
         count(self.rows(B::LAST_SEQ, &[])?)
     }

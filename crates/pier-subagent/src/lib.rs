@@ -139,7 +139,14 @@ impl SubagentConfig {
         };
         let mut args = vec!["subagent-guard".to_owned(), "--".to_owned(), agent.program.display().to_string()];
         args.extend(agent.args);
-        Ok(AgentCommand { name: agent.name, program: self.pier_exe.clone(), args, env: agent.env, guarded: true })
+        Ok(AgentCommand {
+            name: agent.name,
+            program: self.pier_exe.clone(),
+            args,
+            env: agent.env,
+            env_remove: vec![],
+            guarded: true,
+        })
     }
 }
 

@@ -222,6 +222,7 @@ fn subagents(
         program: pier_exe.clone(),
         args: own_args,
         env: vec![],
+        env_remove: vec![],
         guarded: false,
     };
     Ok(Some(pier_subagent::SubagentConfig {

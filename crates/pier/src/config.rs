@@ -61,6 +61,12 @@ pub struct FileConfig {
     /// `[client]`: `pier exec` and `pier prompt` settings.
     #[serde(default)]
     pub client: ClientTable,
+    /// `gateway = false`: `pier run` and `pier serve` agents call their providers themselves,
+    /// with the keys of pier's environment, and their spend is unknown [default: true].
+    pub gateway: Option<bool>,
+    /// `[prices."MODEL"]`: `input`, `cached_input` and `output` per million tokens.
+    #[serde(default)]
+    pub prices: BTreeMap<String, pier_host::gateway::Price>,
 }
 
 /// `[client]`.
@@ -133,6 +139,8 @@ impl FileConfig {
         self.permissions.extend(over.permissions);
         self.agents.extend(over.agents);
         self.client.permissions.extend(over.client.permissions);
+        self.gateway = over.gateway.or(self.gateway);
+        self.prices.extend(over.prices);
         self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
         self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {
@@ -301,6 +309,28 @@ pub fn load_files(env: &dyn Env, cwd: &Path) -> anyhow::Result<FileConfig> {
         config = config.merged(FileConfig::read(&path)?);
     }
     Ok(config)
+}
+
+/// The model gateway of a host (`pier run`, `pier serve`), unless pier.toml turns it off:
+/// pier's own agent's requests go where this pier's model setting says, every key of pier's
+/// environment stays with the gateway. Call within the runtime.
+pub fn gateway(files: &FileConfig, env: &dyn Env) -> anyhow::Result<Option<pier_host::gateway::GatewayConfig>> {
+    if files.gateway == Some(false) {
+        tracing::warn!("gateway = false: agents hold their providers' keys and their spend is unknown");
+        return Ok(None);
+    }
+    let gateway = pier_egress::gateway::Gateway::start().context("cannot start the model gateway")?;
+    // A broken provider setting is the agent's to report, when it starts; the host runs on.
+    let pier = resolve_model(&ModelFlags::default(), env, files).ok().flatten().map(|c| {
+        let provider = env.var("PIER_PROVIDER").or_else(|| files.provider.clone()).unwrap_or_else(|| "pier".into());
+        (c.base_url, c.api_key.map(|k| k.expose().to_owned()), provider)
+    });
+    let named: Vec<String> = files.providers.values().filter_map(|t| t.api_key_env.clone()).collect();
+    let withhold = std::env::vars()
+        .map(|(k, _)| k)
+        .filter(|k| k.ends_with("_API_KEY") || k.ends_with("_AUTH_TOKEN") || named.contains(k))
+        .collect();
+    Ok(Some(pier_host::gateway::GatewayConfig { gateway, pier, prices: files.prices.clone(), withhold }))
 }
 
 /// The host's store: `--store`, else `PIER_STORE`, else `store` in the config files, else

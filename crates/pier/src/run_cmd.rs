@@ -115,6 +115,7 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         retry_base: Duration::from_millis(args.retry_base_ms),
         cancel_grace: Duration::from_millis(args.cancel_grace_ms),
+        gateway: config::gateway(&files, &ProcessEnv)?,
         ..HostConfig::new(pier_exe, files.agents.clone(), base_dir)
     };
     Ok((config, files, plan))

@@ -100,6 +100,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             None => HostConfig::node_id(),
         },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
+        gateway: config::gateway(&files, &env)?,
         ..HostConfig::new(std::env::current_exe()?, files.agents.clone(), here)
     };
     let tasks = crate::run_cmd::open_tasks_with(&args.store, &files, config)?;

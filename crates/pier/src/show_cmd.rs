@@ -63,7 +63,7 @@ pub async fn runs(args: RunsArgs) -> anyhow::Result<()> {
         }
         None => {
             let runs = open_tasks(&args.source.store)?.runs().await?;
-            runs.iter().map(|r| json!({"run": r.run, "counts": r.counts})).collect()
+            runs.iter().map(|r| json!({"run": r.run, "counts": r.counts, "spend": r.spend.to_json()})).collect()
         }
     };
     runs.reverse();
@@ -71,10 +71,17 @@ pub async fn runs(args: RunsArgs) -> anyhow::Result<()> {
         let counts = r["counts"].as_object().cloned().unwrap_or_default();
         let total: u64 = counts.values().filter_map(Value::as_u64).sum();
         match args.format {
-            EventFormat::Json => println!("{}", json!({"run": r["run"], "tasks": total, "counts": counts})),
+            EventFormat::Json => {
+                println!("{}", json!({"run": r["run"], "tasks": total, "counts": counts, "spend": r["spend"]}))
+            }
             EventFormat::Text => {
                 let counts: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
-                println!("{:<28} {total:>5} tasks  {}", r["run"].as_str().unwrap_or("?"), counts.join(", "));
+                println!(
+                    "{:<28} {total:>5} tasks  {}  [{}]",
+                    r["run"].as_str().unwrap_or("?"),
+                    counts.join(", "),
+                    short_spend(&r["spend"])
+                );
             }
         }
     }
@@ -129,13 +136,14 @@ async fn local(store: &Option<String>, run: &str, task: Option<&str>) -> anyhow:
         let mut row = json!({
             "id": t.id, "state": t.state.as_str(), "attempts": t.attempt, "agent": t.spec.agent,
             "result": t.result, "error": t.error,
+            "spend": view.task_spend.get(&t.id).map_or(Value::Null, pier_host::Spend::to_json),
         });
         if t.state == pier_host::TaskState::AwaitingInput {
             row["asks"] = json!(waiting_for(run, &t.id, q.as_ref().map(|q| &q.request)));
         }
         row
     });
-    Ok(json!({"run": run, "tasks": rows.collect::<Vec<_>>()}))
+    Ok(json!({"run": run, "tasks": rows.collect::<Vec<_>>(), "spend": view.spend.to_json()}))
 }
 
 /// A question's request as the API shows it, typed again.
@@ -157,7 +165,7 @@ async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result
         .map(|t| {
             let mut row = json!({
                 "id": t["id"], "state": t["state"], "attempts": t["attempt"], "agent": t["spec"]["agent"],
-                "result": t["result"], "error": t["error"],
+                "result": t["result"], "error": t["error"], "spend": t["spend"],
             });
             if t["state"] == "awaiting_input" {
                 let id = t["id"].as_str().unwrap_or("?");
@@ -166,7 +174,32 @@ async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result
             row
         })
         .collect();
-    Ok(json!({"run": run, "tasks": rows}))
+    Ok(json!({"run": run, "tasks": rows, "spend": v["spend"]}))
+}
+
+/// A spend as `--format json` has it (`null`: unknown), in a few words.
+fn short_spend(spend: &Value) -> String {
+    if spend.is_null() {
+        return "spend unknown".into();
+    }
+    let tokens = spend["tokens"]["input"].as_u64().unwrap_or(0) + spend["tokens"]["output"].as_u64().unwrap_or(0);
+    match (spend["cost"].as_f64(), spend["unpriced"].as_u64().unwrap_or(0)) {
+        (Some(c), 0) => format!("{tokens} tokens, cost {c:.4}"),
+        (Some(c), _) => format!("{tokens} tokens, cost {c:.4} + unpriced"),
+        (None, _) => format!("{tokens} tokens, cost unknown"),
+    }
+}
+
+/// A spend's full line and its breakdown by model.
+fn spend_lines(spend: &Value) -> String {
+    let Some(text) = spend["text"].as_str() else {
+        return "spend: unknown (no model traffic passed pier's gateway)\n".into();
+    };
+    let mut out = format!("spend: {text}\n");
+    for (model, m) in spend["by_model"].as_object().into_iter().flatten() {
+        out.push_str(&format!("  {model}: {}\n", short_spend(m)));
+    }
+    out
 }
 
 fn run_text(run: &str, v: &Value) -> String {
@@ -187,6 +220,7 @@ fn run_text(run: &str, v: &Value) -> String {
             out.push_str(&format!("? {} {asks}\n", t["id"].as_str().unwrap_or("?")));
         }
     }
+    out.push_str(&spend_lines(&v["spend"]));
     out
 }
 
@@ -204,6 +238,7 @@ fn task_text(run: &str, v: &Value) -> String {
     if let Some(sandbox) = v["sandbox"].as_str() {
         out.push_str(&format!("sandbox: {sandbox}\n"));
     }
+    out.push_str(&spend_lines(&v["spend"]));
     if let Some(deps) = spec["depends_on"].as_array().filter(|d| !d.is_empty()) {
         let deps: Vec<&str> = deps.iter().filter_map(Value::as_str).collect();
         out.push_str(&format!("depends on: {}\n", deps.join(", ")));

@@ -95,6 +95,8 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         Err(e) => return error(api, StatusCode::BAD_REQUEST, &format!("pier gateway: reading the request: {e}")),
     };
     let (model, streamed) = requested(route, &path, &body);
+    // From here every path records the call exactly once.
+    account.meter.begin();
     let mut call = ModelCall {
         provider: upstream.provider.clone(),
         route,

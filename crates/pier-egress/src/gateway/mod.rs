@@ -146,8 +146,10 @@ pub struct ModelCall {
     pub error: Option<String>,
 }
 
-/// Where an account's requests are recorded.
+/// Where an account's requests are recorded: [`Meter::begin`] when a request is taken on,
+/// then exactly one [`Meter::record`] however it ends.
 pub trait Meter: Send + Sync {
+    fn begin(&self) {}
     fn record(&self, call: ModelCall);
 }
 
@@ -191,9 +193,12 @@ impl std::fmt::Debug for Gateway {
 }
 
 impl Gateway {
-    /// Binds a loopback port and serves it until the last clone is dropped.
-    pub async fn start() -> std::io::Result<Gateway> {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+    /// Binds a loopback port and serves it until the last clone is dropped. Call within a
+    /// tokio runtime.
+    pub fn start() -> std::io::Result<Gateway> {
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         let addr = listener.local_addr()?;
         let client = reqwest::Client::builder()
             .connect_timeout(crate::CONNECT_TIMEOUT)
@@ -219,14 +224,16 @@ impl Gateway {
     /// Opens `account` until the returned ticket is dropped.
     pub fn open(&self, account: Account) -> Ticket {
         let key = format!("pier-gw-{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
+        let routes = account.upstreams.iter().map(|u| u.route).collect();
         self.shared.accounts.lock().unwrap_or_else(PoisonError::into_inner).insert(key.clone(), Arc::new(account));
-        Ticket { key, shared: self.shared.clone() }
+        Ticket { key, routes, shared: self.shared.clone() }
     }
 }
 
 /// An open account; dropping it closes the account (its placeholder stops working).
 pub struct Ticket {
     key: String,
+    routes: Vec<Route>,
     shared: Arc<Shared>,
 }
 
@@ -242,11 +249,11 @@ impl Ticket {
         &self.key
     }
 
-    /// The agent's variables: every route's base URL at the gateway and the placeholder as
-    /// its key. (The host also withholds every other key variable: [`OTHER_KEYS`].)
+    /// The agent's variables: each of the account's routes' base URL at the gateway and the
+    /// placeholder as its key. (The host also withholds every other key variable: [`OTHER_KEYS`].)
     pub fn env(&self) -> Vec<(String, String)> {
         let mut env = Vec::new();
-        for route in Route::ALL {
+        for &route in &self.routes {
             let (base, key) = route.variables();
             env.push((base.to_owned(), format!("http://{}{}", self.shared.addr, route.prefix())));
             env.push((key.to_owned(), self.key.clone()));

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use pier_store::{AgentRow, AttemptRow, Event, NodeRow, Question, TaskRow, TaskState, TaskStore};
+use pier_store::{AgentRow, AttemptRow, Event, MODEL_REQUEST, NodeRow, Question, Spend, TaskRow, TaskState, TaskStore};
 use serde::Serialize;
 
 use super::handle::Tasks;
@@ -33,6 +33,9 @@ pub struct RunSummary {
     pub tasks: usize,
     /// Attempts started, over all its tasks.
     pub attempts: i64,
+    /// Its model requests through the gateway.
+    #[serde(skip)]
+    pub spend: Spend,
 }
 
 impl RunSummary {
@@ -59,6 +62,9 @@ impl RunSummary {
 pub struct RunView {
     pub run: String,
     pub tasks: Vec<(TaskRow, Option<Question>)>,
+    /// Its model requests through the gateway, in all and per task.
+    pub spend: Spend,
+    pub task_spend: BTreeMap<String, Spend>,
 }
 
 impl RunView {
@@ -84,6 +90,8 @@ pub struct TaskView {
     pub prompt: String,
     /// How its agent is confined ([`crate::SandboxConfig::describe_task`]).
     pub sandbox: String,
+    /// Its model requests through the gateway, over all its attempts.
+    pub spend: Spend,
 }
 
 impl TaskView {
@@ -112,7 +120,14 @@ fn run_view(s: &dyn TaskStore, run: &str) -> Result<RunView, ActionError> {
         };
         tasks.push((t, q));
     }
-    Ok(RunView { run: run.to_owned(), tasks })
+    let requests = s.events_of_kind(run, None, MODEL_REQUEST)?;
+    let mut task_spend: BTreeMap<String, Spend> = BTreeMap::new();
+    for e in &requests {
+        if let Some(task) = &e.task {
+            task_spend.entry(task.clone()).or_default().add_event(e);
+        }
+    }
+    Ok(RunView { run: run.to_owned(), tasks, spend: Spend::from_events(&requests), task_spend })
 }
 
 impl Tasks {
@@ -122,7 +137,9 @@ impl Tasks {
             let mut out = Vec::new();
             for (run, created_at_ms, updated_at_ms) in s.run_times()? {
                 let tasks = s.tasks(&run)?;
+                let spend = Spend::from_events(&s.events_of_kind(&run, None, MODEL_REQUEST)?);
                 out.push(RunSummary {
+                    spend,
                     counts: counts(&tasks),
                     tasks: tasks.len(),
                     attempts: tasks.iter().map(|t| t.attempt).sum(),
@@ -148,6 +165,7 @@ impl Tasks {
             let row = person::task_of(s, &run, &task)?;
             let prompt = pier_store::plan::render(&row.spec.prompt, &dependency_results(s, &row)?);
             Ok(TaskView {
+                spend: Spend::from_events(&s.events_of_kind(&run, Some(&task), MODEL_REQUEST)?),
                 sandbox: config.sandbox.describe_task(&row.spec),
                 attempts: s.attempts(&run, &task)?,
                 question: s.open_question(&run, &task)?,

@@ -54,7 +54,7 @@ pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
             Entry::Host(t @ LogEvent::Transition { attempt, .. }) => {
                 out.entry(attempt).or_default().push(Item::Transition(e.at_ms, t))
             }
-            Entry::Host(_) | Entry::Other => {}
+            Entry::Host(_) | Entry::Model(_) | Entry::Other => {}
         }
     }
     out

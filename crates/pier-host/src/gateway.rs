@@ -1,0 +1,213 @@
+//! The model gateway as the host uses it: every agent process it starts gets an account
+//! at the gateway (a [`Lease`]) whose upstreams hold the real keys the agent would have been
+//! given, and whose calls are billed to the attempt the process currently serves (a warm
+//! agent serves many, one at a time) as `model_request` events with their cost.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use pier_client::AgentCommand;
+use pier_egress::gateway::{Account, Gateway, Meter, ModelCall, OTHER_KEYS, Route, Ticket, Upstream};
+use pier_store::{Attempt, MODEL_REQUEST, ModelRequest, TaskStore, Tokens};
+use serde::Deserialize;
+use tokio::sync::watch;
+
+/// What one model costs, per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input: f64,
+    /// Cached prompt tokens [default: `input`].
+    #[serde(default)]
+    pub cached_input: Option<f64>,
+    pub output: f64,
+}
+
+impl Price {
+    /// The cost of `t` (reasoning is billed as output, which it is part of).
+    pub fn cost(&self, t: &Tokens) -> f64 {
+        let cached = t.cached_input.min(t.input);
+        let fresh = (t.input - cached) as f64 * self.input;
+        let cached = cached as f64 * self.cached_input.unwrap_or(self.input);
+        (fresh + cached + t.output as f64 * self.output) / 1_000_000.0
+    }
+}
+
+/// The host's gateway and what it needs to open accounts.
+#[derive(Clone)]
+pub struct GatewayConfig {
+    pub gateway: Gateway,
+    /// Where pier's own agent's requests go: the host's own model (base URL, key, provider name).
+    pub pier: Option<(String, Option<String>, String)>,
+    /// By model name.
+    pub prices: BTreeMap<String, Price>,
+    /// Variables of the host's environment that carry keys: never inherited by an agent.
+    pub withhold: Vec<String>,
+}
+
+impl std::fmt::Debug for GatewayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayConfig")
+            .field("gateway", &self.gateway)
+            .field("prices", &self.prices)
+            .field("withhold", &self.withhold)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GatewayConfig {
+    /// An account for a process of `agent`: its upstreams are where its own variables (its
+    /// definition's, else the host's) would have sent it, with the keys they would have given it.
+    pub(crate) fn lease(&self, agent: &AgentCommand, node: &str) -> Lease {
+        let var = |name: &str| {
+            agent.env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())
+        };
+        let mut upstreams = Vec::new();
+        for route in Route::ALL {
+            let (base_var, key_var) = route.variables();
+            let upstream = match route {
+                Route::Pier => var(base_var)
+                    .map(|base| (base, var(key_var).or_else(|| var("OPENAI_API_KEY")), "pier".to_owned()))
+                    .or_else(|| self.pier.clone()),
+                _ => var(base_var)
+                    .or_else(|| route.default_base().map(str::to_owned))
+                    .map(|base| (base, var(key_var), route.name().to_owned())),
+            };
+            if let Some((base_url, key, provider)) = upstream {
+                upstreams.push(Upstream { route, base_url, key, provider });
+            }
+        }
+        let bill = Arc::new(Bill {
+            to: Mutex::new(None),
+            prices: self.prices.clone(),
+            node: node.to_owned(),
+            in_flight: watch::Sender::new(0),
+        });
+        let ticket = self.gateway.open(Account { label: agent.name.clone(), upstreams, meter: bill.clone() });
+        Lease { ticket, bill, withhold: self.withhold.clone() }
+    }
+}
+
+/// One agent process's account at the gateway; dropped with the process.
+pub struct Lease {
+    ticket: Ticket,
+    bill: Arc<Bill>,
+    withhold: Vec<String>,
+}
+
+impl Lease {
+    /// `agent` as it is started: the gateway's base URLs and placeholder in place of its
+    /// providers' URLs and keys, every other key of pier's environment withheld.
+    pub(crate) fn apply(&self, agent: &mut AgentCommand) {
+        let env = self.ticket.env();
+        agent.env.retain(|(k, _)| !env.iter().any(|(g, _)| g == k) && !OTHER_KEYS.contains(&k.as_str()));
+        agent.env.extend(env.iter().cloned());
+        agent.env_remove.extend(OTHER_KEYS.iter().map(|k| (*k).to_owned()));
+        agent.env_remove.extend(self.withhold.iter().filter(|w| !env.iter().any(|(g, _)| g == *w)).cloned());
+    }
+
+    /// Bills the process's calls to `attempt` from now on.
+    pub(crate) fn bill_to(&self, store: Arc<dyn TaskStore>, attempt: Attempt) {
+        *self.bill.to.lock().unwrap_or_else(PoisonError::into_inner) = Some((store, attempt));
+    }
+
+    /// What an attempt's ending waits on: the calls still being recorded.
+    pub(crate) fn settler(&self) -> Settler {
+        Settler(self.bill.in_flight.clone())
+    }
+
+    /// Calls from now on (between tasks) are billed to no one, and said so.
+    pub(crate) fn unbill(&self) {
+        self.bill.to.lock().unwrap_or_else(PoisonError::into_inner).take();
+    }
+}
+
+/// The calls of an agent process still on their way to the log.
+#[derive(Clone)]
+pub struct Settler(watch::Sender<usize>);
+
+impl Settler {
+    /// Waits (at most `limit`) until every call in flight is recorded, so the attempt's
+    /// ending comes after its spend in the log.
+    pub(crate) async fn settle(&self, limit: Duration) {
+        let mut rx = self.0.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
+    }
+}
+
+/// Where an agent process's calls go: the attempt it serves now, priced.
+struct Bill {
+    to: Mutex<Option<(Arc<dyn TaskStore>, Attempt)>>,
+    prices: BTreeMap<String, Price>,
+    node: String,
+    /// Calls begun and not yet written to the log.
+    in_flight: watch::Sender<usize>,
+}
+
+impl Meter for Bill {
+    fn begin(&self) {
+        self.in_flight.send_modify(|n| *n += 1);
+    }
+
+    fn record(&self, call: ModelCall) {
+        let tokens = call.usage.map(|u| Tokens {
+            input: u.input,
+            cached_input: u.cached_input,
+            output: u.output,
+            reasoning: u.reasoning,
+        });
+        let price = call.model.as_ref().and_then(|m| self.prices.get(m));
+        let cost = match (price, &tokens) {
+            (Some(p), Some(t)) => Some(p.cost(t)),
+            _ => None,
+        };
+        if let Some(c) = cost {
+            let model = call.model.clone().unwrap_or_default();
+            metrics::gauge!("pier_model_cost_total", "provider" => call.provider.clone(), "model" => model)
+                .increment(c);
+        }
+        let to = self.to.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let Some((store, attempt)) = to else {
+            tracing::warn!(provider = %call.provider, model = ?call.model, "a model request between tasks: billed to no task");
+            metrics::counter!("pier_model_requests_unbilled_total").increment(1);
+            self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            return;
+        };
+        let request = ModelRequest {
+            attempt: attempt.n,
+            provider: call.provider,
+            model: call.model,
+            status: call.status,
+            latency_ms: call.latency_ms,
+            streamed: call.streamed,
+            tokens,
+            cost,
+            complete: call.complete,
+            error: call.error,
+            node: self.node.clone(),
+        };
+        let data = serde_json::to_value(&request).unwrap_or_default();
+        let in_flight = self.in_flight.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.record(&attempt, &[(MODEL_REQUEST.to_owned(), data)], &[]) {
+                tracing::error!(task = %attempt.task, error = %e, "a model request could not be recorded");
+            }
+            in_flight.send_modify(|n| *n = n.saturating_sub(1));
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_tokens_are_priced_apart_and_reasoning_as_output() {
+        let p = Price { input: 2.0, cached_input: Some(0.5), output: 8.0 };
+        let t = Tokens { input: 1_000_000, cached_input: 400_000, output: 250_000, reasoning: 100_000 };
+        assert!((p.cost(&t) - (1.2 + 0.2 + 2.0)).abs() < 1e-9);
+        let p = Price { input: 1.0, cached_input: None, output: 1.0 };
+        assert!((p.cost(&t) - 1.25).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,123 @@
+//! The model gateway under a host (issue #30): agents' model traffic goes through pier's
+//! gateway with a placeholder key, the real key is swapped in on the way out, every request is
+//! recorded with the upstream's own token counts and priced from pier.toml, and no agent
+//! process can find a real key.
+
+mod support;
+
+use std::path::Path;
+
+use pier_fake_model::{FakeModel, Reply, Step};
+use serde_json::Value;
+use support::host::{Host, lines, stderr};
+use support::must;
+
+fn fixture(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name).display().to_string()
+}
+
+fn json_of(o: &std::process::Output) -> Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}\n{}", String::from_utf8_lossy(&o.stdout), stderr(o)))
+}
+
+const REAL: &str = "sk-real-pier-key-0123456789";
+
+#[tokio::test]
+async fn pier_s_own_agent_is_billed_from_the_upstream_s_usage_and_never_holds_the_key() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| {
+        Reply::Stream(vec![
+            Step::Text("Counted.".into()),
+            Step::Finish("stop".into()),
+            Step::Usage { prompt: 1_000_000, completion: 500_000 },
+            Step::Done,
+        ])
+    });
+    let mut h = Host::new(Some(f.base_url()));
+    h.vars.push(("PIER_API_KEY".into(), REAL.into()));
+    h.write("pier.toml", "[prices.\"fake-model\"]\ninput = 1.0\ncached_input = 0.5\noutput = 2.0\n");
+    let plan = h.write(
+        "plan.toml",
+        "[defaults]\nagent = \"pier\"\nmax_attempts = 1\n\n[[tasks]]\nid = \"a\"\nprompt = \"one\"\n\n\
+         [[tasks]]\nid = \"b\"\nprompt = \"two\"\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "billed"]).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    let conversation: Vec<_> = f.requests().into_iter().filter(|r| !r.auxiliary).collect();
+    assert_eq!(conversation.len(), 2, "{conversation:?}");
+    for r in &conversation {
+        assert_eq!(r.api_key.as_deref(), Some(REAL), "the gateway swapped the real key in: {r:?}");
+    }
+    for task in ["a", "b"] {
+        let shown = json_of(&h.run(&["show", "billed", task, "--format", "json"]).await);
+        let spend = &shown["spend"];
+        assert_eq!(spend["requests"], 1, "{task}: {spend}");
+        assert_eq!(spend["tokens"]["input"], 1_000_000, "{task}: {spend}");
+        assert_eq!(spend["tokens"]["output"], 500_000, "{task}: {spend}");
+        // 1,000,000 in at 1.0 and 500,000 out at 2.0 per million.
+        assert_eq!(spend["cost"].as_f64(), Some(2.0), "{task}: {spend}");
+        assert_eq!(spend["by_model"]["fake-model"]["requests"], 1, "{spend}");
+        let text = String::from_utf8_lossy(&h.run(&["show", "billed", task]).await.stdout).into_owned();
+        assert!(text.contains("spend: 1,500,000 tokens (in 1,000,000"), "{text}");
+        assert!(text.contains("cost 2.0000"), "{text}");
+    }
+    let run = json_of(&h.run(&["show", "billed", "--format", "json"]).await);
+    assert_eq!(run["spend"]["tokens"]["input"], 2_000_000, "{run}");
+    assert_eq!(run["spend"]["cost"].as_f64(), Some(4.0), "{run}");
+    assert_eq!(run["tasks"][0]["spend"]["requests"], 1, "{run}");
+    let runs = h.run(&["runs", "--format", "json"]).await;
+    let listed = lines(&runs);
+    assert_eq!(listed.len(), 1, "{}", String::from_utf8_lossy(&runs.stdout));
+    assert_eq!(listed[0]["spend"]["cost"].as_f64(), Some(4.0), "{:?}", listed[0]);
+    let runs = String::from_utf8_lossy(&h.run(&["runs"]).await.stdout).into_owned();
+    assert!(runs.contains("3000000 tokens, cost 4.0000"), "{runs}");
+}
+
+/// A hostile agent searches its environment, arguments and files for the keys pier's
+/// environment and its definition hold: with the gateway, whether jailed or not, it finds none;
+/// with `gateway = false` it finds them (so the test can fail).
+#[tokio::test]
+async fn no_agent_process_finds_a_real_key_and_a_task_without_gateway_traffic_shows_spend_unknown() {
+    let keys = ["sk-real-openai-111", "sk-ant-real-222", "g-real-333", REAL, "sk-named-444"];
+    for (gateway, sandbox, found) in [(true, "strict", false), (true, "off", false), (false, "off", true)] {
+        let mut h = Host::new(None);
+        for (var, key) in [
+            ("OPENAI_API_KEY", keys[0]),
+            ("ANTHROPIC_API_KEY", keys[1]),
+            ("GEMINI_API_KEY", keys[2]),
+            ("PIER_API_KEY", keys[3]),
+        ] {
+            h.vars.push((var.into(), key.into()));
+        }
+        h.vars.push(("DEEPSEEK_KEY".into(), keys[4].into()));
+        h.write(
+            "pier.toml",
+            &format!(
+                "gateway = {gateway}\n[providers.deepseek]\napi_key_env = \"DEEPSEEK_KEY\"\n\n\
+                 [agents.hostile]\ncommand = \"python3\"\nargs = [{:?}]\nenv = {{ ANTHROPIC_API_KEY = {:?} }}\n",
+                fixture("hostile_agent.py"),
+                keys[1]
+            ),
+        );
+        must(std::fs::create_dir_all(h.path("work")), "work");
+        let prompt = serde_json::json!({ "keys": keys }).to_string();
+        let plan = h.write(
+            "plan.toml",
+            &format!(
+                "[[tasks]]\nid = \"search\"\nagent = \"hostile\"\nsandbox = \"{sandbox}\"\ncwd = \"work\"\nmax_attempts = 1\nprompt = '''{prompt}'''\n"
+            ),
+        );
+        let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "keys"]).await;
+        let shown = json_of(&h.run(&["show", "keys", "search", "--format", "json"]).await);
+        let result = shown["task"]["result"].as_str().unwrap_or_default().to_owned();
+        let expect = if found { "find_keys=ok" } else { "find_keys=blocked" };
+        assert!(result.contains(expect), "gateway {gateway}, sandbox {sandbox}: {result}\n{}", stderr(&o));
+        if gateway {
+            assert!(result.contains("/anthropic"), "the agent was pointed at the gateway: {result}");
+        }
+        assert!(shown["spend"].is_null(), "no model traffic: the spend is unknown, not 0: {}", shown["spend"]);
+        let text = String::from_utf8_lossy(&h.run(&["show", "keys", "search"]).await.stdout).into_owned();
+        assert!(text.contains("spend: unknown"), "{text}");
+    }
+}
