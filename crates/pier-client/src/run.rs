@@ -636,7 +636,7 @@ impl LiveAgent {
                 let first = self.setup_raw::<NewSessionResponse>("session/new", &request, deadline, interrupts).await?;
                 let response = match first {
                     Err(RequestError::Remote(e)) if i32::from(e.code) == -32000 => {
-                        self.authenticate(deadline, interrupts).await?;
+                        self.authenticate(&opts.agent, deadline, interrupts).await?;
                         self.setup::<NewSessionResponse>("session/new", &request, deadline, interrupts).await?
                     }
                     other => self.settle("session/new", other).await?,
@@ -671,12 +671,19 @@ impl LiveAgent {
         }
     }
 
-    /// Authenticates with the first env-var method whose variables are all set.
+    /// Authenticates with the first env-var method whose variables are all set in the agent's
+    /// environment: its command's own, and pier's less what the command withholds (a host's
+    /// agent has its model gateway's placeholders, not pier's keys).
     pub(crate) async fn authenticate(
         &mut self,
+        agent: &crate::AgentCommand,
         deadline: Deadline,
         interrupts: &mut Interrupts,
     ) -> Result<(), Stopped> {
+        let has = |var: &str| {
+            agent.env.iter().any(|(k, _)| k == var)
+                || (std::env::var_os(var).is_some() && !agent.env_remove.iter().any(|r| r == var))
+        };
         let methods = self.init["authMethods"].as_array().cloned().unwrap_or_default();
         let usable = methods.iter().find(|m| {
             let vars: Vec<&str> =
@@ -687,7 +694,7 @@ impl LiveAgent {
                     (None, Some(name)) => vec![name],
                     _ => Vec::new(),
                 };
-            m["type"] == "env_var" && !vars.is_empty() && vars.iter().all(|v| std::env::var_os(v).is_some())
+            m["type"] == "env_var" && !vars.is_empty() && vars.iter().all(|v| has(v))
         });
         let Some(method) = usable else {
             let names: Vec<String> = methods

@@ -58,6 +58,8 @@ pub struct Encoder {
     next_block: usize,
     /// Responses: whether the message item was announced ([`Encoder::open_message`]).
     message_open: bool,
+    /// The usage the bytes written so far reported: `(input, output)`.
+    pub reported: Option<(u64, u64)>,
 }
 
 fn sse(event: Option<&str>, data: &Value) -> String {
@@ -78,6 +80,7 @@ impl Encoder {
             block: None,
             next_block: 0,
             message_open: false,
+            reported: None,
         }
     }
 
@@ -111,7 +114,10 @@ impl Encoder {
             Step::Usage { prompt, completion } => {
                 self.usage = (*prompt, *completion);
                 match self.api {
-                    Api::ChatCompletions => sse(None, &chat_usage(*prompt, *completion)),
+                    Api::ChatCompletions => {
+                        self.reported = Some(self.usage);
+                        sse(None, &chat_usage(*prompt, *completion))
+                    }
                     _ => String::new(),
                 }
             }
@@ -257,6 +263,9 @@ impl Encoder {
 
     fn done(&mut self) -> String {
         let (input, output) = self.usage;
+        if self.api != Api::ChatCompletions {
+            self.reported = Some(self.usage);
+        }
         match self.api {
             Api::ChatCompletions => "data: [DONE]\n\n".to_owned(),
             Api::Responses => {
@@ -348,7 +357,7 @@ fn gemini(parts: Value, finish: Option<&str>, usage: Option<(u64, u64)>) -> Valu
 
 /// An answer to a request that is not part of the conversation being scripted
 /// (title generation, model routing): text in the API's non-streaming or streaming form.
-pub fn auxiliary(api: Api, streaming: bool) -> (String, String) {
+pub fn auxiliary(api: Api, streaming: bool) -> (String, String, Option<(u64, u64)>) {
     match api {
         Api::GeminiGenerate => (
             "application/json".into(),
@@ -358,6 +367,7 @@ pub fn auxiliary(api: Api, streaming: bool) -> (String, String) {
                 Some((10, 5)),
             )
             .to_string(),
+            Some((10, 5)),
         ),
         Api::AnthropicMessages if !streaming => (
             "application/json".into(),
@@ -365,6 +375,7 @@ pub fn auxiliary(api: Api, streaming: bool) -> (String, String) {
                 "content": [{"type": "text", "text": "Fake session"}], "stop_reason": "end_turn", "stop_sequence": null,
                 "usage": {"input_tokens": 10, "output_tokens": 2}})
             .to_string(),
+            Some((10, 2)),
         ),
         _ => {
             let mut e = Encoder::new(api);
@@ -372,7 +383,7 @@ pub fn auxiliary(api: Api, streaming: bool) -> (String, String) {
             for s in [Step::Text("Fake session".into()), Step::Finish("stop".into()), Step::Done] {
                 body.push_str(&e.step(&s));
             }
-            ("text/event-stream".into(), body)
+            ("text/event-stream".into(), body, e.reported)
         }
     }
 }

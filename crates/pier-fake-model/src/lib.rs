@@ -146,6 +146,8 @@ pub struct Recorded {
     /// The key however it was sent: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key`.
     pub api_key: Option<String>,
     pub body: Value,
+    /// The usage the answer reported, `(input, output)`, once it was written whole.
+    pub reported: Option<(u64, u64)>,
 }
 
 type Fallback = Arc<dyn Fn(&Value) -> Reply + Send + Sync>;
@@ -272,7 +274,14 @@ async fn serve(
         return Ok(());
     };
     let Some(api) = encode::Api::from_path(&path) else {
-        lock(&state).requests.push(Recorded { path: path.clone(), auxiliary: true, authorization, api_key, body });
+        lock(&state).requests.push(Recorded {
+            path: path.clone(),
+            auxiliary: true,
+            authorization,
+            api_key,
+            body,
+            reported: None,
+        });
         seen.send_modify(|n| *n += 1);
         return write_status(&mut socket, 404, &format!("fake model: no route for {path}"), None).await;
     };
@@ -287,10 +296,18 @@ async fn serve(
         encode::Api::ChatCompletions => check::chat_request(&body).err(),
         _ => None,
     };
-    let reply = {
+    let (reply, index) = {
         let mut st = lock(&state);
-        st.requests.push(Recorded { path: path.clone(), auxiliary, authorization, api_key, body: body.clone() });
-        if let Some(why) = invalid {
+        let index = st.requests.len();
+        st.requests.push(Recorded {
+            path: path.clone(),
+            auxiliary,
+            authorization,
+            api_key,
+            body: body.clone(),
+            reported: None,
+        });
+        let reply = if let Some(why) = invalid {
             // Refused as a provider would; the test fails when the fake is dropped.
             st.violations.push(format!("{why}: {body}"));
             Some(Reply::status(400, &format!("fake model: invalid request body: {why}")))
@@ -304,17 +321,24 @@ async fn serve(
                     None => Reply::status(400, "fake model: no scripted reply left for this request"),
                 },
             })
-        }
+        };
+        (reply, index)
     };
     seen.send_modify(|n| *n += 1);
+    let reported = |usage: Option<(u64, u64)>| {
+        if let Some(r) = lock(&state).requests.get_mut(index) {
+            r.reported = usage;
+        }
+    };
     let Some(reply) = reply else {
-        let (content_type, text) = encode::auxiliary(api, streaming);
+        let (content_type, text, usage) = encode::auxiliary(api, streaming);
         let head = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
             text.len()
         );
         socket.write_all(head.as_bytes()).await?;
         socket.write_all(text.as_bytes()).await?;
+        reported(usage);
         return socket.shutdown().await;
     };
     match reply {
@@ -362,6 +386,7 @@ async fn serve(
                     socket.flush().await?;
                 }
             }
+            reported(encoder.reported);
             socket.shutdown().await
         }
     }

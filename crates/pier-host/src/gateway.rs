@@ -101,6 +101,16 @@ impl Lease {
     /// providers' URLs and keys, every other key of pier's environment withheld.
     pub(crate) fn apply(&self, agent: &mut AgentCommand) {
         let env = self.ticket.env();
+        // An agent that reads its base URL from its configuration rather than its environment
+        // (codex: `-c openai_base_url=…`) names the gateway's variable in its arguments.
+        for arg in &mut agent.args {
+            for (k, v) in &env {
+                let named = format!("${{{k}}}");
+                if arg.contains(&named) {
+                    *arg = arg.replace(&named, v);
+                }
+            }
+        }
         agent.env.retain(|(k, _)| !env.iter().any(|(g, _)| g == k) && !OTHER_KEYS.contains(&k.as_str()));
         agent.env.extend(env.iter().cloned());
         agent.env_remove.extend(OTHER_KEYS.iter().map(|k| (*k).to_owned()));

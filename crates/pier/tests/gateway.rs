@@ -121,3 +121,101 @@ async fn no_agent_process_finds_a_real_key_and_a_task_without_gateway_traffic_sh
         assert!(text.contains("spend: unknown"), "{text}");
     }
 }
+
+/// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
+fn interop_bin() -> std::path::PathBuf {
+    let bin = std::env::var("PIER_TEST_INTEROP_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/node_modules/.bin"));
+    assert!(bin.join("codex-acp").exists(), "{} has no codex-acp; run scripts/test, which installs it", bin.display());
+    bin
+}
+
+/// codex-acp, claude-agent-acp and gemini-cli answer tasks confined, their model traffic
+/// through the gateway in their own APIs (Responses, Messages, Gemini): each got the real key
+/// upstream and only a placeholder itself, and the tokens recorded for the run equal, request
+/// for request, what the upstream reported.
+#[tokio::test]
+async fn the_real_peers_are_billed_exactly_what_the_upstream_reported() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| {
+        Reply::Stream(vec![
+            Step::Text("Hello through the gateway.".into()),
+            Step::Finish("stop".into()),
+            Step::Usage { prompt: 1234, completion: 56 },
+            Step::Done,
+        ])
+    });
+    let h = Host::new(None);
+    let mut agents = String::new();
+    let keys = [
+        ("codex", "OPENAI_API_KEY", "sk-codex-real"),
+        ("claude", "ANTHROPIC_API_KEY", "sk-ant-claude-real"),
+        ("gemini", "GEMINI_API_KEY", "g-gemini-real"),
+    ];
+    for (name, key_var, key) in keys {
+        let scratch = h.path(&format!("peer-{name}"));
+        must(std::fs::create_dir_all(&scratch), "scratch");
+        let mut peer = must(pier_fake_model::peers::setup(name, &interop_bin(), &scratch, &f.base_url()), "peer setup");
+        if name == "codex" {
+            // The built-in OpenAI provider, which reads OPENAI_BASE_URL: the gateway's variable.
+            let home = peer.env.iter().find(|(k, _)| k == "CODEX_HOME").map(|(_, v)| v.clone()).unwrap_or_default();
+            must(
+                std::fs::write(
+                    Path::new(&home).join("config.toml"),
+                    "model = \"fake-model\"\napproval_policy = \"untrusted\"\nsandbox_mode = \"danger-full-access\"\n",
+                ),
+                "codex config",
+            );
+            // Its upstream, as pier would have given it; codex itself is told the gateway's URL.
+            peer.env.push(("OPENAI_BASE_URL".into(), f.base_url()));
+            peer.command.push_str(" -c openai_base_url=\"${OPENAI_BASE_URL}\"");
+        }
+        peer.env.retain(|(k, _)| !k.ends_with("_API_KEY"));
+        peer.env.push((key_var.into(), key.into()));
+        let mut words = peer.command.split_whitespace();
+        let program = words.next().unwrap_or_default();
+        let args: Vec<String> = words.map(|w| format!("{w:?}")).collect();
+        let env: Vec<String> = peer.env.iter().map(|(k, v)| format!("{k} = {v:?}")).collect();
+        agents.push_str(&format!(
+            "[agents.{name}]\ncommand = {program:?}\nargs = [{}]\nenv = {{ {} }}\n\n",
+            args.join(", "),
+            env.join(", ")
+        ));
+    }
+    h.write("pier.toml", &agents);
+    let plan = h.write(
+        "plan.toml",
+        "[defaults]\nmax_attempts = 1\ntimeout = 60\n\n\
+         [[tasks]]\nid = \"codex\"\nagent = \"codex\"\nprompt = \"Say hello.\"\n\n\
+         [[tasks]]\nid = \"claude\"\nagent = \"claude\"\nprompt = \"Say hello.\"\n\n\
+         [[tasks]]\nid = \"gemini\"\nagent = \"gemini\"\nprompt = \"Say hello.\"\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "peers"]).await;
+    let run = json_of(&h.run(&["show", "peers", "--format", "json"]).await);
+    for t in run["tasks"].as_array().into_iter().flatten() {
+        assert_eq!(t["state"], "completed", "{t}\n{}", stderr(&o));
+        assert!(t["result"].as_str().unwrap_or_default().contains("Hello through the gateway."), "{t}");
+        assert!(t["spend"]["requests"].as_u64().unwrap_or(0) >= 1, "{t}");
+    }
+    let requests = f.requests();
+    for r in &requests {
+        let real = keys.iter().map(|(_, _, k)| *k).find(|k| r.api_key.as_deref() == Some(*k));
+        assert!(
+            real.is_some(),
+            "every upstream request carried a real key, never a placeholder: {:?} {}",
+            r.api_key,
+            r.path
+        );
+    }
+    let (mut input, mut output) = (0, 0);
+    for r in &requests {
+        // A request the fake answered without usage (a probe it has no route for) counts nothing.
+        let (i, o) = r.reported.unwrap_or((0, 0));
+        input += i;
+        output += o;
+    }
+    assert_eq!(run["spend"]["requests"].as_u64(), Some(requests.len() as u64), "{}", run["spend"]);
+    assert_eq!(run["spend"]["tokens"]["input"].as_u64(), Some(input), "{}", run["spend"]);
+    assert_eq!(run["spend"]["tokens"]["output"].as_u64(), Some(output), "{}", run["spend"]);
+}

@@ -25,6 +25,9 @@ use crate::proxy::{BoxError, strip_hop_by_hop};
 
 type Body = UnsyncBoxBody<Bytes, BoxError>;
 
+/// How long an answer the agent hung up on is still read for its usage report.
+const DRAIN_AFTER_HANG_UP: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Headers that carry a key (the placeholder on the way in), and one that would let the
 /// upstream compress what the gateway must read.
 const KEY_HEADERS: [HeaderName; 3] =
@@ -159,14 +162,14 @@ async fn pump(
     let ended: Result<(), String> = loop {
         let next = tokio::select! {
             biased;
-            () = tx.closed() => break Err("the agent hung up before the answer ended".into()),
+            () = tx.closed() => break Err(hung_up(&mut resp, &mut reader).await),
             next = tokio::time::timeout(UPSTREAM_IDLE, resp.chunk()) => next,
         };
         match next {
             Ok(Ok(Some(bytes))) => {
                 reader.feed(&bytes);
                 if tx.send(Ok(bytes)).await.is_err() {
-                    break Err("the agent hung up before the answer ended".into());
+                    break Err(hung_up(&mut resp, &mut reader).await);
                 }
             }
             Ok(Ok(None)) => break Ok(()),
@@ -194,6 +197,25 @@ async fn pump(
     }
     call.latency_ms = started.elapsed().as_millis() as u64;
     record(&account, call);
+}
+
+/// The agent went away mid-answer. The provider bills what it generated, and reports it only at
+/// the end: the rest of the answer is read (not passed on) for its usage, for at most
+/// [`DRAIN_AFTER_HANG_UP`], then the upstream is dropped, which ends its generation.
+async fn hung_up(resp: &mut reqwest::Response, reader: &mut Reader) -> String {
+    let drained = tokio::time::timeout(DRAIN_AFTER_HANG_UP, async {
+        while let Ok(Some(bytes)) = resp.chunk().await {
+            reader.feed(&bytes);
+        }
+    })
+    .await;
+    match drained {
+        Ok(()) => "the agent hung up before the answer ended (the rest was read for its usage)".into(),
+        Err(_) => format!(
+            "the agent hung up before the answer ended; the upstream was cut {} s later, before it reported usage",
+            DRAIN_AFTER_HANG_UP.as_secs()
+        ),
+    }
 }
 
 fn failed(account: &Account, mut call: ModelCall, started: Instant, api: Api, why: String) -> Response<Body> {
