@@ -120,9 +120,21 @@ impl Run {
         lease_lost: &CancellationToken,
     ) -> Option<Result<(), StoreError>> {
         let settler = self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let mut over_budget = None;
         if let Some(s) = settler {
             s.settle(SETTLE).await;
+            over_budget = s.exhausted();
         }
+        // A budget stopped the agent's requests: however the agent ended its turn after that
+        // (an answer about the error, a failure), the task waits for a person.
+        let budget_outcome;
+        let outcome = match over_budget {
+            Some(why) if !matches!(outcome, Outcome::Interrupted { .. } | Outcome::Unusable { .. }) => {
+                budget_outcome = Outcome::OverBudget { why };
+                &budget_outcome
+            }
+            _ => outcome,
+        };
         let tail = recorder.tail().await;
         let attempt = self.attempt.clone();
         let last = Last { events: tail.events, evidence: tail.evidence, output: tail.output, unless_messages };
@@ -220,7 +232,7 @@ impl Run {
             }
         };
         if let Some(l) = &lease {
-            l.bill_to(self.store.clone(), self.attempt.clone());
+            l.bill_to(self.store.clone(), self.attempt.clone(), &self.row.spec).await;
         }
         *self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = lease.as_ref().map(Lease::settler);
         let (mut outcome, ended) = match agent {

@@ -29,6 +29,8 @@ pub enum Outcome {
     Interrupted { why: String },
     /// The task's stored numbers cannot run (a store written by an older pier).
     Unusable { error: String },
+    /// A budget of the task or its run is spent: the gateway refused the agent's requests.
+    OverBudget { why: String },
 }
 
 /// What the decision needs besides the outcome.
@@ -48,6 +50,13 @@ pub struct Context<'a> {
 
 pub fn decide(outcome: &Outcome, cx: &Context<'_>) -> Ending {
     match outcome {
+        // Not a failure and never retried blindly: a person raises the budget or cancels.
+        Outcome::OverBudget { why } => Ending::AskPerson {
+            error: Some(why.clone()),
+            reason: "a budget is spent; a person raises it (`pier budget`) to resume the task, or cancels it".into(),
+            failure: false,
+            evidence: cx.evidence.to_vec(),
+        },
         Outcome::Answered { stop_reason: StopReason::EndTurn, text, usage } => {
             Ending::Completed { result: text.clone(), usage: usage.clone() }
         }

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use pier_client::AgentCommand;
 use pier_egress::gateway::{Account, Gateway, Meter, ModelCall, OTHER_KEYS, Route, Ticket, Upstream};
-use pier_store::{Attempt, MODEL_REQUEST, ModelRequest, TaskStore, Tokens};
+use pier_store::{Attempt, Budget, MODEL_REQUEST, ModelRequest, TaskSpec, TaskStore, Tokens};
+
+use crate::budget::{Allowance, Ledger};
 use serde::Deserialize;
 use tokio::sync::watch;
 
@@ -44,6 +46,11 @@ pub struct GatewayConfig {
     pub prices: BTreeMap<String, Price>,
     /// Variables of the host's environment that carry keys: never inherited by an agent.
     pub withhold: Vec<String>,
+    /// pier.toml's budgets for tasks and runs whose plan gives none.
+    pub budget: Option<Budget>,
+    pub run_budget: Option<Budget>,
+    /// What runs and tasks spent so far, as this process knows it.
+    pub ledger: Arc<Ledger>,
 }
 
 impl std::fmt::Debug for GatewayConfig {
@@ -83,9 +90,10 @@ impl GatewayConfig {
             prices: self.prices.clone(),
             node: node.to_owned(),
             in_flight: watch::Sender::new(0),
+            exhausted: Mutex::new(None),
         });
         let ticket = self.gateway.open(Account { label: agent.name.clone(), upstreams, meter: bill.clone() });
-        Lease { ticket, bill, withhold: self.withhold.clone() }
+        Lease { ticket, bill, withhold: self.withhold.clone(), config: self.clone() }
     }
 }
 
@@ -94,6 +102,7 @@ pub struct Lease {
     ticket: Ticket,
     bill: Arc<Bill>,
     withhold: Vec<String>,
+    config: GatewayConfig,
 }
 
 impl Lease {
@@ -117,45 +126,96 @@ impl Lease {
         agent.env_remove.extend(self.withhold.iter().filter(|w| !env.iter().any(|(g, _)| g == *w)).cloned());
     }
 
-    /// Bills the process's calls to `attempt` from now on.
-    pub(crate) fn bill_to(&self, store: Arc<dyn TaskStore>, attempt: Attempt) {
-        *self.bill.to.lock().unwrap_or_else(PoisonError::into_inner) = Some((store, attempt));
+    /// Bills the process's calls to `attempt` of a task of `spec` from now on, within its
+    /// budgets. A budget that cannot be read holds nothing back silently: every request is refused.
+    pub(crate) async fn bill_to(&self, store: Arc<dyn TaskStore>, attempt: Attempt, spec: &TaskSpec) {
+        let (budget, run_budget) = (spec.budget.or(self.config.budget), spec.run_budget.or(self.config.run_budget));
+        let (ledger, s, a) = (self.config.ledger.clone(), store.clone(), attempt.clone());
+        let opened = tokio::task::spawn_blocking(move || {
+            Allowance::open(&ledger, s.as_ref(), &a.run, &a.task, budget, run_budget).map_err(|e| e.to_string())
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+        let (allowance, exhausted) = match opened {
+            Ok(allowance) => (allowance, None),
+            Err(e) => (None, Some(format!("{}: the budget could not be read ({e})", crate::budget::OVER_BUDGET))),
+        };
+        *self.bill.exhausted.lock().unwrap_or_else(PoisonError::into_inner) = exhausted;
+        *self.bill.to.lock().unwrap_or_else(PoisonError::into_inner) = Some(Billing { store, attempt, allowance });
     }
 
-    /// What an attempt's ending waits on: the calls still being recorded.
+    /// What an attempt's ending waits on: the calls still being recorded, and whether a budget stopped it.
     pub(crate) fn settler(&self) -> Settler {
-        Settler(self.bill.in_flight.clone())
+        Settler(self.bill.clone())
     }
 
     /// Calls from now on (between tasks) are billed to no one, and said so.
     pub(crate) fn unbill(&self) {
+        // What stopped this attempt stays for its ending to read; the next `bill_to` clears it.
         self.bill.to.lock().unwrap_or_else(PoisonError::into_inner).take();
     }
 }
 
-/// The calls of an agent process still on their way to the log.
+/// An attempt's view of its agent process's calls: those still on their way to the log, and
+/// the budget that stopped them.
 #[derive(Clone)]
-pub struct Settler(watch::Sender<usize>);
+pub struct Settler(Arc<Bill>);
 
 impl Settler {
     /// Waits (at most `limit`) until every call in flight is recorded, so the attempt's
     /// ending comes after its spend in the log.
     pub(crate) async fn settle(&self, limit: Duration) {
-        let mut rx = self.0.subscribe();
+        let mut rx = self.0.in_flight.subscribe();
         let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
+    }
+
+    /// Why requests were refused, if a budget stopped them.
+    pub(crate) fn exhausted(&self) -> Option<String> {
+        self.0.exhausted.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 }
 
-/// Where an agent process's calls go: the attempt it serves now, priced.
+/// The attempt an agent process serves now.
+struct Billing {
+    store: Arc<dyn TaskStore>,
+    attempt: Attempt,
+    allowance: Option<Allowance>,
+}
+
+/// Where an agent process's calls go: the attempt it serves now, priced, within its budgets.
 struct Bill {
-    to: Mutex<Option<(Arc<dyn TaskStore>, Attempt)>>,
+    to: Mutex<Option<Billing>>,
     prices: BTreeMap<String, Price>,
     node: String,
     /// Calls begun and not yet written to the log.
     in_flight: watch::Sender<usize>,
+    /// Set when a budget is spent: every further request of the attempt is refused with it.
+    exhausted: Mutex<Option<String>>,
+}
+
+impl Bill {
+    fn exhaust(&self, why: String) {
+        tracing::warn!("{why}");
+        self.exhausted.lock().unwrap_or_else(PoisonError::into_inner).get_or_insert(why);
+    }
 }
 
 impl Meter for Bill {
+    fn admit(&self) -> Result<(), String> {
+        if let Some(why) = self.exhausted.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+            return Err(why);
+        }
+        let checked = match &*self.to.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some(Billing { allowance: Some(a), .. }) => a.check(),
+            _ => Ok(()),
+        };
+        if let Err(why) = &checked {
+            metrics::counter!("pier_model_requests_refused_total", "why" => "budget").increment(1);
+            self.exhaust(why.clone());
+        }
+        checked
+    }
+
     fn begin(&self) {
         self.in_flight.send_modify(|n| *n += 1);
     }
@@ -177,7 +237,18 @@ impl Meter for Bill {
             metrics::gauge!("pier_model_cost_total", "provider" => call.provider.clone(), "model" => model)
                 .increment(c);
         }
-        let to = self.to.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let to = match &*self.to.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some(b) => {
+                if let Some(a) = &b.allowance {
+                    let total = tokens.map_or(0, |t| t.total());
+                    if let Err(why) = a.add(total, cost, call.model.as_deref()) {
+                        self.exhaust(why);
+                    }
+                }
+                Some((b.store.clone(), b.attempt.clone()))
+            }
+            None => None,
+        };
         let Some((store, attempt)) = to else {
             tracing::warn!(provider = %call.provider, model = ?call.model, "a model request between tasks: billed to no task");
             metrics::counter!("pier_model_requests_unbilled_total").increment(1);

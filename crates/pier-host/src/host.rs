@@ -173,8 +173,14 @@ impl Host {
     /// its tasks can make progress. Returns the counts by state of the run (empty for all).
     pub async fn drive(&self, scope: Scope, stop: CancellationToken) -> Result<Summary, StoreError> {
         let result = self.schedule(&scope, &stop).await;
-        // Whatever the ending, no agent outlives the host's work.
+        // Whatever the ending, no agent outlives the host's work, and its run leases go back:
+        // a run left waiting on a person is resumed (`pier run --resume`, another node) at
+        // once, not when the lease of a host that is gone runs out.
         self.pool.drain().await;
+        let node = self.config.node.clone();
+        if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
+            tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
+        }
         result
     }
 

@@ -4,6 +4,7 @@
 //! to ACP agents through `pier-client`.
 
 pub mod attempt;
+pub mod budget;
 mod caps;
 mod config;
 pub mod decide;
@@ -18,7 +19,7 @@ pub use config::{HostConfig, SandboxConfig, Summary};
 pub use host::Scope;
 pub use person::{ActionError, Answered, Input};
 pub use pier_store::{
-    AgentEvent, AgentRow, Attempt, AttemptRow, Ending, Entry, ErrorClass, ErrorCode, Event, Held, Idem, Last,
+    AgentEvent, AgentRow, Attempt, AttemptRow, Budget, Ending, Entry, ErrorClass, ErrorCode, Event, Held, Idem, Last,
     LogCursor, LogEvent, ModelRequest, NodeRow, PgStore, Plan, PlanError, Question, QuestionRequest, Spend,
     SqliteStore, StoreError, TaskRow, TaskSpec, TaskState, TaskStore, Tokens, code, offered_option, option_kind, plan,
     requires, state,

@@ -22,6 +22,7 @@ pub fn attempt_ended(outcome: &Outcome, ending: &Ending) {
             Outcome::Interrupted { .. } => "interrupted",
             Outcome::Answered { .. } => "stop_reason",
             Outcome::Unusable { .. } => "unusable",
+            Outcome::OverBudget { .. } => "budget",
         };
         metrics::counter!("pier_retries_total", "class" => class).increment(1);
     }

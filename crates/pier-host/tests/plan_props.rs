@@ -139,6 +139,8 @@ proptest! {
             sandbox: None,
             network: vec![],
             limits: pier_host::plan::Limits { cpu, memory, pids: None },
+            budget: None,
+            run_budget: None,
         };
         let _ = attempt_options(&spec, &config());
         for bad in [-1.0, 0.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e300] {

@@ -17,6 +17,7 @@
 //! | `POST /runs/{run}/tasks/{task}/cancel` | cancel a task |
 //! | `POST /runs/{run}/tasks/{task}/retry` `{with_dependents?}` | a failed or cancelled task runs again |
 //! | `POST /runs/{run}/tasks/{task}/answer` `{allow, option?}` | answer `awaiting_input` |
+//! | `POST /runs/{run}/budget`, `POST /runs/{run}/tasks/{task}/budget` `{tokens?, cost?}` | raise the run's or the task's budget; tasks a budget stopped resume |
 //! | `GET /events?after=SEQ&run=ID&follow=BOOL` | SSE; `Last-Event-ID` resumes exactly after that seq; `follow=false` ends when caught up |
 //! | `POST /lease` `{worker, capabilities, ttl_ms}` | a pull worker claims a runnable task |
 //! | `POST /runs/{run}/tasks/{task}/heartbeat` `{worker, attempt, ttl_ms}` | renew the lease |
@@ -153,6 +154,8 @@ pub fn router(app: Shared) -> Router {
         .route("/runs", post(submit).layer(axum::extract::DefaultBodyLimit::max(MAX_PLAN_BYTES)).get(list_runs))
         .route("/runs/{run}", get(show_run))
         .route("/runs/{run}/cancel", post(cancel_run))
+        .route("/runs/{run}/budget", post(run_budget))
+        .route("/runs/{run}/tasks/{task}/budget", post(task_budget))
         .route("/runs/{run}/tasks/{task}", get(show_task))
         .route("/runs/{run}/tasks/{task}/cancel", post(cancel_task))
         .route("/runs/{run}/tasks/{task}/retry", post(retry_task))

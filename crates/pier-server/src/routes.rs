@@ -83,6 +83,26 @@ pub(crate) async fn show_task(
     Ok(Json(task_json(&app.tasks.task(&run, &task).await?)))
 }
 
+/// A run's new budget: on every task of it; those a budget stopped run again.
+pub(crate) async fn run_budget(
+    State(app): State<Shared>,
+    Path(run): Path<String>,
+    Body(body): Body<pier_host::Budget>,
+) -> Result<Json<Value>, ApiError> {
+    let rows = app.tasks.set_budget(&run, None, None, Some(body), "http").await?;
+    Ok(Json(json!({"tasks": rows})))
+}
+
+/// A task's new budget; if a budget stopped it, it runs again.
+pub(crate) async fn task_budget(
+    State(app): State<Shared>,
+    Path((run, task)): Path<(String, String)>,
+    Body(body): Body<pier_host::Budget>,
+) -> Result<Json<Value>, ApiError> {
+    let rows = app.tasks.set_budget(&run, Some(&task), Some(body), None, "http").await?;
+    Ok(Json(json!({"tasks": rows})))
+}
+
 pub(crate) async fn cancel_task(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,

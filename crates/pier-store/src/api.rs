@@ -55,6 +55,17 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Appends an attempt's events to the log and its side effects to its evidence.
     fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError>;
 
+    /// A person's budgets: task `task`'s own (`budget`) and the run's (`run_budget`, on every
+    /// task of the run); `None` limits keep what was. The tasks changed, as they are now.
+    fn set_budget(
+        &self,
+        run: &str,
+        task: Option<&str>,
+        budget: Option<crate::plan::Budget>,
+        run_budget: Option<crate::plan::Budget>,
+        by: &str,
+    ) -> Result<Vec<TaskRow>, StoreError>;
+
     /// Cancels a task that has not ended (a person's or a dependency's cancel); a running
     /// attempt finds out through its fence. `None` if it had ended already.
     fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError>;

@@ -65,7 +65,7 @@ pub enum AgentEvent {
 
 /// The kinds the host writes ([`LogEvent`]'s names).
 const HOST_KINDS: &[&str] =
-    &["run_created", "task_created", "transition", "question", "answer", "message", "message_sent"];
+    &["run_created", "task_created", "transition", "question", "answer", "message", "message_sent", "budget"];
 /// The kinds an attempt records ([`AgentEvent`]'s names).
 const AGENT_KINDS: &[&str] = &["session_update", "permission", "elicitation", "client_call", "protocol_error"];
 

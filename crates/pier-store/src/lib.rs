@@ -39,7 +39,7 @@ pub use entry::{AgentEvent, Entry};
 pub use error::StoreError;
 pub use log::{Event, LogCursor, LogEvent, OwnCommit, RawEvent, own_following};
 pub use pg::{Pg, ScratchDatabase, redacted};
-pub use plan::{Plan, PlanError, TaskSpec};
+pub use plan::{Budget, Plan, PlanError, TaskSpec};
 pub use rows::{
     AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
     offered_option, option_kind,

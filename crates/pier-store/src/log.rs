@@ -267,6 +267,14 @@ pub enum LogEvent {
         n: i64,
         attempt: i64,
     },
+    /// A person set a task's budget or the run's (on the run's first task event, `task` none).
+    Budget {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget: Option<crate::plan::Budget>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        run_budget: Option<crate::plan::Budget>,
+        by: String,
+    },
 }
 
 impl LogEvent {

@@ -8,7 +8,7 @@
 
 use serde_json::{Value, json};
 
-use crate::plan::{Plan, TaskSpec};
+use crate::plan::{Budget, Plan, TaskSpec};
 use crate::state::TaskState;
 use crate::{Attempt, Ending, Held, Idem, LogEvent, Question, QuestionRequest, StoreError, TaskRow, now_ms};
 
@@ -882,6 +882,49 @@ pub(crate) fn say(
     let said = LogEvent::Message { n, text: text.to_owned(), interrupt, by: by.to_owned() };
     let seq = log(tx, run, Some(task), &said)?;
     Ok((Some(n), seq))
+}
+
+/// A person's new budget for task `task` (its own, raised by `budget`) and for the run
+/// (`run_budget`, written into every task of the run): each changed task's spec is rewritten
+/// and its version moved, with one `budget` event per task. Limits `None` keep what was.
+pub(crate) fn set_budget(
+    tx: &mut dyn Tx,
+    run: &str,
+    task: Option<&str>,
+    budget: Option<Budget>,
+    run_budget: Option<Budget>,
+    by: &str,
+) -> Result<(Vec<TaskRow>, i64), StoreError> {
+    let ids: Vec<String> = match (task, run_budget) {
+        (_, Some(_)) => tx.strings("SELECT id FROM tasks WHERE run_id = ?1 ORDER BY ord", &[Arg::Text(run)])?,
+        (Some(t), None) => vec![t.to_owned()],
+        (None, None) => Vec::new(),
+    };
+    if let Some(t) = task
+        && !ids.iter().any(|id| id == t)
+    {
+        return Err(StoreError::UnknownTask(t.to_owned()));
+    }
+    let (mut rows, mut seq) = (Vec::with_capacity(ids.len()), 0);
+    for id in ids {
+        let mut row = load_task(tx, run, &id)?;
+        let own = (task == Some(id.as_str())).then_some(budget).flatten();
+        if let Some(b) = own {
+            row.spec.budget = Some(row.spec.budget.unwrap_or_default().raised(b));
+        }
+        if let Some(b) = run_budget {
+            row.spec.run_budget = Some(row.spec.run_budget.unwrap_or_default().raised(b));
+        }
+        let spec = serde_json::to_string(&row.spec)?;
+        tx.exec(
+            "UPDATE tasks SET spec = ?3, version = version + 1 WHERE run_id = ?1 AND id = ?2",
+            &[Arg::Text(run), Arg::Text(&id), Arg::Text(&spec)],
+        )?;
+        let said = LogEvent::Budget { budget: own, run_budget, by: by.to_owned() };
+        seq = log(tx, run, Some(&id), &said)?;
+        rows.push(load_task(tx, run, &id)?);
+    }
+    Ok((rows, seq))
 }
 
 /// The messages the holding attempt has not sent yet, marked sent by it.

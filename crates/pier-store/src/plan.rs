@@ -57,6 +57,54 @@ pub struct TaskSpec {
     /// Resource limits over the host's (`[limits]` in pier.toml).
     #[serde(default, skip_serializing_if = "Limits::is_empty")]
     pub limits: Limits,
+    /// The most this task's model requests may spend over all its attempts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<Budget>,
+    /// The most the model requests of all the run's tasks may spend (the plan's `[budget]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_budget: Option<Budget>,
+}
+
+/// A spending limit: tokens (input and output) and cost (in the price table's currency).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+}
+
+impl Budget {
+    /// Why the budget cannot hold, if it cannot: it names nothing, or a limit that is not above 0.
+    pub fn check(&self) -> Result<(), String> {
+        if self.tokens.is_none() && self.cost.is_none() {
+            return Err("a budget needs `tokens` or `cost` (or both)".into());
+        }
+        if self.tokens == Some(0) {
+            return Err("budget tokens = 0: give a number of tokens above 0".into());
+        }
+        if let Some(c) = self.cost.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(format!("budget cost = {c}: give an amount above 0"));
+        }
+        Ok(())
+    }
+
+    /// Which limit `tokens` and `cost` (spent so far) have reached, in words, if one has.
+    pub fn spent(&self, tokens: u64, cost: f64) -> Option<String> {
+        if let Some(limit) = self.tokens.filter(|l| tokens >= *l) {
+            return Some(format!("{tokens} of {limit} tokens used"));
+        }
+        if let Some(limit) = self.cost.filter(|l| cost >= *l) {
+            return Some(format!("{cost:.4} of {limit:.4} spent"));
+        }
+        None
+    }
+
+    /// This budget with `other`'s limits where it gives them.
+    pub fn raised(self, other: Budget) -> Budget {
+        Budget { tokens: other.tokens.or(self.tokens), cost: other.cost.or(self.cost) }
+    }
 }
 
 impl TaskSpec {
@@ -95,6 +143,7 @@ struct Defaults {
     network: Vec<String>,
     #[serde(default)]
     limits: Limits,
+    budget: Option<Budget>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -125,6 +174,7 @@ struct TaskDef {
     network: Vec<String>,
     #[serde(default)]
     limits: Limits,
+    budget: Option<Budget>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -132,6 +182,8 @@ struct TaskDef {
 struct PlanFile {
     #[serde(default)]
     defaults: Defaults,
+    /// The run's budget.
+    budget: Option<Budget>,
     #[serde(default)]
     tasks: Vec<toml::Spanned<TaskDef>>,
 }
@@ -273,7 +325,13 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
         }
         lines.entry(t.id.clone()).or_insert(line);
         let mut say = |message: String| problems.push(Problem { line, message });
-        tasks.push(task_spec(t, &d, agent_known, &mut say));
+        let mut spec = task_spec(t, &d, agent_known, &mut say);
+        spec.run_budget = file.budget;
+        tasks.push(spec);
+    }
+    if let Some(Err(why)) = file.budget.map(|b| b.check()) {
+        let line = text.find("[budget]").map_or(0, |at| index.of(at));
+        problems.push(Problem { line, message: format!("[budget]: {why}") });
     }
     if tasks.is_empty() {
         problems.push(Problem { line: 0, message: "the plan has no [[tasks]]".into() });
@@ -327,6 +385,10 @@ fn task_spec(
     if let Err(why) = limits.check() {
         say(format!("task `{}`: {why}", t.id));
     }
+    let budget = t.budget.or(d.budget);
+    if let Some(Err(why)) = budget.map(|b| b.check()) {
+        say(format!("task `{}`: {why}", t.id));
+    }
     TaskSpec {
         id: t.id,
         prompt: t.prompt,
@@ -347,6 +409,8 @@ fn task_spec(
         sandbox,
         network,
         limits,
+        budget,
+        run_budget: None,
     }
 }
 

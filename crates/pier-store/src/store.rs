@@ -177,6 +177,18 @@ impl<B: Backend> TaskStore for Store<B> {
         self.op(move |tx| ops::decide_rerun(tx, &run, &task, again, &by))
     }
 
+    fn set_budget(
+        &self,
+        run: &str,
+        task: Option<&str>,
+        budget: Option<crate::plan::Budget>,
+        run_budget: Option<crate::plan::Budget>,
+        by: &str,
+    ) -> Result<Vec<TaskRow>, StoreError> {
+        let (run, task, by) = (run.to_owned(), task.map(str::to_owned), by.to_owned());
+        self.op(move |tx| ops::set_budget(tx, &run, task.as_deref(), budget, run_budget, &by))
+    }
+
     fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {
         let (run, task, by) = (run.to_owned(), task.to_owned(), by.to_owned());
         self.op(move |tx| ops::retry(tx, &run, &task, dependents, &by))

@@ -881,3 +881,35 @@ fn a_stored_permission_rule_that_does_not_parse_is_refused_naming_it() {
         assert!(text.contains("`a`") && text.contains("`r`") && text.contains("dney"), "{text}");
     }
 }
+
+/// Model requests are picked out of a run's log by kind (and task), and budgets are raised on
+/// the task, or on every task of the run, each with its event; other limits stay as they were.
+#[test]
+fn model_requests_are_picked_out_and_budgets_raised_with_their_events() {
+    each(|name, s| {
+        let a = claim(s, "a", "o");
+        let request = json!({"provider": "p", "status": 200, "latency_ms": 1, "streamed": true, "complete": true,
+                             "tokens": {"input": 10, "cached_input": 0, "output": 5, "reasoning": 0}});
+        s.record(&a, &[("model_request".into(), request), ("note".into(), json!({}))], &[])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let picked = s.events_of_kind("r", None, "model_request").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(picked.len(), 1, "{name}");
+        assert_eq!(pier_store::Spend::from_events(&picked).total.tokens.total(), 15, "{name}");
+        assert!(s.events_of_kind("r", Some("b"), "model_request").unwrap_or_default().is_empty(), "{name}");
+        let tokens = |n| Some(pier_store::Budget { tokens: Some(n), cost: None });
+        let rows = s.set_budget("r", Some("a"), tokens(100), None, "me").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((rows.len(), rows[0].spec.budget), (1, tokens(100)), "{name}");
+        let cost = Some(pier_store::Budget { tokens: None, cost: Some(2.5) });
+        let rows = s.set_budget("r", Some("a"), cost, tokens(1000), "me").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rows.len(), 2, "{name}: the run's budget is on every task");
+        let a = s.task("r", "a").ok().flatten().map(|t| t.spec).unwrap_or_default();
+        assert_eq!(
+            a.budget,
+            Some(pier_store::Budget { tokens: Some(100), cost: Some(2.5) }),
+            "{name}: raised, not replaced"
+        );
+        assert_eq!(s.task("r", "b").ok().flatten().and_then(|t| t.spec.run_budget), tokens(1000), "{name}");
+        assert_eq!(s.events_of_kind("r", None, "budget").unwrap_or_default().len(), 3, "{name}");
+        assert!(s.set_budget("r", Some("nobody"), tokens(1), None, "me").is_err(), "{name}");
+    });
+}

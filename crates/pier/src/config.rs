@@ -67,6 +67,10 @@ pub struct FileConfig {
     /// `[prices."MODEL"]`: `input`, `cached_input` and `output` per million tokens.
     #[serde(default)]
     pub prices: BTreeMap<String, pier_host::gateway::Price>,
+    /// `budget = { tokens = N, cost = X }`: every task's budget when its plan gives none.
+    pub budget: Option<pier_host::Budget>,
+    /// `run_budget = { … }`: every run's budget when its plan gives none.
+    pub run_budget: Option<pier_host::Budget>,
 }
 
 /// `[client]`.
@@ -141,6 +145,8 @@ impl FileConfig {
         self.client.permissions.extend(over.client.permissions);
         self.gateway = over.gateway.or(self.gateway);
         self.prices.extend(over.prices);
+        self.budget = over.budget.or(self.budget);
+        self.run_budget = over.run_budget.or(self.run_budget);
         self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
         self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {
@@ -330,7 +336,20 @@ pub fn gateway(files: &FileConfig, env: &dyn Env) -> anyhow::Result<Option<pier_
         .map(|(k, _)| k)
         .filter(|k| k.ends_with("_API_KEY") || k.ends_with("_AUTH_TOKEN") || named.contains(k))
         .collect();
-    Ok(Some(pier_host::gateway::GatewayConfig { gateway, pier, prices: files.prices.clone(), withhold }))
+    for (name, b) in [("budget", files.budget), ("run_budget", files.run_budget)] {
+        if let Some(Err(why)) = b.map(|b| b.check()) {
+            bail!("`{name}` in pier.toml: {why}");
+        }
+    }
+    Ok(Some(pier_host::gateway::GatewayConfig {
+        gateway,
+        pier,
+        prices: files.prices.clone(),
+        withhold,
+        budget: files.budget,
+        run_budget: files.run_budget,
+        ledger: Default::default(),
+    }))
 }
 
 /// The host's store: `--store`, else `PIER_STORE`, else `store` in the config files, else

@@ -2,6 +2,7 @@
 
 mod agent_cmd;
 mod agent_jail;
+mod budget_cmd;
 mod client_cmd;
 mod config;
 mod config_cmd;
@@ -54,6 +55,8 @@ enum Command {
     Runs(show_cmd::RunsArgs),
     /// Show a run, or one task: its result, attempts, what it waits on, what its agent can do
     Show(show_cmd::ShowArgs),
+    /// Raise a task's budget, or its run's: the tasks a budget stopped run again
+    Budget(budget_cmd::BudgetArgs),
     /// Run a failed or cancelled task again, as a new attempt (and the tasks cancelled below it)
     Retry(retry_cmd::RetryArgs),
     /// Answer the question a task's agent asked: FIELD=VALUE … or --decline
@@ -162,6 +165,7 @@ fn main() {
             Command::Say(args) => person_cmd::say(args).await.map(|()| 0),
             Command::Answer(args) => person_cmd::answer_input(args).await.map(|()| 0),
             Command::Retry(args) => retry_cmd::retry(args).await.map(|()| 0),
+            Command::Budget(args) => budget_cmd::budget(args).await.map(|()| 0),
             Command::Show(args) => show_cmd::show(args).await.map(|()| 0),
             Command::Runs(args) => show_cmd::runs(args).await.map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),

@@ -219,3 +219,80 @@ async fn the_real_peers_are_billed_exactly_what_the_upstream_reported() {
     assert_eq!(run["spend"]["tokens"]["input"].as_u64(), Some(input), "{}", run["spend"]);
     assert_eq!(run["spend"]["tokens"]["output"].as_u64(), Some(output), "{}", run["spend"]);
 }
+
+/// A task whose budget is below its need: the request that spends it completes, the next is
+/// refused in the provider's own shape, the attempt ends with its partial output kept and the
+/// task waits for a person; `pier budget` raises the budget and the task resumes and completes.
+/// A run budget holds the same way.
+#[tokio::test]
+async fn a_spent_budget_parks_the_task_for_a_person_and_a_raise_resumes_it() {
+    let f = must(FakeModel::start().await, "fake");
+    let h = Host::new(Some(f.base_url()));
+    // The first answer uses 1,500 tokens and asks for a tool, so the agent asks again.
+    let first = || {
+        Reply::Stream(vec![
+            Step::Text("Looking around first.".into()),
+            Step::ToolCallStart { index: 0, id: "c1".into(), name: "list_dir".into() },
+            Step::ToolCallArgs { index: 0, fragment: "{\"path\": \".\"}".into() },
+            Step::Finish("tool_calls".into()),
+            Step::Usage { prompt: 1000, completion: 500 },
+            Step::Done,
+        ])
+    };
+    f.push(first());
+    let plan = h.write(
+        "plan.toml",
+        "[[tasks]]\nid = \"t\"\nagent = \"pier\"\nprompt = \"look\"\nmax_attempts = 1\nbudget = { tokens = 1000 }\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "budget"]).await;
+    let shown = json_of(&h.run(&["show", "budget", "t", "--format", "json"]).await);
+    let t = &shown["task"];
+    assert_eq!(t["state"], "awaiting_input", "{shown}\n{}", stderr(&o));
+    let error = t["error"].as_str().unwrap_or_default();
+    assert!(error.contains("over budget") && error.contains("1500 of 1000 tokens"), "{error}");
+    assert!(error.contains("pier budget budget t"), "the message says how to go on: {error}");
+    assert_eq!(f.requests().iter().filter(|r| !r.auxiliary).count(), 1, "the refused request never went upstream");
+    let said = shown["attempts"][0]["output"]["text"].as_str().unwrap_or_default();
+    assert!(said.contains("Looking around first."), "the partial output is kept: {}", shown["attempts"]);
+    assert_eq!(shown["spend"]["tokens"]["input"], 1000);
+    // The host that left it waiting handed its run back on the way out: a resume starts at once.
+    assert!(must(pier_host::TaskStore::nodes(&h.store()), "nodes").is_empty(), "no node still holds the run");
+    let waiting = String::from_utf8_lossy(&h.run(&["show", "budget", "t"]).await.stdout).into_owned();
+    assert!(waiting.contains("over budget"), "{waiting}");
+
+    // Raised: the task runs again at once, and this time finishes.
+    f.push(Reply::text("Done within the new budget."));
+    let raised = h.run(&["budget", "budget", "t", "--tokens", "100000"]).await;
+    let said = String::from_utf8_lossy(&raised.stdout).into_owned();
+    assert!(said.contains("budget 100000 tokens") && said.contains("it runs again"), "{said}\n{}", stderr(&raised));
+    let o = h.run(&["run", "--resume", "budget", "--format", "json"]).await;
+    let shown = json_of(&h.run(&["show", "budget", "t", "--format", "json"]).await);
+    assert_eq!(shown["task"]["state"], "completed", "{shown}\n{}", stderr(&o));
+    assert_eq!(shown["task"]["result"], "Done within the new budget.");
+    let events = String::from_utf8_lossy(&h.run(&["events", "--run", "budget"]).await.stdout).into_owned();
+    assert!(events.contains("raising its budget"), "{events}");
+
+    // A run's budget: the second task finds it spent and waits too, until the run's is raised.
+    f.push(Reply::Stream(vec![
+        Step::Text("Big.".into()),
+        Step::Finish("stop".into()),
+        Step::Usage { prompt: 4000, completion: 1000 },
+        Step::Done,
+    ]));
+    let plan = h.write(
+        "run.toml",
+        "budget = { tokens = 2000 }\n\n[[tasks]]\nid = \"a\"\nagent = \"pier\"\nprompt = \"one\"\nmax_attempts = 1\n\n\
+         [[tasks]]\nid = \"b\"\nagent = \"pier\"\nprompt = \"two\"\nmax_attempts = 1\ndepends_on = [\"a\"]\n",
+    );
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "capped"]).await;
+    let run = json_of(&h.run(&["show", "capped", "--format", "json"]).await);
+    assert_eq!(run["tasks"][0]["state"], "completed", "{run}\n{}", stderr(&o));
+    assert_eq!(run["tasks"][1]["state"], "awaiting_input", "{run}");
+    assert!(run["tasks"][1]["error"].as_str().unwrap_or_default().contains("budget of run `capped`"), "{run}");
+    f.push(Reply::text("Second."));
+    let raised = h.run(&["budget", "capped", "--tokens", "100000", "--format", "json"]).await;
+    assert!(raised.status.success(), "{}", stderr(&raised));
+    let o = h.run(&["run", "--resume", "capped", "--format", "json"]).await;
+    let run = json_of(&h.run(&["show", "capped", "--format", "json"]).await);
+    assert_eq!(run["tasks"][1]["state"], "completed", "{run}\n{}", stderr(&o));
+}

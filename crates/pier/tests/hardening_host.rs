@@ -298,6 +298,8 @@ fn spec(id: &str, prompt: &str) -> pier_host::TaskSpec {
         sandbox: None,
         network: vec![],
         limits: Default::default(),
+        budget: None,
+        run_budget: None,
     }
 }
 

@@ -88,6 +88,9 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         let message = format!("pier gateway: this task has no upstream for {}", route.name());
         return error(api, StatusCode::NOT_FOUND, &message);
     };
+    if let Err(why) = account.meter.admit() {
+        return error(api, StatusCode::PAYMENT_REQUIRED, &format!("pier gateway: {why}"));
+    }
     let (parts, body) = req.into_parts();
     let body = match Limited::new(body, MAX_REQUEST_BYTES).collect().await {
         Ok(b) => b.to_bytes(),

@@ -146,9 +146,13 @@ pub struct ModelCall {
     pub error: Option<String>,
 }
 
-/// Where an account's requests are recorded: [`Meter::begin`] when a request is taken on,
+/// Where an account's requests are recorded: [`Meter::admit`] before anything is sent, [`Meter::begin`] when a request is taken on,
 /// then exactly one [`Meter::record`] however it ends.
 pub trait Meter: Send + Sync {
+    /// Whether a request may go at all (`Err`: why not, for the agent to read); asked first.
+    fn admit(&self) -> Result<(), String> {
+        Ok(())
+    }
     fn begin(&self) {}
     fn record(&self, call: ModelCall);
 }

@@ -62,6 +62,43 @@ impl Tasks {
         self.blocking(move |s| person::retry(s, &run, &task, dependents, &by)).await
     }
 
+    /// A person's budgets: task `task`'s own (`budget`) and, with `run_budget`, its run's (on
+    /// every task of the run). Each task of them that a budget stopped (waiting, no attempt
+    /// alive) runs again. The changed tasks as they are now.
+    pub async fn set_budget(
+        &self,
+        run: &str,
+        task: Option<&str>,
+        budget: Option<pier_store::Budget>,
+        run_budget: Option<pier_store::Budget>,
+        by: &str,
+    ) -> Result<Vec<TaskRow>, ActionError> {
+        for b in budget.iter().chain(run_budget.iter()) {
+            b.check().map_err(ActionError::bad_request)?;
+        }
+        if budget.is_some() && task.is_none() {
+            return Err(ActionError::bad_request("a task's budget needs the task; the run's is `run_budget`"));
+        }
+        if budget.is_none() && run_budget.is_none() {
+            return Err(ActionError::bad_request("give a budget: tokens, cost or both"));
+        }
+        let (run, task, by) = (run.to_owned(), task.map(str::to_owned), by.to_owned());
+        self.blocking(move |s| {
+            if !s.run_exists(&run)? {
+                return Err(StoreError::UnknownRun(run).into());
+            }
+            let mut rows = s.set_budget(&run, task.as_deref(), budget, run_budget, &by)?;
+            for row in &mut rows {
+                let stopped = row.error.as_deref().is_some_and(|e| e.starts_with(crate::budget::OVER_BUDGET));
+                if row.state == pier_store::TaskState::AwaitingInput && row.lease_owner.is_none() && stopped {
+                    *row = s.decide_rerun(&run, &row.id, true, &format!("{by}, raising its budget"))?;
+                }
+            }
+            Ok(rows)
+        })
+        .await
+    }
+
     /// Cancels a task that has not ended; the task as it is now (cancelled, or as it ended).
     pub async fn cancel_task(&self, run: &str, task: &str, reason: &str) -> Result<TaskRow, ActionError> {
         let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
