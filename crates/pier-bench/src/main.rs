@@ -27,6 +27,7 @@
 #![allow(clippy::print_stdout)]
 
 mod delegate;
+mod gateway;
 mod jail;
 
 use std::process::Stdio;
@@ -1045,6 +1046,8 @@ async fn main() {
         Some("startup") => startup(opts, cmd).await,
         Some("jail-startup") => jail::startup(opts, cmd).await,
         Some("egress") => jail::egress(opts).await,
+        Some("gateway") => gateway::run(opts).await,
+        Some("gateway-serve") => gateway::serve(opts).await,
         Some("sessions") => sessions(opts, cmd).await,
         Some("stream") => stream(opts, cmd).await,
         Some("delegate") => delegate::run(opts).await,

@@ -220,7 +220,14 @@ impl Meter for Bill {
         self.in_flight.send_modify(|n| *n += 1);
     }
 
+    /// An attempt's ending does not wait for a call its agent walked away from (a cancelled
+    /// turn): its usage is still read and recorded, after the ending.
+    fn hung_up(&self) {
+        self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+    }
+
     fn record(&self, call: ModelCall) {
+        let call_hung_up = call.hung_up;
         let tokens = call.usage.map(|u| Tokens {
             input: u.input,
             cached_input: u.cached_input,
@@ -252,7 +259,9 @@ impl Meter for Bill {
         let Some((store, attempt)) = to else {
             tracing::warn!(provider = %call.provider, model = ?call.model, "a model request between tasks: billed to no task");
             metrics::counter!("pier_model_requests_unbilled_total").increment(1);
-            self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            if !call_hung_up {
+                self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            }
             return;
         };
         let request = ModelRequest {
@@ -269,12 +278,14 @@ impl Meter for Bill {
             node: self.node.clone(),
         };
         let data = serde_json::to_value(&request).unwrap_or_default();
-        let in_flight = self.in_flight.clone();
+        let in_flight = (!call_hung_up).then(|| self.in_flight.clone());
         tokio::task::spawn_blocking(move || {
             if let Err(e) = store.record(&attempt, &[(MODEL_REQUEST.to_owned(), data)], &[]) {
                 tracing::error!(task = %attempt.task, error = %e, "a model request could not be recorded");
             }
-            in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            if let Some(in_flight) = in_flight {
+                in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            }
         });
     }
 }

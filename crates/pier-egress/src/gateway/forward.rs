@@ -112,6 +112,7 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         streamed,
         usage: None,
         complete: false,
+        hung_up: false,
         error: None,
     };
     let rest = &path[route.prefix().len()..];
@@ -165,13 +166,19 @@ async fn pump(
     let ended: Result<(), String> = loop {
         let next = tokio::select! {
             biased;
-            () = tx.closed() => break Err(hung_up(&mut resp, &mut reader).await),
+            () = tx.closed() => {
+                call.hung_up = true;
+                account.meter.hung_up();
+                break Err(hung_up(&mut resp, &mut reader).await);
+            }
             next = tokio::time::timeout(UPSTREAM_IDLE, resp.chunk()) => next,
         };
         match next {
             Ok(Ok(Some(bytes))) => {
                 reader.feed(&bytes);
                 if tx.send(Ok(bytes)).await.is_err() {
+                    call.hung_up = true;
+                    account.meter.hung_up();
                     break Err(hung_up(&mut resp, &mut reader).await);
                 }
             }

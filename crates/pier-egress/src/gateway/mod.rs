@@ -141,6 +141,9 @@ pub struct ModelCall {
     pub usage: Option<Usage>,
     /// The answer reached the agent whole.
     pub complete: bool,
+    /// The agent hung up before the answer ended, and [`Meter::hung_up`] was told then.
+    #[serde(skip)]
+    pub hung_up: bool,
     /// Why it did not, or why it was not sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -154,6 +157,9 @@ pub trait Meter: Send + Sync {
         Ok(())
     }
     fn begin(&self) {}
+    /// The agent went away mid-answer; the rest is still read for its usage, and recorded
+    /// later ([`ModelCall::hung_up`] then set). Nobody waits on the agent's side any more.
+    fn hung_up(&self) {}
     fn record(&self, call: ModelCall);
 }
 
