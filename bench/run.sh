@@ -35,6 +35,12 @@ if [ "$with_peers" = 1 ] && [ ! -x "$interop/node_modules/.bin/gemini" ]; then
   npm install --prefix "$interop" --no-audit --no-fund --loglevel=error \
     @zed-industries/codex-acp@0.16.0 @zed-industries/claude-agent-acp@0.23.1 @google/gemini-cli@0.61.0
 fi
+# B9: LiteLLM's proxy (PyPI `litellm[proxy]`) beside pier's model gateway, in a venv of its own.
+litellm="${PIER_BENCH_LITELLM:-$PWD/target/litellm}"
+if { [ -z "$only" ] || wanted B9; } && [ ! -x "$litellm/bin/litellm" ]; then
+  python3 -m venv "$litellm"
+  "$litellm/bin/pip" install --quiet 'litellm[proxy]==1.108.7'
+fi
 ln -sfn "$peers/node_modules" bench/ts/node_modules
 bins="${PIER_BENCH_BINS:-}"
 if [ -z "$bins" ]; then
@@ -126,6 +132,9 @@ fi
 # (interleaved), and a request direct and through the egress proxy.
 run B8-jail-startup        "$bench" jail-startup --n 20 --pier "$pier" -- "$bench" agent
 run B8-egress              "$bench" egress --n 2000
+# B9: streamed chat completions from the fake upstream, direct, through pier's gateway and
+# through LiteLLM's proxy (one worker each), at 1 and 64 concurrent streams; RSS; token counts.
+run B9-gateway             "$bench" gateway --n 200 --n64 1000 --litellm "$litellm/bin/litellm"
 # B6: one answer of 20,000 one-token deltas streamed by the fake model (started inside
 # pier-bench) as fast as it can, through the agent to a counting client; `direct` is the
 # fake read straight over HTTP, no agent (the fake's own ceiling and loopback latency).

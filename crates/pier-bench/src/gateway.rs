@@ -17,6 +17,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 
 use crate::{arg, status_kb};
 
+/// LiteLLM's own key (it refuses to start without one); no database, so no key store behind it.
+const MASTER: &str = "sk-pier-bench-0123456789abcdef0123456789abcdef";
+
 /// The usage each answer of the fake reports.
 const PROMPT: u64 = 1234;
 const COMPLETION: u64 = 56;
@@ -148,7 +151,8 @@ async fn litellm(exe: &str, upstream: &str, dir: &std::path::Path) -> (tokio::pr
         &config,
         format!(
             "model_list:\n  - model_name: fake-model\n    litellm_params:\n      model: openai/fake-model\n      api_base: {upstream}\n      api_key: sk-upstream\n\
-             litellm_settings:\n  callbacks: pier_usage.handler\n  telemetry: false\n"
+             litellm_settings:\n  callbacks: pier_usage.handler\n  telemetry: false\n\
+             general_settings:\n  master_key: {MASTER}\n"
         ),
     )
     .unwrap_or_else(|e| panic!("config: {e}"));
@@ -171,7 +175,7 @@ async fn litellm(exe: &str, upstream: &str, dir: &std::path::Path) -> (tokio::pr
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let pid = child.id();
-    (child, Target { url: format!("http://127.0.0.1:{port}/v1/chat/completions"), key: "sk-any".into(), pid })
+    (child, Target { url: format!("http://127.0.0.1:{port}/v1/chat/completions"), key: MASTER.into(), pid })
 }
 
 /// The usage LiteLLM logged, once `n` requests are in its log (it logs after answering).
@@ -214,7 +218,8 @@ pub async fn run(args: &[String]) {
         .spawn()
         .unwrap_or_else(|e| panic!("gateway-serve: {e}"));
     let mut lines = BufReader::new(pier.stdout.take().unwrap_or_else(|| panic!("no stdout"))).lines();
-    let hello: Value = serde_json::from_str(&lines.next_line().await.ok().flatten().unwrap_or_default()).unwrap_or_default();
+    let hello: Value =
+        serde_json::from_str(&lines.next_line().await.ok().flatten().unwrap_or_default()).unwrap_or_default();
     let pier_target = Target {
         url: format!("http://{}/openai/v1/chat/completions", hello["addr"].as_str().unwrap_or_default()),
         key: hello["key"].as_str().unwrap_or_default().to_owned(),
@@ -265,7 +270,8 @@ pub async fn run(args: &[String]) {
     let reported: Vec<(u64, u64)> = fake.requests()[before..].iter().filter_map(|r| r.reported).collect();
     out.insert("upstream_requests".into(), json!(reported.len()));
     drop(pier.stdin.take());
-    let totals: Value = serde_json::from_str(&lines.next_line().await.ok().flatten().unwrap_or_default()).unwrap_or_default();
+    let totals: Value =
+        serde_json::from_str(&lines.next_line().await.ok().flatten().unwrap_or_default()).unwrap_or_default();
     let _ = pier.wait().await;
     // The warm-up's 20 requests are counted by the proxies too.
     let measured = |name: &str| sent.get(name).copied().unwrap_or(0) + 20;
