@@ -244,7 +244,7 @@ fn empty() -> ProxyBody {
 }
 
 /// An error with its causes, which hyper keeps out of its own message ("client error (Connect)").
-fn chain(e: &(dyn StdError + 'static)) -> String {
+pub(crate) fn chain(e: &(dyn StdError + 'static)) -> String {
     let mut out = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {

@@ -93,7 +93,7 @@ impl GatewayConfig {
             exhausted: Mutex::new(None),
         });
         let ticket = self.gateway.open(Account { label: agent.name.clone(), upstreams, meter: bill.clone() });
-        Lease { ticket, bill, withhold: self.withhold.clone(), config: self.clone() }
+        Lease { ticket, bill, config: self.clone() }
     }
 }
 
@@ -101,7 +101,6 @@ impl GatewayConfig {
 pub struct Lease {
     ticket: Ticket,
     bill: Arc<Bill>,
-    withhold: Vec<String>,
     config: GatewayConfig,
 }
 
@@ -123,7 +122,7 @@ impl Lease {
         agent.env.retain(|(k, _)| !env.iter().any(|(g, _)| g == k) && !OTHER_KEYS.contains(&k.as_str()));
         agent.env.extend(env.iter().cloned());
         agent.env_remove.extend(OTHER_KEYS.iter().map(|k| (*k).to_owned()));
-        agent.env_remove.extend(self.withhold.iter().filter(|w| !env.iter().any(|(g, _)| g == *w)).cloned());
+        agent.env_remove.extend(self.config.withhold.iter().filter(|w| !env.iter().any(|(g, _)| g == *w)).cloned());
     }
 
     /// Bills the process's calls to `attempt` of a task of `spec` from now on, within its

@@ -188,15 +188,6 @@ async fn with_sandbox_off_every_escape_of_the_same_agent_works() {
     assert_eq!(o.tasks["forks"].state, pier_host::TaskState::Completed, "no limit applies with sandbox = off");
 }
 
-/// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
-fn interop_bin() -> std::path::PathBuf {
-    let bin = std::env::var("PIER_TEST_INTEROP_BIN")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/node_modules/.bin"));
-    assert!(bin.join("codex-acp").exists(), "{} has no codex-acp; run scripts/test, which installs it", bin.display());
-    bin
-}
-
 /// The real peers each answer a task under `strict`: their model traffic leaves the jail only
 /// through pier's proxy, to the fake model the plan's `network` names; pier's own agent and the
 /// TypeScript SDK example agent (no model) run confined too.
@@ -211,7 +202,8 @@ async fn the_real_peers_answer_tasks_confined_with_model_traffic_through_the_pro
     for name in ["codex", "claude", "gemini"] {
         let scratch = h.path(&format!("peer-{name}"));
         must(std::fs::create_dir_all(&scratch), "scratch");
-        let peer = must(pier_fake_model::peers::setup(name, &interop_bin(), &scratch, &f.base_url()), "peer setup");
+        let peer =
+            must(pier_fake_model::peers::setup(name, &support::interop_bin(), &scratch, &f.base_url()), "peer setup");
         let mut words = peer.command.split_whitespace();
         let program = words.next().unwrap_or_default();
         let args: Vec<String> = words.map(|w| format!("{w:?}")).collect();

@@ -122,15 +122,6 @@ async fn no_agent_process_finds_a_real_key_and_a_task_without_gateway_traffic_sh
     }
 }
 
-/// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
-fn interop_bin() -> std::path::PathBuf {
-    let bin = std::env::var("PIER_TEST_INTEROP_BIN")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/node_modules/.bin"));
-    assert!(bin.join("codex-acp").exists(), "{} has no codex-acp; run scripts/test, which installs it", bin.display());
-    bin
-}
-
 /// codex-acp, claude-agent-acp and gemini-cli answer tasks confined, their model traffic
 /// through the gateway in their own APIs (Responses, Messages, Gemini): each got the real key
 /// upstream and only a placeholder itself, and the tokens recorded for the run equal, request
@@ -156,7 +147,8 @@ async fn the_real_peers_are_billed_exactly_what_the_upstream_reported() {
     for (name, key_var, key) in keys {
         let scratch = h.path(&format!("peer-{name}"));
         must(std::fs::create_dir_all(&scratch), "scratch");
-        let mut peer = must(pier_fake_model::peers::setup(name, &interop_bin(), &scratch, &f.base_url()), "peer setup");
+        let mut peer =
+            must(pier_fake_model::peers::setup(name, &support::interop_bin(), &scratch, &f.base_url()), "peer setup");
         if name == "codex" {
             // The built-in OpenAI provider, which reads OPENAI_BASE_URL: the gateway's variable.
             let home = peer.env.iter().find(|(k, _)| k == "CODEX_HOME").map(|(_, v)| v.clone()).unwrap_or_default();

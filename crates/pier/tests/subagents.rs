@@ -678,22 +678,14 @@ async fn a_client_without_subagents_sees_no_child_session() {
     assert!(done.is_some_and(|u| u.to_string().contains("hello back")), "{notes:?}");
 }
 
-/// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
-fn interop_bin() -> PathBuf {
-    let bin = std::env::var("PIER_TEST_INTEROP_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/node_modules/.bin"));
-    assert!(bin.join("codex-acp").exists(), "{} has no codex-acp; run scripts/test, which installs it", bin.display());
-    bin
-}
-
 /// A parent delegates to a third-party agent whose model traffic goes to the fake in its
 /// provider's API (as `scripts/interop.sh` sets them up); its answer comes back, and
 /// nothing of it is left running.
 async fn delegates_to_a_third_party(name: &str) {
     let f = fake().await;
     let scratch = must(tempfile::tempdir(), "scratch");
-    let peer = must(pier_fake_model::peers::setup(name, &interop_bin(), scratch.path(), &f.base_url()), "peer setup");
+    let peer =
+        must(pier_fake_model::peers::setup(name, &support::interop_bin(), scratch.path(), &f.base_url()), "peer setup");
     let spec = peer.command.clone();
     f.set_fallback(move |body| match (first_user(body).as_str(), tool_results(body).pop()) {
         ("ask the peer", None) => delegate_calls(&[("d1", json!({"prompt": "Say hello.", "agent": spec}))]),

@@ -21,7 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::usage::Reader;
 use super::{Account, Api, MAX_REQUEST_BYTES, ModelCall, Route, Shared, UPSTREAM_IDLE, Upstream};
-use crate::proxy::{BoxError, strip_hop_by_hop};
+use crate::proxy::{BoxError, chain, strip_hop_by_hop};
 
 type Body = UnsyncBoxBody<Bytes, BoxError>;
 
@@ -339,17 +339,6 @@ fn gemini_status(status: StatusCode) -> &'static str {
         s if s >= 500 => "INTERNAL",
         _ => "INVALID_ARGUMENT",
     }
-}
-
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        cause = c.source();
-    }
-    out
 }
 
 /// The answer's body as the pump hands it over.

@@ -371,6 +371,15 @@ pub fn sdk_agent() -> String {
     format!("node {}", path.display())
 }
 
+/// Where `scripts/test` installs codex-acp, claude-agent-acp and gemini-cli (npm's `.bin`).
+pub fn interop_bin() -> PathBuf {
+    let bin = std::env::var("PIER_TEST_INTEROP_BIN").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/test-peers/node_modules/.bin")
+    });
+    assert!(bin.join("codex-acp").exists(), "{} has no codex-acp; run scripts/test, which installs it", bin.display());
+    bin
+}
+
 /// A fake-model reply that echoes the last user message as `done: TEXT`.
 pub fn echo(body: &Value) -> pier_fake_model::Reply {
     let text = body["messages"]
