@@ -16,9 +16,15 @@ const LIMIT: Duration = Duration::from_secs(20);
 struct Calls {
     calls: Mutex<Vec<ModelCall>>,
     changed: tokio::sync::Notify,
+    /// What [`Meter::rate_limited`] was told: until when, and why.
+    limited: Mutex<Vec<(i64, String)>>,
 }
 
 impl Meter for Calls {
+    fn rate_limited(&self, until_ms: i64, why: String) {
+        self.limited.lock().unwrap_or_else(|e| e.into_inner()).push((until_ms, why));
+    }
+
     fn record(&self, call: ModelCall) {
         self.calls.lock().unwrap_or_else(|e| e.into_inner()).push(call);
         self.changed.notify_waiters();
@@ -255,12 +261,122 @@ async fn an_agent_that_hangs_up_mid_stream_is_recorded_incomplete_with_the_usage
 #[tokio::test]
 async fn an_upstream_error_passes_through_and_is_recorded_with_its_status() {
     let s = setup().await;
-    s.fake.push(Reply::status(429, "slow down"));
+    s.fake.push(Reply::status(500, "it broke"));
     let url = format!("http://{}/openai/v1/chat/completions", s.gateway.addr());
     let body = json!({"model": "gpt-x", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
     let (status, answer) = post(&s.http, &url, &[("authorization", format!("Bearer {}", s.ticket.key()))], &body).await;
-    assert_eq!(status, 429);
-    assert!(String::from_utf8_lossy(&answer).contains("slow down"));
+    assert_eq!(status, 500);
+    assert!(String::from_utf8_lossy(&answer).contains("it broke"));
     let call = &s.calls.wait(1).await[0];
-    assert_eq!((call.status, call.usage), (429, None));
+    assert_eq!((call.status, call.usage), (500, None));
+}
+
+fn chat(key: &str) -> (Vec<(&'static str, String)>, Value) {
+    let body = json!({"model": "gpt-x", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    (vec![("authorization", format!("Bearer {key}"))], body)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// An upstream's 429 with `Retry-After: 2` closes that provider on the node until the reset and
+/// the request goes again then, within a second of it; the agent never sees the 429, and
+/// another provider's requests go on meanwhile.
+#[tokio::test]
+async fn an_upstream_429_is_held_and_sent_again_at_its_reset_while_other_providers_go_on() {
+    let s = setup().await;
+    s.fake.push(Reply::Status { code: 429, message: "slow down".into(), retry_after_secs: Some(2) });
+    let anthropic =
+        Reply::Stream(vec![Step::Text("other".into()), Step::Usage { prompt: 7, completion: 1 }, Step::Done]);
+    s.fake.push(anthropic);
+    s.fake.push(scripted(10, 2));
+    let gw = format!("http://{}", s.gateway.addr());
+    let (headers, body) = chat(s.ticket.key());
+    let openai = {
+        let (http, url) = (s.http.clone(), format!("{gw}/openai/v1/chat/completions"));
+        tokio::spawn(async move { post(&http, &url, &headers, &body).await })
+    };
+    // The 429 is in: the other provider's request goes through at once.
+    tokio::time::timeout(LIMIT, s.fake.wait_for_requests(1)).await.unwrap_or_else(|_| panic!("no first request"));
+    let url = format!("{gw}/anthropic/v1/messages");
+    let body = json!({"model": "claude-x", "max_tokens": 10, "stream": true, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "t", "description": "d", "input_schema": {"type": "object"}}]});
+    let (status, _) = post(&s.http, &url, &[("x-api-key", s.ticket.key().to_owned())], &body).await;
+    assert_eq!(status, 200);
+    let (status, answer) = openai.await.unwrap_or_else(|e| panic!("join: {e}"));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    assert!(String::from_utf8_lossy(&answer).contains("Hello"));
+    let seen = s.fake.requests();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    let (first, other, again) = (&seen[0], &seen[1], &seen[2]);
+    assert!(first.path.contains("chat/completions") && again.path.contains("chat/completions"), "{seen:?}");
+    assert!(other.path.contains("messages") && other.at < first.at + Duration::from_secs(1), "not held: {seen:?}");
+    let waited = again.at - first.at;
+    assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(3), "sent again {waited:?} after the 429");
+    let calls = s.calls.wait(2).await;
+    let call = calls.iter().find(|c| c.route == Route::OpenAi).unwrap_or_else(|| panic!("{calls:?}"));
+    assert_eq!((call.status, call.complete), (200, true), "one call, recorded once: {calls:?}");
+    assert!(call.held_ms >= 2000, "{call:?}");
+    assert_eq!(call.usage, Some(Usage { input: 10, cached_input: 0, output: 2, reasoning: 0 }));
+    assert!(s.calls.limited.lock().unwrap_or_else(|e| e.into_inner()).is_empty(), "nothing to park");
+}
+
+/// Past the provider's `hold` the agent gets the upstream's own 429 and the account is told the
+/// reset; until then the node sends nothing more to that provider (it answers 429 itself).
+#[tokio::test]
+async fn past_the_hold_the_agent_gets_the_429_and_its_account_is_told_the_reset() {
+    let s = setup().await;
+    let limit = pier_egress::gateway::RateLimit { hold: Some(1.0), ..Default::default() };
+    s.gateway.set_rate_limits([("openai".to_owned(), limit)].into_iter().collect());
+    s.fake.push(Reply::Status { code: 429, message: "quota for the minute".into(), retry_after_secs: Some(5) });
+    let url = format!("http://{}/openai/v1/chat/completions", s.gateway.addr());
+    let (headers, body) = chat(s.ticket.key());
+    let before = now_ms();
+    let (status, answer) = post(&s.http, &url, &headers, &body).await;
+    assert_eq!(status, 429);
+    assert!(String::from_utf8_lossy(&answer).contains("quota for the minute"), "the upstream's own answer");
+    let limited = s.calls.limited.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert_eq!(limited.len(), 1, "{limited:?}");
+    let (until, why) = &limited[0];
+    assert!((before + 4_000..=now_ms() + 5_000).contains(until), "until {until}, asked at {before}");
+    assert!(why.contains("rate limited") && why.contains("openai"), "{why}");
+    let call = &s.calls.wait(1).await[0];
+    assert_eq!(call.status, 429);
+    // The provider is closed on this node: the next request is not sent.
+    let (status, answer) = post(&s.http, &url, &headers, &body).await;
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&answer));
+    assert!(String::from_utf8_lossy(&answer).contains("pier gateway"), "{}", String::from_utf8_lossy(&answer));
+    assert_eq!(s.fake.requests().len(), 1, "nothing more went upstream before the reset");
+}
+
+/// `rpm = 60` for two minutes with eight agents asking as fast as they can: the upstream sees
+/// one request a second, within 5 %.
+#[tokio::test]
+async fn rpm_60_holds_over_two_minutes_within_five_percent() {
+    let s = setup().await;
+    let limit = pier_egress::gateway::RateLimit { rpm: Some(60), ..Default::default() };
+    s.gateway.set_rate_limits([("openai".to_owned(), limit)].into_iter().collect());
+    s.fake.set_fallback(|_| scripted(1, 1));
+    let url = format!("http://{}/openai/v1/chat/completions", s.gateway.addr());
+    let window = Duration::from_secs(120);
+    let end = tokio::time::Instant::now() + window;
+    let mut agents = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let (http, url, key) = (s.http.clone(), url.clone(), s.ticket.key().to_owned());
+        agents.spawn(async move {
+            let (headers, body) = chat(&key);
+            while tokio::time::Instant::now() < end {
+                let (status, _) = post(&http, &url, &headers, &body).await;
+                assert_eq!(status, 200);
+            }
+        });
+    }
+    while let Some(done) = agents.join_next().await {
+        done.unwrap_or_else(|e| panic!("agent: {e}"));
+    }
+    let seen = s.fake.requests();
+    let first = seen[0].at;
+    let within = seen.iter().filter(|r| r.at - first < window).count();
+    assert!((114..=126).contains(&within), "{within} requests in 120 s at rpm = 60");
 }

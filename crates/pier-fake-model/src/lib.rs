@@ -148,6 +148,8 @@ pub struct Recorded {
     pub body: Value,
     /// The usage the answer reported, `(input, output)`, once it was written whole.
     pub reported: Option<(u64, u64)>,
+    /// When its head was read.
+    pub at: Instant,
 }
 
 type Fallback = Arc<dyn Fn(&Value) -> Reply + Send + Sync>;
@@ -281,6 +283,7 @@ async fn serve(
             api_key,
             body,
             reported: None,
+            at: Instant::now(),
         });
         seen.send_modify(|n| *n += 1);
         return write_status(&mut socket, 404, &format!("fake model: no route for {path}"), None).await;
@@ -306,6 +309,7 @@ async fn serve(
             api_key,
             body: body.clone(),
             reported: None,
+            at: Instant::now(),
         });
         let reply = if let Some(why) = invalid {
             // Refused as a provider would; the test fails when the fake is dropped.

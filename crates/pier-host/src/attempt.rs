@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_client_protocol_schema::v1::StopReason;
 use pier_client::policy::ClientPolicy;
 use pier_client::run::{LiveAgent, RunOutcome};
 use pier_client::{ClientEvent, Ending as ClientEnding, Partial, RunOptions, SessionTarget, SideEffects, registry};
@@ -42,6 +43,8 @@ pub(crate) struct Run {
     /// The gateway account of the agent process the attempt runs on: its ending waits for
     /// the model requests still being recorded.
     pub billing: std::sync::Mutex<Option<Settler>>,
+    /// Cancelled when a provider's rate limit stops the attempt (its task waits for the reset).
+    pub parked: CancellationToken,
 }
 
 impl Run {
@@ -89,6 +92,7 @@ impl Run {
                         outcome = &mut run => break outcome,
                         _ = stop.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                         _ = lease_lost.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
+                        _ = self.parked.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                     }
                 };
                 (outcome_of(&outcome), ended)
@@ -120,10 +124,11 @@ impl Run {
         lease_lost: &CancellationToken,
     ) -> Option<Result<(), StoreError>> {
         let settler = self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-        let mut over_budget = None;
+        let (mut over_budget, mut limited) = (None, None);
         if let Some(s) = settler {
             s.settle(SETTLE).await;
             over_budget = s.exhausted();
+            limited = s.rate_limited();
         }
         // A budget stopped the agent's requests: however the agent ended its turn after that
         // (an answer about the error, a failure), the task waits for a person.
@@ -133,7 +138,20 @@ impl Run {
                 budget_outcome = Outcome::OverBudget { why };
                 &budget_outcome
             }
-            _ => outcome,
+            // A rate limit stopped the attempt (or the agent gave up on it): unless the agent
+            // finished anyway, the task waits for the reset.
+            _ => match limited {
+                Some((why, until_ms))
+                    if !matches!(
+                        outcome,
+                        Outcome::Unusable { .. } | Outcome::Answered { stop_reason: StopReason::EndTurn, .. }
+                    ) =>
+                {
+                    budget_outcome = Outcome::RateLimited { why, until_ms };
+                    &budget_outcome
+                }
+                _ => outcome,
+            },
         };
         let tail = recorder.tail().await;
         let attempt = self.attempt.clone();
@@ -232,7 +250,7 @@ impl Run {
             }
         };
         if let Some(l) = &lease {
-            l.bill_to(self.store.clone(), self.attempt.clone(), &self.row.spec).await;
+            l.bill_to(self.store.clone(), self.attempt.clone(), &self.row.spec, self.parked.clone()).await;
         }
         *self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = lease.as_ref().map(Lease::settler);
         let (mut outcome, ended) = match agent {
@@ -276,7 +294,7 @@ impl Run {
         interrupts: &mut mpsc::UnboundedReceiver<()>,
         lease_lost: &CancellationToken,
     ) -> (RunOutcome, Option<Result<(), StoreError>>) {
-        use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
+        use agent_client_protocol_schema::v1::{ContentBlock, TextContent};
         let events = &recorder.events;
         let mut commits = self.store.subscribe();
         let mut next = Some((prompt, None::<String>));

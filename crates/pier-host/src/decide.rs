@@ -31,6 +31,9 @@ pub enum Outcome {
     Unusable { error: String },
     /// A budget of the task or its run is spent: the gateway refused the agent's requests.
     OverBudget { why: String },
+    /// A provider's rate limit outlasted what the gateway may hold a request: the attempt was
+    /// stopped, and the task runs again at `until_ms` without losing an attempt.
+    RateLimited { why: String, until_ms: i64 },
 }
 
 /// What the decision needs besides the outcome.
@@ -56,6 +59,14 @@ pub fn decide(outcome: &Outcome, cx: &Context<'_>) -> Ending {
             reason: "a budget is spent; a person raises it (`pier budget`) to resume the task, or cancels it".into(),
             failure: false,
             evidence: cx.evidence.to_vec(),
+        },
+        // Not the task's failure: it runs again at the reset (a person decides first if the
+        // attempt reported side effects, as for any re-run).
+        Outcome::RateLimited { why, until_ms } => match rerun(why, Some(why.clone()), false, cx) {
+            Ending::Retry { error, reason, failure, .. } => {
+                Ending::Retry { error, reason, not_before_ms: (*until_ms).max(cx.now_ms), failure }
+            }
+            other => other,
         },
         Outcome::Answered { stop_reason: StopReason::EndTurn, text, usage } => {
             Ending::Completed { result: text.clone(), usage: usage.clone() }

@@ -14,6 +14,7 @@ use pier_store::{Attempt, Budget, MODEL_REQUEST, ModelRequest, TaskSpec, TaskSto
 use crate::budget::{Allowance, Ledger};
 use serde::Deserialize;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 /// What one model costs, per million tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -74,8 +75,13 @@ impl GatewayConfig {
         for route in Route::ALL {
             let (base_var, key_var) = route.variables();
             let upstream = match route {
+                // Named as its agent's PIER_PROVIDER names it, else as the host's is named.
                 Route::Pier => var(base_var)
-                    .map(|base| (base, var(key_var).or_else(|| var("OPENAI_API_KEY")), "pier".to_owned()))
+                    .map(|base| {
+                        let named = self.pier.as_ref().map(|p| p.2.clone());
+                        let provider = var("PIER_PROVIDER").or(named).unwrap_or_else(|| "pier".to_owned());
+                        (base, var(key_var).or_else(|| var("OPENAI_API_KEY")), provider)
+                    })
                     .or_else(|| self.pier.clone()),
                 _ => var(base_var)
                     .or_else(|| route.default_base().map(str::to_owned))
@@ -91,6 +97,7 @@ impl GatewayConfig {
             node: node.to_owned(),
             in_flight: watch::Sender::new(0),
             exhausted: Mutex::new(None),
+            limited: Mutex::new(None),
         });
         let ticket = self.gateway.open(Account { label: agent.name.clone(), upstreams, meter: bill.clone() });
         Lease { ticket, bill, config: self.clone() }
@@ -127,7 +134,14 @@ impl Lease {
 
     /// Bills the process's calls to `attempt` of a task of `spec` from now on, within its
     /// budgets. A budget that cannot be read holds nothing back silently: every request is refused.
-    pub(crate) async fn bill_to(&self, store: Arc<dyn TaskStore>, attempt: Attempt, spec: &TaskSpec) {
+    /// `parked` is cancelled when a provider's rate limit stops the attempt's requests.
+    pub(crate) async fn bill_to(
+        &self,
+        store: Arc<dyn TaskStore>,
+        attempt: Attempt,
+        spec: &TaskSpec,
+        parked: CancellationToken,
+    ) {
         let (budget, run_budget) = (spec.budget.or(self.config.budget), spec.run_budget.or(self.config.run_budget));
         let (ledger, s, a) = (self.config.ledger.clone(), store.clone(), attempt.clone());
         let opened = tokio::task::spawn_blocking(move || {
@@ -140,7 +154,9 @@ impl Lease {
             Err(e) => (None, Some(format!("{}: the budget could not be read ({e})", crate::budget::OVER_BUDGET))),
         };
         *self.bill.exhausted.lock().unwrap_or_else(PoisonError::into_inner) = exhausted;
-        *self.bill.to.lock().unwrap_or_else(PoisonError::into_inner) = Some(Billing { store, attempt, allowance });
+        *self.bill.limited.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        *self.bill.to.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some(Billing { store, attempt, allowance, parked });
     }
 
     /// What an attempt's ending waits on: the calls still being recorded, and whether a budget stopped it.
@@ -172,6 +188,11 @@ impl Settler {
     pub(crate) fn exhausted(&self) -> Option<String> {
         self.0.exhausted.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
+
+    /// Why and until when (ms since the epoch) a provider's rate limit stopped the attempt, if one did.
+    pub(crate) fn rate_limited(&self) -> Option<(String, i64)> {
+        self.0.limited.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
 }
 
 /// The attempt an agent process serves now.
@@ -179,6 +200,8 @@ struct Billing {
     store: Arc<dyn TaskStore>,
     attempt: Attempt,
     allowance: Option<Allowance>,
+    /// Cancelled to stop the attempt when a rate limit parks its task.
+    parked: CancellationToken,
 }
 
 /// Where an agent process's calls go: the attempt it serves now, priced, within its budgets.
@@ -190,6 +213,8 @@ struct Bill {
     in_flight: watch::Sender<usize>,
     /// Set when a budget is spent: every further request of the attempt is refused with it.
     exhausted: Mutex<Option<String>>,
+    /// Set when a rate limit outlasts what the gateway may hold: why, and until when.
+    limited: Mutex<Option<(String, i64)>>,
 }
 
 impl Bill {
@@ -223,6 +248,15 @@ impl Meter for Bill {
     /// turn): its usage is still read and recorded, after the ending.
     fn hung_up(&self) {
         self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+    }
+
+    /// The attempt is stopped, and its task waits for the reset without losing an attempt.
+    fn rate_limited(&self, until_ms: i64, why: String) {
+        tracing::warn!("{why}");
+        *self.limited.lock().unwrap_or_else(PoisonError::into_inner) = Some((why, until_ms));
+        if let Some(b) = &*self.to.lock().unwrap_or_else(PoisonError::into_inner) {
+            b.parked.cancel();
+        }
     }
 
     fn record(&self, call: ModelCall) {
@@ -269,6 +303,7 @@ impl Meter for Bill {
             model: call.model,
             status: call.status,
             latency_ms: call.latency_ms,
+            held_ms: call.held_ms,
             streamed: call.streamed,
             tokens,
             cost,

@@ -301,6 +301,13 @@ impl Host {
         };
         p.dirty |= p.view.set_held(held);
         p.next_lease = tokio::time::Instant::now() + lease_every;
+        // The providers' rate limits are shared by the live nodes: this one holds its share.
+        if let Some(g) = &self.config.gateway {
+            match blocking(&self.store, |s| s.nodes()).await {
+                Ok(nodes) => g.gateway.set_nodes(nodes.len().max(1) as u32),
+                Err(e) => tracing::warn!(error = %e, "could not count the live nodes; rate limit shares kept"),
+            }
+        }
         Ok(())
     }
 
@@ -397,7 +404,16 @@ impl Host {
                         return (key, None);
                     }
                 };
-                let run = Run { store, pool, config, attempt, row, results, billing: Default::default() };
+                let run = Run {
+                    store,
+                    pool,
+                    config,
+                    attempt,
+                    row,
+                    results,
+                    billing: Default::default(),
+                    parked: Default::default(),
+                };
                 match run.run(token).await {
                     Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => (key, Some(e)),
                     Err(e) => {

@@ -23,6 +23,7 @@ pub fn attempt_ended(outcome: &Outcome, ending: &Ending) {
             Outcome::Answered { .. } => "stop_reason",
             Outcome::Unusable { .. } => "unusable",
             Outcome::OverBudget { .. } => "budget",
+            Outcome::RateLimited { .. } => "rate_limited",
         };
         metrics::counter!("pier_retries_total", "class" => class).increment(1);
     }

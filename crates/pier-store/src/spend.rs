@@ -45,6 +45,9 @@ pub struct ModelRequest {
     /// The upstream's status; 0 when none answered.
     pub status: u16,
     pub latency_ms: u64,
+    /// Of the latency, how long the gateway held the request for a rate limit (its own or the provider's).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held_ms: u64,
     pub streamed: bool,
     /// As the upstream reported them; `None`: it reported none.
     #[serde(default)]
@@ -59,6 +62,10 @@ pub struct ModelRequest {
     /// The host node whose gateway passed it.
     #[serde(default)]
     pub node: String,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The spend of one model (or of everything) summed.
@@ -184,6 +191,7 @@ mod tests {
             model: Some(model.into()),
             status: 200,
             latency_ms: 3,
+            held_ms: 0,
             streamed: true,
             tokens,
             cost,

@@ -71,6 +71,9 @@ pub struct FileConfig {
     pub budget: Option<pier_host::Budget>,
     /// `run_budget = { … }`: every run's budget when its plan gives none.
     pub run_budget: Option<pier_host::Budget>,
+    /// `[rate_limits."PROVIDER"]`: `rpm`, `tpm` and `hold` for the gateway, across the store's nodes.
+    #[serde(default)]
+    pub rate_limits: BTreeMap<String, pier_egress::gateway::RateLimit>,
 }
 
 /// `[client]`.
@@ -147,6 +150,7 @@ impl FileConfig {
         self.prices.extend(over.prices);
         self.budget = over.budget.or(self.budget);
         self.run_budget = over.run_budget.or(self.run_budget);
+        self.rate_limits.extend(over.rate_limits);
         self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
         self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {
@@ -341,6 +345,12 @@ pub fn gateway(files: &FileConfig, env: &dyn Env) -> anyhow::Result<Option<pier_
             bail!("`{name}` in pier.toml: {why}");
         }
     }
+    for (provider, limit) in &files.rate_limits {
+        if let Err(why) = limit.check() {
+            bail!("`[rate_limits.{provider:?}]` in pier.toml: {why}");
+        }
+    }
+    gateway.set_rate_limits(files.rate_limits.clone().into_iter().collect());
     Ok(Some(pier_host::gateway::GatewayConfig {
         gateway,
         pier,

@@ -288,3 +288,68 @@ async fn a_spent_budget_parks_the_task_for_a_person_and_a_raise_resumes_it() {
     let run = json_of(&h.run(&["show", "capped", "--format", "json"]).await);
     assert_eq!(run["tasks"][1]["state"], "completed", "{run}\n{}", stderr(&o));
 }
+
+/// A provider's 429 that outlasts what the gateway may hold (`hold = 0`) stops the attempt and
+/// parks the task until the reset without consuming an attempt (`max_attempts = 1`, and it still
+/// runs again), within a second of the reset; a task on another provider goes on meanwhile.
+#[tokio::test]
+async fn a_rate_limited_task_waits_for_the_reset_without_losing_an_attempt() {
+    let f = must(FakeModel::start().await, "fake");
+    let other = must(FakeModel::start().await, "other");
+    let h = Host::new(Some(f.base_url()));
+    f.push(Reply::Status { code: 429, message: "slow down".into(), retry_after_secs: Some(2) });
+    f.push(Reply::text("Done after the reset."));
+    let gate = pier_fake_model::Gate::new();
+    other.push(Reply::Stream(vec![
+        Step::Gate(gate.clone()),
+        Step::ToolCallStart { index: 0, id: "c1".into(), name: "list_dir".into() },
+        Step::ToolCallArgs { index: 0, fragment: "{\"path\": \".\"}".into() },
+        Step::Finish("tool_calls".into()),
+        Step::Usage { prompt: 10, completion: 5 },
+        Step::Done,
+    ]));
+    other.push(Reply::text("Other done."));
+    h.write(
+        "pier.toml",
+        &format!(
+            "[rate_limits.pier]\nhold = 0\n\n[providers.other]\nmodel = \"fake-model\"\n\n\
+             [agents.other]\ncommand = {:?}\nargs = [\"agent\"]\nenv = {{ PIER_PROVIDER = \"other\", PIER_BASE_URL = {:?} }}\n",
+            env!("CARGO_BIN_EXE_pier"),
+            other.base_url()
+        ),
+    );
+    let plan = h.write(
+        "plan.toml",
+        "[[tasks]]\nid = \"a\"\nagent = \"pier\"\nprompt = \"one\"\nmax_attempts = 1\n\n\
+         [[tasks]]\nid = \"b\"\nagent = \"other\"\nprompt = \"two\"\nmax_attempts = 1\n",
+    );
+    let child = must(
+        h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "rl"]).spawn(),
+        "spawn",
+    );
+    let opened = async {
+        must(tokio::time::timeout(support::LIMIT, f.wait_for_requests(1)).await, "a's first request");
+        gate.open();
+    };
+    let (_, o) = tokio::join!(opened, child.wait_with_output());
+    let o = must(o, "wait");
+    let run = json_of(&h.run(&["show", "rl", "--format", "json"]).await);
+    let state = |t: usize| run["tasks"][t]["state"].clone();
+    assert_eq!((state(0), state(1)), ("completed".into(), "completed".into()), "{run}\n{}", stderr(&o));
+    let a = json_of(&h.run(&["show", "rl", "a", "--format", "json"]).await);
+    assert_eq!(a["task"]["result"], "Done after the reset.", "{a}");
+    assert_eq!(a["task"]["failures"], 0, "the rate limit consumed no attempt: {a}");
+    assert_eq!(a["attempts"].as_array().map(Vec::len), Some(2), "{a}");
+    let events = String::from_utf8_lossy(&h.run(&["events", "--run", "rl"]).await.stdout).into_owned();
+    assert!(events.contains("rate limited"), "{events}");
+    let seen: Vec<_> = f.requests().into_iter().filter(|r| !r.auxiliary).collect();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let resumed = seen[1].at - seen[0].at;
+    assert!(
+        resumed >= std::time::Duration::from_secs(2) && resumed < std::time::Duration::from_secs(3),
+        "the task ran again {resumed:?} after a 429 that asked for 2 s"
+    );
+    let theirs: Vec<_> = other.requests().into_iter().filter(|r| !r.auxiliary).collect();
+    assert_eq!(theirs.len(), 2, "{theirs:?}");
+    assert!(theirs[1].at < seen[0].at + std::time::Duration::from_secs(2), "the other provider was not held");
+}

@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
+use super::limit::{self, Limiter};
 use super::usage::Reader;
 use super::{Account, Api, MAX_REQUEST_BYTES, ModelCall, Route, Shared, UPSTREAM_IDLE, Upstream};
 use crate::proxy::{BoxError, chain, strip_hop_by_hop};
@@ -101,6 +102,29 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         Err(e) => return error(api, StatusCode::BAD_REQUEST, &format!("pier gateway: reading the request: {e}")),
     };
     let (model, streamed) = requested(route, &path, &body);
+    // The node's rate limit for the provider: wait for a slot within the provider's hold, or
+    // give the agent the provider's own 429 and have the host park the task until the slot.
+    let limiter = shared.limiters.of(&upstream.provider);
+    let hold = limiter.hold();
+    match limiter.reserve(hold) {
+        Ok(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+        Ok(_) => {}
+        Err(wait) => {
+            metrics::counter!("pier_model_requests_refused_total", "why" => "rate_limit").increment(1);
+            let why = format!(
+                "the rate limit of {} on this node is reached for {} s (more than the {} s a request may be held); the task waits until then",
+                upstream.provider,
+                wait.as_secs_f64().ceil(),
+                hold.as_secs_f64()
+            );
+            account.meter.rate_limited(limit::wall_ms_after(wait), why.clone());
+            let mut resp = error(api, StatusCode::TOO_MANY_REQUESTS, &format!("pier gateway: {why}"));
+            if let Ok(v) = HeaderValue::from_str(&wait.as_secs_f64().ceil().to_string()) {
+                resp.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+            return resp;
+        }
+    }
     // From here every path records the call exactly once.
     account.meter.begin();
     let mut call = ModelCall {
@@ -109,6 +133,7 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         model,
         status: 0,
         latency_ms: 0,
+        held_ms: started.elapsed().as_millis() as u64,
         streamed,
         usage: None,
         complete: false,
@@ -123,16 +148,66 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         headers.remove(name);
     }
     set_key(&mut headers, &upstream);
-    let sent = shared.client.request(parts.method, &url).headers(headers).body(body).send();
-    let resp = match tokio::time::timeout(UPSTREAM_IDLE, sent).await {
-        Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => {
-            let why = format!("the upstream {} did not answer: {}", upstream.provider, chain(&e));
-            return failed(&account, call, started, api, why);
+    let mut tries = 0;
+    let resp = loop {
+        let sent = shared.client.request(parts.method.clone(), &url).headers(headers.clone()).body(body.clone()).send();
+        let resp = match tokio::time::timeout(UPSTREAM_IDLE, sent).await {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => {
+                let why = format!("the upstream {} did not answer: {}", upstream.provider, chain(&e));
+                return failed(&account, call, started, api, why);
+            }
+            Err(_) => {
+                let why = format!("the upstream {} sent no answer in {} s", upstream.provider, UPSTREAM_IDLE.as_secs());
+                return failed(&account, call, started, api, why);
+            }
+        };
+        if !limit::too_many(resp.status().as_u16()) {
+            break resp;
         }
-        Err(_) => {
-            let why = format!("the upstream {} sent no answer in {} s", upstream.provider, UPSTREAM_IDLE.as_secs());
-            return failed(&account, call, started, api, why);
+        // The provider says "too many": nobody on this node sends to it before its reset; this
+        // request is sent again then if that is within its hold, else the agent gets the answer.
+        let status = resp.status();
+        let head = resp.headers().clone();
+        let answer = small_body(resp).await;
+        let wait = limit::retry_delay(&head, &answer, tries);
+        limiter.close_for(wait);
+        tries += 1;
+        let held = started.elapsed();
+        let slot = if held + wait <= hold {
+            tokio::time::sleep(wait).await;
+            limiter.reserve(hold.saturating_sub(started.elapsed()))
+        } else {
+            Err(wait)
+        };
+        match slot {
+            Ok(more) => {
+                metrics::counter!("pier_model_retries_total", "provider" => upstream.provider.clone()).increment(1);
+                tracing::info!(provider = %upstream.provider, ?wait, "the upstream is rate limited; sending again");
+                tokio::time::sleep(more).await;
+                call.held_ms = started.elapsed().as_millis() as u64;
+            }
+            Err(wait) => {
+                let why = format!(
+                    "the upstream {} is rate limited ({}) for {} s more, past the {} s a request may be held; the task waits until then",
+                    upstream.provider,
+                    status.as_u16(),
+                    wait.as_secs_f64().ceil(),
+                    hold.as_secs_f64()
+                );
+                account.meter.rate_limited(limit::wall_ms_after(wait), why.clone());
+                call.status = status.as_u16();
+                call.held_ms = held.as_millis() as u64;
+                call.latency_ms = started.elapsed().as_millis() as u64;
+                call.error = Some(why);
+                record(&account, call);
+                let mut out = Response::new(Full::new(answer).map_err(|never| match never {}).boxed_unsync());
+                *out.status_mut() = status;
+                *out.headers_mut() = head;
+                strip_hop_by_hop(out.headers_mut());
+                out.headers_mut().remove(header::CONTENT_LENGTH);
+                return out;
+            }
         }
     };
     call.status = resp.status().as_u16();
@@ -148,10 +223,28 @@ async fn handle(shared: Weak<Shared>, req: Request<Incoming>) -> Response<Body> 
         strip_hop_by_hop(h);
     }
     let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(pump(resp, tx, Reader::new(api, sse), account, call, started));
+    tokio::spawn(pump(resp, tx, Reader::new(api, sse), account, limiter, call, started));
     out.body(ChannelBody(rx).boxed_unsync()).unwrap_or_else(|e| {
         error(api, StatusCode::BAD_GATEWAY, &format!("pier gateway: the upstream's answer head is not valid: {e}"))
     })
+}
+
+/// A "too many requests" answer, read whole for the wait it names (bounded: it is small).
+async fn small_body(resp: reqwest::Response) -> Bytes {
+    const MAX: usize = 64 << 10;
+    let read = async {
+        let mut resp = resp;
+        let mut out = Vec::new();
+        while let Ok(Some(chunk)) = resp.chunk().await {
+            out.extend_from_slice(&chunk);
+            if out.len() > MAX {
+                out.truncate(MAX);
+                break;
+            }
+        }
+        Bytes::from(out)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), read).await.unwrap_or_default()
 }
 
 /// Passes the answer on chunk by chunk and records the call when it ends, however it ends.
@@ -160,6 +253,7 @@ async fn pump(
     tx: mpsc::Sender<Result<Bytes, BoxError>>,
     mut reader: Reader,
     account: Arc<Account>,
+    limiter: Arc<Limiter>,
     mut call: ModelCall,
     started: Instant,
 ) {
@@ -206,6 +300,9 @@ async fn pump(
         call.error = Some(format!("{} part(s) of the answer could not be read for usage", reader.unparsed));
     }
     call.latency_ms = started.elapsed().as_millis() as u64;
+    if let Some(u) = &call.usage {
+        limiter.spent(u.input + u.output);
+    }
     record(&account, call);
 }
 

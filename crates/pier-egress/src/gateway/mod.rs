@@ -18,6 +18,7 @@
 //! dropped on the way up, so the gateway can read the usage it carries).
 
 mod forward;
+pub mod limit;
 pub mod usage;
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+pub use limit::RateLimit;
 pub use usage::{Api, Usage};
 
 /// Largest request body the gateway takes (a prompt with images); larger ones get 413.
@@ -136,6 +138,8 @@ pub struct ModelCall {
     pub status: u16,
     /// From the request's arrival to the answer's last byte (or its failure).
     pub latency_ms: u64,
+    /// Of the latency, how long the request was held for a rate limit (the node's or the provider's).
+    pub held_ms: u64,
     pub streamed: bool,
     /// Tokens as the upstream reported them; `None` when it reported none.
     pub usage: Option<Usage>,
@@ -160,6 +164,12 @@ pub trait Meter: Send + Sync {
     /// The agent went away mid-answer; the rest is still read for its usage, and recorded
     /// later ([`ModelCall::hung_up`] then set). Nobody waits on the agent's side any more.
     fn hung_up(&self) {}
+    /// The provider is rate limited past what the gateway may hold a request for: the agent
+    /// was given the provider's 429, and nothing of this account should be sent before
+    /// `until_ms` (milliseconds since the epoch). Told before the refused request is recorded.
+    fn rate_limited(&self, until_ms: i64, why: String) {
+        let _ = (until_ms, why);
+    }
     fn record(&self, call: ModelCall);
 }
 
@@ -182,6 +192,7 @@ pub(crate) struct Shared {
     pub(crate) client: reqwest::Client,
     addr: SocketAddr,
     cancel: CancellationToken,
+    pub(crate) limiters: limit::Limiters,
 }
 
 impl Shared {
@@ -219,11 +230,27 @@ impl Gateway {
             .build()
             .map_err(std::io::Error::other)?;
         let cancel = CancellationToken::new();
-        let shared = Arc::new(Shared { accounts: Mutex::new(HashMap::new()), client, addr, cancel: cancel.clone() });
+        let shared = Arc::new(Shared {
+            accounts: Mutex::new(HashMap::new()),
+            client,
+            addr,
+            cancel: cancel.clone(),
+            limiters: Default::default(),
+        });
         let limit = Arc::new(Semaphore::new(crate::MAX_CONNECTIONS * 4));
         tokio::spawn(cancel.run_until_cancelled_owned(forward::accept_loop(listener, Arc::downgrade(&shared), limit)));
         tracing::info!(%addr, "model gateway serving");
         Ok(Gateway { shared })
+    }
+
+    /// Each provider's rate limits (by [`Upstream::provider`]), for the whole store.
+    pub fn set_rate_limits(&self, limits: HashMap<String, RateLimit>) {
+        self.shared.limiters.set(limits);
+    }
+
+    /// How many live nodes share the rate limits: this node holds its share of each.
+    pub fn set_nodes(&self, nodes: u32) {
+        self.shared.limiters.set_nodes(nodes);
     }
 
     /// The gateway's address (loopback).
