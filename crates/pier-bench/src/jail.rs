@@ -43,6 +43,7 @@ pub async fn startup(args: &[String], cmd: &[String]) {
                         network: vec![],
                         limits: Default::default(),
                         hide: vec![],
+                        through_gateway: false,
                     };
                     let p = jailer.prepare(&request, &program).unwrap_or_else(|e| panic!("jail: {e}"));
                     (tokio::process::Command::new(&p.program), Some(p))

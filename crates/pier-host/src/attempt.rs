@@ -510,6 +510,7 @@ fn jail_for(
         network,
         limits,
         hide: config.sandbox.hide.clone(),
+        through_gateway: config.gateway.is_some(),
     };
     Some(pier_client::process::JailSetup { jailer: config.sandbox.jailer.clone(), request })
 }

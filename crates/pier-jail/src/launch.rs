@@ -61,6 +61,9 @@ pub struct Request {
     pub limits: Limits,
     /// pier's own state (its home, the store, the token), hidden wherever a bound tree holds it.
     pub hide: Vec<PathBuf>,
+    /// The agent's model traffic goes through pier's model gateway: the proxy lets it reach
+    /// only the hosts its own base-URL variables name (the gateway), not the providers.
+    pub through_gateway: bool,
 }
 
 /// The agent's program, arguments and environment as pier would start it unconfined.
@@ -93,7 +96,8 @@ const WITHHELD: &[&str] = &[
 const GENERAL_DOT_DIRS: &[&str] =
     &[".local", ".config", ".cache", ".ssh", ".gnupg", ".pier", ".aws", ".kube", ".docker"];
 
-/// The hosts every strict jail may reach: the model providers the known agents call by default.
+/// The hosts every strict jail may reach unless its model traffic goes through pier's gateway:
+/// the model providers the known agents call by default.
 const PROVIDERS: &[&str] = &["api.openai.com:443", "api.anthropic.com:443", "generativelanguage.googleapis.com:443"];
 
 impl Jailer {
@@ -112,8 +116,11 @@ impl Jailer {
             return Err(JailError::Unavailable(reason));
         }
         let strict = request.level == Level::Strict;
-        let mut allow: Vec<String> = PROVIDERS.iter().map(|s| (*s).to_owned()).collect();
-        allow.extend(provider_hosts(&agent.env));
+        let mut allow: Vec<String> = Vec::new();
+        if !request.through_gateway {
+            allow.extend(PROVIDERS.iter().map(|s| (*s).to_owned()));
+        }
+        allow.extend(provider_hosts(&agent.env, !request.through_gateway));
         allow.extend(request.network.iter().cloned());
         let allow = Allow::parse(&allow).map_err(|e| JailError::Network(e.to_string()))?;
         let prep = |e: std::io::Error, what: &str| JailError::Prepare(format!("{what}: {e}"));
@@ -391,8 +398,8 @@ fn interpreter(script: &Path, env: &[(String, String)]) -> Option<PathBuf> {
 
 /// Hosts of the provider URLs the agent is given (`*_BASE_URL`, `*_API_BASE`): the
 /// model endpoints it was configured to call.
-fn provider_hosts(agent_env: &[(String, String)]) -> Vec<String> {
-    let ours: Vec<(String, String)> = std::env::vars().collect();
+fn provider_hosts(agent_env: &[(String, String)], and_ours: bool) -> Vec<String> {
+    let ours: Vec<(String, String)> = if and_ours { std::env::vars().collect() } else { Vec::new() };
     agent_env
         .iter()
         .chain(ours.iter())

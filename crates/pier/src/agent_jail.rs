@@ -46,6 +46,7 @@ pub async fn run(inside: Inside) -> anyhow::Result<i32> {
         network: inside.files.network.clone(),
         limits: inside.files.limits,
         hide: vec![inside.home.clone()],
+        through_gateway: false,
     };
     let mut env = Vec::new();
     // The model as resolved here: inside, the user's configuration files are out of sight.

@@ -181,6 +181,7 @@ fn client_jail(
         network: files.network.clone(),
         limits: files.limits,
         hide,
+        through_gateway: false,
     };
     Ok(pier_client::process::JailSetup { jailer, request })
 }

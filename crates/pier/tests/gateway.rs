@@ -101,7 +101,12 @@ async fn no_agent_process_finds_a_real_key_and_a_task_without_gateway_traffic_sh
             ),
         );
         must(std::fs::create_dir_all(h.path("work")), "work");
-        let prompt = serde_json::json!({ "keys": keys }).to_string();
+        // Jailed behind the gateway, the providers themselves are out of reach: only the gateway is.
+        let mut prompt = serde_json::json!({ "keys": keys });
+        if sandbox == "strict" {
+            prompt["blocked"] = "api.openai.com:443".into();
+        }
+        let prompt = prompt.to_string();
         let plan = h.write(
             "plan.toml",
             &format!(
@@ -115,6 +120,9 @@ async fn no_agent_process_finds_a_real_key_and_a_task_without_gateway_traffic_sh
         assert!(result.contains(expect), "gateway {gateway}, sandbox {sandbox}: {result}\n{}", stderr(&o));
         if gateway {
             assert!(result.contains("/anthropic"), "the agent was pointed at the gateway: {result}");
+        }
+        if sandbox == "strict" {
+            assert!(result.contains("reach_blocked_host=blocked") && result.contains("403"), "{result}");
         }
         assert!(shown["spend"].is_null(), "no model traffic: the spend is unknown, not 0: {}", shown["spend"]);
         let text = String::from_utf8_lossy(&h.run(&["show", "keys", "search"]).await.stdout).into_owned();
