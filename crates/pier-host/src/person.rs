@@ -296,6 +296,92 @@ pub struct Report {
     /// Of a failure: `protocol` (not retried) or `business` (retried) [default: business].
     #[serde(default)]
     pub class: Option<ErrorClass>,
+    /// What the worker's agent spent: one entry per model request (or per model, summed),
+    /// recorded as `model_request` events with the ending, in its commit.
+    #[serde(default)]
+    pub usage: Option<WorkerUsage>,
+}
+
+/// A worker's usage: one entry or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum WorkerUsage {
+    One(UsageLine),
+    Many(Vec<UsageLine>),
+}
+
+/// The most entries one report may carry.
+const MAX_USAGE_LINES: usize = 10_000;
+
+/// Tokens a worker's agent spent on one model request (or one model, summed).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageLine {
+    #[serde(default)]
+    pub provider: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub input: u64,
+    #[serde(default)]
+    pub cached_input: u64,
+    #[serde(default)]
+    pub output: u64,
+    #[serde(default)]
+    pub reasoning: u64,
+    /// As the worker priced it; else from the host's `[prices]`, else unknown.
+    #[serde(default)]
+    pub cost: Option<f64>,
+}
+
+impl WorkerUsage {
+    /// The `model_request` events of `attempt`'s report (`worker` named as their node).
+    fn events(
+        &self,
+        attempt: i64,
+        worker: &str,
+        prices: Option<&std::collections::BTreeMap<String, crate::gateway::Price>>,
+    ) -> Result<Vec<(String, Value)>, ActionError> {
+        let lines = match self {
+            WorkerUsage::One(l) => std::slice::from_ref(l),
+            WorkerUsage::Many(ls) => ls.as_slice(),
+        };
+        if lines.len() > MAX_USAGE_LINES {
+            return Err(ActionError::bad_request(format!(
+                "the report's usage has {} entries; send at most {MAX_USAGE_LINES} (sum them per model)",
+                lines.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(lines.len());
+        for (i, l) in lines.iter().enumerate() {
+            if l.cost.is_some_and(|c| !c.is_finite() || c < 0.0) {
+                return Err(ActionError::bad_request(format!("usage[{i}].cost must be a number of at least 0")));
+            }
+            let tokens = pier_store::Tokens {
+                input: l.input,
+                cached_input: l.cached_input,
+                output: l.output,
+                reasoning: l.reasoning,
+            };
+            let priced = l.model.as_ref().and_then(|m| prices?.get(m)).map(|p| p.cost(&tokens));
+            let request = pier_store::ModelRequest {
+                attempt,
+                provider: l.provider.clone().unwrap_or_else(|| "unknown".into()),
+                model: l.model.clone(),
+                status: 200,
+                latency_ms: 0,
+                held_ms: 0,
+                streamed: false,
+                tokens: Some(tokens),
+                cost: l.cost.or(priced),
+                complete: true,
+                error: None,
+                node: format!("worker:{worker}"),
+            };
+            out.push((pier_store::MODEL_REQUEST.to_owned(), serde_json::to_value(&request).map_err(StoreError::from)?));
+        }
+        Ok(out)
+    }
 }
 
 /// Applies a worker's report: only the holder of the live lease ends a task, only a
@@ -308,6 +394,7 @@ pub(crate) fn report(
     report: &Report,
     body: &Value,
     retry_base: std::time::Duration,
+    prices: Option<&std::collections::BTreeMap<String, crate::gateway::Price>>,
 ) -> Result<TaskRow, ActionError> {
     let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
     if !row.spec.is_worker() {
@@ -350,7 +437,11 @@ pub(crate) fn report(
         }
         _ => Ending::Cancelled { reason: format!("worker {} cancelled it", report.worker) },
     };
-    let idem = Idem::worker_report(&attempt, &report.idempotency_key, body);
+    let spent = match &report.usage {
+        Some(u) => u.events(report.attempt, &report.worker, prices)?,
+        None => Vec::new(),
+    };
+    let idem = Idem::worker_report(&attempt, &report.idempotency_key, body).with_events(spent);
     match store.finish(&attempt, &ending, Some(&idem)) {
         Ok(row) => {
             if let Some(outcome) = &outcome {

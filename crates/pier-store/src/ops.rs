@@ -551,6 +551,9 @@ pub(crate) fn finish(
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
     }
+    if let Some(idem) = idem {
+        record(tx, a, idem.events(), &[])?;
+    }
     let (row, seq) = end_attempt(tx, &row, a.n, ending)?;
     if let Some(idem) = idem {
         let answer = serde_json::to_string(&row)?;

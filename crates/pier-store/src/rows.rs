@@ -148,17 +148,34 @@ pub struct Last {
 }
 
 /// An idempotency key and the request it stands for. Built here, from typed parts only.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Idem {
     key: String,
     request: String,
+    /// Events the request writes with its effect, in the same commit (a worker's model
+    /// requests with its ending): written once, whatever the number of repeats.
+    events: Vec<(String, Value)>,
 }
 
 impl Idem {
     /// A pull worker's report on its attempt: the worker's own key, scoped to the attempt
     /// (so keys of different attempts never meet), with the report's body.
     pub fn worker_report(attempt: &Attempt, client_key: &str, body: &Value) -> Idem {
-        Idem { key: format!("report:{}:{}:{client_key}", attempt.n, attempt.owner), request: body.to_string() }
+        Idem {
+            key: format!("report:{}:{}:{client_key}", attempt.n, attempt.owner),
+            request: body.to_string(),
+            events: Vec::new(),
+        }
+    }
+
+    /// With `events` written in the commit of the request's effect.
+    pub fn with_events(mut self, events: Vec<(String, Value)>) -> Idem {
+        self.events = events;
+        self
+    }
+
+    pub fn events(&self) -> &[(String, Value)] {
+        &self.events
     }
 
     pub fn key(&self) -> &str {

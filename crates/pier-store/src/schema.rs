@@ -84,11 +84,17 @@ pub(crate) const MESSAGES_CLOSED: &str = "CREATE TABLE messages_closed (run_id T
 
 pub(crate) const DROP_MESSAGES_CLOSED: &str = "DROP TABLE messages_closed";
 
+/// A run's spend is summed from its `model_request` events: found without reading the rest of
+/// its log (the queries name the type as this literal, so both planners use the index).
+pub(crate) const EVENTS_MODEL_REQUESTS: &str =
+    "CREATE INDEX events_model_requests ON events(run_id, seq) WHERE type = 'model_request'";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 5] = [
+pub(crate) const LATER: [Migration; 6] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
     &[MESSAGES, MESSAGES_CLOSED],
     &[DROP_MESSAGES_CLOSED],
+    &[EVENTS_MODEL_REQUESTS],
 ];

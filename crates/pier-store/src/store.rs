@@ -315,11 +315,16 @@ impl<B: Backend> TaskStore for Store<B> {
     }
 
     fn events_of_kind(&self, run: &str, task: Option<&str>, kind: &str) -> Result<Vec<Event>, StoreError> {
-        events(self.rows(
+        // Model requests have an index of their own, which a planner uses only for the literal.
+        let sql = if kind == crate::MODEL_REQUEST {
             "SELECT seq, run_id, task_id, type, at_ms, data FROM events
-             WHERE run_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR task_id = ?2) AND type = ?3 ORDER BY seq",
-            &[Arg::Text(run), Arg::OptText(task), Arg::Text(kind)],
-        )?)
+             WHERE type = 'model_request' AND run_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR task_id = ?2) AND type = ?3
+             ORDER BY seq"
+        } else {
+            "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+             WHERE run_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR task_id = ?2) AND type = ?3 ORDER BY seq"
+        };
+        events(self.rows(sql, &[Arg::Text(run), Arg::OptText(task), Arg::Text(kind)])?)
     }
 
     fn last_seq(&self) -> Result<i64, StoreError> {

@@ -336,3 +336,73 @@ async fn an_agent_s_question_is_answered_with_its_form_and_a_bad_answer_is_refus
     let got: serde_json::Value = must(serde_json::from_str(answers.trim()), "one answer");
     assert_eq!(got, json!({"action": "accept", "content": {"name": "Ada", "count": 3}}));
 }
+
+/// What a run spent, from the gateway's records: per task and per run with a row per model on
+/// the pages, each model request in its attempt's transcript, and the same figures in /metrics.
+#[tokio::test]
+async fn spend_shows_per_task_and_run_with_a_row_per_model_and_in_metrics() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|_| {
+        Reply::Stream(vec![
+            Step::Text("Counted.".into()),
+            Step::Finish("stop".into()),
+            Step::Usage { prompt: 1_000_000, completion: 500_000 },
+            Step::Done,
+        ])
+    });
+    let toml = "[prices.\"fake-model\"]\ninput = 1.0\noutput = 2.0\n";
+    let (s, metrics) =
+        support::serve::server_configured(Some(f.base_url()), &["--metrics-listen", "127.0.0.1:0"], Some(toml)).await;
+    let plan = "[[tasks]]\nid = \"a\"\nprompt = \"one\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"two\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "spent"}))).await.0, 201);
+    let mut done = 0;
+    s.events_until(None, |e| {
+        done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+        done == 2
+    })
+    .await;
+
+    let b = Browser::start("spend").await;
+    login(&b, &s.base).await;
+    b.wait_for(
+        "the run's spend",
+        "document.querySelector('tr[data-run=\"spent\"] td.spend')?.textContent.includes('3000000 tok · 4.0000')",
+        LIMIT,
+    )
+    .await;
+    b.goto(&format!("{}/ui/runs/spent", s.base)).await;
+    b.wait_for("the page", "document.readyState === 'complete'", LIMIT).await;
+    let task_cell = |t: &str| format!("document.querySelector('tr[data-task=\"{t}\"] td.spend').textContent");
+    for t in ["a", "b"] {
+        assert_eq!(b.script(&format!("return {}", task_cell(t)), vec![]).await, "1500000 tok · 2.0000");
+    }
+    let row = b.find("section.spend tr[data-model=\"fake-model\"]").await.unwrap_or_else(|| panic!("no model row"));
+    let text = b.text(&row).await;
+    assert!(text.contains("fake-model") && text.contains("4.0000") && text.contains("2000000"), "{text}");
+    let summary = b.text(&b.find("section.spend p").await.unwrap_or_else(|| panic!("no sum"))).await;
+    assert!(summary.contains("3,000,000 tokens") && summary.contains("cost 4.0000"), "{summary}");
+
+    b.goto(&format!("{}/ui/runs/spent/tasks/a", s.base)).await;
+    b.wait_for("the page", "document.readyState === 'complete'", LIMIT).await;
+    let summary = b.text(&b.find("section.spend p").await.unwrap_or_else(|| panic!("no sum"))).await;
+    assert!(summary.contains("1,500,000 tokens") && summary.contains("over 1 request"), "{summary}");
+    let line = b.text(&b.find("section.attempt p.model-request").await.unwrap_or_else(|| panic!("no request"))).await;
+    assert!(line.contains("fake-model") && line.contains("1500000 tokens") && line.contains("cost 2.0000"), "{line}");
+
+    let url = metrics.unwrap_or_else(|| panic!("no metrics address"));
+    let text = must(must(tokio::time::timeout(LIMIT, s.http.get(url).send()).await, "in time"), "send");
+    let text = must(text.text().await, "text");
+    let line = |name: &str, labels: &[&str]| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
+            .map(|l| l.rsplit(' ').next().unwrap_or("").to_owned())
+            .unwrap_or_else(|| panic!("no {name} {labels:?} in:\n{text}"))
+    };
+    let labels = ["provider=\"pier\"", "model=\"fake-model\""];
+    let kind = |k: &'static str| [labels[0], labels[1], k];
+    assert_eq!(line("pier_model_tokens_total", &kind("kind=\"input\"")), "2000000");
+    assert_eq!(line("pier_model_tokens_total", &kind("kind=\"output\"")), "1000000");
+    assert_eq!(line("pier_model_requests_total", &labels), "2");
+    assert_eq!(line("pier_model_cost_total", &labels), "4");
+    assert_eq!(line("pier_model_request_seconds_count", &[labels[0]]), "2");
+}

@@ -713,3 +713,40 @@ async fn metrics_are_prometheus_text_behind_the_token_or_on_their_own_address() 
     let (status, _, _) = scrape(url.replace("/metrics", "/runs"), false).await;
     assert_eq!(status, 404);
 }
+
+/// A worker's report carries what its agent spent: recorded as `model_request` events with
+/// the ending in one commit, priced from pier.toml where the worker gave no cost, counted once
+/// however often the report is repeated; bad usage is refused with nothing written.
+#[tokio::test]
+async fn a_worker_s_report_carries_its_usage_once() {
+    let toml = "[prices.\"m-priced\"]\ninput = 1.0\noutput = 2.0\n";
+    let (s, _) = support::serve::server_configured(None, &[], Some(toml)).await;
+    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "wu"}))).await.0, 201);
+    let leased = lease(&s, "wk", 60_000).await;
+    let bad = report(&leased, "wk", "completed", "k0", json!({"result": "r", "usage": {"model": "m", "cost": -1.0}}));
+    let (code, v) = s.call(reqwest::Method::POST, "/runs/wu/tasks/w/update", Some(bad)).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (400, Some("bad_request")), "{v}");
+    let (_, t) = s.call(reqwest::Method::GET, "/runs/wu/tasks/w", None).await;
+    assert_eq!(t["task"]["state"], "running", "nothing was written: {t}");
+    assert!(t["spend"].is_null(), "{t}");
+    let usage = json!([
+        {"provider": "anthropic", "model": "m-priced", "input": 1_000_000, "output": 500_000},
+        {"provider": "anthropic", "model": "m-own", "input": 10, "cached_input": 4, "output": 5, "reasoning": 2, "cost": 0.5},
+    ]);
+    let body = report(&leased, "wk", "completed", "k1", json!({"result": "done", "usage": usage}));
+    for _ in 0..2 {
+        let (code, v) = s.call(reqwest::Method::POST, "/runs/wu/tasks/w/update", Some(body.clone())).await;
+        assert_eq!(code, 200, "{v}");
+    }
+    let (_, t) = s.call(reqwest::Method::GET, "/runs/wu/tasks/w", None).await;
+    assert_eq!(t["task"]["state"], "completed", "{t}");
+    let spend = &t["spend"];
+    assert_eq!(spend["requests"], 2, "a repeated report counts once: {spend}");
+    assert_eq!(spend["tokens"]["input"], 1_000_010, "{spend}");
+    assert_eq!(spend["by_model"]["m-priced"]["cost"].as_f64(), Some(2.0), "{spend}");
+    assert_eq!(spend["by_model"]["m-own"]["cost"].as_f64(), Some(0.5), "{spend}");
+    assert_eq!(spend["by_provider"]["anthropic"]["requests"], 2, "{spend}");
+    let (_, run) = s.call(reqwest::Method::GET, "/runs/wu", None).await;
+    assert_eq!(run["spend"]["cost"].as_f64(), Some(2.5), "{run}");
+}

@@ -99,6 +99,7 @@ impl Tasks {
         let report: Report = serde_json::from_value(body.clone())
             .map_err(|e| ActionError::bad_request(format!("the report is not valid: {e}")))?;
         let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
-        self.blocking(move |s| person::report(s, &run, &task, &report, &body, retry_base)).await
+        let prices = self.config.gateway.as_ref().map(|g| g.prices.clone());
+        self.blocking(move |s| person::report(s, &run, &task, &report, &body, retry_base, prices.as_ref())).await
     }
 }

@@ -6,7 +6,9 @@ use agent_client_protocol_schema::v1::{
 };
 use maud::{DOCTYPE, Markup, html};
 use pier_client::elicit::{Input, fields, form_schema};
-use pier_host::{LogEvent, NodeRow, Question, QuestionRequest, RunSummary, RunView, TaskRow, TaskView, option_kind};
+use pier_host::{
+    LogEvent, NodeRow, Question, QuestionRequest, RunSummary, RunView, Spend, TaskRow, TaskView, option_kind,
+};
 use serde_json::Value;
 
 use super::auth::Session;
@@ -40,6 +42,48 @@ fn duration(ms: i64) -> String {
 
 fn state(s: &str) -> Markup {
     html! { span class={ "state state-" (s) } { (glyph(s)) " " (s) } }
+}
+
+/// A spend in a few words: tokens and cost, or that it is unknown (never a 0 it did not measure).
+fn spend_short(spend: Option<&Spend>) -> String {
+    let Some(spend) = spend.filter(|s| s.known()) else { return "unknown".into() };
+    let t = &spend.total;
+    let cost = match (t.cost, t.unpriced) {
+        (Some(c), 0) => format!("{c:.4}"),
+        (Some(c), _) => format!("{c:.4} + ?"),
+        (None, _) => "?".into(),
+    };
+    format!("{} tok · {cost}", t.tokens.total())
+}
+
+/// A spend whole: the one-line sum and a row per model.
+fn spend_section(spend: &Spend) -> Markup {
+    html! {
+        section class="spend" aria-label="spend" {
+            h2 { "Spend" }
+            p { (spend.describe()) }
+            @if spend.known() {
+                div class="scroll" {
+                table class="spend" {
+                    thead { tr { th { "model" } th { "requests" } th { "cost" } th { "input" } th { "output" } th { "cached input" } th { "reasoning" } } }
+                    tbody {
+                        @for (model, m) in &spend.by_model {
+                            tr data-model=(model) {
+                                td { code { (model) } }
+                                td { (m.requests) }
+                                td class="cost" { @match m.cost { Some(c) => { (format!("{c:.4}")) @if m.unpriced > 0 { " + unknown" } }, None => "unknown (no price)" } }
+                                td { (m.tokens.input) }
+                                td { (m.tokens.output) }
+                                td { (m.tokens.cached_input) }
+                                td { (m.tokens.reasoning) }
+                            }
+                        }
+                    }
+                }
+                }
+            }
+        }
+    }
 }
 
 /// The frame of every page. `live`: the `/events` query that keeps it current.
@@ -130,7 +174,7 @@ pub fn runs(s: &Session, runs: &[RunSummary], filter: Option<&str>, seq: i64) ->
             p { "No runs" @if filter.is_some() { " in this state" } ". Submit one with " code { "pier submit PLAN" } "." }
         } @else {
             table class="runs" {
-                thead { tr { th { "run" } th { "state" } th { "tasks" } th { "attempts" } th { "waiting" } th { "started" } th { "finished" } th { "took" } } }
+                thead { tr { th { "run" } th { "state" } th { "tasks" } th { "attempts" } th { "waiting" } th { "spend" } th { "started" } th { "finished" } th { "took" } } }
                 tbody {
                     @for r in &shown {
                         @let st = r.state();
@@ -146,6 +190,7 @@ pub fn runs(s: &Session, runs: &[RunSummary], filter: Option<&str>, seq: i64) ->
                             }
                             td { (r.attempts) }
                             td { @if r.waiting() > 0 { a href="/ui/approvals" { (r.waiting()) } } @else { "0" } }
+                            td class="spend" { (spend_short(Some(&r.spend))) }
                             td { (time(r.created_at_ms)) }
                             td { @if st != "running" { (time(r.updated_at_ms)) } @else { "—" } }
                             td { (duration(r.updated_at_ms - r.created_at_ms)) }
@@ -178,7 +223,7 @@ pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str
         section aria-label="graph" class="scroll" { (svg(run, &rows)) }
         h2 { "Tasks" }
         table class="tasks" {
-            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } } }
+            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } th { "spend" } } }
             tbody {
                 @for (t, q) in tasks {
                     tr data-task=(t.id) data-state=(t.state.as_str()) {
@@ -191,10 +236,12 @@ pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str
                             @else if t.state == pier_host::TaskState::AwaitingInput { "waits for a re-run decision" }
                             @else { (first_line(t.result.as_deref().or(t.error.as_deref()).unwrap_or(""))) }
                         }
+                        td class="spend" { (spend_short(view.task_spend.get(&t.id))) }
                     }
                 }
             }
         }
+        (spend_section(&view.spend))
         }
         (rail(seq))
     };
@@ -386,6 +433,7 @@ pub fn task(
         pre class="prompt" { (v.prompt) }
         @if let Some(r) = &t.result { h2 { "Result" } pre class="result" { (r) } }
         @if let Some(e) = &t.error { h2 { "Error" } pre class="error" { (e) } }
+        (spend_section(&v.spend))
         @for (n, items) in &transcript {
             @if *n > 0 {
                 section class="attempt" aria-label={ "attempt " (n) } {
@@ -434,6 +482,17 @@ fn item_markup(item: &Item) -> Markup {
             }
         },
         Item::Transition(..) => html! {},
+        Item::Model(r) => html! {
+            p class="model-request" {
+                "model request · " code { (r.model.as_deref().unwrap_or("unknown model")) } " · " (r.provider)
+                " · " (r.status) " · " (r.latency_ms) " ms"
+                @if r.held_ms > 0 { " (" (r.held_ms) " ms held for a rate limit)" }
+                @if let Some(t) = &r.tokens { " · " (t.total()) " tokens (in " (t.input) ", out " (t.output) ")" }
+                @else { " · tokens not reported" }
+                @if let Some(c) = r.cost { " · cost " (format!("{c:.4}")) }
+                @if let Some(e) = &r.error { " · " (first_line(e)) }
+            }
+        },
     }
 }
 

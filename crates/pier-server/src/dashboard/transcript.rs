@@ -1,7 +1,8 @@
 //! A task's ACP exchange as a person reads it, rebuilt from the events its attempts
 //! recorded: the answer's text joined, thoughts apart, each tool call merged from its
 //! `tool_call` and `tool_call_update`s, each permission request with the options offered
-//! and the one chosen, each question with its answer, and the task's transitions.
+//! and the one chosen, each question with its answer, each model request the gateway
+//! passed, and the task's transitions.
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,8 @@ pub enum Item {
     },
     /// A transition: when, and the event.
     Transition(i64, LogEvent),
+    /// A model request through the gateway: what it cost, where the exchange was.
+    Model(Box<pier_host::ModelRequest>),
 }
 
 /// The items of each attempt, in order; attempt 0 holds what belongs to none.
@@ -54,7 +57,8 @@ pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
             Entry::Host(t @ LogEvent::Transition { attempt, .. }) => {
                 out.entry(attempt).or_default().push(Item::Transition(e.at_ms, t))
             }
-            Entry::Host(_) | Entry::Model(_) | Entry::Other => {}
+            Entry::Model(r) => out.entry(r.attempt).or_default().push(Item::Model(r)),
+            Entry::Host(_) | Entry::Other => {}
         }
     }
     out

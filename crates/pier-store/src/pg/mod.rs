@@ -58,7 +58,7 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 6] = [
+const MIGRATIONS: [Migration; 7] = [
     &[
         RUNS,
         TASKS,
@@ -78,6 +78,7 @@ const MIGRATIONS: [Migration; 6] = [
     LATER[2],
     LATER[3],
     LATER[4],
+    LATER[5],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
