@@ -54,21 +54,35 @@ pub(crate) struct Ctx {
 }
 
 pub(crate) async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>, limit: Arc<Semaphore>) {
+    let label = ctx.label.clone();
+    accept_each(listener, limit, &label, |stream, permit| {
+        Some((ctx.cancel.clone(), serve_connection(stream, ctx.clone(), permit)))
+    })
+    .await;
+}
+
+/// Accepts connections while a permit of `limit` is free (the permit is taken before
+/// accepting, so connections beyond the limit wait in the backlog), each served by what `serve`
+/// returns until its token is cancelled; `serve` returning `None` ends the loop.
+pub(crate) async fn accept_each<F, Fut>(listener: TcpListener, limit: Arc<Semaphore>, label: &str, mut serve: F)
+where
+    F: FnMut(TcpStream, OwnedSemaphorePermit) -> Option<(CancellationToken, Fut)>,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     loop {
-        // The permit is taken before accepting, so connections beyond the limit wait in the backlog.
         let Ok(permit) = limit.clone().acquire_owned().await else { return };
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             Err(e) => {
-                tracing::warn!(attempt = %ctx.label, error = %e, "egress proxy could not accept a connection");
+                tracing::warn!(%label, error = %e, "could not accept a connection");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             }
         };
         // Latency matters more than packet count for interactive streams; failure changes nothing.
         let _ = stream.set_nodelay(true);
-        let cancel = ctx.cancel.clone();
-        tokio::spawn(cancel.run_until_cancelled_owned(serve_connection(stream, ctx.clone(), permit)));
+        let Some((cancel, served)) = serve(stream, permit) else { return };
+        tokio::spawn(cancel.run_until_cancelled_owned(served));
     }
 }
 

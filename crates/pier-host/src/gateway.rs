@@ -43,10 +43,10 @@ pub struct GatewayConfig {
     pub gateway: Gateway,
     /// Where pier's own agent's requests go: the host's own model (base URL, key, provider name).
     pub pier: Option<(String, Option<String>, String)>,
-    /// By model name.
-    pub prices: BTreeMap<String, Price>,
+    /// By model name. (Shared: each agent process's lease holds the config.)
+    pub prices: Arc<BTreeMap<String, Price>>,
     /// Variables of the host's environment that carry keys: never inherited by an agent.
-    pub withhold: Vec<String>,
+    pub withhold: Arc<[String]>,
     /// pier.toml's budgets for tasks and runs whose plan gives none.
     pub budget: Option<Budget>,
     pub run_budget: Option<Budget>,
@@ -156,7 +156,7 @@ impl Lease {
         *self.bill.exhausted.lock().unwrap_or_else(PoisonError::into_inner) = exhausted;
         *self.bill.limited.lock().unwrap_or_else(PoisonError::into_inner) = None;
         *self.bill.to.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some(Billing { store, attempt, allowance, parked });
+            Some(Billing { store, attempt, agent: spec.agent.clone(), allowance, parked });
     }
 
     /// What an attempt's ending waits on: the calls still being recorded, and whether a budget stopped it.
@@ -199,6 +199,8 @@ impl Settler {
 struct Billing {
     store: Arc<dyn TaskStore>,
     attempt: Attempt,
+    /// The agent spec the task names.
+    agent: String,
     allowance: Option<Allowance>,
     /// Cancelled to stop the attempt when a rate limit parks its task.
     parked: CancellationToken,
@@ -207,7 +209,7 @@ struct Billing {
 /// Where an agent process's calls go: the attempt it serves now, priced, within its budgets.
 struct Bill {
     to: Mutex<Option<Billing>>,
-    prices: BTreeMap<String, Price>,
+    prices: Arc<BTreeMap<String, Price>>,
     node: String,
     /// Calls begun and not yet written to the log.
     in_flight: watch::Sender<usize>,
@@ -285,11 +287,11 @@ impl Meter for Bill {
                         self.exhaust(why);
                     }
                 }
-                Some((b.store.clone(), b.attempt.clone()))
+                Some((b.store.clone(), b.attempt.clone(), b.agent.clone()))
             }
             None => None,
         };
-        let Some((store, attempt)) = to else {
+        let Some((store, attempt, agent)) = to else {
             tracing::warn!(provider = %call.provider, model = ?call.model, "a model request between tasks: billed to no task");
             metrics::counter!("pier_model_requests_unbilled_total").increment(1);
             if !call_hung_up {
@@ -310,6 +312,7 @@ impl Meter for Bill {
             complete: call.complete,
             error: call.error,
             node: self.node.clone(),
+            agent,
         };
         let data = serde_json::to_value(&request).unwrap_or_default();
         let in_flight = (!call_hung_up).then(|| self.in_flight.clone());

@@ -340,6 +340,7 @@ impl WorkerUsage {
         &self,
         attempt: i64,
         worker: &str,
+        agent: &str,
         prices: Option<&std::collections::BTreeMap<String, crate::gateway::Price>>,
     ) -> Result<Vec<(String, Value)>, ActionError> {
         let lines = match self {
@@ -377,6 +378,7 @@ impl WorkerUsage {
                 complete: true,
                 error: None,
                 node: format!("worker:{worker}"),
+                agent: agent.to_owned(),
             };
             out.push((pier_store::MODEL_REQUEST.to_owned(), serde_json::to_value(&request).map_err(StoreError::from)?));
         }
@@ -438,7 +440,7 @@ pub(crate) fn report(
         _ => Ending::Cancelled { reason: format!("worker {} cancelled it", report.worker) },
     };
     let spent = match &report.usage {
-        Some(u) => u.events(report.attempt, &report.worker, prices)?,
+        Some(u) => u.events(report.attempt, &report.worker, &row.spec.agent, prices)?,
         None => Vec::new(),
     };
     let idem = Idem::worker_report(&attempt, &report.idempotency_key, body).with_events(spent);

@@ -62,6 +62,9 @@ pub struct ModelRequest {
     /// The host node whose gateway passed it.
     #[serde(default)]
     pub node: String,
+    /// The agent (its spec, as the task names it) that made it; empty in logs older than it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agent: String,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -99,6 +102,12 @@ pub struct Spend {
     pub total: Subtotal,
     pub by_model: BTreeMap<String, Subtotal>,
     pub by_provider: BTreeMap<String, Subtotal>,
+    /// By the agent (its spec) that made the requests.
+    pub by_agent: BTreeMap<String, Subtotal>,
+    /// By the host node whose gateway passed them (`worker:NAME` for a worker's report).
+    pub by_node: BTreeMap<String, Subtotal>,
+    /// By attempt number (of a task's spend; a run's sums its tasks' attempts of each number).
+    pub by_attempt: BTreeMap<i64, Subtotal>,
 }
 
 impl Spend {
@@ -124,6 +133,10 @@ impl Spend {
         self.total.add(r);
         self.by_model.entry(r.model.clone().unwrap_or_else(|| "unknown".into())).or_default().add(r);
         self.by_provider.entry(r.provider.clone()).or_default().add(r);
+        let agent = if r.agent.is_empty() { "unknown" } else { r.agent.as_str() };
+        self.by_agent.entry(agent.to_owned()).or_default().add(r);
+        self.by_node.entry(r.node.clone()).or_default().add(r);
+        self.by_attempt.entry(r.attempt).or_default().add(r);
     }
 
     /// As the API and `--format json` show it: `null` when unknown (never zeros), else the
@@ -198,6 +211,7 @@ mod tests {
             complete: true,
             error: None,
             node: "n".into(),
+            agent: "pier".into(),
         };
         Event {
             seq: 1,

@@ -336,7 +336,7 @@ pub fn gateway(files: &FileConfig, env: &dyn Env) -> anyhow::Result<Option<pier_
         (c.base_url, c.api_key.map(|k| k.expose().to_owned()), provider)
     });
     let named: Vec<String> = files.providers.values().filter_map(|t| t.api_key_env.clone()).collect();
-    let withhold = std::env::vars()
+    let withhold: Vec<String> = std::env::vars()
         .map(|(k, _)| k)
         .filter(|k| k.ends_with("_API_KEY") || k.ends_with("_AUTH_TOKEN") || named.contains(k))
         .collect();
@@ -354,8 +354,8 @@ pub fn gateway(files: &FileConfig, env: &dyn Env) -> anyhow::Result<Option<pier_
     Ok(Some(pier_host::gateway::GatewayConfig {
         gateway,
         pier,
-        prices: files.prices.clone(),
-        withhold,
+        prices: std::sync::Arc::new(files.prices.clone()),
+        withhold: withhold.into(),
         budget: files.budget,
         run_budget: files.run_budget,
         ledger: Default::default(),

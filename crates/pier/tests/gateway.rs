@@ -58,6 +58,9 @@ async fn pier_s_own_agent_is_billed_from_the_upstream_s_usage_and_never_holds_th
         // 1,000,000 in at 1.0 and 500,000 out at 2.0 per million.
         assert_eq!(spend["cost"].as_f64(), Some(2.0), "{task}: {spend}");
         assert_eq!(spend["by_model"]["fake-model"]["requests"], 1, "{spend}");
+        assert_eq!(spend["by_agent"]["pier"]["requests"], 1, "{spend}");
+        assert_eq!(spend["by_attempt"]["1"]["requests"], 1, "{spend}");
+        assert_eq!(spend["by_node"].as_object().map(|n| n.len()), Some(1), "{spend}");
         let text = String::from_utf8_lossy(&h.run(&["show", "billed", task]).await.stdout).into_owned();
         assert!(text.contains("spend: 1,500,000 tokens (in 1,000,000"), "{text}");
         assert!(text.contains("cost 2.0000"), "{text}");

@@ -747,6 +747,8 @@ async fn a_worker_s_report_carries_its_usage_once() {
     assert_eq!(spend["by_model"]["m-priced"]["cost"].as_f64(), Some(2.0), "{spend}");
     assert_eq!(spend["by_model"]["m-own"]["cost"].as_f64(), Some(0.5), "{spend}");
     assert_eq!(spend["by_provider"]["anthropic"]["requests"], 2, "{spend}");
+    assert_eq!(spend["by_node"]["worker:wk"]["requests"], 2, "{spend}");
+    assert_eq!(spend["by_agent"]["worker:echo"]["requests"], 2, "{spend}");
     let (_, run) = s.call(reqwest::Method::GET, "/runs/wu", None).await;
     assert_eq!(run["spend"]["cost"].as_f64(), Some(2.5), "{run}");
 }

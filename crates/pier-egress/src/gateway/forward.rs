@@ -35,20 +35,11 @@ const KEY_HEADERS: [HeaderName; 3] =
     [header::AUTHORIZATION, HeaderName::from_static("x-api-key"), HeaderName::from_static("x-goog-api-key")];
 
 pub(crate) async fn accept_loop(listener: TcpListener, shared: Weak<Shared>, limit: Arc<Semaphore>) {
-    loop {
-        let Ok(permit) = limit.clone().acquire_owned().await else { return };
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                tracing::warn!(error = %e, "model gateway could not accept a connection");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let Some(cancel) = shared.upgrade().map(|s| s.cancel.clone()) else { return };
-        tokio::spawn(cancel.run_until_cancelled_owned(serve_connection(stream, shared.clone(), permit)));
-    }
+    crate::proxy::accept_each(listener, limit, "model gateway", |stream, permit| {
+        let cancel = shared.upgrade()?.cancel.clone();
+        Some((cancel, serve_connection(stream, shared.clone(), permit)))
+    })
+    .await;
 }
 
 async fn serve_connection(stream: tokio::net::TcpStream, shared: Weak<Shared>, _permit: OwnedSemaphorePermit) {

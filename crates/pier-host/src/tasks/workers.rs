@@ -100,6 +100,6 @@ impl Tasks {
             .map_err(|e| ActionError::bad_request(format!("the report is not valid: {e}")))?;
         let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
         let prices = self.config.gateway.as_ref().map(|g| g.prices.clone());
-        self.blocking(move |s| person::report(s, &run, &task, &report, &body, retry_base, prices.as_ref())).await
+        self.blocking(move |s| person::report(s, &run, &task, &report, &body, retry_base, prices.as_deref())).await
     }
 }
