@@ -21,8 +21,8 @@ pub use person::{ActionError, Answered, Input};
 pub use pier_store::{
     AgentEvent, AgentRow, Attempt, AttemptRow, Budget, Ending, Entry, ErrorClass, ErrorCode, Event, Held, Idem, Last,
     LogCursor, LogEvent, ModelRequest, NodeRow, PgStore, Plan, PlanError, Question, QuestionRequest, Spend,
-    SqliteStore, StoreError, TaskRow, TaskSpec, TaskState, TaskStore, Tokens, code, offered_option, option_kind, plan,
-    requires, state,
+    SqliteStore, StoreError, TaskRow, TaskSpec, TaskState, TaskStore, Tokens, WorkerRow, code, offered_option,
+    option_kind, plan, requires, state,
 };
 pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
 

@@ -102,16 +102,8 @@ pub(crate) fn say(
     interrupt: bool,
     by: &str,
 ) -> Result<i64, ActionError> {
+    // A pull worker's attempt takes its messages through the worker API (`pier worker` does).
     let row = task_of(store, run, task)?;
-    if row.spec.is_worker() {
-        return Err(ActionError::Refused {
-            code: ErrorCode::NoSession,
-            message: format!(
-                "task `{task}` runs on a pull worker, which has no session to continue; cancel it and submit a \
-                 new task instead"
-            ),
-        });
-    }
     if text.trim().is_empty() {
         return Err(ActionError::Refused { code: ErrorCode::BadRequest, message: "the message is empty".into() });
     }
@@ -300,6 +292,16 @@ pub struct Report {
     /// recorded as `model_request` events with the ending, in its commit.
     #[serde(default)]
     pub usage: Option<WorkerUsage>,
+    /// Of `stopped`: the turn's stop reason (`max_tokens`, `refusal`…), decided as a local one.
+    #[serde(default)]
+    pub stop_reason: Option<String>,
+    /// What the attempt showed (its text and tool calls), kept with the ending in its commit.
+    #[serde(default)]
+    pub output: Option<Value>,
+    /// The side effects the attempt reported: a failed or interrupted attempt with some is not
+    /// run again behind a person's back.
+    #[serde(default)]
+    pub evidence: Vec<Value>,
 }
 
 /// A worker's usage: one entry or a list.
@@ -416,14 +418,30 @@ pub(crate) fn report(
             error: report.error.clone().unwrap_or_else(|| "the worker reported a failure".into()),
             class: report.class.unwrap_or(ErrorClass::Business),
         }),
+        "stopped" => {
+            let name = report.stop_reason.as_deref().unwrap_or_default();
+            let stop_reason = serde_json::from_value(Value::String(name.to_owned())).map_err(|_| {
+                ActionError::bad_request(format!(
+                    "`stopped` needs the turn's stop_reason (end_turn, max_tokens, max_turn_requests, refusal, cancelled), not `{name}`"
+                ))
+            })?;
+            let text = report.result.clone().unwrap_or_default();
+            Some(Outcome::Answered { stop_reason, text, usage: None })
+        }
+        "interrupted" => Some(Outcome::Interrupted { why: format!("worker {} stopped the attempt", report.worker) }),
         "cancelled" => None,
         other => {
             return Err(ActionError::Refused {
                 code: ErrorCode::BadTransition,
-                message: format!("a worker reports completed, failed or cancelled, not `{other}`"),
+                message: format!(
+                    "a worker reports completed, stopped, failed, interrupted or cancelled, not `{other}`"
+                ),
             });
         }
     };
+    if report.evidence.len() > MAX_USAGE_LINES {
+        return Err(ActionError::bad_request(format!("a report carries at most {MAX_USAGE_LINES} side effects")));
+    }
     let ending = match (report.status.as_str(), &outcome) {
         ("completed", _) => Ending::Completed { result: report.result.clone().unwrap_or_default(), usage: None },
         (_, Some(outcome)) => {
@@ -431,7 +449,7 @@ pub(crate) fn report(
                 spec: &row.spec,
                 attempt: report.attempt,
                 failures: row.failures,
-                evidence: &[],
+                evidence: &report.evidence,
                 retry_delay: crate::attempt::backoff(retry_base, row.failures as u32),
                 now_ms: now_ms(),
             };
@@ -443,7 +461,9 @@ pub(crate) fn report(
         Some(u) => u.events(report.attempt, &report.worker, &row.spec.agent, prices)?,
         None => Vec::new(),
     };
-    let idem = Idem::worker_report(&attempt, &report.idempotency_key, body).with_events(spent);
+    let idem = Idem::worker_report(&attempt, &report.idempotency_key, body)
+        .with_events(spent)
+        .with_output(report.output.as_ref().map(Value::to_string));
     match store.finish(&attempt, &ending, Some(&idem)) {
         Ok(row) => {
             if let Some(outcome) = &outcome {

@@ -31,6 +31,7 @@ mod error;
 mod routes;
 mod sse;
 mod telemetry;
+mod v1;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -164,6 +165,16 @@ pub fn router(app: Shared) -> Router {
         .route("/runs/{run}/tasks/{task}/heartbeat", post(heartbeat))
         .route("/runs/{run}/tasks/{task}/update", post(update))
         .route("/lease", post(lease))
+        .route("/v1/lease", post(v1::lease))
+        .route("/v1/workers", get(v1::workers))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/heartbeat", post(v1::heartbeat))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/progress", post(v1::progress))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/questions", post(v1::ask))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/questions/{q}/wait", post(v1::wait_answer))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/questions/{q}/withdraw", post(v1::withdraw))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/messages", post(v1::messages))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/notice", post(v1::notice))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/end", post(v1::end))
         .route("/events", get(events))
         .route("/nodes", get(list_nodes))
         .route("/agents", get(list_agents))

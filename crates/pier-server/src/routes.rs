@@ -42,7 +42,8 @@ pub(crate) async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, 
 /// The live `pier serve` nodes on this store, each with the runs it drives and its last heartbeat.
 pub(crate) async fn list_nodes(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
     let nodes = app.tasks.nodes().await?;
-    Ok(Json(json!({"node": app.tasks.config().node, "nodes": nodes})))
+    let workers = app.tasks.workers().await?;
+    Ok(Json(json!({"node": app.tasks.config().node, "nodes": nodes, "workers": workers})))
 }
 
 pub(crate) async fn show_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {

@@ -54,6 +54,13 @@ pub trait TaskStore: Send + Sync + 'static {
     fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError>;
     /// Appends an attempt's events to the log and its side effects to its evidence.
     fn record(&self, attempt: &Attempt, events: &[(String, Value)], evidence: &[Value]) -> Result<i64, StoreError>;
+    /// A remote attempt's progress: `idem`'s events and `evidence`, fenced on the attempt
+    /// holding the task, written once per key; false for a repeat (nothing written).
+    fn record_once(&self, attempt: &Attempt, idem: &Idem, evidence: &[Value]) -> Result<bool, StoreError>;
+    /// A pull worker asked for work, able to do `capabilities`.
+    fn seen_worker(&self, name: &str, capabilities: &[String]) -> Result<(), StoreError>;
+    /// The pull workers seen, with the attempts each holds.
+    fn workers(&self) -> Result<Vec<crate::WorkerRow>, StoreError>;
 
     /// A person's budgets: task `task`'s own (`budget`) and the run's (`run_budget`, on every
     /// task of the run); `None` limits keep what was. The tasks changed, as they are now.
@@ -104,6 +111,8 @@ pub trait TaskStore: Send + Sync + 'static {
     fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError>;
     /// Whether a message asking to interrupt waits for the task.
     fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
+    /// Whether any message waits for the task.
+    fn messages_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
     /// Keeps the `initialize` answer of a process of agent spec `spec` (the latest wins).
     fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError>;
     /// The last `initialize` answer recorded for `spec`.

@@ -69,6 +69,19 @@ const HOST_KINDS: &[&str] =
 /// The kinds an attempt records ([`AgentEvent`]'s names).
 const AGENT_KINDS: &[&str] = &["session_update", "permission", "elicitation", "client_call", "protocol_error"];
 
+/// Whether `data` (without its `type`) is an agent's event of kind `kind` the log knows: what a
+/// remote attempt may write.
+pub fn is_agent_event(kind: &str, data: &Value) -> bool {
+    if !AGENT_KINDS.contains(&kind) || !data.is_object() {
+        return false;
+    }
+    let mut tagged = data.clone();
+    if let Value::Object(o) = &mut tagged {
+        o.insert("type".into(), Value::String(kind.to_owned()));
+    }
+    serde_json::from_value::<AgentEvent>(tagged).is_ok()
+}
+
 impl Event {
     /// What the event says. Decoding a known kind that does not parse (an edited store, a
     /// field a newer agent sent in a shape this pier does not read) gives [`Entry::Other`]:

@@ -35,14 +35,14 @@ use std::sync::Arc;
 
 pub use api::TaskStore;
 pub use code::ErrorCode;
-pub use entry::{AgentEvent, Entry};
+pub use entry::{AgentEvent, Entry, is_agent_event};
 pub use error::StoreError;
 pub use log::{Event, LogCursor, LogEvent, OwnCommit, RawEvent, own_following};
 pub use pg::{Pg, ScratchDatabase, redacted};
 pub use plan::{Budget, Plan, PlanError, TaskSpec};
 pub use rows::{
     AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
-    offered_option, option_kind,
+    WorkerRow, offered_option, option_kind,
 };
 pub use spend::{MODEL_REQUEST, ModelRequest, Spend, Subtotal, Tokens};
 pub use sqlite::Sqlite;

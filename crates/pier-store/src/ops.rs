@@ -553,6 +553,9 @@ pub(crate) fn finish(
     }
     if let Some(idem) = idem {
         record(tx, a, idem.events(), &[])?;
+        if let Some(output) = idem.output() {
+            keep_output(tx, a, output)?;
+        }
     }
     let (row, seq) = end_attempt(tx, &row, a.n, ending)?;
     if let Some(idem) = idem {
@@ -605,6 +608,48 @@ pub(crate) fn record(
         last = tx.event(&a.run, Some(&a.task), kind, &data)?;
     }
     Ok((last, last))
+}
+
+/// [`record`] of a remote attempt, fenced on its holding the task and written once per key
+/// (`idem`'s events, and `evidence`): a repeat of the key with the same request writes
+/// nothing. Whether this call wrote them.
+pub(crate) fn record_once(
+    tx: &mut dyn Tx,
+    a: &Attempt,
+    idem: &Idem,
+    evidence: &[Value],
+) -> Result<(bool, i64), StoreError> {
+    let row = load_task(tx, &a.run, &a.task)?;
+    let first = tx.texts(
+        "SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key())],
+    )?;
+    if let Some(first) = first {
+        if first.get(1).cloned().flatten().as_deref() != Some(idem.request()) {
+            return Err(StoreError::IdempotencyConflict { key: idem.key().to_owned() });
+        }
+        return Ok((false, 0));
+    }
+    if !holds(&row, a, now_ms()) {
+        return Err(lease_lost(a));
+    }
+    let (seq, _) = record(tx, a, idem.events(), evidence)?;
+    tx.exec(
+        "INSERT INTO updates (run_id, task_id, key, answer, request) VALUES (?1, ?2, ?3, ?4, ?5)",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key()), Arg::Text("{}"), Arg::Text(idem.request())],
+    )?;
+    Ok((true, seq))
+}
+
+/// A pull worker was seen (it asked for work): its capabilities and when.
+pub(crate) fn seen_worker(tx: &mut dyn Tx, name: &str, capabilities: &[String]) -> Result<((), i64), StoreError> {
+    let caps = serde_json::to_string(capabilities)?;
+    tx.exec(
+        "INSERT INTO workers (name, capabilities, seen_at_ms) VALUES (?1, ?2, ?3)
+         ON CONFLICT (name) DO UPDATE SET capabilities = excluded.capabilities, seen_at_ms = excluded.seen_at_ms",
+        &[Arg::Text(name), Arg::Text(&caps), Arg::Int(now_ms())],
+    )?;
+    Ok(((), 0))
 }
 
 pub(crate) fn cancel(

@@ -155,6 +155,8 @@ pub struct Idem {
     /// Events the request writes with its effect, in the same commit (a worker's model
     /// requests with its ending): written once, whatever the number of repeats.
     events: Vec<(String, Value)>,
+    /// What the attempt showed, kept with an ending in its commit.
+    output: Option<String>,
 }
 
 impl Idem {
@@ -165,13 +167,30 @@ impl Idem {
             key: format!("report:{}:{}:{client_key}", attempt.n, attempt.owner),
             request: body.to_string(),
             events: Vec::new(),
+            output: None,
         }
+    }
+
+    /// A remote attempt's batch `seq` of progress (`body` as sent), whose events it writes.
+    pub fn progress(attempt: &Attempt, seq: i64, body: &Value, events: Vec<(String, Value)>) -> Idem {
+        let key = format!("progress:{}:{}:{seq}", attempt.n, attempt.owner);
+        Idem { key, request: body.to_string(), events, output: None }
     }
 
     /// With `events` written in the commit of the request's effect.
     pub fn with_events(mut self, events: Vec<(String, Value)>) -> Idem {
         self.events = events;
         self
+    }
+
+    /// With `output` (the attempt's, as JSON text) kept in the commit of the ending.
+    pub fn with_output(mut self, output: Option<String>) -> Idem {
+        self.output = output;
+        self
+    }
+
+    pub fn output(&self) -> Option<&str> {
+        self.output.as_deref()
     }
 
     pub fn events(&self) -> &[(String, Value)] {
@@ -226,6 +245,16 @@ impl AttemptRow {
             output: output.map(serde_json::from_str).transpose()?,
         })
     }
+}
+
+/// A pull worker as the store knows it: when it last asked for work, and what it holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WorkerRow {
+    pub name: String,
+    pub capabilities: Vec<String>,
+    pub seen_at_ms: i64,
+    /// The attempts it holds now: `(run, task, attempt)`.
+    pub running: Vec<(String, String, i64)>,
 }
 
 /// A host node (a `pier serve` process driving runs) as the store knows it.

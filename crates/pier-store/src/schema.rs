@@ -89,12 +89,17 @@ pub(crate) const DROP_MESSAGES_CLOSED: &str = "DROP TABLE messages_closed";
 pub(crate) const EVENTS_MODEL_REQUESTS: &str =
     "CREATE INDEX events_model_requests ON events(run_id, seq) WHERE type = 'model_request'";
 
+/// Pull workers, as they last asked for work.
+pub(crate) const WORKERS: &str =
+    "CREATE TABLE workers (name TEXT PRIMARY KEY, capabilities TEXT NOT NULL, seen_at_ms {INT} NOT NULL)";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 6] = [
+pub(crate) const LATER: [Migration; 7] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
     &[MESSAGES, MESSAGES_CLOSED],
     &[DROP_MESSAGES_CLOSED],
     &[EVENTS_MODEL_REQUESTS],
+    &[WORKERS],
 ];

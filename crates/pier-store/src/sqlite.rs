@@ -70,7 +70,7 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 10] = [
+const MIGRATIONS: [Migration; 11] = [
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
@@ -81,6 +81,7 @@ const MIGRATIONS: [Migration; 10] = [
     LATER[3],
     LATER[4],
     LATER[5],
+    LATER[6],
 ];
 
 /// How often the watcher asks SQLite whether another process committed.

@@ -167,6 +167,43 @@ impl<B: Backend> TaskStore for Store<B> {
         self.op_on(attempt, move |tx| ops::record(tx, &a, &events, &evidence))
     }
 
+    fn record_once(&self, attempt: &Attempt, idem: &Idem, evidence: &[Value]) -> Result<bool, StoreError> {
+        let (a, idem, evidence) = (attempt.clone(), idem.clone(), evidence.to_vec());
+        self.op_on(attempt, move |tx| ops::record_once(tx, &a, &idem, &evidence))
+    }
+
+    fn seen_worker(&self, name: &str, capabilities: &[String]) -> Result<(), StoreError> {
+        let (name, caps) = (name.to_owned(), capabilities.to_vec());
+        self.op(move |tx| ops::seen_worker(tx, &name, &caps))
+    }
+
+    fn workers(&self) -> Result<Vec<crate::WorkerRow>, StoreError> {
+        let rows = self.rows("SELECT name, capabilities, seen_at_ms FROM workers ORDER BY name", &[])?;
+        let mut workers = rows
+            .into_iter()
+            .map(|mut r| {
+                Ok(crate::WorkerRow {
+                    name: r.text(0)?,
+                    capabilities: serde_json::from_str(&r.text(1)?)?,
+                    seen_at_ms: r.int(2)?,
+                    running: Vec::new(),
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let held = self.rows(
+            "SELECT lease_owner, run_id, id, attempt FROM tasks
+             WHERE state IN ('running', 'awaiting_input') AND lease_owner IS NOT NULL ORDER BY run_id, ord",
+            &[],
+        )?;
+        for mut r in held {
+            let owner = r.text(0)?;
+            if let Some(w) = workers.iter_mut().find(|w| w.name == owner) {
+                w.running.push((r.text(1)?, r.text(2)?, r.int(3)?));
+            }
+        }
+        Ok(workers)
+    }
+
     fn cancel(&self, run: &str, task: &str, reason: &str) -> Result<Option<TaskRow>, StoreError> {
         let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
         self.op(move |tx| ops::cancel(tx, &run, &task, &reason))
@@ -278,6 +315,14 @@ impl<B: Backend> TaskStore for Store<B> {
         let rows = self.rows(
             "SELECT COUNT(*) FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
              AND interrupt = 1",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?;
+        Ok(count(rows)? > 0)
+    }
+
+    fn messages_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
+        let rows = self.rows(
+            "SELECT COUNT(*) FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL",
             &[Arg::Text(run), Arg::Text(task)],
         )?;
         Ok(count(rows)? > 0)

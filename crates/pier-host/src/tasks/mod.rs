@@ -11,12 +11,14 @@
 mod follow;
 mod handle;
 mod people;
+mod remote;
 mod submit;
 mod views;
 mod workers;
 
 pub use follow::{Delivered, Follow, Follower};
 pub use handle::Tasks;
+pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};
 pub use submit::{Submission, Submitted, parse_plan};
 pub use views::{RunSummary, RunView, StoreCounts, TaskView, counts};
 pub use workers::Leased;

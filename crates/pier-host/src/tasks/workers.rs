@@ -72,6 +72,39 @@ impl Tasks {
         Ok(leased)
     }
 
+    /// [`Tasks::lease`], waiting up to `wait` (at most [`super::MAX_WAIT`]) for a task that fits
+    /// to become ready, instead of the worker asking again and again. The worker is listed as
+    /// seen (`GET /nodes`) whether or not a task came.
+    pub async fn lease_waiting(
+        &self,
+        worker: &str,
+        capabilities: &[String],
+        ttl_ms: Option<i64>,
+        wait: std::time::Duration,
+    ) -> Result<Option<Leased>, ActionError> {
+        let (name, caps) = (worker.to_owned(), capabilities.to_vec());
+        self.blocking(move |s| Ok(s.seen_worker(&name, &caps)?)).await?;
+        let mut commits = self.store.subscribe();
+        let deadline = tokio::time::Instant::now() + wait.min(super::MAX_WAIT);
+        loop {
+            if let Some(leased) = self.lease(worker, capabilities, ttl_ms).await? {
+                return Ok(Some(leased));
+            }
+            // A retry's `not_before` passes without a commit: look again at least every second.
+            let tick = (tokio::time::Instant::now() + std::time::Duration::from_secs(1)).min(deadline);
+            match tokio::time::timeout_at(tick, commits.changed()).await {
+                Ok(Err(_)) => return Ok(None),
+                _ if tokio::time::Instant::now() >= deadline => return Ok(None),
+                _ => {}
+            }
+        }
+    }
+
+    /// The pull workers seen, with the attempts each holds.
+    pub async fn workers(&self) -> Result<Vec<pier_store::WorkerRow>, ActionError> {
+        self.blocking(|s| Ok(s.workers()?)).await
+    }
+
     /// Renews a worker's lease on its attempt; when it now expires.
     pub async fn heartbeat(
         &self,

@@ -205,7 +205,7 @@ async fn approvals_page(State(app): State<Shared>, s: auth::Session, Query(n): Q
 }
 
 async fn nodes_page(State(app): State<Shared>, s: auth::Session) -> Response {
-    page(async { Ok(pages::nodes(&s, &app.tasks.nodes().await?)) }.await)
+    page(async { Ok(pages::nodes(&s, &app.tasks.nodes().await?, &app.tasks.workers().await?)) }.await)
 }
 
 #[derive(Deserialize)]

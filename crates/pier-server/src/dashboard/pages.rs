@@ -548,7 +548,7 @@ pub fn approvals(s: &Session, waiting: &[(TaskRow, Option<Question>)], seq: i64,
     layout("Approvals", Some(s), Some(("follow=true".into(), seq)), notice, body)
 }
 
-pub fn nodes(s: &Session, nodes: &[NodeRow]) -> Markup {
+pub fn nodes(s: &Session, nodes: &[NodeRow], workers: &[pier_host::WorkerRow]) -> Markup {
     let body = html! {
         h1 { "Nodes" }
         @if nodes.is_empty() { p { "No node has registered: one " code { "pier serve" } " on SQLite drives every run itself." } }
@@ -558,6 +558,29 @@ pub fn nodes(s: &Session, nodes: &[NodeRow]) -> Markup {
                 tbody {
                     @for n in nodes {
                         tr { td { (n.id) } td { (time(n.started_at_ms)) } td { (time(n.heartbeat_at_ms)) } td { (n.runs.join(", ")) } }
+                    }
+                }
+            }
+        }
+        h2 { "Workers" }
+        @if workers.is_empty() { p { "No pull worker has asked for work. Start one with " code { "pier worker --server URL" } "." } }
+        @else {
+            table class="workers" {
+                thead { tr { th { "worker" } th { "capabilities" } th { "running" } th { "last seen" } } }
+                tbody {
+                    @for w in workers {
+                        tr data-worker=(w.name) {
+                            td { (w.name) }
+                            td { (w.capabilities.join(", ")) }
+                            td {
+                                @if w.running.is_empty() { "—" }
+                                @for (i, (run, task, n)) in w.running.iter().enumerate() {
+                                    @if i > 0 { ", " }
+                                    a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(task)) } { (task) } " (" (run) ", attempt " (n) ")"
+                                }
+                            }
+                            td { (time(w.seen_at_ms)) }
+                        }
                     }
                 }
             }

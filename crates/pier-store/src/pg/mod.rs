@@ -58,7 +58,7 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 7] = [
+const MIGRATIONS: [Migration; 8] = [
     &[
         RUNS,
         TASKS,
@@ -79,6 +79,7 @@ const MIGRATIONS: [Migration; 7] = [
     LATER[3],
     LATER[4],
     LATER[5],
+    LATER[6],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.

@@ -1,0 +1,157 @@
+//! The worker API (`/v1`, issue #31) against a real `pier serve`, driven as a worker on another
+//! machine would drive it: a lease that waits for work, progress in ordered batches written
+//! once, a permission question answered by a person, a person's interrupting message and an
+//! HTTP cancel noticed by one long-poll, the ending with the attempt's output and usage, and the
+//! worker listed on `/nodes`.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+use serde_json::{Value, json};
+use support::serve::{Server, TOKEN, server};
+use support::{LIMIT, must};
+
+async fn post(s: &Server, path: &str, body: Value) -> (u16, Value) {
+    s.call(Method::POST, path, Some(body)).await
+}
+
+fn at(run: &str, task: &str, n: i64, rest: &str) -> String {
+    format!("/v1/runs/{run}/tasks/{task}/attempts/{n}/{rest}")
+}
+
+fn chunk(text: &str) -> Value {
+    json!({"type": "session_update", "sessionId": "s1",
+           "update": {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": text}}})
+}
+
+fn tool_call(id: &str) -> Value {
+    json!({"type": "session_update", "sessionId": "s1",
+           "update": {"sessionUpdate": "tool_call", "toolCallId": id, "title": "Run make", "kind": "execute", "status": "pending"}})
+}
+
+/// Posts `body` to `path` on its own task (a long-poll), with the answer's status, body and
+/// arrival.
+fn spawn_post(s: &Server, path: &str, body: Value) -> tokio::task::JoinHandle<(u16, Value, Instant)> {
+    let (http, url) = (s.http.clone(), format!("{}{path}", s.base));
+    tokio::spawn(async move {
+        let req = http.post(url).bearer_auth(TOKEN).header("content-type", "application/json").body(body.to_string());
+        let resp = must(req.send().await, "send");
+        let status = resp.status().as_u16();
+        let text = must(resp.text().await, "body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null), Instant::now())
+    })
+}
+
+async fn joined(h: tokio::task::JoinHandle<(u16, Value, Instant)>) -> (u16, Value, Instant) {
+    must(tokio::time::timeout(LIMIT, h).await, "answered in time").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Leases the next task for `wk`, waiting for it.
+async fn lease(s: &Server, wait_ms: u64) -> (u16, Value) {
+    post(s, "/v1/lease", json!({"worker": "wk", "capabilities": ["build"], "ttl_ms": 60_000, "wait_ms": wait_ms})).await
+}
+
+#[tokio::test]
+async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
+    let s = server(None).await;
+    // A lease asked before any work exists waits for it.
+    let body = json!({"worker": "wk", "capabilities": ["build"], "ttl_ms": 60_000, "wait_ms": 10_000});
+    let waiting = spawn_post(&s, "/v1/lease", body);
+    let plan = "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"build it\"\n\n\
+                [[tasks]]\nid = \"b\"\nagent = \"worker:build\"\nprompt = \"and this\"\ndepends_on = [\"a\"]\n";
+    let submitted = Instant::now();
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "w"})).await.0, 201);
+    let (code, leased, got) = joined(waiting).await;
+    assert_eq!(code, 200, "{leased}");
+    assert!(got - submitted < Duration::from_secs(1), "the waiting lease got the task at once");
+    assert_eq!((leased["task"]["id"].as_str(), leased["prompt"].as_str()), (Some("a"), Some("build it")));
+    let n = leased["task"]["attempt"].as_i64().unwrap_or_default();
+
+    // Progress: ordered batches, each written once; nonsense refused with nothing written.
+    let batch = json!({"worker": "wk", "seq": 1, "events": [chunk("Building"), tool_call("t1")]});
+    assert_eq!(post(&s, &at("w", "a", n, "progress"), batch.clone()).await, (200, json!({"written": true})));
+    assert_eq!(post(&s, &at("w", "a", n, "progress"), batch).await, (200, json!({"written": false})), "a replay");
+    let bad = json!({"worker": "wk", "seq": 2, "events": [{"type": "transition", "to": "completed"}]});
+    let (code, v) = post(&s, &at("w", "a", n, "progress"), bad).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (400, Some("bad_request")), "{v}");
+    let (code, v) =
+        post(&s, &at("w", "a", n, "progress"), json!({"worker": "intruder", "seq": 2, "events": [chunk("x")]})).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (409, Some("lease_lost")), "another worker: {v}");
+    // A wrong token writes nothing.
+    let forged = json!({"worker": "wk", "seq": 3, "events": [chunk("forged")]}).to_string();
+    let url = format!("{}{}", s.base, at("w", "a", n, "progress"));
+    let resp =
+        s.http.post(url).bearer_auth("wrong").header("content-type", "application/json").body(forged).send().await;
+    assert_eq!(must(resp, "send").status().as_u16(), 401);
+    assert_eq!(
+        post(&s, &at("w", "a", n, "progress"), json!({"worker": "wk", "seq": 2, "events": [chunk(" done")]})).await.0,
+        200
+    );
+
+    // A permission question parks the task until a person answers it.
+    let request = json!({"sessionId": "s1", "toolCall": {"toolCallId": "t1", "title": "Run make"},
+        "options": [{"optionId": "yes", "name": "Allow", "kind": "allow_once"}, {"optionId": "no", "name": "Reject", "kind": "reject_once"}]});
+    let (code, v) = post(&s, &at("w", "a", n, "questions"), json!({"worker": "wk", "request": request})).await;
+    assert_eq!(code, 201, "{v}");
+    let q = v["question"].as_i64().unwrap_or_default();
+    let (_, t) = s.call(Method::GET, "/runs/w/tasks/a", None).await;
+    assert_eq!(t["task"]["state"], "awaiting_input", "{t}");
+    let answered =
+        spawn_post(&s, &at("w", "a", n, &format!("questions/{q}/wait")), json!({"worker": "wk", "wait_ms": 10_000}));
+    let (code, v) = post(&s, "/runs/w/tasks/a/answer", json!({"allow": true})).await;
+    assert_eq!(code, 200, "{v}");
+    let (_, answer, _) = joined(answered).await;
+    assert!(answer["answer"].as_str().is_some_and(|a| a.contains("yes")), "{answer}");
+    let (_, t) = s.call(Method::GET, "/runs/w/tasks/a", None).await;
+    assert_eq!(t["task"]["state"], "running", "the task runs again: {t}");
+
+    // A person's interrupting message ends the worker's long-poll at once.
+    let notice = spawn_post(&s, &at("w", "a", n, "notice"), json!({"worker": "wk", "wait_ms": 20_000}));
+    let said = Instant::now();
+    let (code, v) = post(&s, "/runs/w/tasks/a/messages", json!({"text": "use -j4", "interrupt": true})).await;
+    assert_eq!(code, 201, "{v}");
+    let (_, notice, seen) = joined(notice).await;
+    assert_eq!((notice["held"].as_bool(), notice["interrupt"].as_bool()), (Some(true), Some(true)), "{notice}");
+    assert!(seen - said < Duration::from_secs(1), "noticed in {:?}", seen - said);
+    let (_, taken) = post(&s, &at("w", "a", n, "messages"), json!({"worker": "wk"})).await;
+    assert_eq!(taken["messages"][0]["text"], "use -j4", "{taken}");
+
+    // The ending: the output kept and the usage counted with it, once.
+    let end = json!({"worker": "wk", "status": "completed", "idempotency_key": "end-1", "result": "built",
+        "output": {"text": "Building done"}, "usage": {"provider": "openai", "model": "m", "input": 10, "output": 5}});
+    for _ in 0..2 {
+        let (code, v) = post(&s, &at("w", "a", n, "end"), end.clone()).await;
+        assert_eq!(code, 200, "{v}");
+    }
+    let (_, t) = s.call(Method::GET, "/runs/w/tasks/a", None).await;
+    assert_eq!((t["task"]["state"].as_str(), t["task"]["result"].as_str()), (Some("completed"), Some("built")), "{t}");
+    assert_eq!(t["attempts"][0]["output"]["text"], "Building done", "{t}");
+    assert_eq!(t["spend"]["requests"], 1, "{t}");
+    let events = s.events_until(Some(0), |e| e["task"] == "a" && e["to"] == "completed").await;
+    let said: Vec<&str> = events
+        .iter()
+        .filter(|e| e["task"] == "a" && e["type"] == "session_update")
+        .filter_map(|e| e["update"]["content"]["text"].as_str().or(e["update"]["toolCallId"].as_str()))
+        .collect();
+    assert_eq!(said, ["Building", "t1", " done"], "in order, once each");
+
+    // The next task: an HTTP cancel reaches the worker's long-poll within a second.
+    let (code, leased) = lease(&s, 5_000).await;
+    assert_eq!((code, leased["task"]["id"].as_str()), (200, Some("b")), "{leased}");
+    let (_, nodes) = s.call(Method::GET, "/nodes", None).await;
+    let wk =
+        nodes["workers"].as_array().and_then(|w| w.iter().find(|w| w["name"] == "wk")).cloned().unwrap_or_default();
+    assert_eq!(wk["capabilities"], json!(["build"]), "{nodes}");
+    assert_eq!(wk["running"], json!([["w", "b", 1]]), "{nodes}");
+    let notice = spawn_post(&s, &at("w", "b", 1, "notice"), json!({"worker": "wk", "wait_ms": 20_000}));
+    let cancelled = Instant::now();
+    assert_eq!(post(&s, "/runs/w/tasks/b/cancel", json!({})).await.0, 200);
+    let (_, notice, seen) = joined(notice).await;
+    assert_eq!((notice["held"].as_bool(), notice["state"].as_str()), (Some(false), Some("cancelled")), "{notice}");
+    assert!(seen - cancelled < Duration::from_secs(1), "the cancel reached the worker in {:?}", seen - cancelled);
+    let (code, v) =
+        post(&s, &at("w", "b", 1, "progress"), json!({"worker": "wk", "seq": 1, "events": [chunk("late")]})).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (409, Some("lease_lost")), "{v}");
+}
