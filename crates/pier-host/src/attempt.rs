@@ -391,7 +391,7 @@ pub fn task_meta(attempt: &Attempt, spec: &TaskSpec) -> agent_client_protocol_sc
 }
 
 /// What the client's run outcome means, before the decision.
-fn outcome_of(o: &RunOutcome) -> Outcome {
+pub(crate) fn outcome_of(o: &RunOutcome) -> Outcome {
     let error = o.error.as_ref().map(ToString::to_string);
     let class = match &o.error {
         Some(e) if !e.is_retryable() => ErrorClass::Protocol,

@@ -14,6 +14,7 @@ mod person;
 pub mod pool;
 pub mod tasks;
 pub mod telemetry;
+pub mod worker;
 
 pub use config::{HostConfig, SandboxConfig, Summary};
 pub use host::Scope;

@@ -174,6 +174,7 @@ pub fn router(app: Shared) -> Router {
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/questions/{q}/withdraw", post(v1::withdraw))
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/messages", post(v1::messages))
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/notice", post(v1::notice))
+        .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/output", post(v1::output))
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/end", post(v1::end))
         .route("/events", get(events))
         .route("/nodes", get(list_nodes))

@@ -4,7 +4,7 @@
 //! request or an elicitation parks the task for a person; `…/questions/{q}/wait` long-polls
 //! the answer, `…/withdraw` gives it up), `messages` (takes people's messages), `notice` (a
 //! long-poll that returns as soon as the task is cancelled or lost, a message waits or an
-//! answer came) and `end` (the report of the unversioned `…/update`, with the attempt from the
+//! answer came), `output` (what an attempt whose task was taken from it showed) and `end` (the report of the unversioned `…/update`, with the attempt from the
 //! path). Every body names its `worker`, the owner its lease is fenced on. Each route makes
 //! one [`pier_host::Tasks`] call.
 
@@ -151,6 +151,22 @@ pub(crate) async fn notice(
 ) -> Result<Json<Value>, ApiError> {
     let notice = app.tasks.notice(&attempt(path, b.worker), b.question, wait(b.wait_ms)).await?;
     Ok(Json(json!(notice)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Output {
+    worker: String,
+    output: Value,
+}
+
+pub(crate) async fn output(
+    State(app): State<Shared>,
+    Path(path): AttemptPath,
+    Body(b): Body<Output>,
+) -> Result<Json<Value>, ApiError> {
+    app.tasks.keep_output(&attempt(path, b.worker), b.output).await?;
+    Ok(Json(json!({"kept": true})))
 }
 
 pub(crate) async fn end(

@@ -17,6 +17,7 @@ mod run_cmd;
 mod serve_cmd;
 mod show_cmd;
 mod waiting;
+mod worker_cmd;
 
 use std::path::PathBuf;
 
@@ -65,6 +66,8 @@ enum Command {
     Say(person_cmd::SayArgs),
     /// Serve the task host over HTTP (bearer token, SSE events, pull workers)
     Serve(serve_cmd::ServeArgs),
+    /// Take tasks from a running `pier serve` and run their agents on this machine
+    Worker(worker_cmd::WorkerArgs),
     /// Submit a plan to a running `pier serve`
     Submit(serve_cmd::SubmitArgs),
     /// Show the runs of a running `pier serve`, or one run's tasks (`pier runs`/`pier show --server`)
@@ -170,6 +173,7 @@ fn main() {
             Command::Runs(args) => show_cmd::runs(args).await.map(|()| 0),
             Command::Serve(args) => serve_cmd::serve(args).await.map(|()| 0),
             Command::Submit(args) => serve_cmd::submit(args).await.map(|()| 0),
+            Command::Worker(args) => worker_cmd::run(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),
             Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
             Command::Models(cmd) => models_cmd::run(cmd).map(|()| 0),

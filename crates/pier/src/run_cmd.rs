@@ -71,13 +71,7 @@ pub fn open_tasks_with(
     mut config: HostConfig,
 ) -> anyhow::Result<Tasks> {
     let spec = config::store_spec(&ProcessEnv, flag.as_deref(), files)?;
-    config.sandbox.level = config::host_level(files)?;
-    config.sandbox.network = files.network.clone();
-    pier_jail::check_network(&config.sandbox.network).map_err(|why| anyhow::anyhow!("network in pier.toml: {why}"))?;
-    config.sandbox.limits = files.limits;
-    config.sandbox.limits.check().map_err(|why| anyhow::anyhow!("[limits] in pier.toml: {why}"))?;
-    // pier's own state: its home (the token, the default store) and the store's files wherever they are.
-    config.sandbox.hide.push(config::pier_home(&ProcessEnv)?);
+    confine(files, &mut config)?;
     if let Some(path) = spec.strip_prefix("sqlite://").or((!spec.contains("://")).then_some(spec.as_str())) {
         for suffix in ["", "-wal", "-shm"] {
             config.sandbox.hide.push(PathBuf::from(format!("{path}{suffix}")));
@@ -85,6 +79,19 @@ pub fn open_tasks_with(
     }
     tracing::info!("{}", config.sandbox.describe());
     Tasks::open(&spec, config).with_context(|| format!("cannot open the store {}", pier_host::store::redacted(&spec)))
+}
+
+/// The confinement of a host's attempts from pier.toml: the level, the hosts, the limits, and
+/// pier's own home hidden from them (a store's files are the caller's to add).
+pub fn confine(files: &config::FileConfig, config: &mut HostConfig) -> anyhow::Result<()> {
+    config.sandbox.level = config::host_level(files)?;
+    config.sandbox.network = files.network.clone();
+    pier_jail::check_network(&config.sandbox.network).map_err(|why| anyhow::anyhow!("network in pier.toml: {why}"))?;
+    config.sandbox.limits = files.limits;
+    config.sandbox.limits.check().map_err(|why| anyhow::anyhow!("[limits] in pier.toml: {why}"))?;
+    // pier's own state: its home (the token, the default store).
+    config.sandbox.hide.push(config::pier_home(&ProcessEnv)?);
+    Ok(())
 }
 
 /// A plan to submit, and where it came from.

@@ -574,13 +574,19 @@ async fn an_agents_question_is_answered_over_http() {
 }
 
 #[tokio::test]
-async fn a_message_to_a_pull_worker_task_is_refused_for_want_of_a_session() {
+async fn a_message_to_a_pull_worker_task_is_queued_for_its_worker_to_take() {
     let s = server(None).await;
     let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
     assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "pw"}))).await.0, 201);
-    lease(&s, "w1", 10_000).await;
+    let leased = lease(&s, "w1", 10_000).await;
     let (code, body) = s.call(reqwest::Method::POST, "/runs/pw/tasks/w/messages", Some(json!({"text": "hello"}))).await;
-    assert_eq!((code, body["error"]["code"].as_str()), (409, Some("no_session")), "{body}");
+    assert_eq!(code, 201, "{body}");
+    let n = leased["task"]["attempt"].as_i64().unwrap_or_default();
+    let path = format!("/v1/runs/pw/tasks/w/attempts/{n}/messages");
+    let (code, taken) = s.call(reqwest::Method::POST, &path, Some(json!({"worker": "w1"}))).await;
+    assert_eq!((code, taken["messages"][0]["text"].as_str()), (200, Some("hello")), "{taken}");
+    let (_, again) = s.call(reqwest::Method::POST, &path, Some(json!({"worker": "w1"}))).await;
+    assert_eq!(again["messages"], json!([]), "taken once: {again}");
 }
 
 #[tokio::test]

@@ -155,3 +155,101 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
         post(&s, &at("w", "b", 1, "progress"), json!({"worker": "wk", "seq": 1, "events": [chunk("late")]})).await;
     assert_eq!((code, v["error"]["code"].as_str()), (409, Some("lease_lost")), "{v}");
 }
+
+/// A `pier worker` on its own home and directory (as another machine would be), serving a
+/// `pier serve`.
+fn worker(s: &Server, model: &str, name: &str) -> (tempfile::TempDir, tokio::process::Child) {
+    let dir = must(tempfile::tempdir(), "worker dir");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
+    cmd.args(["worker", "--server", &s.base, "--capability", "build", "--name", name, "--lease-ttl-ms", "3000"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .env("PIER_TOKEN", TOKEN)
+        .env("PIER_BASE_URL", model)
+        .env("PIER_MODEL", "fake-model")
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    (dir, must(cmd.spawn(), "spawn pier worker"))
+}
+
+/// `pier worker` runs a task's agent on its machine: the agent's messages and tool calls reach
+/// the task's log in order, its permission request is answered by a person on the host, a
+/// person's interrupting message reaches it, and an HTTP cancel stops it within a second with
+/// its partial output kept.
+#[tokio::test]
+async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference() {
+    use pier_fake_model::{FakeModel, Gate, Reply, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let s = server(None).await;
+    let (_dir, _worker) = worker(&s, &f.base_url(), "wk1");
+    // The agent asks to run a command (a person allows it), then answers.
+    f.push(Reply::tool_call("c1", "run_command", r#"{"command": "echo from-the-worker"}"#));
+    f.push(Reply::text("All built."));
+    let plan =
+        "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"build it\"\npermissions = { execute = \"ask\" }\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "pw"})).await.0, 201);
+    s.events_until(Some(0), |e| e["task"] == "a" && e["type"] == "question").await;
+    let (code, v) = post(&s, "/runs/pw/tasks/a/answer", json!({"allow": true})).await;
+    assert_eq!(code, 200, "{v}");
+    s.events_until(Some(0), |e| e["task"] == "a" && e["to"] == "completed").await;
+    let (_, t) = s.call(Method::GET, "/runs/pw/tasks/a", None).await;
+    assert_eq!(t["task"]["result"], "All built.", "{t}");
+    let events = s.events_until(Some(0), |e| e["task"] == "a" && e["to"] == "completed").await;
+    let kinds: Vec<String> = events
+        .iter()
+        .filter(|e| e["task"] == "a")
+        .map(|e| match e["type"].as_str() {
+            Some("session_update") => e["update"]["sessionUpdate"].as_str().unwrap_or("?").to_owned(),
+            Some(k) => k.to_owned(),
+            None => "?".into(),
+        })
+        .collect();
+    let pos = |k: &str| kinds.iter().position(|x| x == k).unwrap_or_else(|| panic!("no {k} in {kinds:?}"));
+    // The agent's own events in the order it sent them; the question and its answer before
+    // the decision the agent was given.
+    assert!(pos("tool_call") < pos("permission") && pos("permission") < pos("tool_call_update"), "{kinds:?}");
+    assert!(pos("tool_call_update") < pos("agent_message_chunk"), "{kinds:?}");
+    assert!(pos("question") < pos("answer") && pos("answer") < pos("permission"), "{kinds:?}");
+    let out = t["attempts"][0]["output"]["toolCalls"].to_string();
+    assert!(out.contains("c1"), "the output keeps the tool call: {t}");
+    let (_, nodes) = s.call(Method::GET, "/nodes", None).await;
+    assert!(nodes["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["name"] == "wk1")), "{nodes}");
+
+    // A turn that streams and then waits: an interrupting message goes to the agent at once,
+    // on the same session; a cancel then stops it within a second, its output kept.
+    let gate = Gate::new();
+    f.push(Reply::Stream(vec![Step::Text("Working on b".into()), Step::Gate(gate.clone()), Step::Done]));
+    f.push(Reply::Stream(vec![Step::Text("Switching to -j4".into()), Step::Hang]));
+    let plan = "[[tasks]]\nid = \"b\"\nagent = \"worker:build\"\nprompt = \"long build\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "pw2"})).await.0, 201);
+    s.events_until(Some(0), |e| e["task"] == "b" && e["update"]["content"]["text"] == "Working on b").await;
+    let (code, v) = post(&s, "/runs/pw2/tasks/b/messages", json!({"text": "use -j4", "interrupt": true})).await;
+    assert_eq!(code, 201, "{v}");
+    s.events_until(Some(0), |e| e["task"] == "b" && e["update"]["content"]["text"] == "Switching to -j4").await;
+    let asked = f.requests();
+    let last = asked.last().map(|r| r.body.to_string()).unwrap_or_default();
+    assert!(last.contains("use -j4") && last.contains("long build"), "the message went on the same session: {last}");
+    let disconnects = f.disconnects();
+    let cancelled = Instant::now();
+    assert_eq!(post(&s, "/runs/pw2/tasks/b/cancel", json!({})).await.0, 200);
+    must(tokio::time::timeout(LIMIT, f.wait_for_disconnects(disconnects + 1)).await, "the agent stopped");
+    assert!(cancelled.elapsed() < Duration::from_secs(1), "the cancel reached the agent in {:?}", cancelled.elapsed());
+    let kept = async {
+        loop {
+            let (_, t) = s.call(Method::GET, "/runs/pw2/tasks/b", None).await;
+            if t["attempts"][0]["output"]["text"].as_str().is_some_and(|x| x.contains("Switching")) {
+                return t;
+            }
+            // Kept by the worker once it notices; polled, with the bound below.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let t = must(tokio::time::timeout(LIMIT, kept).await, "the partial output was kept");
+    assert_eq!(t["task"]["state"], "cancelled", "{t}");
+}

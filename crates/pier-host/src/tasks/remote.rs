@@ -17,6 +17,8 @@ use crate::person::ActionError;
 
 /// The most events one progress batch may carry.
 pub const MAX_BATCH_EVENTS: usize = 1_000;
+/// The largest output an attempt keeps (its text is bounded to 64 KiB by the client already).
+const MAX_OUTPUT_BYTES: usize = 1 << 20;
 /// The longest a worker's long-poll is held.
 pub const MAX_WAIT: Duration = Duration::from_secs(30);
 
@@ -148,6 +150,24 @@ impl Tasks {
             Err(ActionError::Store(StoreError::LeaseLost { .. })) => Err(lost(attempt)),
             other => other,
         }
+    }
+
+    /// Keeps what `attempt` showed (its text and tool calls) after its task was taken from it
+    /// (cancelled, lost): a cancelled task keeps its partial output, wherever its agent ran.
+    /// Only the attempt the task last started takes it.
+    pub async fn keep_output(&self, attempt: &Attempt, output: Value) -> Result<(), ActionError> {
+        if output.to_string().len() > MAX_OUTPUT_BYTES {
+            return Err(ActionError::bad_request(format!("an attempt's output is at most {MAX_OUTPUT_BYTES} bytes")));
+        }
+        let a = attempt.clone();
+        self.blocking(move |s| {
+            let row = s.task(&a.run, &a.task)?.ok_or_else(|| StoreError::UnknownTask(a.task.clone()))?;
+            if row.attempt != a.n {
+                return Err(lost(&a));
+            }
+            Ok(s.keep_output(&a, &output)?)
+        })
+        .await
     }
 
     /// How `attempt` stands, once something concerns it or `wait` passed (bounded by

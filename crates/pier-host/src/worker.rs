@@ -1,0 +1,545 @@
+//! `pier worker`: agents on another machine, driven through the host's worker API (`/v1`).
+//! Each of `concurrency` slots leases a task (waiting for one), starts the worker's agent for it
+//! under the same confinement and options a local attempt gets ([`attempt_options`]), and drives
+//! the session with pier's client while four things run beside the turn: the lease's heartbeat,
+//! the progress pump (the agent's events, batched and numbered, into the task's log), the
+//! notice long-poll (a cancel or a lost lease stops the agent at once; a person's message is
+//! sent next, or at once after cancelling the turn when it interrupts), and the asker (a
+//! permission request or a question parks the task for a person on the host). The ending goes
+//! back with the attempt's output and side effects, decided on the host by the same rule as a
+//! local attempt's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
+use pier_client::run::{LiveAgent, RunOutcome};
+use pier_client::{ClientEvent, Partial, SessionTarget, SideEffects};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::attempt::{attempt_options, outcome_of};
+use crate::config::HostConfig;
+use crate::decide::Outcome;
+
+/// How long a lease request waits for work before asking again.
+const LEASE_WAIT_MS: u64 = 25_000;
+/// How long one notice long-poll waits.
+const NOTICE_WAIT_MS: u64 = 25_000;
+/// Events sent together at most.
+const BATCH: usize = 256;
+/// How long a question waits for the agent's events before it to reach the pump.
+const FLUSH_GRACE: Duration = Duration::from_millis(50);
+/// How long a failed call to the host waits before the next try.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// What a worker is: where its host is, who it is, what it takes and what it runs.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The host's base URL (`http://host:7070`).
+    pub server: String,
+    pub token: String,
+    pub name: String,
+    pub capabilities: Vec<String>,
+    /// The agent spec its tasks run on (`pier`, a `[agents.X]` name, a command).
+    pub agent: String,
+    pub concurrency: usize,
+    pub lease_ttl: Duration,
+    /// The options of its attempts: confinement, agents, working directory.
+    pub host: HostConfig,
+}
+
+/// Why the worker stopped before being asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("the host refused the worker's token (401); give the token `pier serve` prints with --token or PIER_TOKEN")]
+    Token,
+    #[error("{0}")]
+    Host(String),
+}
+
+/// One attempt's calls to the host.
+#[derive(Clone)]
+struct Link {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+    worker: String,
+}
+
+impl Link {
+    /// Posts `body` (with the worker's name) to `path`: the status and the JSON answer.
+    async fn post(&self, path: &str, mut body: Value) -> Result<(u16, Value), WorkerError> {
+        if let Some(o) = body.as_object_mut() {
+            o.insert("worker".into(), Value::String(self.worker.clone()));
+        }
+        let sent = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .map_err(|e| WorkerError::Host(format!("the host at {} did not answer: {e}", self.base)))?;
+        let status = sent.status().as_u16();
+        if status == 401 {
+            return Err(WorkerError::Token);
+        }
+        let text = sent.text().await.unwrap_or_default();
+        Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
+    }
+}
+
+/// The attempt's address on the host.
+fn at(run: &str, task: &str, n: i64, rest: &str) -> String {
+    format!("/v1/runs/{run}/tasks/{task}/attempts/{n}/{rest}")
+}
+
+/// Runs the worker until `stop`: its slots lease and run tasks; a stop cancels the running
+/// turns and reports them interrupted (the host runs them again).
+pub async fn run(config: WorkerConfig, stop: CancellationToken) -> Result<(), WorkerError> {
+    let link = Link {
+        http: reqwest::Client::new(),
+        base: config.server.trim_end_matches('/').to_owned(),
+        token: config.token.clone(),
+        worker: config.name.clone(),
+    };
+    let config = Arc::new(config);
+    let mut slots = tokio::task::JoinSet::new();
+    for _ in 0..config.concurrency.max(1) {
+        slots.spawn(slot(config.clone(), link.clone(), stop.clone()));
+    }
+    let mut result = Ok(());
+    while let Some(done) = slots.join_next().await {
+        if let Ok(Err(e)) = done {
+            stop.cancel();
+            result = Err(e);
+        }
+    }
+    result
+}
+
+async fn slot(config: Arc<WorkerConfig>, link: Link, stop: CancellationToken) -> Result<(), WorkerError> {
+    let ask = json!({"capabilities": config.capabilities, "ttl_ms": config.lease_ttl.as_millis() as u64, "wait_ms": LEASE_WAIT_MS});
+    while !stop.is_cancelled() {
+        let leased = tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            leased = link.post("/v1/lease", ask.clone()) => leased,
+        };
+        match leased {
+            Ok((200, leased)) => attempt(&config, &link, leased, &stop).await?,
+            Ok((204, _)) => {}
+            Err(WorkerError::Token) => return Err(WorkerError::Token),
+            Ok((status, answer)) => {
+                tracing::warn!(status, %answer, "the host refused a lease");
+                tokio::time::sleep(RETRY).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no lease");
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A message from a person, for the agent.
+struct Said {
+    interrupt: bool,
+}
+
+/// One leased task, from its agent's start to its ending on the host.
+async fn attempt(
+    config: &WorkerConfig,
+    link: &Link,
+    leased: Value,
+    stop: &CancellationToken,
+) -> Result<(), WorkerError> {
+    let row: crate::TaskRow = match serde_json::from_value(leased["task"].clone()) {
+        Ok(row) => row,
+        Err(e) => return Err(WorkerError::Host(format!("the host's lease is not a task this worker reads: {e}"))),
+    };
+    let prompt = leased["prompt"].as_str().unwrap_or_default().to_owned();
+    let (run, task, n) = (row.run_id.clone(), row.id.clone(), row.attempt);
+    tracing::info!(%run, %task, attempt = n, "leased");
+    let lost = CancellationToken::new();
+    let heartbeat =
+        tokio::spawn(heartbeat(link.clone(), at(&run, &task, n, "heartbeat"), config.lease_ttl, lost.clone()));
+    let (said_tx, mut said) = mpsc::unbounded_channel();
+    let notices = tokio::spawn(notices(link.clone(), at(&run, &task, n, "notice"), lost.clone(), said_tx));
+    let (events, rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
+    let (flush, flushes) = mpsc::unbounded_channel();
+    let pump = tokio::spawn(progress(link.clone(), at(&run, &task, n, "progress"), rx, flushes));
+
+    let mut spec = row.spec.clone();
+    spec.agent = config.agent.clone();
+    let outcome = match attempt_options(&spec, &config.host) {
+        Ok(mut opts) => {
+            let base = at(&run, &task, n, "questions");
+            opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, flush: flush.clone() }));
+            let (int_tx, mut interrupts) = mpsc::unbounded_channel();
+            let stopping = {
+                let (lost, stop) = (lost.clone(), stop.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = lost.cancelled() => {}
+                        () = stop.cancelled() => {}
+                    }
+                    let _ = int_tx.send(());
+                })
+            };
+            let blocks = vec![ContentBlock::Text(TextContent::new(prompt))];
+            let outcome = match LiveAgent::start_or_stop(&opts, &events, &mut interrupts).await {
+                Ok(mut agent) => {
+                    let o = converse(
+                        &mut agent,
+                        &opts,
+                        blocks,
+                        &events,
+                        &mut interrupts,
+                        &mut said,
+                        link,
+                        (&run, &task, n),
+                    )
+                    .await;
+                    agent.shutdown(&events).await;
+                    o
+                }
+                Err(outcome) => outcome,
+            };
+            stopping.abort();
+            outcome_of(&outcome)
+        }
+        Err(error) => {
+            Outcome::Unusable { error: format!("task `{task}` cannot start on worker {}: {error}", link.worker) }
+        }
+    };
+    drop(events);
+    let (partial, effects) = pump.await.unwrap_or_default();
+    notices.abort();
+    heartbeat.abort();
+    if lost.is_cancelled() {
+        tracing::info!(%run, %task, "the attempt does not hold its task any more; its agent was stopped");
+        let output = json!({"output": serde_json::to_value(&partial).unwrap_or(Value::Null)});
+        if let Ok((status, answer)) = link.post(&at(&run, &task, n, "output"), output).await
+            && status != 200
+        {
+            tracing::info!(status, %answer, "the attempt's output was not kept");
+        }
+        return Ok(());
+    }
+    let mut report = match &outcome {
+        Outcome::Answered { stop_reason: StopReason::EndTurn, text, .. } => {
+            json!({"status": "completed", "result": text})
+        }
+        Outcome::Answered { stop_reason, text, .. } => {
+            json!({"status": "stopped", "stop_reason": pier_client::event::wire_name(stop_reason), "result": text})
+        }
+        Outcome::Failed { error, class } => json!({"status": "failed", "error": error, "class": class}),
+        Outcome::Unusable { error } => json!({"status": "failed", "error": error, "class": "protocol"}),
+        Outcome::Interrupted { .. } | Outcome::OverBudget { .. } | Outcome::RateLimited { .. } => {
+            json!({"status": "interrupted"})
+        }
+    };
+    report["idempotency_key"] = json!(format!("end-{}", fastrand::u64(..)));
+    report["output"] = serde_json::to_value(&partial).unwrap_or(Value::Null);
+    report["evidence"] = Value::Array(effects);
+    // The ending is retried until the host takes it or says the attempt is not its own.
+    for _ in 0..10 {
+        match link.post(&at(&run, &task, n, "end"), report.clone()).await {
+            Ok((200, _)) => return Ok(()),
+            Ok((status, answer)) if (400..500).contains(&status) => {
+                tracing::warn!(status, %answer, %task, "the host refused the attempt's ending");
+                return Ok(());
+            }
+            Err(WorkerError::Token) => return Err(WorkerError::Token),
+            other => tracing::warn!(?other, "could not report the ending; trying again"),
+        }
+        tokio::time::sleep(RETRY).await;
+    }
+    Ok(())
+}
+
+/// The task's turn, then one more on the same session for each batch of people's messages,
+/// as a local attempt's ([`crate::attempt`]): queued ones after a turn that answered, an
+/// interrupting one at once (the turn is cancelled to make room).
+#[allow(clippy::too_many_arguments)]
+async fn converse(
+    agent: &mut LiveAgent,
+    opts: &pier_client::RunOptions,
+    prompt: Vec<ContentBlock>,
+    events: &mpsc::Sender<ClientEvent>,
+    interrupts: &mut pier_client::run::Interrupts,
+    said: &mut mpsc::UnboundedReceiver<Said>,
+    link: &Link,
+    (run, task, n): (&str, &str, i64),
+) -> RunOutcome {
+    let mut next = Some((prompt, None::<String>));
+    loop {
+        let Some((prompt, session)) = next.take() else { return RunOutcome::failed(None) };
+        let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
+        let (mut stopped, mut for_message) = (false, false);
+        let outcome = {
+            let turn = async {
+                match session {
+                    None => agent.turn(opts, SessionTarget::New, prompt, events, &mut turn_interrupts).await,
+                    Some(id) => agent.continue_turn(opts, id, prompt, events, &mut turn_interrupts).await,
+                }
+            };
+            tokio::pin!(turn);
+            loop {
+                tokio::select! {
+                    outcome = &mut turn => break outcome,
+                    Some(()) = interrupts.recv(), if !stopped => {
+                        stopped = true;
+                        let _ = cancel_turn.send(());
+                    }
+                    Some(s) = said.recv(), if !stopped && !for_message => {
+                        if s.interrupt {
+                            for_message = true;
+                            let _ = cancel_turn.send(());
+                        }
+                    }
+                }
+            }
+        };
+        let answered = outcome.stop_reason == Some(StopReason::EndTurn) && outcome.error.is_none();
+        let made_room = for_message && outcome.stop_reason.is_some() && outcome.error.is_none();
+        let Some(session) = outcome.session_id.clone() else { return outcome };
+        if stopped || !(answered || made_room) {
+            return outcome;
+        }
+        let taken = match link.post(&at(run, task, n, "messages"), json!({})).await {
+            Ok((200, v)) => v["messages"].as_array().cloned().unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        if taken.is_empty() {
+            return outcome;
+        }
+        let text: Vec<&str> = taken.iter().filter_map(|m| m["text"].as_str()).collect();
+        next = Some((vec![ContentBlock::Text(TextContent::new(text.join("\n\n")))], Some(session)));
+    }
+}
+
+/// Renews the lease every third of its life; a refusal (the task is not this attempt's any
+/// more) cancels `lost`.
+async fn heartbeat(link: Link, path: String, ttl: Duration, lost: CancellationToken) {
+    let body = json!({"ttl_ms": ttl.as_millis() as u64});
+    loop {
+        tokio::time::sleep(ttl / 3).await;
+        match link.post(&path, body.clone()).await {
+            Ok((200, _)) => {}
+            Ok((409 | 404, _)) => {
+                lost.cancel();
+                return;
+            }
+            other => tracing::warn!(?other, "a heartbeat did not reach the host; the lease may lapse"),
+        }
+    }
+}
+
+/// Long-polls the host for what concerns the attempt: a lost task cancels `lost`, a message
+/// is told to the turn.
+async fn notices(link: Link, path: String, lost: CancellationToken, said: mpsc::UnboundedSender<Said>) {
+    let mut told = None;
+    loop {
+        match link.post(&path, json!({"wait_ms": NOTICE_WAIT_MS})).await {
+            Ok((200, n)) if n["held"] == false => {
+                lost.cancel();
+                return;
+            }
+            Ok((200, n)) if n["messages"] == true => {
+                // Told once while it waits; it is taken when the turn makes room, so until
+                // then the host is asked less often.
+                let interrupt = n["interrupt"] == true;
+                if told != Some(interrupt) {
+                    told = Some(interrupt);
+                    let _ = said.send(Said { interrupt });
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok((200, _)) if told.is_some() => told = None,
+            Ok((200, _)) => {}
+            Ok((409 | 404, _)) => {
+                lost.cancel();
+                return;
+            }
+            _ => tokio::time::sleep(RETRY).await,
+        }
+    }
+}
+
+/// A request to write every event sent so far before going on, answered when they are in the log.
+type Flush = tokio::sync::oneshot::Sender<()>;
+
+/// Sends the agent's events into the task's log, in numbered batches, as they come; the
+/// attempt's output and side effects when the events end. A flush (before a question is put
+/// to a person) writes what is queued first, so the log shows what the agent did before it asked.
+async fn progress(
+    link: Link,
+    path: String,
+    mut rx: mpsc::Receiver<ClientEvent>,
+    mut flushes: mpsc::UnboundedReceiver<Flush>,
+) -> (Partial, Vec<Value>) {
+    let (mut partial, mut side_effects, mut effects) = (Partial::default(), SideEffects::default(), Vec::new());
+    let mut seq = 0;
+    let mut waiting: Option<Flush> = None;
+    loop {
+        let first = tokio::select! {
+            biased;
+            Some(f) = flushes.recv() => {
+                // What the agent sent before it asked is on its way through the client's
+                // forwarding: given a moment (bounded) to arrive, then written first.
+                match tokio::time::timeout(FLUSH_GRACE, rx.recv()).await {
+                    Ok(Some(event)) => {
+                        waiting = Some(f);
+                        event
+                    }
+                    Ok(None) => {
+                        let _ = f.send(());
+                        break;
+                    }
+                    Err(_) => {
+                        let _ = f.send(());
+                        continue;
+                    }
+                }
+            }
+            event = rx.recv() => match event {
+                Some(event) => event,
+                None => break,
+            },
+        };
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            let Ok(more) = rx.try_recv() else { break };
+            batch.push(more);
+        }
+        let (mut wire, mut evidence) = (Vec::with_capacity(batch.len()), Vec::new());
+        for event in &batch {
+            partial.see(event);
+            if let Some(effect) = side_effects.see(event) {
+                let effect = serde_json::to_value(&effect).unwrap_or(Value::Null);
+                effects.push(effect.clone());
+                evidence.push(effect);
+            }
+            wire.push(serde_json::to_value(event).unwrap_or(Value::Null));
+        }
+        seq += 1;
+        let body = json!({"seq": seq, "events": wire, "evidence": evidence});
+        // A batch is sent again (same seq) until the host has it; it writes it once.
+        for _ in 0..10 {
+            match link.post(&path, body.clone()).await {
+                Ok((200, _)) => break,
+                Ok((status, answer)) if (400..500).contains(&status) => {
+                    tracing::warn!(status, %answer, "the host refused a progress batch");
+                    break;
+                }
+                _ => tokio::time::sleep(RETRY).await,
+            }
+        }
+        if let Some(f) = waiting.take() {
+            let _ = f.send(());
+        }
+    }
+    (partial, effects)
+}
+
+/// Puts the agent's permission requests and questions to a person through the host.
+struct RemoteAsker {
+    link: Link,
+    /// `…/attempts/{n}/questions`.
+    base: String,
+    flush: mpsc::UnboundedSender<Flush>,
+}
+
+impl RemoteAsker {
+    /// Parks the task on `request` (after what the agent did before it asked is in the log)
+    /// and waits for the person's answer; `None` when the question was voided (the task
+    /// cancelled, the attempt lost).
+    async fn put(link: Link, base: String, flush: mpsc::UnboundedSender<Flush>, request: Value) -> Option<String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if flush.send(tx).is_ok() {
+            let _ = rx.await;
+        }
+        let (status, asked) = link.post(&base, json!({"request": request})).await.ok()?;
+        if status != 201 {
+            return None;
+        }
+        let q = asked["question"].as_i64()?;
+        // Dropped before an answer (the turn is being cancelled): the question is withdrawn.
+        let mut open = Withdraw { link: link.clone(), path: Some(format!("{base}/{q}/withdraw")) };
+        loop {
+            match link.post(&format!("{base}/{q}/wait"), json!({"wait_ms": NOTICE_WAIT_MS})).await {
+                Ok((200, v)) => {
+                    if let Some(answer) = v["answer"].as_str() {
+                        open.path = None;
+                        return Some(answer.to_owned());
+                    }
+                }
+                Ok(_) => {
+                    open.path = None;
+                    return None;
+                }
+                Err(_) => tokio::time::sleep(RETRY).await,
+            }
+        }
+    }
+}
+
+impl pier_client::handler::Asker for RemoteAsker {
+    fn ask(
+        &self,
+        request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
+    ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
+        use pier_client::handler::AskAnswer;
+        let (link, base, flush) = (self.link.clone(), self.base.clone(), self.flush.clone());
+        let request = serde_json::to_value(request).unwrap_or(Value::Null);
+        Box::pin(async move {
+            match RemoteAsker::put(link, base, flush, request).await {
+                Some(option) => AskAnswer::Option(option),
+                None => AskAnswer::Withdrawn,
+            }
+        })
+    }
+
+    fn elicit(
+        &self,
+        request: &agent_client_protocol_schema::v1::CreateElicitationRequest,
+    ) -> futures::future::BoxFuture<'static, pier_client::elicit::ElicitAnswer> {
+        use pier_client::elicit::ElicitAnswer;
+        let (link, base, flush) = (self.link.clone(), self.base.clone(), self.flush.clone());
+        let request = json!({ "elicitation": serde_json::to_value(request).unwrap_or(Value::Null) });
+        Box::pin(async move {
+            let Some(answer) = RemoteAsker::put(link, base, flush, request).await else { return ElicitAnswer::Cancel };
+            let answer: Value = serde_json::from_str(&answer).unwrap_or(Value::Null);
+            match answer["action"].as_str() {
+                Some("accept") => {
+                    ElicitAnswer::Accept(serde_json::from_value(answer["content"].clone()).unwrap_or_default())
+                }
+                Some("decline") => ElicitAnswer::Decline,
+                _ => ElicitAnswer::Cancel,
+            }
+        })
+    }
+}
+
+/// A question still waited on; withdrawn on the host if dropped so.
+struct Withdraw {
+    link: Link,
+    path: Option<String>,
+}
+
+impl Drop for Withdraw {
+    fn drop(&mut self) {
+        let Some(path) = self.path.take() else { return };
+        let link = self.link.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = link.post(&path, json!({})).await;
+            });
+        }
+    }
+}
