@@ -98,6 +98,7 @@ impl GatewayConfig {
             in_flight: watch::Sender::new(0),
             exhausted: Mutex::new(None),
             limited: Mutex::new(None),
+            collected: Mutex::new(None),
         });
         let ticket = self.gateway.open(Account { label: agent.name.clone(), upstreams, meter: bill.clone() });
         Lease { ticket, bill, config: self.clone() }
@@ -164,6 +165,18 @@ impl Lease {
         Settler(self.bill.clone())
     }
 
+    /// Calls from now on are kept here instead of written to a log (a pull worker's attempt,
+    /// whose host records them with its ending): [`Lease::collected`] takes them.
+    pub(crate) fn collect(&self) {
+        *self.bill.collected.lock().unwrap_or_else(PoisonError::into_inner) = Some(Vec::new());
+    }
+
+    /// The calls kept since [`Lease::collect`], waiting (at most `limit`) for those in flight.
+    pub(crate) async fn collected(&self, limit: Duration) -> Vec<ModelRequest> {
+        self.settler().settle(limit).await;
+        self.bill.collected.lock().unwrap_or_else(PoisonError::into_inner).take().unwrap_or_default()
+    }
+
     /// Calls from now on (between tasks) are billed to no one, and said so.
     pub(crate) fn unbill(&self) {
         // What stopped this attempt stays for its ending to read; the next `bill_to` clears it.
@@ -217,6 +230,8 @@ struct Bill {
     exhausted: Mutex<Option<String>>,
     /// Set when a rate limit outlasts what the gateway may hold: why, and until when.
     limited: Mutex<Option<(String, i64)>>,
+    /// A pull worker's calls, kept for its report instead of written.
+    collected: Mutex<Option<Vec<ModelRequest>>>,
 }
 
 impl Bill {
@@ -291,6 +306,30 @@ impl Meter for Bill {
             }
             None => None,
         };
+        {
+            let mut collected = self.collected.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(kept) = collected.as_mut() {
+                kept.push(ModelRequest {
+                    attempt: 0,
+                    provider: call.provider,
+                    model: call.model,
+                    status: call.status,
+                    latency_ms: call.latency_ms,
+                    held_ms: call.held_ms,
+                    streamed: call.streamed,
+                    tokens,
+                    cost,
+                    complete: call.complete,
+                    error: call.error,
+                    node: self.node.clone(),
+                    agent: String::new(),
+                });
+                if !call_hung_up {
+                    self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+                }
+                return;
+            }
+        }
         let Some((store, attempt, agent)) = to else {
             tracing::warn!(provider = %call.provider, model = ?call.model, "a model request between tasks: billed to no task");
             metrics::counter!("pier_model_requests_unbilled_total").increment(1);

@@ -175,8 +175,17 @@ async fn attempt(
 
     let mut spec = row.spec.clone();
     spec.agent = config.agent.clone();
+    // The agent's model traffic goes through this worker's own gateway: keys stay here, and
+    // what it spent goes back with the ending.
+    let mut lease = None;
     let outcome = match attempt_options(&spec, &config.host) {
         Ok(mut opts) => {
+            if let Some(g) = &config.host.gateway {
+                let l = g.lease(&opts.agent, &link.worker);
+                l.apply(&mut opts.agent);
+                l.collect();
+                lease = Some(l);
+            }
             let base = at(&run, &task, n, "questions");
             opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, flush: flush.clone() }));
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
@@ -218,6 +227,10 @@ async fn attempt(
     };
     drop(events);
     let (partial, effects) = pump.await.unwrap_or_default();
+    let spent = match &lease {
+        Some(l) => l.collected(Duration::from_secs(2)).await,
+        None => Vec::new(),
+    };
     notices.abort();
     heartbeat.abort();
     if lost.is_cancelled() {
@@ -246,6 +259,17 @@ async fn attempt(
     report["idempotency_key"] = json!(format!("end-{}", fastrand::u64(..)));
     report["output"] = serde_json::to_value(&partial).unwrap_or(Value::Null);
     report["evidence"] = Value::Array(effects);
+    if !spent.is_empty() {
+        let usage: Vec<Value> = spent
+            .iter()
+            .map(|r| {
+                let t = r.tokens.unwrap_or_default();
+                json!({"provider": r.provider, "model": r.model, "input": t.input, "cached_input": t.cached_input,
+                       "output": t.output, "reasoning": t.reasoning, "cost": r.cost})
+            })
+            .collect();
+        report["usage"] = Value::Array(usage);
+    }
     // The ending is retried until the host takes it or says the attempt is not its own.
     for _ in 0..10 {
         match link.post(&at(&run, &task, n, "end"), report.clone()).await {

@@ -48,6 +48,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let files = config::load_files(&ProcessEnv, &here)?;
     let mut host = HostConfig::new(std::env::current_exe()?, files.agents.clone(), here);
     crate::run_cmd::confine(&files, &mut host)?;
+    // Its agents' keys stay with its own gateway; what they spend goes back with each ending.
+    host.gateway = config::gateway(&files, &ProcessEnv)?;
     tracing::info!("{}", host.sandbox.describe());
     let name = args.name.unwrap_or_else(|| {
         let machine = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();

@@ -216,6 +216,10 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
     assert!(pos("tool_call") < pos("permission") && pos("permission") < pos("tool_call_update"), "{kinds:?}");
     assert!(pos("tool_call_update") < pos("agent_message_chunk"), "{kinds:?}");
     assert!(pos("question") < pos("answer") && pos("answer") < pos("permission"), "{kinds:?}");
+    // Its model traffic went through the worker's own gateway and was billed with the ending.
+    assert_eq!(t["spend"]["requests"], 2, "{}", t["spend"]);
+    assert_eq!(t["spend"]["by_node"]["worker:wk1"]["requests"], 2, "{}", t["spend"]);
+    assert_eq!(t["spend"]["tokens"]["input"], 10, "{}", t["spend"]);
     let out = t["attempts"][0]["output"]["toolCalls"].to_string();
     assert!(out.contains("c1"), "the output keeps the tool call: {t}");
     let (_, nodes) = s.call(Method::GET, "/nodes", None).await;
@@ -235,11 +239,10 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
     let asked = f.requests();
     let last = asked.last().map(|r| r.body.to_string()).unwrap_or_default();
     assert!(last.contains("use -j4") && last.contains("long build"), "the message went on the same session: {last}");
-    let disconnects = f.disconnects();
+    // The worker keeps the attempt's output once its agent has stopped: both within a second.
+    // (The model's connection lives on up to 2 s in the gateway, read for its usage.)
     let cancelled = Instant::now();
     assert_eq!(post(&s, "/runs/pw2/tasks/b/cancel", json!({})).await.0, 200);
-    must(tokio::time::timeout(LIMIT, f.wait_for_disconnects(disconnects + 1)).await, "the agent stopped");
-    assert!(cancelled.elapsed() < Duration::from_secs(1), "the cancel reached the agent in {:?}", cancelled.elapsed());
     let kept = async {
         loop {
             let (_, t) = s.call(Method::GET, "/runs/pw2/tasks/b", None).await;
@@ -251,5 +254,10 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
         }
     };
     let t = must(tokio::time::timeout(LIMIT, kept).await, "the partial output was kept");
+    assert!(
+        cancelled.elapsed() < Duration::from_secs(1),
+        "the agent stopped {:?} after the cancel",
+        cancelled.elapsed()
+    );
     assert_eq!(t["task"]["state"], "cancelled", "{t}");
 }
