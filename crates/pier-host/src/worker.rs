@@ -44,6 +44,8 @@ pub struct WorkerConfig {
     pub capabilities: Vec<String>,
     /// The agent spec its tasks run on (`pier`, a `[agents.X]` name, a command).
     pub agent: String,
+    /// Whether it also takes tasks that name `agent` (not only `worker:` tasks).
+    pub takes_agent_tasks: bool,
     pub concurrency: usize,
     pub lease_ttl: Duration,
     /// The options of its attempts: confinement, agents, working directory.
@@ -122,7 +124,9 @@ pub async fn run(config: WorkerConfig, stop: CancellationToken) -> Result<(), Wo
 }
 
 async fn slot(config: Arc<WorkerConfig>, link: Link, stop: CancellationToken) -> Result<(), WorkerError> {
-    let ask = json!({"capabilities": config.capabilities, "ttl_ms": config.lease_ttl.as_millis() as u64, "wait_ms": LEASE_WAIT_MS});
+    let agents: Vec<&str> = if config.takes_agent_tasks { vec![config.agent.as_str()] } else { Vec::new() };
+    let ask = json!({"capabilities": config.capabilities, "agents": agents,
+                     "ttl_ms": config.lease_ttl.as_millis() as u64, "wait_ms": LEASE_WAIT_MS});
     while !stop.is_cancelled() {
         let leased = tokio::select! {
             () = stop.cancelled() => return Ok(()),
@@ -171,7 +175,7 @@ async fn attempt(
     let notices = tokio::spawn(notices(link.clone(), at(&run, &task, n, "notice"), lost.clone(), said_tx));
     let (events, rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
     let (flush, flushes) = mpsc::unbounded_channel();
-    let pump = tokio::spawn(progress(link.clone(), at(&run, &task, n, "progress"), rx, flushes));
+    let pump = tokio::spawn(progress(link.clone(), at(&run, &task, n, "progress"), rx, flushes, lost.clone()));
 
     let mut spec = row.spec.clone();
     spec.agent = config.agent.clone();
@@ -270,8 +274,10 @@ async fn attempt(
             .collect();
         report["usage"] = Value::Array(usage);
     }
-    // The ending is retried until the host takes it or says the attempt is not its own.
-    for _ in 0..10 {
+    // The ending is sent again (one key: the host applies it once) until the host takes it,
+    // says the attempt is not its own, or the lease has surely lapsed.
+    let deadline = tokio::time::Instant::now() + config.lease_ttl;
+    loop {
         match link.post(&at(&run, &task, n, "end"), report.clone()).await {
             Ok((200, _)) => return Ok(()),
             Ok((status, answer)) if (400..500).contains(&status) => {
@@ -281,9 +287,12 @@ async fn attempt(
             Err(WorkerError::Token) => return Err(WorkerError::Token),
             other => tracing::warn!(?other, "could not report the ending; trying again"),
         }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(%task, "the host stayed out of reach past the lease; the attempt's ending is dropped");
+            return Ok(());
+        }
         tokio::time::sleep(RETRY).await;
     }
-    Ok(())
 }
 
 /// The task's turn, then one more on the same session for each batch of people's messages,
@@ -347,19 +356,28 @@ async fn converse(
     }
 }
 
-/// Renews the lease every third of its life; a refusal (the task is not this attempt's any
-/// more) cancels `lost`.
+/// Renews the lease every third of its life. A refusal (the task is not this attempt's any
+/// more) cancels `lost`; so does a host out of reach for longer than the lease lasts (it has
+/// lapsed, and the task is another's to run): until then the worker goes on, and what it sends
+/// is sent again when the host is back.
 async fn heartbeat(link: Link, path: String, ttl: Duration, lost: CancellationToken) {
     let body = json!({"ttl_ms": ttl.as_millis() as u64});
+    let mut renewed = tokio::time::Instant::now();
     loop {
         tokio::time::sleep(ttl / 3).await;
         match link.post(&path, body.clone()).await {
-            Ok((200, _)) => {}
+            Ok((200, _)) => renewed = tokio::time::Instant::now(),
             Ok((409 | 404, _)) => {
                 lost.cancel();
                 return;
             }
-            other => tracing::warn!(?other, "a heartbeat did not reach the host; the lease may lapse"),
+            other => {
+                tracing::warn!(?other, "a heartbeat did not reach the host; the lease may lapse");
+                if renewed.elapsed() >= ttl {
+                    lost.cancel();
+                    return;
+                }
+            }
         }
     }
 }
@@ -406,6 +424,7 @@ async fn progress(
     path: String,
     mut rx: mpsc::Receiver<ClientEvent>,
     mut flushes: mpsc::UnboundedReceiver<Flush>,
+    lost: CancellationToken,
 ) -> (Partial, Vec<Value>) {
     let (mut partial, mut side_effects, mut effects) = (Partial::default(), SideEffects::default(), Vec::new());
     let mut seq = 0;
@@ -453,14 +472,16 @@ async fn progress(
         }
         seq += 1;
         let body = json!({"seq": seq, "events": wire, "evidence": evidence});
-        // A batch is sent again (same seq) until the host has it; it writes it once.
-        for _ in 0..10 {
+        // A batch is sent again (same seq) until the host has it (it writes it once), refuses
+        // it, or the attempt is lost.
+        loop {
             match link.post(&path, body.clone()).await {
                 Ok((200, _)) => break,
                 Ok((status, answer)) if (400..500).contains(&status) => {
                     tracing::warn!(status, %answer, "the host refused a progress batch");
                     break;
                 }
+                _ if lost.is_cancelled() => break,
                 _ => tokio::time::sleep(RETRY).await,
             }
         }

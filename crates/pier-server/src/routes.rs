@@ -201,7 +201,7 @@ pub(crate) struct LeaseBody {
 }
 
 pub(crate) async fn lease(State(app): State<Shared>, Body(body): Body<LeaseBody>) -> Result<Response, ApiError> {
-    match app.tasks.lease(&body.worker, &body.capabilities, body.ttl_ms).await? {
+    match app.tasks.lease(&body.worker, &body.capabilities, &[], body.ttl_ms).await? {
         Some(leased) => Ok(Json(json!(leased)).into_response()),
         None => Ok(StatusCode::NO_CONTENT.into_response()),
     }

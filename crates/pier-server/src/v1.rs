@@ -37,13 +37,16 @@ pub(crate) struct LeaseBody {
     worker: String,
     #[serde(default)]
     capabilities: Vec<String>,
+    /// Agents (as tasks name them) whose tasks the worker also runs.
+    #[serde(default)]
+    agents: Vec<String>,
     ttl_ms: Option<i64>,
     /// How long to wait for a task when none is ready [0; at most 30 s].
     wait_ms: Option<u64>,
 }
 
 pub(crate) async fn lease(State(app): State<Shared>, Body(b): Body<LeaseBody>) -> Result<Response, ApiError> {
-    match app.tasks.lease_waiting(&b.worker, &b.capabilities, b.ttl_ms, wait(b.wait_ms)).await? {
+    match app.tasks.lease_waiting(&b.worker, &b.capabilities, &b.agents, b.ttl_ms, wait(b.wait_ms)).await? {
         Some(leased) => Ok(Json(json!(leased)).into_response()),
         None => Ok(StatusCode::NO_CONTENT.into_response()),
     }

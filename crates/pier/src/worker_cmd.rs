@@ -19,11 +19,12 @@ pub struct WorkerArgs {
     #[arg(long)]
     token: Option<String>,
     /// What it takes: tasks with `agent = "worker:CAPABILITY"` (repeat the flag for more)
-    #[arg(long = "capability", required = true, value_name = "CAPABILITY")]
+    #[arg(long = "capability", value_name = "CAPABILITY", required_unless_present = "agent")]
     capabilities: Vec<String>,
     /// The agent its tasks run on: `pier`, an `[agents.NAME]` of pier.toml, or a command
-    #[arg(long, default_value = "pier")]
-    agent: String,
+    /// [default: pier]. Given, it also takes the tasks that name this agent.
+    #[arg(long)]
+    agent: Option<String>,
     /// Attempts at once
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
@@ -60,7 +61,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         token,
         name: name.clone(),
         capabilities: args.capabilities,
-        agent: args.agent,
+        takes_agent_tasks: args.agent.is_some(),
+        agent: args.agent.unwrap_or_else(|| "pier".into()),
         concurrency: args.concurrency.max(1),
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(1_000)),
         host,

@@ -746,3 +746,111 @@ async fn three_nodes_on_postgres_under_fifty_random_kills_complete_a_dag_exactly
     }
     assert_eq!(processes_with_env(&marker), Vec::<i32>::new(), "agent processes outlived their nodes");
 }
+
+/// A `pier worker` with a home and directory of its own under `dir` (as another machine).
+fn worker(dir: &Path, name: &str, base: &str, model: &str) -> Child {
+    let home = dir.join(name);
+    must(std::fs::create_dir_all(&home), "worker home");
+    let mut cmd = Command::new(PIER);
+    cmd.args(["worker", "--server", base, "--capability", "build", "--name", name, "--lease-ttl-ms", "1500"])
+        .current_dir(&home)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("PIER_HOME", home.join("data"))
+        .env("PIER_TOKEN", TOKEN)
+        .env("PIER_BASE_URL", model)
+        .env("PIER_MODEL", "fake-model")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    must(cmd.spawn(), "spawn pier worker")
+}
+
+/// Two `pier worker`s and a `pier serve` on PostgreSQL: a 200-task plan, half of it for the
+/// node's own agents and half for workers, completes exactly once each through ten worker
+/// SIGKILLs; a worker task's log carries its agent's messages; no agent outlives its worker.
+#[tokio::test]
+async fn workers_killed_ten_times_leave_every_task_done_exactly_once_on_postgres() {
+    let db = database();
+    let dir = must(tempfile::tempdir(), "dir");
+    let f = must(FakeModel::start().await, "fake");
+    // Slow enough that kills land mid-turn.
+    f.set_fallback(|body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Pause(Duration::from_millis(100)));
+        }
+        reply
+    });
+    let model = f.base_url();
+    let node = node(dir.path(), "host", db.url(), &model, 2_000).await;
+    let names = ["w1", "w2"];
+    let mut workers: Vec<Child> = names.iter().map(|n| worker(dir.path(), n, &node.base, &model)).collect();
+    let plan: String = (0..200)
+        .map(|i| {
+            let agent = if i % 2 == 1 { "agent = \"worker:build\"\n" } else { "" };
+            format!("[[tasks]]\nid = \"t{i:03}\"\nprompt = \"task {i}\"\n{agent}\n")
+        })
+        .collect();
+    node.submit(&plan, "fleet").await;
+    let by_worker = |e: &Value| {
+        e["type"] == "transition"
+            && e["to"] == "completed"
+            && e["task"].as_str().and_then(|t| t[1..].parse::<usize>().ok()).is_some_and(|i| i % 2 == 1)
+    };
+    for kill in 0..10 {
+        let mut done = 0;
+        node.events(
+            |e| {
+                done += usize::from(by_worker(e));
+                done >= 7 * (kill + 1)
+            },
+            true,
+        )
+        .await;
+        let victim = kill % 2;
+        if let Some(pid) = workers[victim].id() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = workers[victim].wait().await;
+        workers[victim] = worker(dir.path(), names[victim], &node.base, &model);
+    }
+    let mut done = 0;
+    node.events(
+        |e| {
+            done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+            done == 200
+        },
+        true,
+    )
+    .await;
+    let log = node.log().await;
+    assert_eq!(seqs(&log), (1..=log.len() as i64).collect::<Vec<_>>(), "the log has a gap");
+    let completed = completed_per_task(&log);
+    assert_eq!(completed.len(), 200, "{completed:?}");
+    assert!(completed.values().all(|n| *n == 1), "a task completed twice: {completed:?}");
+    let leased_by_workers = log
+        .iter()
+        .filter(|e| e["type"] == "transition" && e["to"] == "running")
+        .filter(|e| e["owner"].as_str().is_some_and(|o| names.contains(&o)))
+        .count();
+    assert!(leased_by_workers > 100, "kills landed mid-attempt: {leased_by_workers} worker attempts for 100 tasks");
+    let said = log.iter().any(|e| {
+        e["task"] == "t001" && e["type"] == "session_update" && e["update"]["sessionUpdate"] == "agent_message_chunk"
+    });
+    assert!(said, "a worker task's log carries its agent's messages");
+    for mut w in workers {
+        let _ = w.kill().await;
+    }
+    node.stop().await;
+    // Agents of killed workers die with them; none is left behind.
+    let marker = dir.path().display().to_string();
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    while !processes_with_env(&marker).is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(processes_with_env(&marker), Vec::<i32>::new(), "agent processes outlived their workers");
+}

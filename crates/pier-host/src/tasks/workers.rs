@@ -36,19 +36,24 @@ pub(super) fn dependency_results(s: &dyn TaskStore, row: &TaskRow) -> Result<Has
 }
 
 impl Tasks {
-    /// Leases the first pending worker task that fits `capabilities` (its `worker:` capability
-    /// and what it `requires`), is due, and whose dependencies completed; `None` if none does.
+    /// Leases the first pending task that is due, whose dependencies completed, and that is
+    /// either a worker task fitting `capabilities` (its `worker:` capability and what it
+    /// `requires`) or a task of one of `agents` (which the worker runs too); `None` if none is.
     pub async fn lease(
         &self,
         worker: &str,
         capabilities: &[String],
+        agents: &[String],
         ttl_ms: Option<i64>,
     ) -> Result<Option<Leased>, ActionError> {
-        let (worker, capabilities, ttl) = (worker.to_owned(), capabilities.to_vec(), ttl(ttl_ms));
+        let (worker, capabilities, agents, ttl) =
+            (worker.to_owned(), capabilities.to_vec(), agents.to_vec(), ttl(ttl_ms));
         let leased = self
             .blocking(move |s| {
                 for t in s.pending_tasks()? {
-                    if !t.spec.fits_worker(&capabilities) || t.not_before_ms > now_ms() {
+                    let fits =
+                        t.spec.fits_worker(&capabilities) || (!t.spec.is_worker() && agents.contains(&t.spec.agent));
+                    if !fits || t.not_before_ms > now_ms() {
                         continue;
                     }
                     let mut ready = true;
@@ -79,6 +84,7 @@ impl Tasks {
         &self,
         worker: &str,
         capabilities: &[String],
+        agents: &[String],
         ttl_ms: Option<i64>,
         wait: std::time::Duration,
     ) -> Result<Option<Leased>, ActionError> {
@@ -87,7 +93,7 @@ impl Tasks {
         let mut commits = self.store.subscribe();
         let deadline = tokio::time::Instant::now() + wait.min(super::MAX_WAIT);
         loop {
-            if let Some(leased) = self.lease(worker, capabilities, ttl_ms).await? {
+            if let Some(leased) = self.lease(worker, capabilities, agents, ttl_ms).await? {
                 return Ok(Some(leased));
             }
             // A retry's `not_before` passes without a commit: look again at least every second.
