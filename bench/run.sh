@@ -135,6 +135,9 @@ run B8-egress              "$bench" egress --n 2000
 # B9: streamed chat completions from the fake upstream, direct, through pier's gateway and
 # through LiteLLM's proxy (one worker each), at 1 and 64 concurrent streams; RSS; token counts.
 run B9-gateway             "$bench" gateway --n 200 --n64 1000 --litellm "$litellm/bin/litellm"
+# B10: the same tasks on a pier serve's own agents and on one pier worker's (concurrency 4 each),
+# and one progress event from a worker's post to an /events reader.
+run B10-workers            "$bench" workers --tasks 500 --concurrency 4 --events 200 -- "$pier"
 # B6: one answer of 20,000 one-token deltas streamed by the fake model (started inside
 # pier-bench) as fast as it can, through the agent to a counting client; `direct` is the
 # fake read straight over HTTP, no agent (the fake's own ceiling and loopback latency).

@@ -29,6 +29,7 @@
 mod delegate;
 mod gateway;
 mod jail;
+mod workers;
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -1051,6 +1052,7 @@ async fn main() {
         Some("sessions") => sessions(opts, cmd).await,
         Some("stream") => stream(opts, cmd).await,
         Some("delegate") => delegate::run(opts).await,
+        Some("workers") => workers::run(opts, cmd).await,
         _ => eprintln!(
             "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),

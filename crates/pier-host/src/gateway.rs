@@ -171,10 +171,11 @@ impl Lease {
         *self.bill.collected.lock().unwrap_or_else(PoisonError::into_inner) = Some(Vec::new());
     }
 
-    /// The calls kept since [`Lease::collect`], waiting (at most `limit`) for those in flight.
+    /// The calls kept since [`Lease::collect`] (still kept), waiting (at most `limit`) for
+    /// those in flight.
     pub(crate) async fn collected(&self, limit: Duration) -> Vec<ModelRequest> {
         self.settler().settle(limit).await;
-        self.bill.collected.lock().unwrap_or_else(PoisonError::into_inner).take().unwrap_or_default()
+        self.bill.collected.lock().unwrap_or_else(PoisonError::into_inner).clone().unwrap_or_default()
     }
 
     /// Calls from now on (between tasks) are billed to no one, and said so.

@@ -302,6 +302,10 @@ pub struct Report {
     /// run again behind a person's back.
     #[serde(default)]
     pub evidence: Vec<Value>,
+    /// The worker's agent can still be told more: refused (409 `messages_waiting`, nothing
+    /// written) while a person's message waits, which the worker then takes and sends.
+    #[serde(default)]
+    pub unless_messages: bool,
 }
 
 /// A worker's usage: one entry or a list.
@@ -463,7 +467,8 @@ pub(crate) fn report(
     };
     let idem = Idem::worker_report(&attempt, &report.idempotency_key, body)
         .with_events(spent)
-        .with_output(report.output.as_ref().map(Value::to_string));
+        .with_output(report.output.as_ref().map(Value::to_string))
+        .unless_messages(report.unless_messages);
     match store.finish(&attempt, &ending, Some(&idem)) {
         Ok(row) => {
             if let Some(outcome) = &outcome {

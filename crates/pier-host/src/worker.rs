@@ -22,11 +22,14 @@ use tokio_util::sync::CancellationToken;
 use crate::attempt::{attempt_options, outcome_of};
 use crate::config::HostConfig;
 use crate::decide::Outcome;
+use crate::pool::AgentPool;
 
 /// How long a lease request waits for work before asking again.
 const LEASE_WAIT_MS: u64 = 25_000;
 /// How long one notice long-poll waits.
 const NOTICE_WAIT_MS: u64 = 25_000;
+/// How long events wait for more to go in the same progress batch.
+const COALESCE: Duration = Duration::from_millis(5);
 /// Events sent together at most.
 const BATCH: usize = 256;
 /// How long a question waits for the agent's events before it to reach the pump.
@@ -109,9 +112,10 @@ pub async fn run(config: WorkerConfig, stop: CancellationToken) -> Result<(), Wo
         worker: config.name.clone(),
     };
     let config = Arc::new(config);
+    let pool = Arc::new(AgentPool::new(config.concurrency.max(1)));
     let mut slots = tokio::task::JoinSet::new();
     for _ in 0..config.concurrency.max(1) {
-        slots.spawn(slot(config.clone(), link.clone(), stop.clone()));
+        slots.spawn(slot(config.clone(), link.clone(), pool.clone(), stop.clone()));
     }
     let mut result = Ok(());
     while let Some(done) = slots.join_next().await {
@@ -120,10 +124,16 @@ pub async fn run(config: WorkerConfig, stop: CancellationToken) -> Result<(), Wo
             result = Err(e);
         }
     }
+    pool.drain().await;
     result
 }
 
-async fn slot(config: Arc<WorkerConfig>, link: Link, stop: CancellationToken) -> Result<(), WorkerError> {
+async fn slot(
+    config: Arc<WorkerConfig>,
+    link: Link,
+    pool: Arc<AgentPool>,
+    stop: CancellationToken,
+) -> Result<(), WorkerError> {
     let agents: Vec<&str> = if config.takes_agent_tasks { vec![config.agent.as_str()] } else { Vec::new() };
     let ask = json!({"capabilities": config.capabilities, "agents": agents,
                      "ttl_ms": config.lease_ttl.as_millis() as u64, "wait_ms": LEASE_WAIT_MS});
@@ -133,7 +143,7 @@ async fn slot(config: Arc<WorkerConfig>, link: Link, stop: CancellationToken) ->
             leased = link.post("/v1/lease", ask.clone()) => leased,
         };
         match leased {
-            Ok((200, leased)) => attempt(&config, &link, leased, &stop).await?,
+            Ok((200, leased)) => attempt(&config, &link, &pool, leased, &stop).await?,
             Ok((204, _)) => {}
             Err(WorkerError::Token) => return Err(WorkerError::Token),
             Ok((status, answer)) => {
@@ -158,6 +168,7 @@ struct Said {
 async fn attempt(
     config: &WorkerConfig,
     link: &Link,
+    pool: &AgentPool,
     leased: Value,
     stop: &CancellationToken,
 ) -> Result<(), WorkerError> {
@@ -181,15 +192,18 @@ async fn attempt(
     spec.agent = config.agent.clone();
     // The agent's model traffic goes through this worker's own gateway: keys stay here, and
     // what it spent goes back with the ending.
-    let mut lease = None;
+    let closer = Closer {
+        link,
+        path: at(&run, &task, n, "end"),
+        flush: &flush,
+        lease_ttl: config.lease_ttl,
+        key: format!("end-{:016x}", fastrand::u64(..)),
+        reports: Default::default(),
+    };
+    let mut spent = Vec::new();
+    let mut ended = None;
     let outcome = match attempt_options(&spec, &config.host) {
         Ok(mut opts) => {
-            if let Some(g) = &config.host.gateway {
-                let l = g.lease(&opts.agent, &link.worker);
-                l.apply(&mut opts.agent);
-                l.collect();
-                lease = Some(l);
-            }
             let base = at(&run, &task, n, "questions");
             opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, flush: flush.clone() }));
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
@@ -203,10 +217,29 @@ async fn attempt(
                     let _ = int_tx.send(());
                 })
             };
+            // A warm agent of the same definition serves the next task in a new session, as a
+            // host's own do; a new one gets its own account at this worker's gateway.
+            let key = AgentPool::key(&opts);
+            let fresh = spec.fresh_agent;
+            let warm = if fresh { None } else { pool.take(&key).await };
+            let (started, mut lease) = match warm {
+                Some((agent, lease)) => (Ok(agent), lease),
+                None => {
+                    let mut started_with = opts.clone();
+                    let lease = config.host.gateway.as_ref().map(|g| g.lease(&opts.agent, &link.worker));
+                    if let Some(l) = &lease {
+                        l.apply(&mut started_with.agent);
+                    }
+                    (LiveAgent::start_or_stop(&started_with, &events, &mut interrupts).await, lease)
+                }
+            };
+            if let Some(l) = &lease {
+                l.collect();
+            }
             let blocks = vec![ContentBlock::Text(TextContent::new(prompt))];
-            let outcome = match LiveAgent::start_or_stop(&opts, &events, &mut interrupts).await {
+            let outcome = match started {
                 Ok(mut agent) => {
-                    let o = converse(
+                    let (o, e) = converse(
                         &mut agent,
                         &opts,
                         blocks,
@@ -215,9 +248,23 @@ async fn attempt(
                         &mut said,
                         link,
                         (&run, &task, n),
+                        &closer,
+                        lease.as_ref(),
                     )
                     .await;
-                    agent.shutdown(&events).await;
+                    ended = e;
+                    if let Some(l) = &lease {
+                        spent = l.collected(Duration::from_secs(2)).await;
+                    }
+                    if fresh {
+                        agent.shutdown(&events).await;
+                    } else {
+                        // A task's session is never continued: a warm agent must not keep it.
+                        if let Some(id) = &o.session_id {
+                            agent.close_session(id).await;
+                        }
+                        pool.give_back(key, agent, lease.take()).await;
+                    }
                     o
                 }
                 Err(outcome) => outcome,
@@ -229,15 +276,18 @@ async fn attempt(
             Outcome::Unusable { error: format!("task `{task}` cannot start on worker {}: {error}", link.worker) }
         }
     };
-    drop(events);
-    let (partial, effects) = pump.await.unwrap_or_default();
-    let spent = match &lease {
-        Some(l) => l.collected(Duration::from_secs(2)).await,
-        None => Vec::new(),
-    };
-    notices.abort();
-    heartbeat.abort();
+    if let Some(ended) = ended {
+        drop(events);
+        let _ = pump.await;
+        notices.abort();
+        heartbeat.abort();
+        return if ended == Ended::Token { Err(WorkerError::Token) } else { Ok(()) };
+    }
     if lost.is_cancelled() {
+        drop(events);
+        let (partial, _) = pump.await.unwrap_or_default();
+        notices.abort();
+        heartbeat.abort();
         tracing::info!(%run, %task, "the attempt does not hold its task any more; its agent was stopped");
         let output = json!({"output": serde_json::to_value(&partial).unwrap_or(Value::Null)});
         if let Ok((status, answer)) = link.post(&at(&run, &task, n, "output"), output).await
@@ -247,51 +297,97 @@ async fn attempt(
         }
         return Ok(());
     }
-    let mut report = match &outcome {
-        Outcome::Answered { stop_reason: StopReason::EndTurn, text, .. } => {
-            json!({"status": "completed", "result": text})
-        }
-        Outcome::Answered { stop_reason, text, .. } => {
-            json!({"status": "stopped", "stop_reason": pier_client::event::wire_name(stop_reason), "result": text})
-        }
-        Outcome::Failed { error, class } => json!({"status": "failed", "error": error, "class": class}),
-        Outcome::Unusable { error } => json!({"status": "failed", "error": error, "class": "protocol"}),
-        Outcome::Interrupted { .. } | Outcome::OverBudget { .. } | Outcome::RateLimited { .. } => {
-            json!({"status": "interrupted"})
-        }
-    };
-    report["idempotency_key"] = json!(format!("end-{}", fastrand::u64(..)));
-    report["output"] = serde_json::to_value(&partial).unwrap_or(Value::Null);
-    report["evidence"] = Value::Array(effects);
-    if !spent.is_empty() {
-        let usage: Vec<Value> = spent
-            .iter()
-            .map(|r| {
-                let t = r.tokens.unwrap_or_default();
-                json!({"provider": r.provider, "model": r.model, "input": t.input, "cached_input": t.cached_input,
-                       "output": t.output, "reasoning": t.reasoning, "cost": r.cost})
-            })
-            .collect();
-        report["usage"] = Value::Array(usage);
+    let ended = closer.end(&outcome, &spent, false).await;
+    drop(events);
+    let _ = pump.await;
+    notices.abort();
+    heartbeat.abort();
+    match ended {
+        Ended::Token => Err(WorkerError::Token),
+        _ => Ok(()),
     }
-    // The ending is sent again (one key: the host applies it once) until the host takes it,
-    // says the attempt is not its own, or the lease has surely lapsed.
-    let deadline = tokio::time::Instant::now() + config.lease_ttl;
-    loop {
-        match link.post(&at(&run, &task, n, "end"), report.clone()).await {
-            Ok((200, _)) => return Ok(()),
-            Ok((status, answer)) if (400..500).contains(&status) => {
-                tracing::warn!(status, %answer, %task, "the host refused the attempt's ending");
-                return Ok(());
+}
+
+/// How an attempt's ending went.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The host took it.
+    Taken,
+    /// Refused because a person's message waits: the worker takes it and goes on.
+    MessagesWaiting,
+    /// Refused for good (the attempt is not the task's any more), or the host stayed away.
+    Dropped,
+    Token,
+}
+
+/// What ends an attempt on the host: the report of its outcome with what it showed and spent.
+struct Closer<'a> {
+    link: &'a Link,
+    path: String,
+    /// Writes what the agent sent so far and gives what it showed.
+    flush: &'a mpsc::UnboundedSender<Flush>,
+    lease_ttl: Duration,
+    /// The attempt's reports' keys: a repeat of one report is applied once.
+    key: String,
+    reports: std::sync::atomic::AtomicU32,
+}
+
+impl Closer<'_> {
+    async fn end(&self, outcome: &Outcome, spent: &[crate::ModelRequest], unless_messages: bool) -> Ended {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (partial, effects) = match self.flush.send((Duration::ZERO, tx)) {
+            Ok(()) => rx.await.unwrap_or_default(),
+            Err(_) => Default::default(),
+        };
+        let mut report = match outcome {
+            Outcome::Answered { stop_reason: StopReason::EndTurn, text, .. } => {
+                json!({"status": "completed", "result": text})
             }
-            Err(WorkerError::Token) => return Err(WorkerError::Token),
-            other => tracing::warn!(?other, "could not report the ending; trying again"),
+            Outcome::Answered { stop_reason, text, .. } => {
+                json!({"status": "stopped", "stop_reason": pier_client::event::wire_name(stop_reason), "result": text})
+            }
+            Outcome::Failed { error, class } => json!({"status": "failed", "error": error, "class": class}),
+            Outcome::Unusable { error } => json!({"status": "failed", "error": error, "class": "protocol"}),
+            Outcome::Interrupted { .. } | Outcome::OverBudget { .. } | Outcome::RateLimited { .. } => {
+                json!({"status": "interrupted"})
+            }
+        };
+        let k = self.reports.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        report["idempotency_key"] = json!(format!("{}-{k}", self.key));
+        report["output"] = serde_json::to_value(&partial).unwrap_or(Value::Null);
+        report["evidence"] = Value::Array(effects);
+        report["unless_messages"] = json!(unless_messages);
+        if !spent.is_empty() {
+            let usage: Vec<Value> = spent
+                .iter()
+                .map(|r| {
+                    let t = r.tokens.unwrap_or_default();
+                    json!({"provider": r.provider, "model": r.model, "input": t.input, "cached_input": t.cached_input,
+                           "output": t.output, "reasoning": t.reasoning, "cost": r.cost})
+                })
+                .collect();
+            report["usage"] = Value::Array(usage);
         }
-        if tokio::time::Instant::now() >= deadline {
-            tracing::warn!(%task, "the host stayed out of reach past the lease; the attempt's ending is dropped");
-            return Ok(());
+        // Sent again (the host applies one key once) until the host takes it, refuses it, or
+        // the lease has surely lapsed.
+        let deadline = tokio::time::Instant::now() + self.lease_ttl;
+        loop {
+            match self.link.post(&self.path, report.clone()).await {
+                Ok((200, _)) => return Ended::Taken,
+                Ok((409, answer)) if answer["error"]["code"] == "messages_waiting" => return Ended::MessagesWaiting,
+                Ok((status, answer)) if (400..500).contains(&status) => {
+                    tracing::warn!(status, %answer, "the host refused the attempt's ending");
+                    return Ended::Dropped;
+                }
+                Err(WorkerError::Token) => return Ended::Token,
+                other => tracing::warn!(?other, "could not report the ending; trying again"),
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!("the host stayed out of reach past the lease; the attempt's ending is dropped");
+                return Ended::Dropped;
+            }
+            tokio::time::sleep(RETRY).await;
         }
-        tokio::time::sleep(RETRY).await;
     }
 }
 
@@ -308,10 +404,12 @@ async fn converse(
     said: &mut mpsc::UnboundedReceiver<Said>,
     link: &Link,
     (run, task, n): (&str, &str, i64),
-) -> RunOutcome {
+    closer: &Closer<'_>,
+    lease: Option<&crate::gateway::Lease>,
+) -> (RunOutcome, Option<Ended>) {
     let mut next = Some((prompt, None::<String>));
     loop {
-        let Some((prompt, session)) = next.take() else { return RunOutcome::failed(None) };
+        let Some((prompt, session)) = next.take() else { return (RunOutcome::failed(None), None) };
         let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
         let (mut stopped, mut for_message) = (false, false);
         let outcome = {
@@ -338,18 +436,32 @@ async fn converse(
                 }
             }
         };
-        let answered = outcome.stop_reason == Some(StopReason::EndTurn) && outcome.error.is_none();
+        let answered = outcome.ending == pier_client::Ending::Answered
+            && outcome.stop_reason == Some(StopReason::EndTurn)
+            && outcome.error.is_none();
         let made_room = for_message && outcome.stop_reason.is_some() && outcome.error.is_none();
-        let Some(session) = outcome.session_id.clone() else { return outcome };
+        let Some(session) = outcome.session_id.clone() else { return (outcome, None) };
         if stopped || !(answered || made_room) {
-            return outcome;
+            return (outcome, None);
+        }
+        // The ending goes while the session is open, refused if a message waits: one that came
+        // before it is sent to the agent, one after it is refused to its sender.
+        if answered {
+            let spent = match lease {
+                Some(l) => l.collected(Duration::from_secs(2)).await,
+                None => Vec::new(),
+            };
+            match closer.end(&outcome_of(&outcome), &spent, true).await {
+                Ended::MessagesWaiting => {}
+                ended => return (outcome, Some(ended)),
+            }
         }
         let taken = match link.post(&at(run, task, n, "messages"), json!({})).await {
             Ok((200, v)) => v["messages"].as_array().cloned().unwrap_or_default(),
             _ => Vec::new(),
         };
         if taken.is_empty() {
-            return outcome;
+            return (outcome, None);
         }
         let text: Vec<&str> = taken.iter().filter_map(|m| m["text"].as_str()).collect();
         next = Some((vec![ContentBlock::Text(TextContent::new(text.join("\n\n")))], Some(session)));
@@ -413,8 +525,10 @@ async fn notices(link: Link, path: String, lost: CancellationToken, said: mpsc::
     }
 }
 
-/// A request to write every event sent so far before going on, answered when they are in the log.
-type Flush = tokio::sync::oneshot::Sender<()>;
+/// A request to write every event sent so far before going on, answered when they are in the
+/// log with what the attempt showed so far and its side effects.
+/// The grace is how long to wait for an event still on its way through the client.
+type Flush = (Duration, tokio::sync::oneshot::Sender<(Partial, Vec<Value>)>);
 
 /// Sends the agent's events into the task's log, in numbered batches, as they come; the
 /// attempt's output and side effects when the events end. A flush (before a question is put
@@ -428,24 +542,27 @@ async fn progress(
 ) -> (Partial, Vec<Value>) {
     let (mut partial, mut side_effects, mut effects) = (Partial::default(), SideEffects::default(), Vec::new());
     let mut seq = 0;
-    let mut waiting: Option<Flush> = None;
+    let mut waiting: Option<tokio::sync::oneshot::Sender<(Partial, Vec<Value>)>> = None;
     loop {
         let first = tokio::select! {
             biased;
-            Some(f) = flushes.recv() => {
+            Some((grace, f)) = flushes.recv() => {
                 // What the agent sent before it asked is on its way through the client's
                 // forwarding: given a moment (bounded) to arrive, then written first.
-                match tokio::time::timeout(FLUSH_GRACE, rx.recv()).await {
+                let next = if grace.is_zero() { rx.try_recv().ok().map(Some).ok_or(()) } else {
+                    tokio::time::timeout(grace, rx.recv()).await.map_err(drop)
+                };
+                match next {
                     Ok(Some(event)) => {
                         waiting = Some(f);
                         event
                     }
                     Ok(None) => {
-                        let _ = f.send(());
+                        let _ = f.send((partial.clone(), effects.clone()));
                         break;
                     }
                     Err(_) => {
-                        let _ = f.send(());
+                        let _ = f.send((partial.clone(), effects.clone()));
                         continue;
                     }
                 }
@@ -455,10 +572,29 @@ async fn progress(
                 None => break,
             },
         };
+        // What follows within COALESCE goes in the same batch (a turn's updates come in
+        // bursts), unless someone waits for the log: a flush sends at once.
         let mut batch = vec![first];
-        while batch.len() < BATCH {
-            let Ok(more) = rx.try_recv() else { break };
-            batch.push(more);
+        let mut closed = false;
+        let until = tokio::time::Instant::now() + COALESCE;
+        while batch.len() < BATCH && waiting.is_none() {
+            tokio::select! {
+                biased;
+                Some((_, f)) = flushes.recv() => {
+                    while let Ok(more) = rx.try_recv() {
+                        batch.push(more);
+                    }
+                    waiting = Some(f);
+                }
+                more = tokio::time::timeout_at(until, rx.recv()) => match more {
+                    Ok(Some(more)) => batch.push(more),
+                    Ok(None) => {
+                        closed = true;
+                        break;
+                    }
+                    Err(_) => break,
+                },
+            }
         }
         let (mut wire, mut evidence) = (Vec::with_capacity(batch.len()), Vec::new());
         for event in &batch {
@@ -486,7 +622,10 @@ async fn progress(
             }
         }
         if let Some(f) = waiting.take() {
-            let _ = f.send(());
+            let _ = f.send((partial.clone(), effects.clone()));
+        }
+        if closed {
+            break;
         }
     }
     (partial, effects)
@@ -506,7 +645,7 @@ impl RemoteAsker {
     /// cancelled, the attempt lost).
     async fn put(link: Link, base: String, flush: mpsc::UnboundedSender<Flush>, request: Value) -> Option<String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        if flush.send(tx).is_ok() {
+        if flush.send((FLUSH_GRACE, tx)).is_ok() {
             let _ = rx.await;
         }
         let (status, asked) = link.post(&base, json!({"request": request})).await.ok()?;

@@ -32,7 +32,8 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         | ErrorCode::IdempotencyConflict
         | ErrorCode::NotAWorkerTask
         | ErrorCode::NotRunning
-        | ErrorCode::NoSession => StatusCode::CONFLICT,
+        | ErrorCode::NoSession
+        | ErrorCode::MessagesWaiting => StatusCode::CONFLICT,
         ErrorCode::DiskFull => StatusCode::INSUFFICIENT_STORAGE,
         ErrorCode::StoreCorrupt | ErrorCode::Store | ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
     }

@@ -37,6 +37,8 @@ pub enum ErrorCode {
     NotRunning,
     /// A message for a task whose agent has no session to take it.
     NoSession,
+    /// An ending refused because a person's message waits for the task: take it and go on.
+    MessagesWaiting,
     StoreCorrupt,
     DiskFull,
     /// The store failed or cannot be reached.
@@ -47,7 +49,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order the documentation lists them.
-    pub const ALL: [ErrorCode; 21] = [
+    pub const ALL: [ErrorCode; 22] = [
         ErrorCode::Unauthorized,
         ErrorCode::BadRequest,
         ErrorCode::BadPlan,
@@ -65,6 +67,7 @@ impl ErrorCode {
         ErrorCode::NotAWorkerTask,
         ErrorCode::NotRunning,
         ErrorCode::NoSession,
+        ErrorCode::MessagesWaiting,
         ErrorCode::StoreCorrupt,
         ErrorCode::DiskFull,
         ErrorCode::Store,
@@ -90,6 +93,7 @@ impl ErrorCode {
             ErrorCode::NotAWorkerTask => "not_a_worker_task",
             ErrorCode::NotRunning => "not_running",
             ErrorCode::NoSession => "no_session",
+            ErrorCode::MessagesWaiting => "messages_waiting",
             ErrorCode::StoreCorrupt => "store_corrupt",
             ErrorCode::DiskFull => "disk_full",
             ErrorCode::Store => "store",

@@ -48,7 +48,7 @@ impl StoreError {
             StoreError::Corrupt { .. } => ErrorCode::StoreCorrupt,
             StoreError::Full { .. } => ErrorCode::DiskFull,
             StoreError::Db(_) => ErrorCode::Store,
-            StoreError::MessagesWaiting { .. } => ErrorCode::BadTransition,
+            StoreError::MessagesWaiting { .. } => ErrorCode::MessagesWaiting,
         }
     }
 

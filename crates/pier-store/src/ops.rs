@@ -552,6 +552,11 @@ pub(crate) fn finish(
         return Err(lease_lost(a));
     }
     if let Some(idem) = idem {
+        if idem.refuses_with_messages()
+            && tx.int(MESSAGE_WAITING, &[Arg::Text(&a.run), Arg::Text(&a.task)])?.unwrap_or(0) > 0
+        {
+            return Err(messages_waiting(a));
+        }
         record(tx, a, idem.events(), &[])?;
         if let Some(output) = idem.output() {
             keep_output(tx, a, output)?;

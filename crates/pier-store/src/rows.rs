@@ -157,6 +157,8 @@ pub struct Idem {
     events: Vec<(String, Value)>,
     /// What the attempt showed, kept with an ending in its commit.
     output: Option<String>,
+    /// The ending is refused while a message waits for the task (as [`Last::unless_messages`]).
+    unless_messages: bool,
 }
 
 impl Idem {
@@ -168,13 +170,14 @@ impl Idem {
             request: body.to_string(),
             events: Vec::new(),
             output: None,
+            unless_messages: false,
         }
     }
 
     /// A remote attempt's batch `seq` of progress (`body` as sent), whose events it writes.
     pub fn progress(attempt: &Attempt, seq: i64, body: &Value, events: Vec<(String, Value)>) -> Idem {
         let key = format!("progress:{}:{}:{seq}", attempt.n, attempt.owner);
-        Idem { key, request: body.to_string(), events, output: None }
+        Idem { key, request: body.to_string(), events, output: None, unless_messages: false }
     }
 
     /// With `events` written in the commit of the request's effect.
@@ -187,6 +190,16 @@ impl Idem {
     pub fn with_output(mut self, output: Option<String>) -> Idem {
         self.output = output;
         self
+    }
+
+    /// Refused while a message waits for the task (the worker's agent can still be told it).
+    pub fn unless_messages(mut self, unless: bool) -> Idem {
+        self.unless_messages = unless;
+        self
+    }
+
+    pub fn refuses_with_messages(&self) -> bool {
+        self.unless_messages
     }
 
     pub fn output(&self) -> Option<&str> {

@@ -118,6 +118,15 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     let (_, taken) = post(&s, &at("w", "a", n, "messages"), json!({"worker": "wk"})).await;
     assert_eq!(taken["messages"][0]["text"], "use -j4", "{taken}");
 
+    // An ending that would leave a person's message unsent is refused, with nothing written.
+    assert_eq!(post(&s, "/runs/w/tasks/a/messages", json!({"text": "and the docs"})).await.0, 201);
+    let early = json!({"worker": "wk", "status": "completed", "idempotency_key": "end-0", "result": "built",
+        "unless_messages": true});
+    let (code, v) = post(&s, &at("w", "a", n, "end"), early).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (409, Some("messages_waiting")), "{v}");
+    let (_, taken) = post(&s, &at("w", "a", n, "messages"), json!({"worker": "wk"})).await;
+    assert_eq!(taken["messages"][0]["text"], "and the docs", "{taken}");
+
     // The ending: the output kept and the usage counted with it, once.
     let end = json!({"worker": "wk", "status": "completed", "idempotency_key": "end-1", "result": "built",
         "output": {"text": "Building done"}, "usage": {"provider": "openai", "model": "m", "input": 10, "output": 5}});

@@ -16,12 +16,15 @@ pub struct Tasks {
     pub(super) store: Arc<dyn TaskStore>,
     pub(super) config: Arc<HostConfig>,
     host: Arc<Host>,
+    /// When each pull worker was last written as seen, and with what: a worker that asks
+    /// for work many times a second is written once in a while, not every time.
+    pub(super) seen: Arc<std::sync::Mutex<std::collections::HashMap<String, (Vec<String>, std::time::Instant)>>>,
 }
 
 impl Tasks {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Tasks {
         let host = Arc::new(Host::new(store.clone(), config.clone()));
-        Tasks { store, config: Arc::new(config), host }
+        Tasks { store, config: Arc::new(config), host, seen: Default::default() }
     }
 
     /// Opens the store `spec` names (a PostgreSQL URL, `sqlite://PATH` or a path).

@@ -19,6 +19,8 @@ use crate::person::ActionError;
 pub const MAX_BATCH_EVENTS: usize = 1_000;
 /// The largest output an attempt keeps (its text is bounded to 64 KiB by the client already).
 const MAX_OUTPUT_BYTES: usize = 1 << 20;
+/// How often, at most, a long-poll looks again after commits of the store.
+const CHECK_EVERY: Duration = Duration::from_millis(50);
 /// The longest a worker's long-poll is held.
 pub const MAX_WAIT: Duration = Duration::from_secs(30);
 
@@ -202,10 +204,14 @@ impl Tasks {
             if !notice.held || notice.messages || notice.answered.is_some() {
                 return Ok(notice);
             }
+            let looked = tokio::time::Instant::now();
             match tokio::time::timeout_at(deadline, commits.changed()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) | Err(_) => return Ok(notice),
             }
+            // Every commit of the store rings (other tasks' too): a look at most every
+            // CHECK_EVERY, as a local attempt takes it.
+            tokio::time::sleep_until((looked + CHECK_EVERY).min(deadline)).await;
         }
     }
 }

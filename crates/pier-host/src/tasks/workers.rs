@@ -9,6 +9,8 @@ use serde_json::Value;
 use super::handle::Tasks;
 use crate::person::{self, ActionError, Report};
 
+/// How often a worker asking for work is written as seen, at most.
+const SEEN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 /// A lease a worker asks for lasts this long by default, and within these bounds.
 const DEFAULT_TTL_MS: i64 = 30_000;
 const TTL_BOUNDS_MS: (i64, i64) = (1_000, 3_600_000);
@@ -88,8 +90,19 @@ impl Tasks {
         ttl_ms: Option<i64>,
         wait: std::time::Duration,
     ) -> Result<Option<Leased>, ActionError> {
-        let (name, caps) = (worker.to_owned(), capabilities.to_vec());
-        self.blocking(move |s| Ok(s.seen_worker(&name, &caps)?)).await?;
+        let due = {
+            let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now = std::time::Instant::now();
+            let fresh = seen.get(worker).is_some_and(|(caps, at)| caps == capabilities && now - *at < SEEN_EVERY);
+            if !fresh {
+                seen.insert(worker.to_owned(), (capabilities.to_vec(), now));
+            }
+            !fresh
+        };
+        if due {
+            let (name, caps) = (worker.to_owned(), capabilities.to_vec());
+            self.blocking(move |s| Ok(s.seen_worker(&name, &caps)?)).await?;
+        }
         let mut commits = self.store.subscribe();
         let deadline = tokio::time::Instant::now() + wait.min(super::MAX_WAIT);
         loop {
