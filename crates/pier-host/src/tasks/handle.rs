@@ -18,8 +18,11 @@ pub struct Tasks {
     host: Arc<Host>,
     /// When each pull worker was last written as seen, and with what: a worker that asks
     /// for work many times a second is written once in a while, not every time.
-    pub(super) seen: Arc<std::sync::Mutex<std::collections::HashMap<String, (Vec<String>, std::time::Instant)>>>,
+    pub(super) seen: Arc<std::sync::Mutex<SeenWorkers>>,
 }
+
+/// Each worker's capabilities and when it was last written as seen.
+pub(super) type SeenWorkers = std::collections::HashMap<String, (Vec<String>, std::time::Instant)>;
 
 impl Tasks {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Tasks {
