@@ -187,9 +187,26 @@ fn worker(s: &Server, model: &str, name: &str) -> (tempfile::TempDir, tokio::pro
     (dir, must(cmd.spawn(), "spawn pier worker"))
 }
 
+/// `pier approve`, `pier say` … as a person at the host runs them, on the server's store.
+async fn person(s: &Server, args: &[&str]) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
+    cmd.args(args)
+        .current_dir(s.dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", s.dir.path())
+        .env("PIER_HOME", s.dir.path().join("data"))
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let out = must(must(tokio::time::timeout(LIMIT, cmd.output()).await, "in time"), "run");
+    assert!(out.status.success(), "pier {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
 /// `pier worker` runs a task's agent on its machine: the agent's messages and tool calls reach
-/// the task's log in order, its permission request is answered by a person on the host, a
-/// person's interrupting message reaches it, and an HTTP cancel stops it within a second with
+/// the task's log in order, its permission request is answered by a person on the host with
+/// `pier approve`, a person's `pier say --interrupt` reaches it, and an HTTP cancel stops it within a second with
 /// its partial output kept.
 #[tokio::test]
 async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference() {
@@ -204,8 +221,7 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
         "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"build it\"\npermissions = { execute = \"ask\" }\n";
     assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "pw"})).await.0, 201);
     s.events_until(Some(0), |e| e["task"] == "a" && e["type"] == "question").await;
-    let (code, v) = post(&s, "/runs/pw/tasks/a/answer", json!({"allow": true})).await;
-    assert_eq!(code, 200, "{v}");
+    person(&s, &["approve", "a", "--run", "pw"]).await;
     s.events_until(Some(0), |e| e["task"] == "a" && e["to"] == "completed").await;
     let (_, t) = s.call(Method::GET, "/runs/pw/tasks/a", None).await;
     assert_eq!(t["task"]["result"], "All built.", "{t}");
@@ -242,8 +258,7 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
     let plan = "[[tasks]]\nid = \"b\"\nagent = \"worker:build\"\nprompt = \"long build\"\n";
     assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "pw2"})).await.0, 201);
     s.events_until(Some(0), |e| e["task"] == "b" && e["update"]["content"]["text"] == "Working on b").await;
-    let (code, v) = post(&s, "/runs/pw2/tasks/b/messages", json!({"text": "use -j4", "interrupt": true})).await;
-    assert_eq!(code, 201, "{v}");
+    person(&s, &["say", "b", "--run", "pw2", "use -j4", "--interrupt"]).await;
     s.events_until(Some(0), |e| e["task"] == "b" && e["update"]["content"]["text"] == "Switching to -j4").await;
     let asked = f.requests();
     let last = asked.last().map(|r| r.body.to_string()).unwrap_or_default();
@@ -269,4 +284,29 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
         cancelled.elapsed()
     );
     assert_eq!(t["task"]["state"], "cancelled", "{t}");
+}
+
+/// A worker with the wrong token is refused at its first call and stops, saying what to do;
+/// the host writes nothing of it.
+#[tokio::test]
+async fn a_worker_with_the_wrong_token_stops_at_once_and_leaves_nothing() {
+    let s = server(None).await;
+    let dir = must(tempfile::tempdir(), "worker dir");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
+    cmd.args(["worker", "--server", &s.base, "--capability", "build", "--name", "intruder"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .env("PIER_TOKEN", "not-the-token")
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let out = must(must(tokio::time::timeout(LIMIT, cmd.output()).await, "it stopped in time"), "run");
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("refused the worker's token") && said.contains("PIER_TOKEN"), "{said}");
+    let (_, workers) = s.call(Method::GET, "/v1/workers", None).await;
+    assert_eq!(workers["workers"], json!([]), "{workers}");
 }
