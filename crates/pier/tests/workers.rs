@@ -310,3 +310,111 @@ async fn a_worker_with_the_wrong_token_stops_at_once_and_leaves_nothing() {
     let (_, workers) = s.call(Method::GET, "/v1/workers", None).await;
     assert_eq!(workers["workers"], json!([]), "{workers}");
 }
+
+/// A TCP forwarder to `target` that can be cut (every connection dropped, new ones refused)
+/// and restored: the network between a worker and its host.
+struct Link {
+    base: String,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    open: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    refused: tokio::sync::watch::Receiver<usize>,
+}
+
+impl Link {
+    async fn to(target: &str) -> Link {
+        let target = target.trim_start_matches("http://").to_owned();
+        let listener = must(tokio::net::TcpListener::bind("127.0.0.1:0").await, "bind");
+        let base = format!("http://{}", must(listener.local_addr(), "addr"));
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let open = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (refused_tx, refused) = tokio::sync::watch::channel(0usize);
+        let (c, o) = (cut.clone(), open.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if c.load(std::sync::atomic::Ordering::SeqCst) {
+                    refused_tx.send_modify(|n| *n += 1);
+                    drop(inbound);
+                    continue;
+                }
+                let target = target.clone();
+                let conn = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                o.lock().unwrap_or_else(|e| e.into_inner()).push(conn);
+            }
+        });
+        Link { base, cut, open, refused }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for conn in self.open.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            conn.abort();
+        }
+    }
+
+    fn restore(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A worker cut off from its host for less than its lease keeps its agent working, and what
+/// it could not send (the rest of the answer, the ending) arrives once the host is back.
+#[tokio::test]
+async fn a_worker_cut_off_from_its_host_for_less_than_its_lease_loses_nothing() {
+    use pier_fake_model::{FakeModel, Gate, Reply, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let s = server(None).await;
+    let link = Link::to(&s.base).await;
+    let dir = must(tempfile::tempdir(), "worker dir");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
+    cmd.args(["worker", "--server", &link.base, "--capability", "build", "--name", "far", "--lease-ttl-ms", "8000"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .env("PIER_TOKEN", TOKEN)
+        .env("PIER_BASE_URL", f.base_url())
+        .env("PIER_MODEL", "fake-model")
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let _worker = must(cmd.spawn(), "spawn pier worker");
+    let gate = Gate::new();
+    f.push(Reply::Stream(vec![
+        Step::Text("half".into()),
+        Step::Gate(gate.clone()),
+        Step::Text(" and the rest".into()),
+        Step::Finish("stop".into()),
+        Step::Done,
+    ]));
+    let plan = "[[tasks]]\nid = \"far\"\nagent = \"worker:build\"\nprompt = \"go\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "cut"})).await.0, 201);
+    s.events_until(Some(0), |e| e["task"] == "far" && e["update"]["content"]["text"] == "half").await;
+    // Cut: the agent goes on, and the worker's calls fail until the host is back.
+    link.cut();
+    gate.open();
+    let mut refused = link.refused.clone();
+    must(tokio::time::timeout(LIMIT, refused.wait_for(|n| *n >= 1)).await, "the worker tried while cut off")
+        .map(|_| ())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (_, t) = s.call(Method::GET, "/runs/cut/tasks/far", None).await;
+    assert_eq!(t["task"]["state"], "running", "nothing ended while cut off: {t}");
+    link.restore();
+    s.events_until(Some(0), |e| e["task"] == "far" && e["to"] == "completed").await;
+    let (_, t) = s.call(Method::GET, "/runs/cut/tasks/far", None).await;
+    assert_eq!(t["task"]["result"], "half and the rest", "{t}");
+    assert_eq!(t["task"]["attempt"], 1, "the same attempt finished: {t}");
+    let events = s.events_until(Some(0), |e| e["task"] == "far" && e["to"] == "completed").await;
+    let said: Vec<&str> = events
+        .iter()
+        .filter(|e| e["task"] == "far" && e["update"]["sessionUpdate"] == "agent_message_chunk")
+        .filter_map(|e| e["update"]["content"]["text"].as_str())
+        .collect();
+    assert_eq!(said, ["half", " and the rest"], "every chunk once, in order");
+}
