@@ -406,3 +406,18 @@ async fn spend_shows_per_task_and_run_with_a_row_per_model_and_in_metrics() {
     assert_eq!(line("pier_model_cost_total", &labels), "4");
     assert_eq!(line("pier_model_request_seconds_count", &[labels[0]]), "2");
 }
+
+/// The Nodes page lists the pull workers that asked for work, with what they take.
+#[tokio::test]
+async fn the_nodes_page_lists_pull_workers() {
+    let s = server(None).await;
+    let body = json!({"worker": "builder-1", "capabilities": ["build", "gpu"], "wait_ms": 0});
+    assert_eq!(s.call(reqwest::Method::POST, "/v1/lease", Some(body)).await.0, 204);
+    let b = Browser::start("workers").await;
+    login(&b, &s.base).await;
+    b.goto(&format!("{}/ui/nodes", s.base)).await;
+    b.wait_for("the worker", "!!document.querySelector('table.workers tr[data-worker=\"builder-1\"]')", LIMIT).await;
+    let row = b.find("table.workers tr[data-worker=\"builder-1\"]").await.unwrap_or_else(|| panic!("no row"));
+    let text = b.text(&row).await;
+    assert!(text.contains("build, gpu"), "{text}");
+}
