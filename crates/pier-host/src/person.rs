@@ -405,7 +405,11 @@ pub(crate) fn report(
     prices: Option<&std::collections::BTreeMap<String, crate::gateway::Price>>,
 ) -> Result<TaskRow, ActionError> {
     let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
-    if !row.spec.is_worker() {
+    // A task naming an agent is a worker's to end only while that worker holds it (it leased
+    // it with `agents`); a host node's attempt never is (node ids have a `:`, workers' names
+    // may not). The lease fences the ending either way.
+    let leased_by_worker = !report.worker.contains(':') && row.lease_owner.as_deref() == Some(report.worker.as_str());
+    if !row.spec.is_worker() && !leased_by_worker {
         return Err(ActionError::Refused {
             code: ErrorCode::NotAWorkerTask,
             message: format!(

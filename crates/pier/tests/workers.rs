@@ -418,3 +418,63 @@ async fn a_worker_cut_off_from_its_host_for_less_than_its_lease_loses_nothing() 
         .collect();
     assert_eq!(said, ["half", " and the rest"], "every chunk once, in order");
 }
+
+/// `pier worker --agent pier` also takes tasks that name that agent, beside the host's own
+/// agents: with the host's one slot busy, the worker runs the other task.
+#[tokio::test]
+async fn a_worker_with_an_agent_takes_the_tasks_naming_it_beside_the_host() {
+    use pier_fake_model::{FakeModel, Gate, Reply, Step};
+    let f = must(FakeModel::start().await, "fake");
+    let gate = Gate::new();
+    let g = gate.clone();
+    f.set_fallback(move |body| {
+        if body.to_string().contains("slow one") {
+            Reply::Stream(vec![
+                Step::Gate(g.clone()),
+                Step::Text("slow done".into()),
+                Step::Finish("stop".into()),
+                Step::Done,
+            ])
+        } else {
+            Reply::text("quick done")
+        }
+    });
+    let (s, _) = support::serve::server_with(Some(f.base_url()), &["--concurrency", "1"]).await;
+    let dir = must(tempfile::tempdir(), "worker dir");
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
+    cmd.args(["worker", "--server", &s.base, "--agent", "pier", "--name", "helper"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .env("PIER_TOKEN", TOKEN)
+        .env("PIER_BASE_URL", f.base_url())
+        .env("PIER_MODEL", "fake-model")
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let _worker = must(cmd.spawn(), "spawn pier worker");
+    let plan =
+        "[[tasks]]\nid = \"a\"\nprompt = \"the slow one\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"the quick one\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "both"})).await.0, 201);
+    // One of the two finishes while the other waits at the gate: the slot that runs it is free.
+    s.events_until(Some(0), |e| e["type"] == "transition" && e["to"] == "completed").await;
+    gate.open();
+    let mut done = 0;
+    let events = s
+        .events_until(Some(0), |e| {
+            done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+            done == 2
+        })
+        .await;
+    let owners: Vec<&str> = events
+        .iter()
+        .filter(|e| e["type"] == "transition" && e["to"] == "running")
+        .filter_map(|e| e["owner"].as_str())
+        .collect();
+    assert!(owners.contains(&"helper"), "the worker ran one of them: {owners:?}");
+    assert!(owners.iter().any(|o| *o != "helper"), "the host ran the other: {owners:?}");
+}

@@ -90,6 +90,11 @@ impl Tasks {
         ttl_ms: Option<i64>,
         wait: std::time::Duration,
     ) -> Result<Option<Leased>, ActionError> {
+        if worker.is_empty() || worker.contains(':') || worker.len() > 200 {
+            return Err(ActionError::bad_request(
+                "a worker's name is 1 to 200 characters without `:` (host nodes' ids have one)",
+            ));
+        }
         let due = {
             let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let now = std::time::Instant::now();
