@@ -478,3 +478,27 @@ async fn a_worker_with_an_agent_takes_the_tasks_naming_it_beside_the_host() {
     assert!(owners.contains(&"helper"), "the worker ran one of them: {owners:?}");
     assert!(owners.iter().any(|o| *o != "helper"), "the host ran the other: {owners:?}");
 }
+
+/// A third-party worker on the unversioned calls and a `/v1` worker share one run.
+#[tokio::test]
+async fn an_old_worker_and_a_v1_worker_share_a_run() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"one\"\n\n\
+                [[tasks]]\nid = \"b\"\nagent = \"worker:build\"\nprompt = \"two\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "mixed"})).await.0, 201);
+    let (code, old) = post(&s, "/lease", json!({"worker": "old", "capabilities": ["build"], "ttl_ms": 60_000})).await;
+    assert_eq!(code, 200, "{old}");
+    let (code, new) = lease(&s, 0).await;
+    assert_eq!(code, 200, "{new}");
+    let (old_task, new_task) = (old["task"]["id"].as_str().unwrap_or(""), new["task"]["id"].as_str().unwrap_or(""));
+    assert_ne!(old_task, new_task, "each got its own task");
+    let path = format!("/runs/mixed/tasks/{old_task}/heartbeat");
+    assert_eq!(post(&s, &path, json!({"worker": "old", "attempt": 1, "ttl_ms": 60_000})).await.0, 200);
+    let report =
+        json!({"worker": "old", "attempt": 1, "status": "completed", "idempotency_key": "k", "result": "old done"});
+    assert_eq!(post(&s, &format!("/runs/mixed/tasks/{old_task}/update"), report).await.0, 200);
+    let end = json!({"worker": "wk", "status": "completed", "idempotency_key": "k", "result": "new done"});
+    assert_eq!(post(&s, &at("mixed", new_task, 1, "end"), end).await.0, 200);
+    let (_, run) = s.call(Method::GET, "/runs/mixed", None).await;
+    assert_eq!(run["counts"], json!({"completed": 2}), "{run}");
+}
