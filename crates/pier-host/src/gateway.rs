@@ -307,40 +307,9 @@ impl Meter for Bill {
             }
             None => None,
         };
-        {
-            let mut collected = self.collected.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(kept) = collected.as_mut() {
-                kept.push(ModelRequest {
-                    attempt: 0,
-                    provider: call.provider,
-                    model: call.model,
-                    status: call.status,
-                    latency_ms: call.latency_ms,
-                    held_ms: call.held_ms,
-                    streamed: call.streamed,
-                    tokens,
-                    cost,
-                    complete: call.complete,
-                    error: call.error,
-                    node: self.node.clone(),
-                    agent: String::new(),
-                });
-                if !call_hung_up {
-                    self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
-                }
-                return;
-            }
-        }
-        let Some((store, attempt, agent)) = to else {
-            tracing::warn!(provider = %call.provider, model = ?call.model, "a model request between tasks: billed to no task");
-            metrics::counter!("pier_model_requests_unbilled_total").increment(1);
-            if !call_hung_up {
-                self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
-            }
-            return;
-        };
-        let request = ModelRequest {
-            attempt: attempt.n,
+        // The request as the log keeps it; whose attempt and agent it was is filled in below.
+        let mut request = ModelRequest {
+            attempt: 0,
             provider: call.provider,
             model: call.model,
             status: call.status,
@@ -352,8 +321,24 @@ impl Meter for Bill {
             complete: call.complete,
             error: call.error,
             node: self.node.clone(),
-            agent,
+            agent: String::new(),
         };
+        if let Some(kept) = self.collected.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+            kept.push(request);
+            if !call_hung_up {
+                self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            }
+            return;
+        }
+        let Some((store, attempt, agent)) = to else {
+            tracing::warn!(provider = %request.provider, model = ?request.model, "a model request between tasks: billed to no task");
+            metrics::counter!("pier_model_requests_unbilled_total").increment(1);
+            if !call_hung_up {
+                self.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+            }
+            return;
+        };
+        (request.attempt, request.agent) = (attempt.n, agent);
         let data = serde_json::to_value(&request).unwrap_or_default();
         let in_flight = (!call_hung_up).then(|| self.in_flight.clone());
         tokio::task::spawn_blocking(move || {

@@ -130,6 +130,11 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
 
 /// Stops the run on SIGTERM or SIGINT (running tasks are cancelled, the run can be resumed).
 fn stop_on_signals() -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    stop_on_signals_saying("pier: stopping; running tasks are being cancelled (resume with `pier run --resume`)")
+}
+
+/// A token cancelled on SIGTERM or SIGINT, after `said` goes to stderr.
+pub fn stop_on_signals_saying(said: &'static str) -> (CancellationToken, tokio::task::JoinHandle<()>) {
     let stop = CancellationToken::new();
     let signals = {
         let stop = stop.clone();
@@ -142,7 +147,7 @@ fn stop_on_signals() -> (CancellationToken, tokio::task::JoinHandle<()>) {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
-            eprintln!("pier: stopping; running tasks are being cancelled (resume with `pier run --resume`)");
+            eprintln!("{said}");
             stop.cancel();
         })
     };

@@ -6,7 +6,6 @@ use std::time::Duration;
 use anyhow::Context;
 use pier_host::HostConfig;
 use pier_host::worker::WorkerConfig;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, ProcessEnv};
 
@@ -67,22 +66,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(1_000)),
         host,
     };
-    let stop = CancellationToken::new();
-    let signals = {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            eprintln!("pier worker: stopping; running attempts are cancelled and handed back to the host");
-            stop.cancel();
-        })
-    };
+    let (stop, signals) = crate::run_cmd::stop_on_signals_saying(
+        "pier worker: stopping; running attempts are cancelled and handed back to the host",
+    );
     eprintln!("pier worker: {name} takes work from {}", config.server);
     let ran = pier_host::worker::run(config, stop).await;
     signals.abort();

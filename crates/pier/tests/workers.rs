@@ -165,25 +165,32 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     assert_eq!((code, v["error"]["code"].as_str()), (409, Some("lease_lost")), "{v}");
 }
 
-/// A `pier worker` on its own home and directory (as another machine would be), serving a
-/// `pier serve`.
-fn worker(s: &Server, model: &str, name: &str) -> (tempfile::TempDir, tokio::process::Child) {
+/// `pier worker ARGS…` on its own home and directory (as another machine would be), with the
+/// host's `token` and, if given, a `model` for its agents.
+fn worker_command(token: &str, model: Option<&str>, args: &[&str]) -> (tempfile::TempDir, tokio::process::Command) {
     let dir = must(tempfile::tempdir(), "worker dir");
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
-    cmd.args(["worker", "--server", &s.base, "--capability", "build", "--name", name, "--lease-ttl-ms", "3000"])
+    cmd.arg("worker")
+        .args(args)
         .current_dir(dir.path())
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("HOME", dir.path())
         .env("PIER_HOME", dir.path().join("data"))
-        .env("PIER_TOKEN", TOKEN)
-        .env("PIER_BASE_URL", model)
-        .env("PIER_MODEL", "fake-model")
+        .env("PIER_TOKEN", token)
         .env("RUST_LOG", "error")
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
+    if let Some(model) = model {
+        cmd.env("PIER_BASE_URL", model).env("PIER_MODEL", "fake-model");
+    }
+    (dir, cmd)
+}
+
+/// A running `pier worker ARGS…` with the host's token and agents on `model`.
+fn worker(model: &str, args: &[&str]) -> (tempfile::TempDir, tokio::process::Child) {
+    let (dir, mut cmd) = worker_command(TOKEN, Some(model), args);
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
     (dir, must(cmd.spawn(), "spawn pier worker"))
 }
 
@@ -213,7 +220,9 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
     use pier_fake_model::{FakeModel, Gate, Reply, Step};
     let f = must(FakeModel::start().await, "fake");
     let s = server(None).await;
-    let (_dir, _worker) = worker(&s, &f.base_url(), "wk1");
+    let base = f.base_url();
+    let args = ["--server", &s.base, "--capability", "build", "--name", "wk1", "--lease-ttl-ms", "3000"];
+    let (_dir, _worker) = worker(&base, &args);
     // The agent asks to run a command (a person allows it), then answers.
     f.push(Reply::tool_call("c1", "run_command", r#"{"command": "echo from-the-worker"}"#));
     f.push(Reply::text("All built."));
@@ -291,18 +300,8 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
 #[tokio::test]
 async fn a_worker_with_the_wrong_token_stops_at_once_and_leaves_nothing() {
     let s = server(None).await;
-    let dir = must(tempfile::tempdir(), "worker dir");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
-    cmd.args(["worker", "--server", &s.base, "--capability", "build", "--name", "intruder"])
-        .current_dir(dir.path())
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("HOME", dir.path())
-        .env("PIER_HOME", dir.path().join("data"))
-        .env("PIER_TOKEN", "not-the-token")
-        .env("RUST_LOG", "error")
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true);
+    let (_dir, mut cmd) =
+        worker_command("not-the-token", None, &["--server", &s.base, "--capability", "build", "--name", "intruder"]);
     let out = must(must(tokio::time::timeout(LIMIT, cmd.output()).await, "it stopped in time"), "run");
     assert!(!out.status.success());
     let said = String::from_utf8_lossy(&out.stderr);
@@ -368,23 +367,9 @@ async fn a_worker_cut_off_from_its_host_for_less_than_its_lease_loses_nothing() 
     let f = must(FakeModel::start().await, "fake");
     let s = server(None).await;
     let link = Link::to(&s.base).await;
-    let dir = must(tempfile::tempdir(), "worker dir");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
-    cmd.args(["worker", "--server", &link.base, "--capability", "build", "--name", "far", "--lease-ttl-ms", "8000"])
-        .current_dir(dir.path())
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("HOME", dir.path())
-        .env("PIER_HOME", dir.path().join("data"))
-        .env("PIER_TOKEN", TOKEN)
-        .env("PIER_BASE_URL", f.base_url())
-        .env("PIER_MODEL", "fake-model")
-        .env("RUST_LOG", "error")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true);
-    let _worker = must(cmd.spawn(), "spawn pier worker");
+    let base = f.base_url();
+    let args = ["--server", &link.base, "--capability", "build", "--name", "far", "--lease-ttl-ms", "8000"];
+    let (_dir, _worker) = worker(&base, &args);
     let gate = Gate::new();
     f.push(Reply::Stream(vec![
         Step::Text("half".into()),
@@ -440,23 +425,8 @@ async fn a_worker_with_an_agent_takes_the_tasks_naming_it_beside_the_host() {
         }
     });
     let (s, _) = support::serve::server_with(Some(f.base_url()), &["--concurrency", "1"]).await;
-    let dir = must(tempfile::tempdir(), "worker dir");
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pier"));
-    cmd.args(["worker", "--server", &s.base, "--agent", "pier", "--name", "helper"])
-        .current_dir(dir.path())
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("HOME", dir.path())
-        .env("PIER_HOME", dir.path().join("data"))
-        .env("PIER_TOKEN", TOKEN)
-        .env("PIER_BASE_URL", f.base_url())
-        .env("PIER_MODEL", "fake-model")
-        .env("RUST_LOG", "error")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true);
-    let _worker = must(cmd.spawn(), "spawn pier worker");
+    let base = f.base_url();
+    let (_dir, _worker) = worker(&base, &["--server", &s.base, "--agent", "pier", "--name", "helper"]);
     let plan =
         "[[tasks]]\nid = \"a\"\nprompt = \"the slow one\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"the quick one\"\n";
     assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "both"})).await.0, 201);
