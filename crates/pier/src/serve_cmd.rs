@@ -115,6 +115,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
+    // Without it an SSE event or an answer written right after another waits for the
+    // client's delayed ACK (Nagle's algorithm): up to 40 ms.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "could not set TCP_NODELAY on a connection");
+        }
+    });
     eprintln!("pier serve: listening on http://{addr}");
     if let Some(at) = args.metrics_listen {
         let metrics = tokio::net::TcpListener::bind(at).await.with_context(|| format!("cannot listen on {at}"))?;
