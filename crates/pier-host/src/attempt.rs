@@ -11,12 +11,13 @@ use std::time::Duration;
 use agent_client_protocol_schema::v1::StopReason;
 use pier_client::policy::ClientPolicy;
 use pier_client::run::{LiveAgent, RunOutcome};
-use pier_client::{ClientEvent, Ending as ClientEnding, Partial, RunOptions, SessionTarget, SideEffects, registry};
+use pier_client::{ClientEvent, Ending as ClientEnding, Partial, RunOptions, SideEffects, registry};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{HostConfig, blocking};
+use crate::converse::{Channel, converse};
 use crate::decide::{Context, Outcome, decide};
 use crate::gateway::{Lease, Settler};
 use crate::pool::AgentPool;
@@ -210,7 +211,7 @@ impl Run {
 
     /// One turn on a warm agent from the pool, or on a new one; the agent goes back
     /// to the pool only if the turn ended cleanly. With the attempt's ending, when the
-    /// conversation applied it (see [`Run::converse`]).
+    /// conversation applied it (see [`crate::converse`]).
     async fn turn(
         &self,
         opts: RunOptions,
@@ -255,8 +256,8 @@ impl Run {
         *self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = lease.as_ref().map(Lease::settler);
         let (mut outcome, ended) = match agent {
             Ok(mut agent) => {
-                let (outcome, ended) =
-                    self.converse(&mut agent, &opts, prompt, recorder, &mut interrupts, lease_lost).await;
+                let mut channel = Local::new(self, recorder, lease_lost);
+                let (outcome, ended) = converse(&mut agent, &opts, prompt, events, &mut interrupts, &mut channel).await;
                 if let Some(l) = &lease {
                     l.unbill();
                 }
@@ -277,98 +278,70 @@ impl Run {
         (outcome, ended)
     }
 
-    /// The task's turn on `agent`, then one more turn on the same session for each batch of
-    /// messages people sent it (`pier say`) while it ran: queued ones when a turn ends with
-    /// an answer, an interrupting one at once (the current turn is cancelled through the
-    /// handshake to make room). A turn that answers with no message waiting ends the attempt
-    /// there, while the session is still open: a message that comes before that ending's
-    /// commit refuses it and is sent, one that comes after is refused (the task no longer
-    /// runs), so none is accepted and left unsent. The task's outcome is the last turn's; a
-    /// stop of the attempt (the host's, a lost lease) ends it as before.
-    async fn converse(
-        &self,
-        agent: &mut LiveAgent,
-        opts: &RunOptions,
-        prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
-        recorder: &Recorder,
-        interrupts: &mut mpsc::UnboundedReceiver<()>,
-        lease_lost: &CancellationToken,
-    ) -> (RunOutcome, Option<Result<(), StoreError>>) {
-        use agent_client_protocol_schema::v1::{ContentBlock, TextContent};
-        let events = &recorder.events;
-        let mut commits = self.store.subscribe();
-        let mut next = Some((prompt, None::<String>));
-        loop {
-            let Some((prompt, session)) = next.take() else { return (RunOutcome::failed(None), None) };
-            // A channel per turn: an interrupt meant for one turn never cancels the next.
-            let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
-            let mut stopped = false;
-            let mut for_message = false;
-            // The first look comes CHECK_EVERY into the turn, like every later one: a message
-            // is seen within CHECK_EVERY either way, and a short turn (most) needs no read.
-            let (mut check_due, mut last_check) = (false, tokio::time::Instant::now());
-            let next_check = tokio::time::sleep_until(last_check);
-            tokio::pin!(next_check);
-            let outcome = {
-                let turn = async {
-                    match session {
-                        None => agent.turn(opts, SessionTarget::New, prompt, events, &mut turn_interrupts).await,
-                        Some(id) => agent.continue_turn(opts, id, prompt, events, &mut turn_interrupts).await,
-                    }
-                };
-                tokio::pin!(turn);
-                loop {
-                    tokio::select! {
-                        outcome = &mut turn => break outcome,
-                        Some(()) = interrupts.recv(), if !stopped => {
-                            stopped = true;
-                            let _ = cancel_turn.send(());
-                        }
-                        // Every commit of the store rings here (this attempt's own events too), so
-                        // the look for an interrupting message is taken at most every CHECK_EVERY.
-                        Ok(()) = commits.changed(), if !stopped && !for_message && !check_due => {
-                            check_due = true;
-                            next_check.as_mut().reset(last_check + CHECK_EVERY);
-                        }
-                        () = &mut next_check, if check_due && !stopped && !for_message => {
-                            check_due = false;
-                            last_check = tokio::time::Instant::now();
-                            let (run, task) = (self.attempt.run.clone(), self.attempt.task.clone());
-                            let waiting = blocking(&self.store, move |s| s.interrupt_waiting(&run, &task)).await;
-                            if matches!(waiting, Ok(true)) {
-                                for_message = true;
-                                let _ = cancel_turn.send(());
-                            }
-                        }
-                    }
-                }
-            };
-            let answered = outcome.ending == ClientEnding::Answered && outcome.stop_reason == Some(StopReason::EndTurn);
-            // Cancelled to make room for a message, or answered before the cancel landed: either
-            // way the session is there and the message goes next.
-            let made_room = for_message && outcome.stop_reason.is_some() && outcome.error.is_none();
-            let Some(session) = outcome.session_id.clone() else { return (outcome, None) };
-            if stopped || !(answered || made_room) {
-                return (outcome, None);
-            }
-            if answered && let Some(ended) = self.end(&outcome_of(&outcome), recorder, true, lease_lost).await {
-                return (outcome, Some(ended));
-            }
-            let a = self.attempt.clone();
-            let messages = match blocking(&self.store, move |s| s.take_messages(&a)).await {
-                Ok(m) if !m.is_empty() => m,
-                _ => return (outcome, None),
-            };
-            let text = messages.into_iter().map(|(_, t)| t).collect::<Vec<_>>().join("\n\n");
-            next = Some((vec![ContentBlock::Text(TextContent::new(text))], Some(session)));
-        }
-    }
-
     fn options(&self) -> Result<RunOptions, String> {
         let mut opts = attempt_options(&self.row.spec, &self.config)?;
         opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone() }));
         opts.meta = Some(task_meta(&self.attempt, &self.row.spec));
         Ok(opts)
+    }
+}
+
+/// A local attempt's [`Channel`]: its task's messages and ending, on the store.
+struct Local<'a> {
+    run: &'a Run,
+    recorder: &'a Recorder,
+    lease_lost: &'a CancellationToken,
+    commits: tokio::sync::watch::Receiver<i64>,
+    /// A commit rang: the next look for an interrupting message is due at `due`.
+    due: Option<tokio::time::Instant>,
+    last_look: tokio::time::Instant,
+}
+
+impl<'a> Local<'a> {
+    fn new(run: &'a Run, recorder: &'a Recorder, lease_lost: &'a CancellationToken) -> Local<'a> {
+        let commits = run.store.subscribe();
+        Local { run, recorder, lease_lost, commits, due: None, last_look: tokio::time::Instant::now() }
+    }
+}
+
+impl Channel for Local<'_> {
+    type Ended = Result<(), StoreError>;
+
+    /// Every commit of the store rings (this attempt's own events too), so the look for an
+    /// interrupting message is taken at most every CHECK_EVERY, the first CHECK_EVERY into
+    /// the turn: a short turn (most) needs no read. Cancel-safe: what it waits for is kept
+    /// in `self` between calls.
+    async fn interrupt(&mut self) {
+        loop {
+            let due = match self.due {
+                Some(due) => due,
+                None => {
+                    if self.commits.changed().await.is_err() {
+                        return std::future::pending().await;
+                    }
+                    let due = self.last_look + CHECK_EVERY;
+                    self.due = Some(due);
+                    due
+                }
+            };
+            tokio::time::sleep_until(due).await;
+            self.due = None;
+            self.last_look = tokio::time::Instant::now();
+            let (run, task) = (self.run.attempt.run.clone(), self.run.attempt.task.clone());
+            if matches!(blocking(&self.run.store, move |s| s.interrupt_waiting(&run, &task)).await, Ok(true)) {
+                return;
+            }
+        }
+    }
+
+    async fn end(&mut self, outcome: &RunOutcome) -> Option<Result<(), StoreError>> {
+        self.run.end(&outcome_of(outcome), self.recorder, true, self.lease_lost).await
+    }
+
+    async fn take_messages(&mut self) -> Vec<String> {
+        let a = self.run.attempt.clone();
+        let taken = blocking(&self.run.store, move |s| s.take_messages(&a)).await;
+        taken.map(|m| m.into_iter().map(|(_, text)| text).collect()).unwrap_or_default()
     }
 }
 
@@ -678,17 +651,18 @@ impl Recorder {
     }
 }
 
-/// What the attempt showed so far: its text and tool calls, and its side effects.
+/// What the attempt showed so far: its text and tool calls, and its side effects. Local
+/// attempts and a worker's ([`crate::worker`]) see their agent's events through it alike.
 #[derive(Default)]
-struct Seen {
-    partial: Partial,
+pub(crate) struct Seen {
+    pub(crate) partial: Partial,
     side_effects: SideEffects,
-    effects: Vec<Value>,
+    pub(crate) effects: Vec<Value>,
 }
 
 impl Seen {
     /// Takes in one event: its row for the log, and its side effect, if any, for the evidence.
-    fn take(&mut self, event: ClientEvent, rows: &mut Vec<(String, Value)>, evidence: &mut Vec<Value>) {
+    pub(crate) fn take(&mut self, event: ClientEvent, rows: &mut Vec<(String, Value)>, evidence: &mut Vec<Value>) {
         self.partial.see(&event);
         if let Some(effect) = self.side_effects.see(&event) {
             let effect = serde_json::to_value(&effect).unwrap_or(Value::Null);

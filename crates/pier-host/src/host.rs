@@ -453,6 +453,11 @@ struct RunView {
     /// Rows before this one have all ended: passes start here. An ended task moves again
     /// only by a person's retry, which [`View::put`] meets by moving the cursor back.
     cursor: usize,
+    /// The rows a host could start (pending, not a pull worker's), in plan order: a pass
+    /// looks at these and at `live` only, so tasks queued for workers cost it nothing.
+    startable: std::collections::BTreeSet<usize>,
+    /// The rows held by an attempt (running or awaiting input), anyone's.
+    live: std::collections::BTreeSet<usize>,
 }
 
 impl RunView {
@@ -470,6 +475,30 @@ impl RunView {
         self.rows[self.cursor.min(self.rows.len())..].iter()
     }
 
+    /// Row `i` changed: files it under what a pass looks for.
+    fn classify(&mut self, i: usize) {
+        self.startable.remove(&i);
+        self.live.remove(&i);
+        let Some(t) = self.rows.get(i) else { return };
+        match t.state {
+            TaskState::Pending if !t.spec.is_worker() => {
+                self.startable.insert(i);
+            }
+            TaskState::Running | TaskState::AwaitingInput => {
+                self.live.insert(i);
+            }
+            _ => {}
+        }
+    }
+
+    fn startable(&self) -> impl Iterator<Item = &TaskRow> {
+        self.startable.iter().filter_map(|&i| self.rows.get(i))
+    }
+
+    fn live(&self) -> impl Iterator<Item = &TaskRow> {
+        self.live.iter().filter_map(|&i| self.rows.get(i))
+    }
+
     fn ready(&self, t: &TaskRow) -> bool {
         t.spec.depends_on.iter().all(|d| self.get(d).is_some_and(|d| d.state == TaskState::Completed))
     }
@@ -477,7 +506,7 @@ impl RunView {
 
 /// The host's picture of the runs it drives: every task of each run (dependencies need
 /// their done neighbours), kept current by re-reading only the tasks an event touched.
-/// A pass costs the unfinished tasks only, without allocating.
+/// A pass looks at the tasks a host could start and the held ones only, without allocating.
 struct View {
     scope: Scope,
     runs: BTreeMap<String, RunView>,
@@ -539,18 +568,21 @@ impl View {
         let bad = |t: &TaskRow| matches!(t.state, TaskState::Failed | TaskState::Cancelled);
         let run = self.runs.entry(row.run_id.clone()).or_default();
         let newly_bad = bad(&row) && !run.get(&row.id).is_some_and(bad);
-        match run.index.get(&row.id) {
+        let i = match run.index.get(&row.id) {
             Some(&i) => {
                 if !row.state.is_terminal() {
                     run.cursor = run.cursor.min(i);
                 }
                 run.rows[i] = row;
+                i
             }
             None => {
                 run.index.insert(row.id.clone(), run.rows.len());
                 run.rows.push(row);
+                run.rows.len() - 1
             }
-        }
+        };
+        run.classify(i);
         run.advance();
         self.bad_endings += usize::from(newly_bad);
     }
@@ -672,13 +704,8 @@ impl View {
             return out;
         }
         for (run, r) in self.driven() {
-            for t in r.unfinished() {
-                if t.state == TaskState::Pending
-                    && t.not_before_ms <= now
-                    && !t.spec.is_worker()
-                    && !r.busy.contains(&t.id)
-                    && r.ready(t)
-                {
+            for t in r.startable() {
+                if t.not_before_ms <= now && !r.busy.contains(&t.id) && r.ready(t) {
                     out.push((run.clone(), t.id.clone()));
                     if out.len() == room {
                         return out;
@@ -693,13 +720,9 @@ impl View {
     fn suspects(&self, now: i64) -> Vec<Key> {
         let mut out = Vec::new();
         for (run, r) in self.driven() {
-            for t in r.unfinished() {
-                // The state first: it turns down the pending majority without hashing an id;
-                // then this host's own attempts, before `lost_by` looks for their owner.
-                if matches!(t.state, TaskState::Running | TaskState::AwaitingInput)
-                    && !r.busy.contains(&t.id)
-                    && lost_by(t, now).is_some()
-                {
+            for t in r.live() {
+                // This host's own attempts first, before `lost_by` looks for their owner.
+                if !r.busy.contains(&t.id) && lost_by(t, now).is_some() {
                     out.push((run.clone(), t.id.clone()));
                 }
             }
@@ -712,7 +735,7 @@ impl View {
     fn next_wake(&self, now: i64) -> Option<i64> {
         let mut next: Option<i64> = None;
         for (_, r) in self.driven() {
-            for t in r.unfinished() {
+            for t in r.startable().chain(r.live()) {
                 let due = match t.state {
                     TaskState::Pending if t.not_before_ms > now && !t.spec.is_worker() && r.ready(t) => {
                         Some(t.not_before_ms)

@@ -7,6 +7,7 @@ pub mod attempt;
 pub mod budget;
 mod caps;
 mod config;
+mod converse;
 pub mod decide;
 pub mod gateway;
 pub mod host;

@@ -306,6 +306,10 @@ pub struct Report {
     /// written) while a person's message waits, which the worker then takes and sends.
     #[serde(default)]
     pub unless_messages: bool,
+    /// The attempt's last progress batch, not sent on its own: its events and side effects are
+    /// written in the ending's commit, ahead of it (once, with the report's key).
+    #[serde(default)]
+    pub progress: Option<crate::tasks::Progress>,
 }
 
 /// A worker's usage: one entry or a list.
@@ -465,12 +469,19 @@ pub(crate) fn report(
         }
         _ => Ending::Cancelled { reason: format!("worker {} cancelled it", report.worker) },
     };
-    let spent = match &report.usage {
-        Some(u) => u.events(report.attempt, &report.worker, &row.spec.agent, prices)?,
-        None => Vec::new(),
+    let (mut events, evidence) = match report.progress.clone() {
+        Some(batch) => {
+            let (_, events, evidence) = batch.rows()?;
+            (events, evidence)
+        }
+        None => Default::default(),
     };
+    if let Some(u) = &report.usage {
+        events.extend(u.events(report.attempt, &report.worker, &row.spec.agent, prices)?);
+    }
     let idem = Idem::worker_report(&attempt, &report.idempotency_key, body)
-        .with_events(spent)
+        .with_events(events)
+        .with_evidence(evidence)
         .with_output(report.output.as_ref().map(Value::to_string))
         .unless_messages(report.unless_messages);
     match store.finish(&attempt, &ending, Some(&idem)) {

@@ -14,13 +14,14 @@ use std::time::Duration;
 
 use agent_client_protocol_schema::v1::{ContentBlock, StopReason, TextContent};
 use pier_client::run::{LiveAgent, RunOutcome};
-use pier_client::{ClientEvent, Partial, SessionTarget, SideEffects};
+use pier_client::{ClientEvent, Partial};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::attempt::{attempt_options, outcome_of};
+use crate::attempt::{Seen, attempt_options, outcome_of};
 use crate::config::HostConfig;
+use crate::converse::{Channel, converse};
 use crate::decide::Outcome;
 use crate::pool::AgentPool;
 
@@ -28,6 +29,10 @@ use crate::pool::AgentPool;
 const LEASE_WAIT_MS: u64 = 25_000;
 /// How long one notice long-poll waits.
 const NOTICE_WAIT_MS: u64 = 25_000;
+/// How far into an attempt the notice long-poll starts: a cancel or a message still reaches
+/// the agent well within a second, and the many attempts that end sooner cost the host no
+/// long-poll at all.
+const NOTICE_AFTER: Duration = Duration::from_millis(150);
 /// How long events wait for more to go in the same progress batch.
 const COALESCE: Duration = Duration::from_millis(5);
 /// Events sent together at most.
@@ -137,16 +142,51 @@ async fn slot(
     let agents: Vec<&str> = if config.takes_agent_tasks { vec![config.agent.as_str()] } else { Vec::new() };
     let ask = json!({"capabilities": config.capabilities, "agents": agents,
                      "ttl_ms": config.lease_ttl.as_millis() as u64, "wait_ms": LEASE_WAIT_MS});
+    // The next lease, asked for while the attempt before it reports its ending.
+    let mut next: Option<tokio::task::JoinHandle<Result<Lease, WorkerError>>> = None;
     while !stop.is_cancelled() {
-        let leased = tokio::select! {
-            () = stop.cancelled() => return Ok(()),
-            leased = link.post("/v1/lease", ask.clone()) => leased,
+        let leased = match next.take() {
+            Some(mut asked) => tokio::select! {
+                () = stop.cancelled() => {
+                    // A task leased ahead that will not run here goes back to the host now,
+                    // not when its lease would lapse.
+                    if !asked.is_finished() {
+                        asked.abort();
+                    } else if let Ok(Ok(Lease::Granted(granted))) = (&mut asked).await {
+                        give_back(&link, *granted).await;
+                    }
+                    return Ok(());
+                }
+                leased = &mut asked => leased.unwrap_or_else(|e| Err(WorkerError::Host(e.to_string()))),
+            },
+            None => tokio::select! {
+                () = stop.cancelled() => return Ok(()),
+                leased = lease(link.clone(), ask.clone(), config.lease_ttl) => leased,
+            },
         };
         match leased {
-            Ok((200, leased)) => attempt(&config, &link, &pool, leased, &stop).await?,
-            Ok((204, _)) => {}
+            Ok(Lease::Granted(granted)) => {
+                // Once the agent's turn is over, the next task is leased while this one's
+                // ending goes to the host and its agent back to the pool: the two round trips
+                // overlap instead of adding up.
+                let (over, mut turn_over) = tokio::sync::oneshot::channel();
+                let run = attempt(&config, &link, &pool, *granted, &stop, over);
+                tokio::pin!(run);
+                let mut asking = true;
+                let ran = loop {
+                    tokio::select! {
+                        ran = &mut run => break ran,
+                        Ok(()) = &mut turn_over, if asking => {
+                            asking = false;
+                            next = Some(tokio::spawn(lease(link.clone(), ask.clone(), config.lease_ttl)));
+                        }
+                    }
+                };
+                ran?;
+            }
+            Ok(Lease::NoWork) => {}
             Err(WorkerError::Token) => return Err(WorkerError::Token),
-            Ok((status, answer)) => {
+            Ok(Lease::Refused(status, answer)) => {
                 tracing::warn!(status, %answer, "the host refused a lease");
                 tokio::time::sleep(RETRY).await;
             }
@@ -159,6 +199,67 @@ async fn slot(
     Ok(())
 }
 
+/// What asking for a task gave.
+enum Lease {
+    Granted(Box<Granted>),
+    /// None came within the wait.
+    NoWork,
+    Refused(u16, Value),
+}
+
+/// A task leased to this worker, its lease renewed from the moment the host granted it (a
+/// task leased ahead may wait for the attempt before it to end).
+struct Granted {
+    row: crate::TaskRow,
+    prompt: String,
+    /// Cancelled when the lease is lost.
+    lost: CancellationToken,
+    heartbeat: Renewal,
+}
+
+/// The heartbeat of a lease, stopped when dropped.
+struct Renewal(tokio::task::JoinHandle<()>);
+
+impl Renewal {
+    fn abort(&self) {
+        self.0.abort();
+    }
+}
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Hands a task leased ahead back to the host unstarted: interrupted, it runs again at once.
+async fn give_back(link: &Link, granted: Granted) {
+    let Granted { row, heartbeat, .. } = granted;
+    heartbeat.abort();
+    let report = json!({"status": "interrupted", "idempotency_key": format!("give-back-{:016x}", fastrand::u64(..))});
+    if let Ok((status, answer)) = link.post(&at(&row.run_id, &row.id, row.attempt, "end"), report).await
+        && status != 200
+    {
+        tracing::info!(status, %answer, "a task leased ahead was not handed back; its lease will lapse");
+    }
+}
+
+/// Asks the host for a task, waiting for one.
+async fn lease(link: Link, ask: Value, ttl: Duration) -> Result<Lease, WorkerError> {
+    let leased = match link.post("/v1/lease", ask).await? {
+        (200, leased) => leased,
+        (204, _) => return Ok(Lease::NoWork),
+        (status, answer) => return Ok(Lease::Refused(status, answer)),
+    };
+    let row: crate::TaskRow = serde_json::from_value(leased["task"].clone())
+        .map_err(|e| WorkerError::Host(format!("the host's lease is not a task this worker reads: {e}")))?;
+    let prompt = leased["prompt"].as_str().unwrap_or_default().to_owned();
+    let lost = CancellationToken::new();
+    let path = at(&row.run_id, &row.id, row.attempt, "heartbeat");
+    let heartbeat = Renewal(tokio::spawn(heartbeat(link, path, ttl, lost.clone())));
+    Ok(Lease::Granted(Box::new(Granted { row, prompt, lost, heartbeat })))
+}
+
 /// A message from a person, for the agent.
 struct Said {
     interrupt: bool,
@@ -169,24 +270,18 @@ async fn attempt(
     config: &WorkerConfig,
     link: &Link,
     pool: &AgentPool,
-    leased: Value,
+    granted: Granted,
     stop: &CancellationToken,
+    turn_over: tokio::sync::oneshot::Sender<()>,
 ) -> Result<(), WorkerError> {
-    let row: crate::TaskRow = match serde_json::from_value(leased["task"].clone()) {
-        Ok(row) => row,
-        Err(e) => return Err(WorkerError::Host(format!("the host's lease is not a task this worker reads: {e}"))),
-    };
-    let prompt = leased["prompt"].as_str().unwrap_or_default().to_owned();
+    let Granted { row, prompt, lost, heartbeat } = granted;
     let (run, task, n) = (row.run_id.clone(), row.id.clone(), row.attempt);
     tracing::info!(%run, %task, attempt = n, "leased");
-    let lost = CancellationToken::new();
-    let heartbeat =
-        tokio::spawn(heartbeat(link.clone(), at(&run, &task, n, "heartbeat"), config.lease_ttl, lost.clone()));
     let (said_tx, mut said) = mpsc::unbounded_channel();
     let notices = tokio::spawn(notices(link.clone(), at(&run, &task, n, "notice"), lost.clone(), said_tx));
     let (events, rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
-    let (flush, flushes) = mpsc::unbounded_channel();
-    let pump = tokio::spawn(progress(link.clone(), at(&run, &task, n, "progress"), rx, flushes, lost.clone()));
+    let (to_pump, asks) = mpsc::unbounded_channel();
+    let pump = tokio::spawn(progress(link.clone(), at(&run, &task, n, "progress"), rx, asks, lost.clone()));
 
     let mut spec = row.spec.clone();
     spec.agent = config.agent.clone();
@@ -195,17 +290,18 @@ async fn attempt(
     let closer = Closer {
         link,
         path: at(&run, &task, n, "end"),
-        flush: &flush,
+        pump: &to_pump,
         lease_ttl: config.lease_ttl,
         key: format!("end-{:016x}", fastrand::u64(..)),
         reports: Default::default(),
+        turn_over: std::sync::Mutex::new(Some(turn_over)),
     };
     let mut spent = Vec::new();
     let mut ended = None;
     let outcome = match attempt_options(&spec, &config.host) {
         Ok(mut opts) => {
             let base = at(&run, &task, n, "questions");
-            opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, flush: flush.clone() }));
+            opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone() }));
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
             let stopping = {
                 let (lost, stop) = (lost.clone(), stop.clone());
@@ -239,19 +335,14 @@ async fn attempt(
             let blocks = vec![ContentBlock::Text(TextContent::new(prompt))];
             let outcome = match started {
                 Ok(mut agent) => {
-                    let (o, e) = converse(
-                        &mut agent,
-                        &opts,
-                        blocks,
-                        &events,
-                        &mut interrupts,
-                        &mut said,
+                    let mut channel = Remote {
                         link,
-                        (&run, &task, n),
-                        &closer,
-                        lease.as_ref(),
-                    )
-                    .await;
+                        messages: at(&run, &task, n, "messages"),
+                        closer: &closer,
+                        lease: lease.as_ref(),
+                        said: &mut said,
+                    };
+                    let (o, e) = converse(&mut agent, &opts, blocks, &events, &mut interrupts, &mut channel).await;
                     ended = e;
                     if let Some(l) = &lease {
                         spent = l.collected(Duration::from_secs(2)).await;
@@ -324,21 +415,43 @@ enum Ended {
 struct Closer<'a> {
     link: &'a Link,
     path: String,
-    /// Writes what the agent sent so far and gives what it showed.
-    flush: &'a mpsc::UnboundedSender<Flush>,
+    /// Gives what the agent sent and has not been written, and what it showed.
+    pump: &'a mpsc::UnboundedSender<ToPump>,
     lease_ttl: Duration,
     /// The attempt's reports' keys: a repeat of one report is applied once.
     key: String,
     reports: std::sync::atomic::AtomicU32,
+    /// Told when the attempt first reports an ending: its slot can lease the next task.
+    turn_over: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
 
 impl Closer<'_> {
     async fn end(&self, outcome: &Outcome, spent: &[crate::ModelRequest], unless_messages: bool) -> Ended {
+        if let Some(over) = self.turn_over.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            let _ = over.send(());
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let (partial, effects) = match self.flush.send((Duration::ZERO, tx)) {
+        let ((partial, effects), batch) = match self.pump.send(ToPump::Take(tx)) {
             Ok(()) => rx.await.unwrap_or_default(),
             Err(_) => Default::default(),
         };
+        let ended = self.report(outcome, spent, unless_messages, partial, effects, batch.clone()).await;
+        // Refused with a message waiting, the batch goes on its own, ahead of what follows;
+        // otherwise it was written with the ending (or cannot be any more).
+        let unsent = if ended == Ended::MessagesWaiting { batch } else { None };
+        let _ = self.pump.send(ToPump::Settle(unsent));
+        ended
+    }
+
+    async fn report(
+        &self,
+        outcome: &Outcome,
+        spent: &[crate::ModelRequest],
+        unless_messages: bool,
+        partial: Partial,
+        effects: Vec<Value>,
+        batch: Option<Value>,
+    ) -> Ended {
         let mut report = match outcome {
             Outcome::Answered { stop_reason: StopReason::EndTurn, text, .. } => {
                 json!({"status": "completed", "result": text})
@@ -357,6 +470,9 @@ impl Closer<'_> {
         report["output"] = serde_json::to_value(&partial).unwrap_or(Value::Null);
         report["evidence"] = Value::Array(effects);
         report["unless_messages"] = json!(unless_messages);
+        if let Some(batch) = batch {
+            report["progress"] = batch;
+        }
         if !spent.is_empty() {
             let usage: Vec<Value> = spent
                 .iter()
@@ -391,80 +507,50 @@ impl Closer<'_> {
     }
 }
 
-/// The task's turn, then one more on the same session for each batch of people's messages,
-/// as a local attempt's ([`crate::attempt`]): queued ones after a turn that answered, an
-/// interrupting one at once (the turn is cancelled to make room).
-#[allow(clippy::too_many_arguments)]
-async fn converse(
-    agent: &mut LiveAgent,
-    opts: &pier_client::RunOptions,
-    prompt: Vec<ContentBlock>,
-    events: &mpsc::Sender<ClientEvent>,
-    interrupts: &mut pier_client::run::Interrupts,
-    said: &mut mpsc::UnboundedReceiver<Said>,
-    link: &Link,
-    (run, task, n): (&str, &str, i64),
-    closer: &Closer<'_>,
-    lease: Option<&crate::gateway::Lease>,
-) -> (RunOutcome, Option<Ended>) {
-    let mut next = Some((prompt, None::<String>));
-    loop {
-        let Some((prompt, session)) = next.take() else { return (RunOutcome::failed(None), None) };
-        let (cancel_turn, mut turn_interrupts) = mpsc::unbounded_channel();
-        let (mut stopped, mut for_message) = (false, false);
-        let outcome = {
-            let turn = async {
-                match session {
-                    None => agent.turn(opts, SessionTarget::New, prompt, events, &mut turn_interrupts).await,
-                    Some(id) => agent.continue_turn(opts, id, prompt, events, &mut turn_interrupts).await,
-                }
-            };
-            tokio::pin!(turn);
-            loop {
-                tokio::select! {
-                    outcome = &mut turn => break outcome,
-                    Some(()) = interrupts.recv(), if !stopped => {
-                        stopped = true;
-                        let _ = cancel_turn.send(());
-                    }
-                    Some(s) = said.recv(), if !stopped && !for_message => {
-                        if s.interrupt {
-                            for_message = true;
-                            let _ = cancel_turn.send(());
-                        }
-                    }
-                }
+/// A worker's [`Channel`]: its task's messages and ending, through the host's `/v1`.
+struct Remote<'a> {
+    link: &'a Link,
+    /// `…/attempts/{n}/messages`.
+    messages: String,
+    closer: &'a Closer<'a>,
+    /// The gateway account of the agent: what it spent goes with the ending.
+    lease: Option<&'a crate::gateway::Lease>,
+    /// What the notice long-poll told of people's messages.
+    said: &'a mut mpsc::UnboundedReceiver<Said>,
+}
+
+impl Channel for Remote<'_> {
+    type Ended = Ended;
+
+    async fn interrupt(&mut self) {
+        loop {
+            match self.said.recv().await {
+                Some(Said { interrupt: true }) => return,
+                Some(_) => {}
+                None => return std::future::pending().await,
             }
+        }
+    }
+
+    async fn end(&mut self, outcome: &RunOutcome) -> Option<Ended> {
+        let spent = match self.lease {
+            Some(l) => l.collected(Duration::from_secs(2)).await,
+            None => Vec::new(),
         };
-        let answered = outcome.ending == pier_client::Ending::Answered
-            && outcome.stop_reason == Some(StopReason::EndTurn)
-            && outcome.error.is_none();
-        let made_room = for_message && outcome.stop_reason.is_some() && outcome.error.is_none();
-        let Some(session) = outcome.session_id.clone() else { return (outcome, None) };
-        if stopped || !(answered || made_room) {
-            return (outcome, None);
+        match self.closer.end(&outcome_of(outcome), &spent, true).await {
+            Ended::MessagesWaiting => None,
+            ended => Some(ended),
         }
-        // The ending goes while the session is open, refused if a message waits: one that came
-        // before it is sent to the agent, one after it is refused to its sender.
-        if answered {
-            let spent = match lease {
-                Some(l) => l.collected(Duration::from_secs(2)).await,
-                None => Vec::new(),
-            };
-            match closer.end(&outcome_of(&outcome), &spent, true).await {
-                Ended::MessagesWaiting => {}
-                ended => return (outcome, Some(ended)),
-            }
-        }
-        let taken = match link.post(&at(run, task, n, "messages"), json!({})).await {
-            Ok((200, v)) => v["messages"].as_array().cloned().unwrap_or_default(),
+    }
+
+    async fn take_messages(&mut self) -> Vec<String> {
+        match self.link.post(&self.messages, json!({})).await {
+            Ok((200, v)) => v["messages"]
+                .as_array()
+                .map(|m| m.iter().filter_map(|m| m["text"].as_str().map(str::to_owned)).collect())
+                .unwrap_or_default(),
             _ => Vec::new(),
-        };
-        if taken.is_empty() {
-            return (outcome, None);
         }
-        let text: Vec<&str> = taken.iter().filter_map(|m| m["text"].as_str()).collect();
-        next = Some((vec![ContentBlock::Text(TextContent::new(text.join("\n\n")))], Some(session)));
     }
 }
 
@@ -497,6 +583,7 @@ async fn heartbeat(link: Link, path: String, ttl: Duration, lost: CancellationTo
 /// Long-polls the host for what concerns the attempt: a lost task cancels `lost`, a message
 /// is told to the turn.
 async fn notices(link: Link, path: String, lost: CancellationToken, said: mpsc::UnboundedSender<Said>) {
+    tokio::time::sleep(NOTICE_AFTER).await;
     let mut told = None;
     loop {
         match link.post(&path, json!({"wait_ms": NOTICE_WAIT_MS})).await {
@@ -525,110 +612,139 @@ async fn notices(link: Link, path: String, lost: CancellationToken, said: mpsc::
     }
 }
 
-/// A request to write every event sent so far before going on, answered when they are in the
-/// log with what the attempt showed so far and its side effects.
-/// The grace is how long to wait for an event still on its way through the client.
-type Flush = (Duration, tokio::sync::oneshot::Sender<(Partial, Vec<Value>)>);
+/// What the attempt showed so far (its text and tool calls) and its side effects.
+type Shown = (Partial, Vec<Value>);
 
-/// Sends the agent's events into the task's log, in numbered batches, as they come; the
-/// attempt's output and side effects when the events end. A flush (before a question is put
-/// to a person) writes what is queued first, so the log shows what the agent did before it asked.
+/// What the attempt asks of its progress pump.
+enum ToPump {
+    /// Write every event sent so far, then answer with what the attempt showed. The grace is
+    /// how long to wait for an event still on its way through the client (before a question).
+    Flush(Duration, tokio::sync::oneshot::Sender<Shown>),
+    /// Hand over every event not written yet as the next batch, unsent, for the ending to
+    /// carry in its own call (one request and one commit less per task); later events are
+    /// held back until [`ToPump::Settle`].
+    Take(tokio::sync::oneshot::Sender<(Shown, Option<Value>)>),
+    /// The ending's call is over: its batch was written with it (`None`), or it must go on
+    /// its own (the ending was refused for a waiting message), ahead of what came since.
+    Settle(Option<Value>),
+}
+
+/// Sends the agent's events into the task's log, in numbered batches, as they come; what
+/// the attempt showed when the events end. A flush (before a question is put to a person)
+/// writes what is queued first, so the log shows what the agent did before it asked.
 async fn progress(
     link: Link,
     path: String,
     mut rx: mpsc::Receiver<ClientEvent>,
-    mut flushes: mpsc::UnboundedReceiver<Flush>,
+    mut asks: mpsc::UnboundedReceiver<ToPump>,
     lost: CancellationToken,
-) -> (Partial, Vec<Value>) {
-    let (mut partial, mut side_effects, mut effects) = (Partial::default(), SideEffects::default(), Vec::new());
-    let mut seq = 0;
-    let mut waiting: Option<tokio::sync::oneshot::Sender<(Partial, Vec<Value>)>> = None;
-    loop {
-        let first = tokio::select! {
+) -> Shown {
+    let mut seen = Seen::default();
+    let (mut seq, mut held, mut open, mut asking) = (0, false, true, true);
+    // Until the events end, and the ending that took the last batch has settled it.
+    while open || held {
+        let mut batch = Vec::new();
+        let (mut reply, mut take) = (None, None);
+        tokio::select! {
             biased;
-            Some((grace, f)) = flushes.recv() => {
-                // What the agent sent before it asked is on its way through the client's
-                // forwarding: given a moment (bounded) to arrive, then written first.
-                let next = if grace.is_zero() { rx.try_recv().ok().map(Some).ok_or(()) } else {
-                    tokio::time::timeout(grace, rx.recv()).await.map_err(drop)
-                };
-                match next {
-                    Ok(Some(event)) => {
-                        waiting = Some(f);
-                        event
+            ask = asks.recv(), if asking => match ask {
+                Some(ToPump::Flush(grace, r)) => {
+                    // What the agent sent before it asked is on its way through the client's
+                    // forwarding: given a moment (bounded) to arrive, then written first.
+                    if open && !held && !grace.is_zero() {
+                        match tokio::time::timeout(grace, rx.recv()).await {
+                            Ok(Some(event)) => batch.push(event),
+                            Ok(None) => open = false,
+                            Err(_) => {}
+                        }
                     }
-                    Ok(None) => {
-                        let _ = f.send((partial.clone(), effects.clone()));
-                        break;
-                    }
-                    Err(_) => {
-                        let _ = f.send((partial.clone(), effects.clone()));
-                        continue;
-                    }
+                    reply = Some(r);
                 }
-            }
-            event = rx.recv() => match event {
-                Some(event) => event,
-                None => break,
+                Some(ToPump::Take(r)) => take = Some(r),
+                Some(ToPump::Settle(unsent)) => {
+                    held = false;
+                    if let Some(body) = unsent {
+                        send(&link, &path, &body, &lost).await;
+                    }
+                    continue;
+                }
+                None => asking = false,
             },
-        };
+            event = rx.recv(), if open && !held => match event {
+                Some(event) => batch.push(event),
+                None => open = false,
+            },
+            else => break,
+        }
         // What follows within COALESCE goes in the same batch (a turn's updates come in
-        // bursts), unless someone waits for the log: a flush sends at once.
-        let mut batch = vec![first];
-        let mut closed = false;
+        // bursts), unless someone waits for the log or takes the batch.
         let until = tokio::time::Instant::now() + COALESCE;
-        while batch.len() < BATCH && waiting.is_none() {
+        while open && !held && !batch.is_empty() && batch.len() < BATCH && reply.is_none() && take.is_none() {
             tokio::select! {
                 biased;
-                Some((_, f)) = flushes.recv() => {
-                    while let Ok(more) = rx.try_recv() {
-                        batch.push(more);
-                    }
-                    waiting = Some(f);
-                }
+                ask = asks.recv(), if asking => match ask {
+                    Some(ToPump::Flush(_, r)) => reply = Some(r),
+                    Some(ToPump::Take(r)) => take = Some(r),
+                    Some(ToPump::Settle(_)) => {}
+                    None => asking = false,
+                },
                 more = tokio::time::timeout_at(until, rx.recv()) => match more {
                     Ok(Some(more)) => batch.push(more),
-                    Ok(None) => {
-                        closed = true;
-                        break;
-                    }
+                    Ok(None) => open = false,
                     Err(_) => break,
                 },
             }
         }
-        let (mut wire, mut evidence) = (Vec::with_capacity(batch.len()), Vec::new());
-        for event in &batch {
-            partial.see(event);
-            if let Some(effect) = side_effects.see(event) {
-                let effect = serde_json::to_value(&effect).unwrap_or(Value::Null);
-                effects.push(effect.clone());
-                evidence.push(effect);
+        if (reply.is_some() || take.is_some()) && !held {
+            while let Ok(more) = rx.try_recv() {
+                batch.push(more);
             }
-            wire.push(serde_json::to_value(event).unwrap_or(Value::Null));
         }
-        seq += 1;
-        let body = json!({"seq": seq, "events": wire, "evidence": evidence});
-        // A batch is sent again (same seq) until the host has it (it writes it once), refuses
-        // it, or the attempt is lost.
-        loop {
-            match link.post(&path, body.clone()).await {
-                Ok((200, _)) => break,
-                Ok((status, answer)) if (400..500).contains(&status) => {
-                    tracing::warn!(status, %answer, "the host refused a progress batch");
-                    break;
+        let body = (!batch.is_empty()).then(|| {
+            let (mut wire, mut evidence) = (Vec::with_capacity(batch.len()), Vec::new());
+            let mut rows = Vec::with_capacity(batch.len());
+            for event in batch {
+                seen.take(event, &mut rows, &mut evidence);
+            }
+            for (kind, mut data) in rows {
+                if let Some(o) = data.as_object_mut() {
+                    o.insert("type".into(), Value::String(kind));
                 }
-                _ if lost.is_cancelled() => break,
-                _ => tokio::time::sleep(RETRY).await,
+                wire.push(data);
             }
+            seq += 1;
+            json!({"seq": seq, "events": wire, "evidence": evidence})
+        });
+        if let Some(t) = take {
+            held = true;
+            let _ = t.send(((seen.partial.clone(), seen.effects.clone()), body));
+            continue;
         }
-        if let Some(f) = waiting.take() {
-            let _ = f.send((partial.clone(), effects.clone()));
+        if let Some(body) = &body {
+            send(&link, &path, body, &lost).await;
         }
-        if closed {
-            break;
+        if let Some(r) = reply {
+            let _ = r.send((seen.partial.clone(), seen.effects.clone()));
         }
     }
-    (partial, effects)
+    (seen.partial, seen.effects)
+}
+
+/// Sends a progress batch until the host has it (it writes it once, by its `seq`), refuses
+/// it, or the attempt is lost.
+async fn send(link: &Link, path: &str, body: &Value, lost: &CancellationToken) {
+    loop {
+        match link.post(path, body.clone()).await {
+            Ok((200, _)) => return,
+            Ok((status, answer)) if (400..500).contains(&status) => {
+                tracing::warn!(status, %answer, "the host refused a progress batch");
+                return;
+            }
+            Err(WorkerError::Token) => return,
+            _ if lost.is_cancelled() => return,
+            _ => tokio::time::sleep(RETRY).await,
+        }
+    }
 }
 
 /// Puts the agent's permission requests and questions to a person through the host.
@@ -636,16 +752,16 @@ struct RemoteAsker {
     link: Link,
     /// `…/attempts/{n}/questions`.
     base: String,
-    flush: mpsc::UnboundedSender<Flush>,
+    pump: mpsc::UnboundedSender<ToPump>,
 }
 
 impl RemoteAsker {
     /// Parks the task on `request` (after what the agent did before it asked is in the log)
     /// and waits for the person's answer; `None` when the question was voided (the task
     /// cancelled, the attempt lost).
-    async fn put(link: Link, base: String, flush: mpsc::UnboundedSender<Flush>, request: Value) -> Option<String> {
+    async fn put(link: Link, base: String, pump: mpsc::UnboundedSender<ToPump>, request: Value) -> Option<String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        if flush.send((FLUSH_GRACE, tx)).is_ok() {
+        if pump.send(ToPump::Flush(FLUSH_GRACE, tx)).is_ok() {
             let _ = rx.await;
         }
         let (status, asked) = link.post(&base, json!({"request": request})).await.ok()?;
@@ -679,10 +795,10 @@ impl pier_client::handler::Asker for RemoteAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
-        let (link, base, flush) = (self.link.clone(), self.base.clone(), self.flush.clone());
+        let (link, base, pump) = (self.link.clone(), self.base.clone(), self.pump.clone());
         let request = serde_json::to_value(request).unwrap_or(Value::Null);
         Box::pin(async move {
-            match RemoteAsker::put(link, base, flush, request).await {
+            match RemoteAsker::put(link, base, pump, request).await {
                 Some(option) => AskAnswer::Option(option),
                 None => AskAnswer::Withdrawn,
             }
@@ -694,10 +810,10 @@ impl pier_client::handler::Asker for RemoteAsker {
         request: &agent_client_protocol_schema::v1::CreateElicitationRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::elicit::ElicitAnswer> {
         use pier_client::elicit::ElicitAnswer;
-        let (link, base, flush) = (self.link.clone(), self.base.clone(), self.flush.clone());
+        let (link, base, pump) = (self.link.clone(), self.base.clone(), self.pump.clone());
         let request = json!({ "elicitation": serde_json::to_value(request).unwrap_or(Value::Null) });
         Box::pin(async move {
-            let Some(answer) = RemoteAsker::put(link, base, flush, request).await else { return ElicitAnswer::Cancel };
+            let Some(answer) = RemoteAsker::put(link, base, pump, request).await else { return ElicitAnswer::Cancel };
             let answer: Value = serde_json::from_str(&answer).unwrap_or(Value::Null);
             match answer["action"].as_str() {
                 Some("accept") => {

@@ -22,6 +22,9 @@ pub trait TaskStore: Send + Sync + 'static {
     fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
     /// Every pending task of every run, oldest run first, in plan order.
     fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
+    /// [`TaskStore::pending_tasks`] one at a time to `visit`, until it returns true; each row
+    /// is decoded only when reached (a worker's lease usually takes one of the first).
+    fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError>;
     /// Every task of every run that has not ended, oldest run first, in plan order.
     fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
     /// The tasks (of any run) touched by an event after sequence `after`, and the

@@ -21,6 +21,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Every pending task of every run, oldest run first, in plan order (the index hint is
     /// SQLite's).
     const PENDING_TASKS: &'static str;
+    /// The first run after `?1` (by id) with a pending task, and when it was created.
+    const PENDING_RUN_AFTER: &'static str;
+    /// A page of run `?1`'s pending tasks in plan order: `?2` of them after the first `?3`.
+    const PENDING_OF_RUN: &'static str;
     /// Every task not ended, oldest run first, in plan order.
     const UNFINISHED_TASKS: &'static str;
     /// The last event sequence committed.
@@ -129,6 +133,30 @@ macro_rules! tasks_in {
             " JOIN runs r ON r.id = t.run_id WHERE t.state ",
             $state,
             " ORDER BY r.created_at_ms, r.id, t.ord"
+        )
+    };
+}
+
+/// [`Backend::PENDING_RUN_AFTER`] and [`Backend::PENDING_OF_RUN`] with SQLite's index `$hint`
+/// or none. Each seeks in the pending tasks' index and walks it in its order: no read, let
+/// alone a sort, of every pending task.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! pending_pages {
+    ($hint:literal) => {
+        (
+            concat!(
+                "SELECT r.id, r.created_at_ms FROM runs r WHERE r.id = (SELECT run_id FROM tasks ",
+                $hint,
+                " WHERE state = 'pending' AND run_id > ?1 ORDER BY run_id LIMIT 1)"
+            ),
+            concat!(
+                "SELECT ",
+                $crate::task_columns!(),
+                " FROM tasks ",
+                $hint,
+                " WHERE run_id = ?1 AND state = 'pending' ORDER BY ord LIMIT ?2 OFFSET ?3"
+            ),
         )
     };
 }

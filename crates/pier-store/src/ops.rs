@@ -557,7 +557,7 @@ pub(crate) fn finish(
         {
             return Err(messages_waiting(a));
         }
-        record(tx, a, idem.events(), &[])?;
+        record(tx, a, idem.events(), idem.evidence())?;
         if let Some(output) = idem.output() {
             keep_output(tx, a, output)?;
         }

@@ -155,6 +155,9 @@ pub struct Idem {
     /// Events the request writes with its effect, in the same commit (a worker's model
     /// requests with its ending): written once, whatever the number of repeats.
     events: Vec<(String, Value)>,
+    /// Side effects the request reports with its events (a worker's last progress batch),
+    /// added to the attempt's evidence in the same commit.
+    evidence: Vec<Value>,
     /// What the attempt showed, kept with an ending in its commit.
     output: Option<String>,
     /// The ending is refused while a message waits for the task (as [`Last::unless_messages`]).
@@ -169,6 +172,7 @@ impl Idem {
             key: format!("report:{}:{}:{client_key}", attempt.n, attempt.owner),
             request: body.to_string(),
             events: Vec::new(),
+            evidence: Vec::new(),
             output: None,
             unless_messages: false,
         }
@@ -177,12 +181,18 @@ impl Idem {
     /// A remote attempt's batch `seq` of progress (`body` as sent), whose events it writes.
     pub fn progress(attempt: &Attempt, seq: i64, body: &Value, events: Vec<(String, Value)>) -> Idem {
         let key = format!("progress:{}:{}:{seq}", attempt.n, attempt.owner);
-        Idem { key, request: body.to_string(), events, output: None, unless_messages: false }
+        Idem { key, request: body.to_string(), events, evidence: Vec::new(), output: None, unless_messages: false }
     }
 
     /// With `events` written in the commit of the request's effect.
     pub fn with_events(mut self, events: Vec<(String, Value)>) -> Idem {
         self.events = events;
+        self
+    }
+
+    /// With side effects `evidence` added to the attempt's in the commit of the request's effect.
+    pub fn with_evidence(mut self, evidence: Vec<Value>) -> Idem {
+        self.evidence = evidence;
         self
     }
 
@@ -208,6 +218,10 @@ impl Idem {
 
     pub fn events(&self) -> &[(String, Value)] {
         &self.events
+    }
+
+    pub fn evidence(&self) -> &[Value] {
+        &self.evidence
     }
 
     pub fn key(&self) -> &str {

@@ -375,6 +375,8 @@ fn is_full(message: &str) -> bool {
 
 impl Backend for Sqlite {
     const PENDING_TASKS: &'static str = crate::tasks_in!("= 'pending'", "INDEXED BY tasks_pending");
+    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("INDEXED BY tasks_pending").0;
+    const PENDING_OF_RUN: &'static str = crate::pending_pages!("INDEXED BY tasks_pending").1;
     const UNFINISHED_TASKS: &'static str =
         crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "INDEXED BY tasks_unfinished");
     const LAST_SEQ: &'static str = "SELECT COALESCE(MAX(seq), 0) FROM events";

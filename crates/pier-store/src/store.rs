@@ -117,6 +117,37 @@ impl<B: Backend> TaskStore for Store<B> {
         tasks(self.rows(B::PENDING_TASKS, &[])?)
     }
 
+    fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError> {
+        // Run by run, oldest first, a page at a time (the first small): a lease usually takes
+        // one of the first tasks, and reading (let alone sorting) every pending task for it
+        // made each lease cost as much as the queue was long.
+        let mut runs = Vec::new();
+        let mut after = String::new();
+        while let Some(mut r) = self.rows(B::PENDING_RUN_AFTER, &[Arg::Text(&after)])?.pop() {
+            after = r.text(0)?;
+            runs.push((r.int(1)?, after.clone()));
+        }
+        runs.sort();
+        for (_, run) in runs {
+            let (mut offset, mut page) = (0, 4);
+            loop {
+                let rows = self.rows(B::PENDING_OF_RUN, &[Arg::Text(&run), Arg::Int(page), Arg::Int(offset)])?;
+                let full = rows.len() as i64 == page;
+                for r in rows {
+                    if visit(decode(r.raw_task()?)?)? {
+                        return Ok(());
+                    }
+                }
+                if !full {
+                    break;
+                }
+                offset += page;
+                page = (page * 4).min(256);
+            }
+        }
+        Ok(())
+    }
+
     fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
         tasks(self.rows(B::UNFINISHED_TASKS, &[])?)
     }

@@ -318,6 +318,40 @@ fn tasks_changed_reports_what_events_touched_in_every_run() {
     });
 }
 
+/// A worker's lease walks the pending tasks in the order `pending_tasks` lists them (oldest run
+/// first, plan order), run by run and page by page, and stops where its visitor does.
+#[test]
+fn visiting_pending_tasks_follows_their_order_across_runs_and_pages() {
+    each(|name, s| {
+        let mut source = String::new();
+        for i in 0..70 {
+            source.push_str(&format!("[[tasks]]\nid = \"t{i:02}\"\nprompt = \"x\"\n\n"));
+        }
+        let plan = parse(&source, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("n", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        claim(s, "a", "o");
+        let held = s.claim("n", "t05", "o", FAR).unwrap_or_else(|e| panic!("{e}"));
+        assert!(held.is_some(), "{name}");
+        let listed: Vec<(String, String)> =
+            s.pending_tasks().unwrap_or_else(|e| panic!("{e}")).into_iter().map(|t| (t.run_id, t.id)).collect();
+        assert_eq!(listed.len(), 70, "{name}: b and 69 of n");
+        let mut visited = Vec::new();
+        s.visit_pending(&mut |t| {
+            visited.push((t.run_id, t.id));
+            Ok(false)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(visited, listed, "{name}");
+        let mut first = Vec::new();
+        s.visit_pending(&mut |t| {
+            first.push(t.id);
+            Ok(first.len() == 3)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(first.len(), 3, "{name}: stops where the visitor does");
+    });
+}
+
 /// A task's latest events, oldest first, picked out of its run's log (other tasks' passed over).
 #[test]
 fn a_tasks_latest_events_come_oldest_first() {

@@ -121,15 +121,17 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     // An ending that would leave a person's message unsent is refused, with nothing written.
     assert_eq!(post(&s, "/runs/w/tasks/a/messages", json!({"text": "and the docs"})).await.0, 201);
     let early = json!({"worker": "wk", "status": "completed", "idempotency_key": "end-0", "result": "built",
-        "unless_messages": true});
+        "unless_messages": true, "progress": {"seq": 3, "events": [chunk(" never")]}});
     let (code, v) = post(&s, &at("w", "a", n, "end"), early).await;
     assert_eq!((code, v["error"]["code"].as_str()), (409, Some("messages_waiting")), "{v}");
     let (_, taken) = post(&s, &at("w", "a", n, "messages"), json!({"worker": "wk"})).await;
     assert_eq!(taken["messages"][0]["text"], "and the docs", "{taken}");
 
     // The ending: the output kept and the usage counted with it, once.
+    // Its last progress batch rides with it, written ahead of it in its commit.
     let end = json!({"worker": "wk", "status": "completed", "idempotency_key": "end-1", "result": "built",
-        "output": {"text": "Building done"}, "usage": {"provider": "openai", "model": "m", "input": 10, "output": 5}});
+        "output": {"text": "Building done"}, "usage": {"provider": "openai", "model": "m", "input": 10, "output": 5},
+        "progress": {"seq": 3, "events": [chunk(" and tested")]}});
     for _ in 0..2 {
         let (code, v) = post(&s, &at("w", "a", n, "end"), end.clone()).await;
         assert_eq!(code, 200, "{v}");
@@ -144,7 +146,14 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
         .filter(|e| e["task"] == "a" && e["type"] == "session_update")
         .filter_map(|e| e["update"]["content"]["text"].as_str().or(e["update"]["toolCallId"].as_str()))
         .collect();
-    assert_eq!(said, ["Building", "t1", " done"], "in order, once each");
+    assert_eq!(
+        said,
+        ["Building", "t1", " done", " and tested"],
+        "in order, once each; a refused ending wrote none of its batch"
+    );
+    let last = events.iter().rposition(|e| e["task"] == "a" && e["type"] == "session_update");
+    let ended = events.iter().position(|e| e["task"] == "a" && e["to"] == "completed");
+    assert!(last < ended, "the ending's batch is logged ahead of it");
 
     // The next task: an HTTP cancel reaches the worker's long-poll within a second.
     let (code, leased) = lease(&s, 5_000).await;

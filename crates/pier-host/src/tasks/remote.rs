@@ -38,6 +38,41 @@ pub struct Progress {
     pub evidence: Vec<Value>,
 }
 
+/// A progress batch checked: its number, its events as the log's rows, and its side effects.
+pub(crate) type Checked = (i64, Vec<(String, Value)>, Vec<Value>);
+
+impl Progress {
+    /// The batch checked, or why it cannot be written.
+    pub(crate) fn rows(self) -> Result<Checked, ActionError> {
+        if self.seq < 1 {
+            return Err(ActionError::bad_request("seq numbers an attempt's batches from 1"));
+        }
+        if self.events.len() > MAX_BATCH_EVENTS || self.evidence.len() > MAX_BATCH_EVENTS {
+            return Err(ActionError::bad_request(format!(
+                "a batch carries at most {MAX_BATCH_EVENTS} events and {MAX_BATCH_EVENTS} side effects; send more batches"
+            )));
+        }
+        let mut events = Vec::with_capacity(self.events.len());
+        for (i, e) in self.events.into_iter().enumerate() {
+            let Value::Object(mut data) = e else {
+                return Err(ActionError::bad_request(format!("events[{i}] is not an object")));
+            };
+            let kind = match data.remove("type") {
+                Some(Value::String(k)) => k,
+                _ => return Err(ActionError::bad_request(format!("events[{i}] has no `type`"))),
+            };
+            let data = Value::Object(data);
+            if !is_agent_event(&kind, &data) {
+                return Err(ActionError::bad_request(format!(
+                    "events[{i}] is not an agent event the log knows (`{kind}`); send what `pier exec --format json` prints"
+                )));
+            }
+            events.push((kind, data));
+        }
+        Ok((self.seq, events, self.evidence))
+    }
+}
+
 /// What a worker's long-poll says about its attempt.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Notice {
@@ -67,33 +102,9 @@ impl Tasks {
     pub async fn progress(&self, attempt: &Attempt, body: Value) -> Result<bool, ActionError> {
         let batch: Progress = serde_json::from_value(body.clone())
             .map_err(|e| ActionError::bad_request(format!("the progress batch is not valid: {e}")))?;
-        if batch.seq < 1 {
-            return Err(ActionError::bad_request("seq numbers an attempt's batches from 1"));
-        }
-        if batch.events.len() > MAX_BATCH_EVENTS || batch.evidence.len() > MAX_BATCH_EVENTS {
-            return Err(ActionError::bad_request(format!(
-                "a batch carries at most {MAX_BATCH_EVENTS} events and {MAX_BATCH_EVENTS} side effects; send more batches"
-            )));
-        }
-        let mut events = Vec::with_capacity(batch.events.len());
-        for (i, e) in batch.events.into_iter().enumerate() {
-            let Value::Object(mut data) = e else {
-                return Err(ActionError::bad_request(format!("events[{i}] is not an object")));
-            };
-            let kind = match data.remove("type") {
-                Some(Value::String(k)) => k,
-                _ => return Err(ActionError::bad_request(format!("events[{i}] has no `type`"))),
-            };
-            let data = Value::Object(data);
-            if !is_agent_event(&kind, &data) {
-                return Err(ActionError::bad_request(format!(
-                    "events[{i}] is not an agent event the log knows (`{kind}`); send what `pier exec --format json` prints"
-                )));
-            }
-            events.push((kind, data));
-        }
-        let idem = Idem::progress(attempt, batch.seq, &body, events);
-        let (a, evidence) = (attempt.clone(), batch.evidence);
+        let (seq, events, evidence) = batch.rows()?;
+        let idem = Idem::progress(attempt, seq, &body, events);
+        let a = attempt.clone();
         let written = self.blocking(move |s| Ok(s.record_once(&a, &idem, &evidence)?)).await;
         match written {
             Err(ActionError::Store(StoreError::LeaseLost { .. })) => Err(lost(attempt)),

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use pier_store::{Attempt, ErrorCode, TaskRow, TaskState, TaskStore, now_ms};
+use pier_store::{Attempt, ErrorCode, StoreError, TaskRow, TaskState, TaskStore, now_ms};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -27,7 +27,7 @@ fn ttl(ttl_ms: Option<i64>) -> i64 {
 }
 
 /// The results of `row`'s dependencies, by task id, for its prompt.
-pub(super) fn dependency_results(s: &dyn TaskStore, row: &TaskRow) -> Result<HashMap<String, String>, ActionError> {
+pub(super) fn dependency_results(s: &dyn TaskStore, row: &TaskRow) -> Result<HashMap<String, String>, StoreError> {
     let mut results = HashMap::new();
     for d in &row.spec.depends_on {
         if let Some(t) = s.task(&row.run_id, d)? {
@@ -52,25 +52,24 @@ impl Tasks {
             (worker.to_owned(), capabilities.to_vec(), agents.to_vec(), ttl(ttl_ms));
         let leased = self
             .blocking(move |s| {
-                for t in s.pending_tasks()? {
+                let mut leased = None;
+                s.visit_pending(&mut |t| {
                     let fits =
                         t.spec.fits_worker(&capabilities) || (!t.spec.is_worker() && agents.contains(&t.spec.agent));
                     if !fits || t.not_before_ms > now_ms() {
-                        continue;
+                        return Ok(false);
                     }
-                    let mut ready = true;
                     for d in &t.spec.depends_on {
-                        ready &= s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed);
+                        if !s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed) {
+                            return Ok(false);
+                        }
                     }
-                    if !ready {
-                        continue;
-                    }
-                    if let Some((_, task)) = s.claim(&t.run_id, &t.id, &worker, now_ms() + ttl)? {
-                        let prompt = pier_store::plan::render(&task.spec.prompt, &dependency_results(s, &task)?);
-                        return Ok(Some(Leased { task, prompt }));
-                    }
-                }
-                Ok(None)
+                    let Some((_, task)) = s.claim(&t.run_id, &t.id, &worker, now_ms() + ttl)? else { return Ok(false) };
+                    let prompt = pier_store::plan::render(&task.spec.prompt, &dependency_results(s, &task)?);
+                    leased = Some(Leased { task, prompt });
+                    Ok(true)
+                })?;
+                Ok(leased)
             })
             .await?;
         if leased.is_some() {
