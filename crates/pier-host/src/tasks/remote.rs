@@ -100,7 +100,7 @@ fn lost(a: &Attempt) -> ActionError {
 impl Tasks {
     /// Writes a progress batch of `attempt`; `false` when this batch was written before.
     pub async fn progress(&self, attempt: &Attempt, body: Value) -> Result<bool, ActionError> {
-        let batch: Progress = serde_json::from_value(body.clone())
+        let batch = Progress::deserialize(&body)
             .map_err(|e| ActionError::bad_request(format!("the progress batch is not valid: {e}")))?;
         let (seq, events, evidence) = batch.rows()?;
         let idem = Idem::progress(attempt, seq, &body, events);

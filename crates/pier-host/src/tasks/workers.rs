@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use pier_store::{Attempt, ErrorCode, StoreError, TaskRow, TaskState, TaskStore, now_ms};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::handle::Tasks;
@@ -152,7 +152,7 @@ impl Tasks {
     /// Applies a worker's report on its attempt (`body` is the report as sent: a repeat with
     /// the same idempotency key and body gets the first answer).
     pub async fn report(&self, run: &str, task: &str, body: Value) -> Result<TaskRow, ActionError> {
-        let report: Report = serde_json::from_value(body.clone())
+        let report = Report::deserialize(&body)
             .map_err(|e| ActionError::bad_request(format!("the report is not valid: {e}")))?;
         let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
         let prices = self.config.gateway.as_ref().map(|g| g.prices.clone());
