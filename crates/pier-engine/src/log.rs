@@ -161,7 +161,7 @@ impl Sink {
 }
 
 async fn open_append(path: &Path) -> std::io::Result<tokio::fs::File> {
-    tokio::fs::OpenOptions::new().create(true).append(true).open(path).await
+    crate::store::open_own(path, tokio::fs::OpenOptions::new().create(true).append(true)).await
 }
 
 impl SessionLog {

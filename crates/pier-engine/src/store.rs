@@ -38,6 +38,22 @@ pub fn valid_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
+/// Opens a session file with `options`, refusing a symlink in its place (`O_NOFOLLOW`): a
+/// session's files are pier's own, and a link planted there must not make pier read or
+/// append to whatever it points at.
+pub(crate) async fn open_own(path: &Path, options: &mut tokio::fs::OpenOptions) -> std::io::Result<tokio::fs::File> {
+    options.custom_flags(libc::O_NOFOLLOW).open(path).await
+}
+
+/// The whole of a session file, opened as [`open_own`] does.
+async fn read_own(path: &Path) -> std::io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut file = open_own(path, tokio::fs::OpenOptions::new().read(true)).await?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).await?;
+    Ok(bytes)
+}
+
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }
@@ -55,9 +71,9 @@ impl SessionStore {
         self.dir.join(format!("{id}.meta.json"))
     }
 
-    /// Whether a session with this id has a log.
+    /// Whether a session with this id has a log (a file of its own, not a link).
     pub fn exists(&self, id: &str) -> bool {
-        valid_id(id) && self.log_path(id).is_file()
+        valid_id(id) && std::fs::symlink_metadata(self.log_path(id)).is_ok_and(|m| m.is_file())
     }
 
     /// Writes the summary atomically (temporary file, then rename).
@@ -77,9 +93,17 @@ impl SessionStore {
         result.map_err(|e| EngineError::Log(format!("{}: {e}", path.display())))
     }
 
+    /// The summary of session `id`. The id is the file's name: a summary that names another
+    /// session (planted, or copied by hand) is not this one's, and is passed over.
     pub async fn read_meta(&self, id: &str) -> Option<SessionMeta> {
-        let bytes = tokio::fs::read(self.meta_path(id)).await.ok()?;
-        serde_json::from_slice(&bytes).ok()
+        let path = self.meta_path(id);
+        let bytes = read_own(&path).await.ok()?;
+        let meta: SessionMeta = serde_json::from_slice(&bytes).ok()?;
+        if meta.session_id != id {
+            tracing::warn!(file = %path.display(), named = %meta.session_id, "a session summary names another session; skipped");
+            return None;
+        }
+        Some(meta)
     }
 
     /// Every stored session's summary, newest first (ties by id), optionally only those in `cwd`.
@@ -133,7 +157,7 @@ struct Line {
 /// Reads a session log back: every record in order, with its turn. Lines this
 /// version does not know, and a torn last line left by a crash, are skipped.
 pub async fn read_log(path: &Path) -> Result<Vec<(u64, LogRecord)>, EngineError> {
-    let bytes = tokio::fs::read(path).await.map_err(|e| EngineError::Log(format!("{}: {e}", path.display())))?;
+    let bytes = read_own(path).await.map_err(|e| EngineError::Log(format!("{}: {e}", path.display())))?;
     Ok(bytes
         .split(|b| *b == b'\n')
         .filter(|l| !l.is_empty())
@@ -157,5 +181,39 @@ mod tests {
             assert!(!valid_id(bad), "{bad:?}");
         }
         assert!(valid_id("0b7e5c9a-2f4e-4b8e-9a51-0c3f1d2e3f4a"));
+    }
+
+    fn meta(id: &str) -> SessionMeta {
+        SessionMeta { session_id: id.into(), cwd: "/w".into(), title: None, updated_at: now_rfc3339() }
+    }
+
+    #[tokio::test]
+    async fn a_summary_naming_another_session_is_not_listed() {
+        let home = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = SessionStore::new(home.path());
+        store.write_meta(&meta("s1")).await.unwrap_or_else(|e| panic!("{e}"));
+        let planted = serde_json::to_vec(&meta("../../etc/passwd")).unwrap_or_default();
+        std::fs::write(home.path().join("sessions/planted.meta.json"), planted).unwrap_or_else(|e| panic!("{e}"));
+        let listed: Vec<String> =
+            store.list(None).await.unwrap_or_else(|e| panic!("{e}")).into_iter().map(|m| m.session_id).collect();
+        assert_eq!(listed, ["s1"]);
+        assert_eq!(store.read_meta("planted").await, None);
+    }
+
+    #[tokio::test]
+    async fn a_session_file_that_is_a_link_is_neither_read_nor_appended_to() {
+        let home = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = SessionStore::new(home.path());
+        let victim = home.path().join("victim.txt");
+        std::fs::write(&victim, "{\"turn\":0,\"type\":\"note\"}\n").unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(home.path().join("sessions")).unwrap_or_else(|e| panic!("{e}"));
+        std::os::unix::fs::symlink(&victim, store.log_path("s2")).unwrap_or_else(|e| panic!("{e}"));
+        std::os::unix::fs::symlink(&victim, store.meta_path("s2")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!store.exists("s2"), "a link is not a session's log");
+        assert!(read_log(&store.log_path("s2")).await.is_err(), "not followed on load");
+        assert_eq!(store.read_meta("s2").await, None);
+        assert!(crate::log::SessionLog::create(&store.log_path("s2")).await.is_err(), "not followed on append");
+        let kept = std::fs::read_to_string(&victim).unwrap_or_default();
+        assert_eq!(kept, "{\"turn\":0,\"type\":\"note\"}\n", "the file it points at is untouched");
     }
 }
