@@ -22,6 +22,9 @@ pub trait TaskStore: Send + Sync + 'static {
     fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
     /// Every pending task of every run, oldest run first, in plan order.
     fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
+    /// A consistent copy of the whole store, taken while it is in use, written to the new file
+    /// `to` (SQLite); a PostgreSQL store says to use `pg_dump`.
+    fn backup(&self, to: &std::path::Path) -> Result<(), StoreError>;
     /// [`TaskStore::pending_tasks`] one at a time to `visit`, until it returns true; each row
     /// is decoded only when reached (a worker's lease usually takes one of the first).
     fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError>;

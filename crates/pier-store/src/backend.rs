@@ -43,6 +43,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// The tasks touched by an event after `after`, and the sequence they are current to.
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError>;
 
+    /// Writes a consistent copy of the whole store, taken while it is in use, to the new
+    /// file `to`.
+    fn backup(&self, to: &std::path::Path) -> Result<(), StoreError>;
+
     /// The commit watch (see [`crate::TaskStore::subscribe`]).
     fn subscribe(&self) -> watch::Receiver<i64>;
 

@@ -45,7 +45,7 @@ pub use rows::{
     WorkerRow, offered_option, option_kind,
 };
 pub use spend::{MODEL_REQUEST, ModelRequest, Spend, Subtotal, Tokens};
-pub use sqlite::Sqlite;
+pub use sqlite::{Sqlite, checkpoint_open_stores};
 pub use store::Store;
 
 /// The store in a SQLite file: the embedded default.

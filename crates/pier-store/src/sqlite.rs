@@ -84,6 +84,34 @@ const MIGRATIONS: [Migration; 11] = [
     LATER[6],
 ];
 
+/// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].
+static OPENED: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
+
+/// Moves every commit of the SQLite stores this process opened from their `-wal` into the
+/// database file itself (`PRAGMA wal_checkpoint(TRUNCATE)`), so the file alone holds the
+/// store: one copied or backed up is whole. Called as a process ends (a handle still held
+/// somewhere then never closes, and SQLite checkpoints only at the last close); what cannot
+/// be checkpointed (another process reading) is left for the next one, and said.
+pub fn checkpoint_open_stores() {
+    let paths = std::mem::take(&mut *lock(&OPENED));
+    for path in paths {
+        if let Err(e) = checkpoint(&path) {
+            tracing::warn!(store = %path.display(), error = %e, "could not fold the store's -wal into it; the next close will");
+        }
+    }
+}
+
+fn checkpoint(path: &Path) -> Result<(), StoreError> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(2))?;
+    let (busy, _, _): (i64, i64, i64) =
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    if busy != 0 {
+        return Err(StoreError::Db("another connection is reading".into()));
+    }
+    Ok(())
+}
+
 /// How often the watcher asks SQLite whether another process committed.
 pub const WATCH_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -186,6 +214,12 @@ impl Sqlite {
         let reader = Connection::open(path)?;
         reader.busy_timeout(std::time::Duration::from_secs(10))?;
         reader.set_prepared_statement_cache_capacity(64);
+        {
+            let mut opened = lock(&OPENED);
+            if !opened.iter().any(|p| p == path) {
+                opened.push(path.to_owned());
+            }
+        }
         Ok(Sqlite {
             conn: Mutex::new(conn),
             queue: Mutex::new(Vec::new()),
@@ -387,6 +421,19 @@ impl Backend for Sqlite {
 
     fn read<T>(&self, f: impl Fn(&mut dyn Query) -> Result<T, StoreError>) -> Result<T, StoreError> {
         f(&mut SqliteTx(&lock(&self.reader)))
+    }
+
+    fn backup(&self, to: &Path) -> Result<(), StoreError> {
+        if std::fs::symlink_metadata(to).is_ok() {
+            return Err(StoreError::Db(format!(
+                "{} exists; a backup goes to a new file: remove it or name another",
+                to.display()
+            )));
+        }
+        let target = to.to_str().ok_or_else(|| StoreError::Db(format!("{} is not a UTF-8 path", to.display())))?;
+        // One read transaction: the copy is the store as of one commit, and writers go on.
+        lock(&self.reader).execute("VACUUM INTO ?1", params![target]).map_err(|e| self.named(e.into()))?;
+        Ok(())
     }
 
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {

@@ -117,6 +117,10 @@ impl<B: Backend> TaskStore for Store<B> {
         tasks(self.rows(B::PENDING_TASKS, &[])?)
     }
 
+    fn backup(&self, to: &std::path::Path) -> Result<(), StoreError> {
+        self.db.backup(to)
+    }
+
     fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError> {
         // Run by run, oldest first, a page at a time (the first small): a lease usually takes
         // one of the first tasks, and reading (let alone sorting) every pending task for it

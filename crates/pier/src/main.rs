@@ -16,6 +16,7 @@ mod retry_cmd;
 mod run_cmd;
 mod serve_cmd;
 mod show_cmd;
+mod store_cmd;
 mod waiting;
 mod worker_cmd;
 
@@ -77,6 +78,9 @@ enum Command {
     /// Install or list embedded models
     #[command(subcommand)]
     Models(models_cmd::ModelsCmd),
+    /// The store as a file: `pier store backup PATH`
+    #[command(subcommand)]
+    Store(store_cmd::StoreCmd),
     /// Run `pier agent` against a scripted local model and show the ACP exchange
     Demo,
     /// Print the effective configuration and where each value came from (flag, env, file, default)
@@ -177,6 +181,7 @@ fn main() {
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),
             Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
             Command::Models(cmd) => models_cmd::run(cmd).map(|()| 0),
+            Command::Store(cmd) => store_cmd::run(cmd).await.map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),
             Command::Config(args) => config_cmd::show(args).map(|()| 0),
             Command::Completions { shell } => {
@@ -189,6 +194,9 @@ fn main() {
     });
     // A blocked stdin read must not hold the process open once we are done.
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+    // The process ends without every store handle closed: the SQLite files it wrote are
+    // made whole on their own (nothing left only in a -wal) before it does.
+    pier_host::store::checkpoint_open_stores();
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {

@@ -141,6 +141,34 @@ impl Tasks for pier_host::SqliteStore {
     }
 }
 
+/// After `pier run` ends the database file alone holds the store (nothing only in its -wal),
+/// and `pier store backup` copies it whole to a new file, never over an existing one.
+#[tokio::test]
+async fn the_store_file_alone_holds_the_run_and_backs_up_whole() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n");
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let run = run_of(&o);
+    // What a user who copies pier.db (and only it) has.
+    let copied = h.path("copied.db");
+    must(std::fs::copy(h.path("data/pier.db"), &copied), "copy");
+    let copy = must(pier_host::SqliteStore::open(&copied), "open the copy");
+    let task = copy.tasks(&run).first().cloned();
+    assert_eq!(task.and_then(|t| t.result), Some("done: hi".to_owned()), "pier.db alone holds the run");
+
+    let backup = h.path("backup.db");
+    let o = h.run(&["store", "backup", backup.to_str().unwrap_or_default()]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let restored = must(pier_host::SqliteStore::open(&backup), "open the backup");
+    assert_eq!(restored.tasks(&run).len(), 1, "the backup holds the run");
+    let o = h.run(&["store", "backup", backup.to_str().unwrap_or_default()]).await;
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("exists; a backup goes to a new file"), "{}", stderr(&o));
+}
+
 #[tokio::test]
 async fn retries_stop_at_max_attempts_and_dependents_are_cancelled() {
     let f = must(FakeModel::start().await, "fake");

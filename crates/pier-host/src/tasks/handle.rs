@@ -56,6 +56,12 @@ impl Tasks {
             .map_err(|e| ActionError::Store(StoreError::Db(format!("a store call failed: {e}"))))?
     }
 
+    /// Copies the whole store, while it is in use, to the new file `to` (SQLite; a
+    /// PostgreSQL store says how to use `pg_dump`).
+    pub async fn backup(&self, to: std::path::PathBuf) -> Result<(), ActionError> {
+        self.blocking(move |s| Ok(s.backup(&to)?)).await
+    }
+
     /// Whether the store answers a read (`/ready`).
     pub async fn ready(&self) -> Result<(), ActionError> {
         self.blocking(|s| Ok(s.last_seq().map(|_| ())?)).await

@@ -363,6 +363,14 @@ impl Backend for Pg {
         }
     }
 
+    fn backup(&self, _to: &std::path::Path) -> Result<(), StoreError> {
+        Err(StoreError::Db(
+            "a PostgreSQL store is backed up by PostgreSQL: run `pg_dump --format=custom DATABASE_URL > pier.dump` \
+             (restore into an empty database with `pg_restore --dbname DATABASE_URL pier.dump`)"
+                .into(),
+        ))
+    }
+
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
         // The bound is the committed counter, in the statement's snapshot with the events:
         // every event up to it is visible (a commit that moved it had all of its own, and
