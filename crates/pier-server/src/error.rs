@@ -25,6 +25,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         ErrorCode::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::RunExists
         | ErrorCode::Duplicate
         | ErrorCode::BadTransition

@@ -31,6 +31,7 @@ mod error;
 mod routes;
 mod sse;
 mod telemetry;
+mod throttle;
 mod v1;
 
 use std::path::PathBuf;
@@ -66,6 +67,8 @@ pub struct App {
     sse: SseLimits,
     /// The dashboard's login sessions.
     ui: dashboard::Sessions,
+    /// Failed authentication per client address.
+    throttle: throttle::Throttle,
 }
 
 /// What one `/events` client may hold: at most `buffer` events queued for it, and a
@@ -95,6 +98,7 @@ impl App {
             failed: CancellationToken::new(),
             sse: SseLimits::default(),
             ui: dashboard::Sessions::default(),
+            throttle: throttle::Throttle::default(),
         })
     }
 
@@ -227,12 +231,22 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn auth(State(app): State<Shared>, req: Request, next: Next) -> Response {
-    let given =
-        req.headers().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let client = throttle::client(&req);
+    if let Err(wait) = app.throttle.check(client) {
+        return throttle::refusal(wait);
+    }
+    let presented = req.headers().get("authorization");
+    let given = presented.and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     match given {
         Some(t) if same(t.as_bytes(), app.token.as_bytes()) => next.run(req).await,
-        _ => ApiError::new(ErrorCode::Unauthorized, "send Authorization: Bearer TOKEN (see the token file)")
-            .into_response(),
+        _ => {
+            // A guess is a credential that is wrong; a request without one guesses nothing.
+            if presented.is_some() {
+                app.throttle.failed(client);
+            }
+            ApiError::new(ErrorCode::Unauthorized, "send Authorization: Bearer TOKEN (see the token file)")
+                .into_response()
+        }
     }
 }
 

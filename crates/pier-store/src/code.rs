@@ -21,6 +21,8 @@ pub enum ErrorCode {
     UnsupportedMediaType,
     /// A body over the route's limit.
     TooLarge,
+    /// Too many requests of a kind: failed authentication, messages waiting for a task.
+    TooManyRequests,
     UnknownRun,
     UnknownTask,
     /// A run id that is taken (by another plan).
@@ -49,7 +51,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order the documentation lists them.
-    pub const ALL: [ErrorCode; 22] = [
+    pub const ALL: [ErrorCode; 23] = [
         ErrorCode::Unauthorized,
         ErrorCode::BadRequest,
         ErrorCode::BadPlan,
@@ -57,6 +59,7 @@ impl ErrorCode {
         ErrorCode::MethodNotAllowed,
         ErrorCode::UnsupportedMediaType,
         ErrorCode::TooLarge,
+        ErrorCode::TooManyRequests,
         ErrorCode::UnknownRun,
         ErrorCode::UnknownTask,
         ErrorCode::RunExists,
@@ -83,6 +86,7 @@ impl ErrorCode {
             ErrorCode::MethodNotAllowed => "method_not_allowed",
             ErrorCode::UnsupportedMediaType => "unsupported_media_type",
             ErrorCode::TooLarge => "too_large",
+            ErrorCode::TooManyRequests => "too_many_requests",
             ErrorCode::UnknownRun => "unknown_run",
             ErrorCode::UnknownTask => "unknown_task",
             ErrorCode::RunExists => "run_exists",

@@ -32,6 +32,9 @@ pub enum StoreError {
     /// written, and the attempt's agent is to be told the message instead.
     #[error("a message waits for task `{task}`; send it to the agent before ending the attempt")]
     MessagesWaiting { task: String },
+    /// A task's inbox holds as many unsent messages as it takes: nothing was queued.
+    #[error("{waiting} messages already wait for task `{task}`; send more once its agent has taken them")]
+    InboxFull { task: String, waiting: i64 },
 }
 
 impl StoreError {
@@ -49,6 +52,7 @@ impl StoreError {
             StoreError::Full { .. } => ErrorCode::DiskFull,
             StoreError::Db(_) => ErrorCode::Store,
             StoreError::MessagesWaiting { .. } => ErrorCode::MessagesWaiting,
+            StoreError::InboxFull { .. } => ErrorCode::TooManyRequests,
         }
     }
 

@@ -900,6 +900,9 @@ pub(crate) fn keep_output(tx: &mut dyn Tx, a: &Attempt, output: &str) -> Result<
     Ok(((), 0))
 }
 
+/// Messages a task's inbox holds unsent at most (each is bounded in size by its sender).
+pub const MAX_WAITING_MESSAGES: i64 = 100;
+
 /// Queues a message for a running task (`None` if it is not running).
 pub(crate) fn say(
     tx: &mut dyn Tx,
@@ -914,6 +917,15 @@ pub(crate) fn say(
     // a re-run decision has none, and a message to it would never be sent.
     if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) || row.lease_owner.is_none() {
         return Ok((None, 0));
+    }
+    let waiting = tx
+        .int(
+            "SELECT COUNT(*) FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?
+        .unwrap_or(0);
+    if waiting >= MAX_WAITING_MESSAGES {
+        return Err(StoreError::InboxFull { task: task.to_owned(), waiting });
     }
     let n = tx
         .int(

@@ -46,6 +46,27 @@ pub struct ServeArgs {
     sse_patience_ms: u64,
 }
 
+/// Roughly how many guesses a token takes, in bits: its length times the bits of the
+/// character classes it draws from (a generous estimate for a word, exact for random hex).
+fn token_bits(token: &str) -> f64 {
+    let has = |class: fn(&char) -> bool| token.chars().any(|c| class(&c));
+    let mut alphabet: f64 = 0.0;
+    for (class, size) in [
+        (char::is_ascii_lowercase as fn(&char) -> bool, 26.0),
+        (char::is_ascii_uppercase, 26.0),
+        (char::is_ascii_digit, 10.0),
+        (|c: &char| !c.is_ascii_alphanumeric(), 33.0),
+    ] {
+        if has(class) {
+            alphabet += size;
+        }
+    }
+    // Hex (digits and a-f only) is 16 symbols, not 36.
+    let hex = token.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
+    let alphabet = if hex { 16.0 } else { alphabet };
+    token.chars().count() as f64 * alphabet.max(1.0).log2()
+}
+
 /// The token: `--token`, `PIER_TOKEN`, or the token file (made on first use).
 fn token(args: &ServeArgs, home: &std::path::Path) -> anyhow::Result<String> {
     Ok(match args.token.clone().or_else(|| std::env::var("PIER_TOKEN").ok().filter(|t| !t.is_empty())) {
@@ -90,6 +111,19 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         anyhow::bail!("--token is empty: give a token, or leave --token out to use the token file");
     }
     let token = token(&args, &home)?;
+    let bits = token_bits(&token);
+    if bits < 128.0 {
+        let why = format!(
+            "the token has about {bits:.0} bits of entropy, under 128: someone who can reach {} could guess it",
+            args.listen
+        );
+        let fix = "leave --token and PIER_TOKEN out to use the generated one, or give 32 random hex characters \
+                   (`openssl rand -hex 16`)";
+        if !args.listen.ip().is_loopback() {
+            anyhow::bail!("{why}; {fix}");
+        }
+        eprintln!("pier serve: warning: {why} (loopback only, so it starts); {fix}");
+    }
     let config = HostConfig {
         concurrency: args.concurrency.max(1),
         node: match &args.node_id {
@@ -137,7 +171,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shutdown_app = app.clone();
     let fatal = Arc::new(std::sync::Mutex::new(None));
     let fatal_seen = fatal.clone();
-    axum::serve(listener, pier_server::router(app))
+    let service = pier_server::router(app).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, service)
         .with_graceful_shutdown(async move {
             *fatal_seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = stopped(&shutdown_app).await;
             shutdown_app.shutdown();
@@ -318,5 +353,16 @@ pub async fn events(
         if !follow {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod token_tests {
+    #[test]
+    fn short_tokens_are_weak_and_the_generated_one_is_not() {
+        assert!(super::token_bits("tok123") < 40.0);
+        assert!(super::token_bits("bench") < 128.0);
+        assert!(super::token_bits(&"0123456789abcdef".repeat(2)) >= 128.0, "32 hex characters");
+        assert!(super::token_bits(&"0123456789abcdef".repeat(4)) >= 128.0, "the generated token");
     }
 }

@@ -36,8 +36,11 @@ async fn every_route_needs_the_token() {
         ("GET", "/events"),
         ("GET", "/metrics"),
     ];
-    for (method, path) in routes {
-        for auth in [None, Some("Bearer wrong"), Some("Basic abc")] {
+    // Wrong credentials on the first four routes only: one address may make ten wrong
+    // guesses at once before all its requests wait (tested on its own below).
+    for (i, (method, path)) in routes.into_iter().enumerate() {
+        let auths: &[Option<&str>] = if i < 4 { &[None, Some("Bearer wrong"), Some("Basic abc")] } else { &[None] };
+        for &auth in auths {
             let mut req = s.http.request(method.parse().unwrap_or(reqwest::Method::GET), format!("{}{path}", s.base));
             if let Some(a) = auth {
                 req = req.header("authorization", a);
@@ -587,6 +590,87 @@ async fn a_message_to_a_pull_worker_task_is_queued_for_its_worker_to_take() {
     assert_eq!((code, taken["messages"][0]["text"].as_str()), (200, Some("hello")), "{taken}");
     let (_, again) = s.call(reqwest::Method::POST, &path, Some(json!({"worker": "w1"}))).await;
     assert_eq!(again["messages"], json!([]), "taken once: {again}");
+}
+
+/// A task's inbox holds 100 unsent messages: the next is refused with 429 and nothing is
+/// queued, until its agent takes them.
+#[tokio::test]
+async fn a_full_inbox_refuses_more_messages_until_they_are_taken() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "in"}))).await.0, 201);
+    let leased = lease(&s, "w1", 60_000).await;
+    for i in 0..100 {
+        let (code, body) =
+            s.call(reqwest::Method::POST, "/runs/in/tasks/w/messages", Some(json!({"text": format!("m{i}")}))).await;
+        assert_eq!(code, 201, "{i}: {body}");
+    }
+    let (code, body) =
+        s.call(reqwest::Method::POST, "/runs/in/tasks/w/messages", Some(json!({"text": "one more"}))).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (429, Some("too_many_requests")), "{body}");
+    let n = leased["task"]["attempt"].as_i64().unwrap_or_default();
+    let path = format!("/v1/runs/in/tasks/w/attempts/{n}/messages");
+    let (_, taken) = s.call(reqwest::Method::POST, &path, Some(json!({"worker": "w1"}))).await;
+    assert_eq!(taken["messages"].as_array().map(Vec::len), Some(100), "the refused one was not queued");
+    let (code, _) = s.call(reqwest::Method::POST, "/runs/in/tasks/w/messages", Some(json!({"text": "now"}))).await;
+    assert_eq!(code, 201);
+}
+
+/// A guessable token is refused on any address but loopback (before anything listens), and
+/// on loopback starts with a warning.
+#[tokio::test]
+async fn a_weak_token_is_refused_off_loopback() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let o = Command::new(PIER)
+        .args(["serve", "--listen", "0.0.0.0:0", "--token", "tok123"])
+        .current_dir(dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .stdin(Stdio::null())
+        .output();
+    let o = must(must(tokio::time::timeout(LIMIT, o).await, "in time"), "run");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("under 128") && err.contains("openssl rand -hex 16"), "{err}");
+    assert!(!dir.path().join("data/pier.db").exists(), "refused before the store was touched");
+}
+
+/// Wrong tokens from one address: ten at once, then 429 with `Retry-After` for every
+/// request from it, the right token too (a throttled guess learns nothing); requests
+/// without a credential are not guesses, and the dashboard's login counts the same way.
+#[tokio::test]
+async fn guessing_the_token_is_throttled_per_address() {
+    let s = server(None).await;
+    let get = |auth: Option<String>| {
+        let mut req = s.http.get(format!("{}/runs", s.base));
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        async move { must(must(tokio::time::timeout(LIMIT, req.send()).await, "in time"), "send") }
+    };
+    for _ in 0..20 {
+        assert_eq!(get(None).await.status().as_u16(), 401, "no credential is no guess");
+    }
+    let login = |token: &'static str| {
+        let req = s.http.post(format!("{}/ui/login", s.base)).form(&[("token", token)]);
+        async move { must(must(tokio::time::timeout(LIMIT, req.send()).await, "in time"), "send").status().as_u16() }
+    };
+    assert_eq!(login("not-it").await, 401);
+    for i in 1..10 {
+        assert_eq!(get(Some("Bearer guess".into())).await.status().as_u16(), 401, "guess {i}");
+    }
+    let throttled = get(Some("Bearer guess".into())).await;
+    assert_eq!(throttled.status().as_u16(), 429);
+    let retry: u64 = throttled
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_default();
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    let body: Value = must(serde_json::from_str(&must(throttled.text().await, "text")), "json");
+    assert_eq!(body["error"]["code"], "too_many_requests");
+    assert_eq!(get(Some(format!("Bearer {TOKEN}"))).await.status().as_u16(), 429, "the right token waits too");
+    assert_eq!(login(TOKEN).await, 429, "and so does the login form");
 }
 
 #[tokio::test]

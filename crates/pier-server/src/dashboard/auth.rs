@@ -44,8 +44,9 @@ impl Sessions {
         self.map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A new session's id; `None` when the table is full of live sessions.
-    fn open(&self) -> Option<String> {
+    /// A new session's id. A table full of live sessions gives up its oldest: a login always
+    /// gets in, and no one can lock the owner out by logging in again and again.
+    fn open(&self) -> String {
         let mut map = self.lock();
         let now = Instant::now();
         map.retain(|_, h| {
@@ -55,13 +56,16 @@ impl Sessions {
             }
             live
         });
-        if map.len() >= MAX {
-            return None;
+        while map.len() >= MAX {
+            let Some(oldest) = map.iter().min_by_key(|(_, h)| h.until).map(|(id, _)| id.clone()) else { break };
+            if let Some(h) = map.remove(&oldest) {
+                h.ends.cancel();
+            }
         }
         let id = random();
         let label = random().chars().take(8).collect();
         map.insert(id.clone(), Held { csrf: random(), until: now + TTL, label, ends: CancellationToken::new() });
-        Some(id)
+        id
     }
 
     fn get(&self, id: &str) -> Option<Held> {
@@ -154,14 +158,26 @@ pub struct LoginForm {
     token: String,
 }
 
-pub async fn login(State(app): State<Shared>, Form(f): Form<LoginForm>) -> Response {
+pub async fn login(
+    State(app): State<Shared>,
+    crate::throttle::Client(client): crate::throttle::Client,
+    Form(f): Form<LoginForm>,
+) -> Response {
+    if let Err(wait) = app.throttle.check(client) {
+        let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let page = super::pages::login(Some(&format!("Too many wrong tokens from here; try again in {secs} s.")));
+        let mut resp = (StatusCode::TOO_MANY_REQUESTS, axum::response::Html(page.into_string())).into_response();
+        if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        return resp;
+    }
     if !crate::same(f.token.trim().as_bytes(), app.token.as_bytes()) {
+        app.throttle.failed(client);
         let page = super::pages::login(Some("That is not the token of this server."));
         return (StatusCode::UNAUTHORIZED, axum::response::Html(page.into_string())).into_response();
     }
-    let Some(id) = app.ui.open() else {
-        return super::refusal(StatusCode::SERVICE_UNAVAILABLE, "Too many sessions are open; try again later.");
-    };
+    let id = app.ui.open();
     let mut resp = Redirect::to("/ui/").into_response();
     let value = format!("{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}", TTL.as_secs());
     if let Ok(v) = HeaderValue::from_str(&value) {
@@ -186,4 +202,25 @@ pub async fn logout(State(app): State<Shared>, s: Session, Form(f): Form<LogoutF
         HeaderValue::from_static("pier_session=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_table_gives_up_its_oldest_session_for_a_new_login() {
+        let sessions = Sessions::default();
+        let first = sessions.open();
+        let ends = sessions.get(&first).map(|h| h.ends);
+        for _ in 1..MAX {
+            sessions.open();
+        }
+        assert!(sessions.get(&first).is_some(), "full, nothing given up yet");
+        let newest = sessions.open();
+        assert!(sessions.get(&newest).is_some(), "a login always gets in");
+        assert!(sessions.get(&first).is_none(), "the oldest made room");
+        assert!(ends.is_some_and(|e| e.is_cancelled()), "and its event streams end");
+        assert_eq!(sessions.lock().len(), MAX);
+    }
 }
