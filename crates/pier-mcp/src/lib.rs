@@ -16,6 +16,7 @@
 //! Env values and header values are never logged or put in an error: only their names.
 
 mod http;
+mod lines;
 mod server;
 mod stdio;
 mod tool;
@@ -166,8 +167,15 @@ async fn start_stdio(spec: &McpServerStdio, cwd: &Path, timeout: Duration) -> Re
             McpError::Spawn { server: server.clone(), command: spec.command.display().to_string(), source }
         })?;
     tracing::debug!(server, pid = process.pid(), "MCP server spawned");
-    match handshake((stdout, stdin), timeout).await {
-        Ok((service, tools)) => Ok((Arc::new(Server::new(server, service, Some(process))), tools)),
+    let (stdout, oversized) = lines::Watched::new(stdout);
+    let transport =
+        rmcp::transport::async_rw::AsyncRwTransport::new_client(stdout, stdin).with_max_line_length(lines::MAX_LINE);
+    match handshake(transport, timeout).await {
+        Ok((service, tools)) => {
+            let server =
+                Server::new(server, service, Some(process)).watching(oversized).timed(call_timeout(spec.meta.as_ref()));
+            Ok((Arc::new(server), tools))
+        }
         Err(failure) => {
             // The handshake (and with it the pipes) is gone; the process may still run.
             process.stop(STOP_GRACE).await;
@@ -183,7 +191,9 @@ async fn start_http(spec: &McpServerHttp, timeout: Duration) -> Result<Started, 
     let transport = http::transport(&spec.url, &spec.headers)
         .map_err(|reason| McpError::Config { server: server.clone(), reason })?;
     match handshake(transport, timeout).await {
-        Ok((service, tools)) => Ok((Arc::new(Server::new(server, service, None)), tools)),
+        Ok((service, tools)) => {
+            Ok((Arc::new(Server::new(server, service, None).timed(call_timeout(spec.meta.as_ref()))), tools))
+        }
         Err(Failure::Initialize(reason)) => Err(McpError::Connect { server, url: spec.url.clone(), reason }),
         Err(failure) => Err(failed(server, failure, timeout, String::new())),
     }
@@ -202,12 +212,58 @@ where
         if !offers_tools {
             return Ok((service, Vec::new()));
         }
-        match service.peer().list_all_tools().await {
-            Ok(tools) => Ok((service, tools)),
-            Err(e) => Err(Failure::ListTools(describe(&e))),
-        }
+        let tools = list_tools(service.peer()).await?;
+        Ok((service, tools))
     };
     tokio::time::timeout(timeout, steps).await.unwrap_or(Err(Failure::Timeout))
+}
+
+/// The `_meta` key of a server's entry (in `mcpServers`) that sets how long one of its calls
+/// may take, in seconds.
+pub const CALL_TIMEOUT_META: &str = "pier.dev/callTimeoutSecs";
+/// How long a call takes at most unless the server's entry says otherwise.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(600);
+
+fn call_timeout(meta: Option<&agent_client_protocol_schema::v1::Meta>) -> Duration {
+    meta.and_then(|m| m.get(CALL_TIMEOUT_META))
+        .and_then(serde_json::Value::as_f64)
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(DEFAULT_CALL_TIMEOUT, |s| Duration::from_secs_f64(s.min(86_400.0)))
+}
+
+/// Pages of `tools/list` a server may answer with, at most.
+const MAX_PAGES: usize = 100;
+/// Tools one server may offer, at most.
+const MAX_TOOLS: usize = 1_000;
+/// The tools' descriptions of one server together (names, texts, schemas), at most.
+const MAX_TOOL_BYTES: usize = 8 << 20;
+
+/// Every page of `tools/list`, within bounds: a server that pages on and on, or offers more
+/// tools (or larger ones) than a model could be told about, fails its start, saying which
+/// bound it passed, instead of growing the agent without end.
+async fn list_tools(peer: &rmcp::Peer<RoleClient>) -> Result<Vec<rmcp::model::Tool>, Failure> {
+    let (mut tools, mut bytes, mut cursor) = (Vec::new(), 0usize, None);
+    for _ in 0..MAX_PAGES {
+        let params = rmcp::model::PaginatedRequestParams::default().with_cursor(cursor.take());
+        let page = peer.list_tools(Some(params)).await.map_err(|e| Failure::ListTools(describe(&e)))?;
+        for tool in page.tools {
+            bytes += serde_json::to_vec(&tool).map_or(0, |v| v.len());
+            tools.push(tool);
+            if tools.len() > MAX_TOOLS || bytes > MAX_TOOL_BYTES {
+                return Err(Failure::ListTools(format!(
+                    "it offers more than {MAX_TOOLS} tools or {} MiB of tool descriptions; pier takes at most that from one server",
+                    MAX_TOOL_BYTES >> 20
+                )));
+            }
+        }
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => return Ok(tools),
+        }
+    }
+    Err(Failure::ListTools(format!(
+        "its tools/list is still paging after {MAX_PAGES} pages; pier takes at most that many from one server"
+    )))
 }
 
 /// An error and its causes, one sentence: rmcp's and reqwest's top-level messages hide the

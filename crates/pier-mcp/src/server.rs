@@ -26,12 +26,51 @@ pub(crate) struct Server {
     service: Mutex<Option<crate::Client>>,
     /// `None` for an http server.
     process: Option<ChildProcess>,
+    /// Lines of its stdout too long to read so far (a stdio server's).
+    oversized: Option<tokio::sync::watch::Receiver<u64>>,
+    /// How long one call may take.
+    pub(crate) call_timeout: std::time::Duration,
 }
 
 impl Server {
     pub(crate) fn new(name: String, service: crate::Client, process: Option<ChildProcess>) -> Server {
         let peer = service.peer().clone();
-        Server { name, peer, service: Mutex::new(Some(service)), process }
+        Server {
+            name,
+            peer,
+            service: Mutex::new(Some(service)),
+            process,
+            oversized: None,
+            call_timeout: crate::DEFAULT_CALL_TIMEOUT,
+        }
+    }
+
+    /// With the count of its stdout's lines too long to read.
+    pub(crate) fn watching(mut self, oversized: tokio::sync::watch::Receiver<u64>) -> Server {
+        self.oversized = Some(oversized);
+        self
+    }
+
+    /// With how long one call may take.
+    pub(crate) fn timed(mut self, call_timeout: std::time::Duration) -> Server {
+        self.call_timeout = call_timeout;
+        self
+    }
+
+    /// Resolves when a line too long to read arrives after this call (never for an http server).
+    pub(crate) fn oversized(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let rx = self.oversized.clone();
+        async move {
+            match rx {
+                Some(mut rx) => {
+                    rx.mark_unchanged();
+                    if rx.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                None => std::future::pending::<()>().await,
+            }
+        }
     }
 
     /// Closes the client, then stops and reaps the process. Idempotent.

@@ -75,11 +75,32 @@ async fn call(server: &Server, tool: String, args: Value, cx: ToolContext) -> Re
     if let Some(reason) = server.down_reason().await {
         return Err(not_running(server, &reason));
     }
+    let oversized = server.oversized();
     let result = tokio::select! {
         biased;
         // Dropping the call future makes rmcp send `notifications/cancelled` for the request.
         () = cx.cancel.cancelled() => return Err(ToolError::new("cancelled")),
-        result = server.peer.call_tool(params) => result,
+        // The transport drops such a line: the answer it carried will never come.
+        () = oversized => {
+            return Err(ToolError::new(format!(
+                "MCP server `{}` answered with a message over {} MiB, which pier does not read; the call to `{tool}` \
+                 failed (ask the tool for less)",
+                server.name,
+                crate::lines::MAX_LINE >> 20
+            )));
+        }
+        result = tokio::time::timeout(server.call_timeout, server.peer.call_tool(params)) => match result {
+            Ok(result) => result,
+            Err(_) => {
+                return Err(ToolError::new(format!(
+                    "MCP server `{}` did not answer the call to `{tool}` within {:?} (an answer that is not JSON-RPC \
+                     is dropped); the call is cancelled. `_meta` \"{}\" on the server's entry sets the limit",
+                    server.name,
+                    server.call_timeout,
+                    crate::CALL_TIMEOUT_META
+                )));
+            }
+        },
     };
     let result = match result {
         Ok(result) => result,

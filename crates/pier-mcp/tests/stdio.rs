@@ -76,6 +76,29 @@ async fn an_is_error_result_is_a_failed_output_the_model_reads() {
     servers.shutdown().await;
 }
 
+/// An answer over the transport's 16 MiB fails its call at once, saying so, and the server
+/// goes on serving; one that is not JSON-RPC fails its call at the server's call timeout
+/// (`_meta` "pier.dev/callTimeoutSecs"), never hanging the turn.
+#[tokio::test]
+async fn an_oversized_or_garbled_answer_fails_its_call_and_the_server_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent_client_protocol_schema::v1::McpServer::Stdio(spec) = stdio("u", &["--unruly"], &[]) else {
+        panic!("a stdio server")
+    };
+    let mut meta = agent_client_protocol_schema::v1::Meta::new();
+    meta.insert(pier_mcp::CALL_TIMEOUT_META.into(), json!(2));
+    let servers = start(&[agent_client_protocol_schema::v1::McpServer::Stdio(spec.meta(meta))], dir.path()).await;
+    let started = std::time::Instant::now();
+    let err = tool(&servers, "u__huge").run(json!({}), cx(dir.path())).await.err().unwrap();
+    assert!(err.to_string().contains("over 16 MiB"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2), "failed as the line passed, not at the timeout");
+    let out = tool(&servers, "u__echo").run(json!({"text": "still here"}), cx(dir.path())).await.unwrap();
+    assert_eq!(out.text, "still here");
+    let err = tool(&servers, "u__garbled").run(json!({}), cx(dir.path())).await.err().unwrap();
+    assert!(err.to_string().contains("did not answer the call to `garbled` within 2s"), "{err}");
+    servers.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_missing_command_fails_start_naming_the_server() {
     let dir = tempfile::tempdir().unwrap();
@@ -104,6 +127,20 @@ async fn a_server_that_exits_at_once_fails_start_with_its_stderr() {
     let message = err.to_string();
     assert!(message.contains("MCP server `quitter`"), "{message}");
     assert!(message.contains("cannot open the database: permission denied"), "{message}");
+}
+
+#[tokio::test]
+async fn a_server_that_pages_its_tools_on_and_on_fails_its_start_within_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("pid");
+    let spec = stdio("pager", &["--endless-pages"], &[("MCP_PID_FILE", &pid_file)]);
+    let err = McpServers::start(&[spec], dir.path(), START_TIMEOUT).await.err().unwrap();
+    assert!(matches!(err, McpError::ListTools { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(message.contains("MCP server `pager`") && message.contains("more than 1000 tools"), "{message}");
+    if pid_file.exists() {
+        wait_gone(read_pid(&pid_file)).await;
+    }
 }
 
 #[tokio::test]
