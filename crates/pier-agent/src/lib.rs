@@ -64,6 +64,9 @@ pub struct AgentOptions {
     pub vision: bool,
     /// How long MCP servers get to start and list their tools.
     pub mcp_timeout: std::time::Duration,
+    /// The `pier` binary, whose `subagent-guard` leads each stdio MCP server's process tree
+    /// (ends it with the session and with the agent); `None` runs servers bare.
+    pub mcp_guard: Option<std::path::PathBuf>,
     /// Cancels a subagent's running turn by its session id (`session/cancel` of a child
     /// session an editor was shown); false when no such child runs.
     pub cancel_subagent: Option<CancelSubagent>,
@@ -81,6 +84,7 @@ impl AgentOptions {
             default_model: None,
             vision: false,
             mcp_timeout: std::time::Duration::from_secs(30),
+            mcp_guard: None,
             cancel_subagent: None,
             task_context: true,
         }

@@ -16,10 +16,16 @@ pub struct Servers(pier_mcp::McpServers);
 impl Servers {
     /// Starts every server, or fails with -32603 naming the server that did not start
     /// (and its stderr tail); servers already started are stopped.
-    pub async fn start(servers: &[McpServer], cwd: &Path, timeout: Duration) -> Result<Servers, Error> {
+    /// With `guard` (the `pier` binary), each stdio server runs under its `subagent-guard`.
+    pub async fn start(
+        servers: &[McpServer],
+        cwd: &Path,
+        timeout: Duration,
+        guard: Option<&Path>,
+    ) -> Result<Servers, Error> {
         let names: Vec<String> = servers.iter().map(server_name).collect();
         tracing::info!(servers = ?names, "starting MCP servers");
-        match pier_mcp::McpServers::start(servers, cwd, timeout).await {
+        match pier_mcp::McpServers::start_guarded(servers, cwd, timeout, guard).await {
             Ok(s) => Ok(Servers(s)),
             Err(e) => {
                 tracing::warn!(error = %e, "an MCP server failed to start");

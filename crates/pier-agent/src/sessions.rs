@@ -64,7 +64,8 @@ impl AcpAgent {
         let mcp = if servers.is_empty() {
             None
         } else {
-            let started = mcp::Servers::start(servers, &options.cwd, self.options.mcp_timeout).await?;
+            let guard = self.options.mcp_guard.as_deref();
+            let started = mcp::Servers::start(servers, &options.cwd, self.options.mcp_timeout, guard).await?;
             options.tools = started.tools();
             Some(started)
         };

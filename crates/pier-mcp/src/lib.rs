@@ -89,7 +89,19 @@ impl McpServers {
     /// server fails to start, to initialize or to list its tools within `timeout`; servers already
     /// started are stopped. Servers start concurrently; the first failure in `servers` order wins.
     pub async fn start(servers: &[McpServer], cwd: &Path, timeout: Duration) -> Result<McpServers, McpError> {
-        let results = futures::future::join_all(servers.iter().map(|spec| start_one(spec, cwd, timeout))).await;
+        McpServers::start_guarded(servers, cwd, timeout, None).await
+    }
+
+    /// [`McpServers::start`], each stdio server under `guard`'s `subagent-guard` (the `pier`
+    /// binary), which ends the server's whole process tree with it.
+    pub async fn start_guarded(
+        servers: &[McpServer],
+        cwd: &Path,
+        timeout: Duration,
+        guard: Option<&Path>,
+    ) -> Result<McpServers, McpError> {
+        let starts = servers.iter().map(|spec| start_one(spec, cwd, timeout, guard));
+        let results = futures::future::join_all(starts).await;
         let mut started = Vec::new();
         let mut failure = None;
         for result in results {
@@ -140,9 +152,9 @@ enum Failure {
     ListTools(String),
 }
 
-async fn start_one(spec: &McpServer, cwd: &Path, timeout: Duration) -> Result<Started, McpError> {
+async fn start_one(spec: &McpServer, cwd: &Path, timeout: Duration, guard: Option<&Path>) -> Result<Started, McpError> {
     match spec {
-        McpServer::Stdio(stdio) => start_stdio(stdio, cwd, timeout).await,
+        McpServer::Stdio(stdio) => start_stdio(stdio, cwd, timeout, guard).await,
         McpServer::Http(http) => start_http(http, timeout).await,
         McpServer::Sse(sse) => Err(McpError::Config {
             server: sse.name.clone(),
@@ -157,13 +169,18 @@ async fn start_one(spec: &McpServer, cwd: &Path, timeout: Duration) -> Result<St
     }
 }
 
-async fn start_stdio(spec: &McpServerStdio, cwd: &Path, timeout: Duration) -> Result<Started, McpError> {
+async fn start_stdio(
+    spec: &McpServerStdio,
+    cwd: &Path,
+    timeout: Duration,
+    guard: Option<&Path>,
+) -> Result<Started, McpError> {
     let server = spec.name.clone();
     let env_names: Vec<&str> = spec.env.iter().map(|v| v.name.as_str()).collect();
     tracing::debug!(server, command = %spec.command.display(), args = ?spec.args, env = ?env_names, "starting MCP server");
     let env = spec.env.iter().map(|v| (v.name.clone().into(), v.value.clone().into())).collect();
     let (process, stdout, stdin) =
-        ChildProcess::spawn(Spawn { command: &spec.command, args: &spec.args, env, cwd }).map_err(|source| {
+        ChildProcess::spawn(Spawn { command: &spec.command, args: &spec.args, env, cwd, guard }).map_err(|source| {
             McpError::Spawn { server: server.clone(), command: spec.command.display().to_string(), source }
         })?;
     tracing::debug!(server, pid = process.pid(), "MCP server spawned");

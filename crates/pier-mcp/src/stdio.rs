@@ -1,8 +1,13 @@
 //! A stdio MCP server's process: spawned with pipes, its stderr kept in a bounded tail, stopped
 //! and reaped exactly once.
 //!
-//! The server stays in pier's process group, so a signal to the agent's group reaches it, and it
-//! gets `PR_SET_PDEATHSIG(SIGKILL)`, so a SIGKILLed agent leaves no server behind. The parent death
+//! Given a guard (`pier subagent-guard`, as the `pier` binary passes itself), the server runs
+//! under it, as a subagent does: the guard leads a process group of its own, adopts what the
+//! server orphans, and ends the whole tree (a `setsid` child of an `npx` launcher included)
+//! when told (SIGUSR1), when the server exits, and when pier dies (`PR_SET_PDEATHSIG(SIGTERM)`).
+//! Without one, the server stays in pier's process group, so a signal to the agent's group
+//! reaches it, and it gets `PR_SET_PDEATHSIG(SIGKILL)`, so a SIGKILLed agent leaves no server
+//! behind (but a child that left the group can outlive it). The parent death
 //! signal fires when the *thread* that spawned the child exits: servers must be started from a
 //! thread that lives as long as the session (a runtime worker or the main thread, never a
 //! `spawn_blocking` thread, which exits when idle).
@@ -28,6 +33,9 @@ use tokio::task::JoinHandle;
 /// Bytes of a server's stderr kept for error messages.
 const STDERR_TAIL_BYTES: usize = 4 * 1024;
 
+/// How long a guard told to end its tree gets before it is killed itself.
+const GUARD_GRACE: Duration = Duration::from_secs(3);
+
 /// How long we wait for the stderr reader to drain after the process is gone.
 const STDERR_DRAIN: Duration = Duration::from_millis(500);
 
@@ -37,11 +45,15 @@ pub(crate) struct Spawn<'a> {
     pub args: &'a [String],
     pub env: Vec<(OsString, OsString)>,
     pub cwd: &'a Path,
+    /// The `pier` binary, whose `subagent-guard` leads the server's tree.
+    pub guard: Option<&'a Path>,
 }
 
 /// A running (or exited, not yet reaped) server process. Dropping it kills and reaps it.
 pub(crate) struct ChildProcess {
     pid: u32,
+    /// Whether `pid` is the server's guard, which ends the tree itself on SIGUSR1.
+    guarded: bool,
     /// `None` once the child has been stopped and reaped by [`ChildProcess::stop`]. An async
     /// lock, because [`ChildProcess::settle`] awaits the exit while holding it.
     child: tokio::sync::Mutex<Option<Child>>,
@@ -52,16 +64,28 @@ pub(crate) struct ChildProcess {
 impl ChildProcess {
     /// Spawns the server and hands back its stdout and stdin for the MCP transport.
     pub(crate) fn spawn(spec: Spawn<'_>) -> std::io::Result<(ChildProcess, ChildStdout, ChildStdin)> {
-        let mut cmd = Command::new(spec.command);
-        cmd.args(spec.args)
-            .envs(spec.env)
+        let mut cmd = match spec.guard {
+            Some(pier) => {
+                let mut cmd = Command::new(pier);
+                cmd.args(["subagent-guard", "--"]).arg(spec.command).args(spec.args).process_group(0);
+                cmd
+            }
+            None => {
+                let mut cmd = Command::new(spec.command);
+                cmd.args(spec.args);
+                cmd
+            }
+        };
+        cmd.envs(spec.env)
             .current_dir(spec.cwd)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             // The last line of defence: if every owner forgets the child, tokio still kills it.
             .kill_on_drop(true);
-        pier_tools::contain::die_with_parent(cmd.as_std_mut(), Signal::SIGKILL);
+        // A guard takes SIGTERM as the news of pier's death, and ends its tree after a grace.
+        let death = if spec.guard.is_some() { Signal::SIGTERM } else { Signal::SIGKILL };
+        pier_tools::contain::die_with_parent(cmd.as_std_mut(), death);
         let mut child = cmd.spawn()?;
         let pid = child.id().ok_or_else(|| std::io::Error::other("the process exited before it could be tracked"))?;
         let (Some(stdout), Some(stdin), Some(stderr)) = (child.stdout.take(), child.stdin.take(), child.stderr.take())
@@ -72,6 +96,7 @@ impl ChildProcess {
         let reader = tokio::spawn(read_stderr(stderr, tail.clone()));
         let process = ChildProcess {
             pid,
+            guarded: spec.guard.is_some(),
             child: tokio::sync::Mutex::new(Some(child)),
             stderr: tail,
             stderr_reader: Mutex::new(Some(reader)),
@@ -119,8 +144,11 @@ impl ChildProcess {
         if let Some(mut child) = child {
             // Signalling by pid is safe while we hold the unreaped child: the pid cannot be reused.
             if matches!(child.try_wait(), Ok(None)) {
+                // A guard ends the whole tree, SIGKILLing what is left and reaping it; a bare
+                // server gets SIGTERM and its grace.
+                let signal = if self.guarded { Signal::SIGUSR1 } else { Signal::SIGTERM };
                 if let Ok(pid) = i32::try_from(self.pid) {
-                    let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+                    let _ = kill(Pid::from_raw(pid), signal);
                 }
                 if tokio::time::timeout(grace, child.wait()).await.is_err() {
                     let _ = child.kill().await;
@@ -144,6 +172,24 @@ impl Drop for ChildProcess {
     fn drop(&mut self) {
         let child = self.child.get_mut().take();
         if let Some(mut child) = child {
+            if self.guarded {
+                // Told first, the guard ends the tree itself; the SIGKILL below (for a guard
+                // that does not) comes once it had its moment, or at once without a runtime.
+                if let (Ok(pid), Ok(None)) = (i32::try_from(self.pid), child.try_wait()) {
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGUSR1);
+                }
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        if tokio::time::timeout(GUARD_GRACE, child.wait()).await.is_err() {
+                            let _ = child.kill().await;
+                        }
+                    });
+                    if let Some(reader) = self.stderr_reader.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+                        reader.abort();
+                    }
+                    return;
+                }
+            }
             let _ = child.start_kill();
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {

@@ -100,13 +100,20 @@ fn reap(agent: Pid) -> Option<i32> {
     }
 }
 
-/// After the agent exited: SIGKILLs the rest of the group and reaps what the guard
+/// After the agent exited: SIGKILLs the rest of the group and every descendant of the
+/// guard (a child that left the group with `setsid`, as `npx` and `uvx` launchers do, is
+/// still one: its parent's, or, orphaned, the subreaper guard's), and reaps what the guard
 /// adopted, for at most `bound`.
 fn end_rest(bound: Duration) {
     let (me, group) = (getpid(), getpgrp());
     let until = Instant::now() + bound;
     loop {
-        let others: Vec<Pid> = members(group).into_iter().filter(|p| *p != me).collect();
+        let mut others: Vec<Pid> = members(group).into_iter().filter(|p| *p != me).collect();
+        for pid in descendants(me) {
+            if !others.contains(&pid) {
+                others.push(pid);
+            }
+        }
         for pid in &others {
             let _ = kill(*pid, Signal::SIGKILL);
         }
@@ -120,6 +127,29 @@ fn end_rest(bound: Duration) {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// The live processes below `root` in the tree of parents, from `/proc`.
+fn descendants(root: Pid) -> Vec<Pid> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let mut parent_of = Vec::new();
+    for pid in entries.flatten().filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok())) {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let rest = stat.rfind(')').map_or("", |i| &stat[i + 1..]);
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if let (Some(state), Some(ppid)) = (fields.first(), fields.get(1).and_then(|p| p.parse::<i32>().ok()))
+            && *state != "Z"
+        {
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut found = vec![root.as_raw()];
+    let mut i = 0;
+    while let Some(&parent) = found.get(i) {
+        found.extend(parent_of.iter().filter(|(_, ppid)| *ppid == parent).map(|(pid, _)| *pid));
+        i += 1;
+    }
+    found.into_iter().skip(1).map(Pid::from_raw).collect()
 }
 
 /// The processes of process group `group`, from `/proc`.

@@ -177,6 +177,8 @@ fn agent_options(
 ) -> anyhow::Result<AgentOptions> {
     let mut options = AgentOptions::new(profile);
     options.task_context = !args.no_task_context && files.task_context.unwrap_or(true);
+    // This binary's `subagent-guard` leads each stdio MCP server's tree, as it does a subagent's.
+    options.mcp_guard = std::env::current_exe().ok();
     if let Some(mode) = &files.mode {
         options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
     }

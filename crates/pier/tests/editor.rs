@@ -759,6 +759,35 @@ async fn an_mcp_server_s_tools_are_called_in_a_turn_and_the_server_stops_with_it
     assert!(gone(server).await, "the MCP server outlived the agent");
 }
 
+/// What a stdio MCP server starts in a session of its own (as `npx` and `uvx` launchers do)
+/// ends with the server: at `session/close`, and when the agent is SIGKILLed.
+#[tokio::test]
+async fn an_mcp_server_s_detached_children_end_with_its_session_and_with_the_agent() {
+    let f = fake().await;
+    let pids = must(tempfile::tempdir(), "pid dir");
+    let server = |name: &str| {
+        json!({"name": name, "command": "python3", "args": [mcp_fixture()], "env": [
+            {"name": "MCP_PID_FILE", "value": pids.path().join(format!("{name}.server"))},
+            {"name": "MCP_DETACHED_PID_FILE", "value": pids.path().join(format!("{name}.detached"))}]})
+    };
+    let mut p = PierProcess::spawn(opts(&f)).await;
+    p.initialize().await;
+    let r = p.call("session/new", json!({"cwd": p.cwd(), "mcpServers": [server("one")]})).await;
+    let sid = r["result"]["sessionId"].as_str().unwrap_or_else(|| panic!("session/new failed: {r}")).to_owned();
+    let (srv, detached) = (pid_in(&pids.path().join("one.server")), pid_in(&pids.path().join("one.detached")));
+    let r = p.call("session/close", json!({"sessionId": sid})).await;
+    assert!(r.get("result").is_some(), "{r}");
+    assert!(gone(srv).await, "the MCP server outlived session/close");
+    assert!(gone(detached).await, "its detached child outlived session/close");
+
+    let r = p.call("session/new", json!({"cwd": p.cwd(), "mcpServers": [server("two")]})).await;
+    assert!(r.get("result").is_some(), "{r}");
+    let (srv, detached) = (pid_in(&pids.path().join("two.server")), pid_in(&pids.path().join("two.detached")));
+    p.sigkill();
+    assert!(gone(srv).await, "the MCP server outlived the SIGKILLed agent");
+    assert!(gone(detached).await, "its detached child outlived the SIGKILLed agent");
+}
+
 #[tokio::test]
 async fn pier_exec_s_idle_timer_sees_pier_s_deltas_so_a_slow_long_answer_is_not_cut() {
     let f = fake().await;

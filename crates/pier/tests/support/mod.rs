@@ -266,6 +266,11 @@ impl PierProcess {
         self.stdin = None;
     }
 
+    /// SIGKILLs pier itself (no destructor of its runs): what it started must end anyway.
+    pub fn sigkill(&mut self) {
+        let _ = self.child.start_kill();
+    }
+
     /// Waits for the process to exit, after which stdout must have ended cleanly.
     pub async fn wait_exit(&mut self) -> ExitStatus {
         let status = match tokio::time::timeout(LIMIT, self.child.wait()).await {
