@@ -26,6 +26,17 @@ pub enum StoreError {
     /// The disk (or file system) holding the store is full; nothing of the failed write was kept.
     #[error("the disk is full: cannot write the store {path}; free some space and resume")]
     Full { path: String },
+    /// The disk filled as a run was being created: nothing of it was stored.
+    #[error(
+        "the disk is full: cannot write the store {path}; nothing of the run was stored: free some space and submit it again"
+    )]
+    FullBeforeRun { path: String },
+    /// The store's file does not read whole (damaged pages, not a database): refused at open,
+    /// before anything was written to it.
+    #[error(
+        "the store {path} is damaged ({what}); nothing was written to it: move it aside and restore a copy (`pier store backup` makes them)"
+    )]
+    Damaged { path: String, what: String },
     #[error("the store failed: {0}")]
     Db(String),
     /// An ending asked to wait for the task's inbox found a message there: nothing of it was
@@ -49,7 +60,8 @@ impl StoreError {
             StoreError::RunExists(_) => ErrorCode::RunExists,
             StoreError::Duplicate(_) => ErrorCode::Duplicate,
             StoreError::Corrupt { .. } => ErrorCode::StoreCorrupt,
-            StoreError::Full { .. } => ErrorCode::DiskFull,
+            StoreError::Full { .. } | StoreError::FullBeforeRun { .. } => ErrorCode::DiskFull,
+            StoreError::Damaged { .. } => ErrorCode::StoreCorrupt,
             StoreError::Db(_) => ErrorCode::Store,
             StoreError::MessagesWaiting { .. } => ErrorCode::MessagesWaiting,
             StoreError::InboxFull { .. } => ErrorCode::TooManyRequests,

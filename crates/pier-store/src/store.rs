@@ -97,6 +97,8 @@ impl<B: Backend> TaskStore for Store<B> {
         match self.op(move |tx| ops::create_run(tx, &r, &plan, &source).map(|seq| ((), seq))) {
             // Two nodes creating one run: the loser's insert meets the winner's row.
             Err(StoreError::Duplicate(_)) => Err(StoreError::RunExists(run.to_owned())),
+            // The run's one commit did not happen: there is nothing to resume.
+            Err(StoreError::Full { path }) => Err(StoreError::FullBeforeRun { path }),
             other => other,
         }
     }

@@ -163,8 +163,10 @@ fn a_full_disk_reaches_every_writer_of_a_group_commit_and_loses_nothing_acknowle
     seqs.sort_unstable();
     assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "the log has gaps");
     // The file system is still full: a write is refused plainly, and nothing hangs.
+    // A run that cannot be created says nothing of it was stored, not to resume it.
     if let Err(e) = store.create_run("after", &two_tasks(), "test") {
-        assert!(matches!(e, StoreError::Full { .. }), "{e}");
+        assert!(matches!(e, StoreError::FullBeforeRun { .. }), "{e}");
+        assert!(e.to_string().contains("nothing of the run was stored: free some space and submit it again"), "{e}");
     }
 }
 
@@ -188,4 +190,38 @@ fn openers_of_a_new_store_at_once_all_open_it() {
             assert!(opened.is_ok(), "round {round}: {opened:?}");
         }
     }
+}
+
+/// A store with damaged pages is refused at open, saying so, before anything is written to
+/// it: the file is left byte for byte as it was (found by a probe: `pier run` on scrambled
+/// pages failed, but only after it had written to the file).
+#[test]
+fn a_damaged_store_is_refused_before_anything_is_written_to_it() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let db = dir.path().join("pier.db");
+    {
+        let store = SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}"));
+        let mut source = String::new();
+        for i in 0..400 {
+            source.push_str(&format!(
+                "[[tasks]]\nid = \"t{i}\"\nprompt = \"a prompt long enough to fill pages {i}\"\n\n"
+            ));
+        }
+        let plan = parse(&source, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    }
+    pier_store::checkpoint_open_stores();
+    let mut bytes = std::fs::read(&db).unwrap_or_else(|e| panic!("{e}"));
+    assert!(bytes.len() > 16 * 4096, "{} bytes", bytes.len());
+    for (i, b) in bytes[4 * 4096..12 * 4096].iter_mut().enumerate() {
+        *b = (i * 7 % 251) as u8;
+    }
+    std::fs::write(&db, &bytes).unwrap_or_else(|e| panic!("{e}"));
+    let err = SqliteStore::open(&db).err().unwrap_or_else(|| panic!("a damaged store was opened"));
+    assert!(matches!(err, StoreError::Damaged { .. }), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("is damaged") && message.contains("nothing was written to it"), "{message}");
+    assert_eq!(std::fs::read(&db).unwrap_or_default(), bytes, "the file is untouched");
+    let wal = dir.path().join("pier.db-wal");
+    assert!(std::fs::metadata(&wal).map_or(0, |m| m.len()) == 0, "nothing was written beside it either");
 }
