@@ -325,10 +325,12 @@ impl Channel for Local<'_> {
                 }
             };
             tokio::time::sleep_until(due).await;
+            let (run, task) = (self.run.attempt.run.clone(), self.run.attempt.task.clone());
+            let waiting = blocking(&self.run.store, move |s| s.interrupt_waiting(&run, &task)).await;
+            // Only now: a look dropped halfway is taken again at the next call.
             self.due = None;
             self.last_look = tokio::time::Instant::now();
-            let (run, task) = (self.run.attempt.run.clone(), self.run.attempt.task.clone());
-            if matches!(blocking(&self.run.store, move |s| s.interrupt_waiting(&run, &task)).await, Ok(true)) {
+            if matches!(waiting, Ok(true)) {
                 return;
             }
         }

@@ -67,6 +67,10 @@ pub enum WorkerError {
     Token,
     #[error("{0}")]
     Host(String),
+    /// The host leased a task this worker cannot read (another version of pier): it stops
+    /// rather than lease more it would only drop.
+    #[error("{0}")]
+    Unreadable(String),
 }
 
 /// One attempt's calls to the host.
@@ -148,13 +152,7 @@ async fn slot(
         let leased = match next.take() {
             Some(mut asked) => tokio::select! {
                 () = stop.cancelled() => {
-                    // A task leased ahead that will not run here goes back to the host now,
-                    // not when its lease would lapse.
-                    if !asked.is_finished() {
-                        asked.abort();
-                    } else if let Ok(Ok(Lease::Granted(granted))) = (&mut asked).await {
-                        give_back(&link, *granted).await;
-                    }
+                    release(&link, asked, false).await;
                     return Ok(());
                 }
                 leased = &mut asked => leased.unwrap_or_else(|e| Err(WorkerError::Host(e.to_string()))),
@@ -168,24 +166,37 @@ async fn slot(
             Ok(Lease::Granted(granted)) => {
                 // Once the agent's turn is over, the next task is leased while this one's
                 // ending goes to the host and its agent back to the pool: the two round trips
-                // overlap instead of adding up.
-                let (over, mut turn_over) = tokio::sync::oneshot::channel();
-                let run = attempt(&config, &link, &pool, *granted, &stop, over);
+                // overlap instead of adding up. If the conversation goes on instead (a person's
+                // message came), a task leased ahead goes back rather than wait for it.
+                let (turns, mut turn) = mpsc::unbounded_channel();
+                let run = attempt(&config, &link, &pool, *granted, &stop, turns);
                 tokio::pin!(run);
-                let mut asking = true;
                 let ran = loop {
                     tokio::select! {
                         ran = &mut run => break ran,
-                        Ok(()) = &mut turn_over, if asking => {
-                            asking = false;
-                            next = Some(tokio::spawn(lease(link.clone(), ask.clone(), config.lease_ttl)));
-                        }
+                        Some(t) = turn.recv() => match t {
+                            Turn::Over if next.is_none() && !stop.is_cancelled() => {
+                                next = Some(tokio::spawn(lease(link.clone(), ask.clone(), config.lease_ttl)));
+                            }
+                            Turn::GoesOn => {
+                                if let Some(asked) = next.take() {
+                                    let link = link.clone();
+                                    tokio::spawn(async move { release(&link, asked, true).await });
+                                }
+                            }
+                            Turn::Over => {}
+                        },
                     }
                 };
-                ran?;
+                if let Err(e) = ran {
+                    if let Some(asked) = next.take() {
+                        release(&link, asked, false).await;
+                    }
+                    return Err(e);
+                }
             }
             Ok(Lease::NoWork) => {}
-            Err(WorkerError::Token) => return Err(WorkerError::Token),
+            Err(e @ (WorkerError::Token | WorkerError::Unreadable(_))) => return Err(e),
             Ok(Lease::Refused(status, answer)) => {
                 tracing::warn!(status, %answer, "the host refused a lease");
                 tokio::time::sleep(RETRY).await;
@@ -196,7 +207,30 @@ async fn slot(
             }
         }
     }
+    if let Some(asked) = next.take() {
+        release(&link, asked, false).await;
+    }
     Ok(())
+}
+
+/// What an attempt tells its slot about its turn.
+enum Turn {
+    /// The agent's turn is over and its ending is being reported: lease the next task.
+    Over,
+    /// The ending was refused for a person's message: the conversation goes on.
+    GoesOn,
+}
+
+/// Gives a lease asked ahead back to the host: a task it granted goes back at once; one still
+/// asked for is given back when it comes (`wait`), or the request is dropped.
+async fn release(link: &Link, asked: tokio::task::JoinHandle<Result<Lease, WorkerError>>, wait: bool) {
+    if !wait && !asked.is_finished() {
+        asked.abort();
+        return;
+    }
+    if let Ok(Ok(Lease::Granted(granted))) = asked.await {
+        give_back(link, *granted).await;
+    }
 }
 
 /// What asking for a task gave.
@@ -251,8 +285,20 @@ async fn lease(link: Link, ask: Value, ttl: Duration) -> Result<Lease, WorkerErr
         (204, _) => return Ok(Lease::NoWork),
         (status, answer) => return Ok(Lease::Refused(status, answer)),
     };
-    let row: crate::TaskRow = serde_json::from_value(leased["task"].clone())
-        .map_err(|e| WorkerError::Host(format!("the host's lease is not a task this worker reads: {e}")))?;
+    let row: crate::TaskRow = match serde_json::from_value(leased["task"].clone()) {
+        Ok(row) => row,
+        Err(e) => {
+            // Given back as it came, so it runs elsewhere now rather than when its lease lapses.
+            let t = &leased["task"];
+            if let (Some(run), Some(task), Some(n)) = (t["run_id"].as_str(), t["id"].as_str(), t["attempt"].as_i64()) {
+                let report = json!({"status": "interrupted", "idempotency_key": "unreadable"});
+                let _ = link.post(&at(run, task, n, "end"), report).await;
+            }
+            return Err(WorkerError::Unreadable(format!(
+                "the host leased a task this worker cannot read ({e}); run the same pier version as the host"
+            )));
+        }
+    };
     let prompt = leased["prompt"].as_str().unwrap_or_default().to_owned();
     let lost = CancellationToken::new();
     let path = at(&row.run_id, &row.id, row.attempt, "heartbeat");
@@ -272,7 +318,7 @@ async fn attempt(
     pool: &AgentPool,
     granted: Granted,
     stop: &CancellationToken,
-    turn_over: tokio::sync::oneshot::Sender<()>,
+    turns: mpsc::UnboundedSender<Turn>,
 ) -> Result<(), WorkerError> {
     let Granted { row, prompt, lost, heartbeat } = granted;
     let (run, task, n) = (row.run_id.clone(), row.id.clone(), row.attempt);
@@ -294,7 +340,7 @@ async fn attempt(
         lease_ttl: config.lease_ttl,
         key: format!("end-{:016x}", fastrand::u64(..)),
         reports: Default::default(),
-        turn_over: std::sync::Mutex::new(Some(turn_over)),
+        turns,
     };
     let mut spent = Vec::new();
     let mut ended = None;
@@ -421,15 +467,14 @@ struct Closer<'a> {
     /// The attempt's reports' keys: a repeat of one report is applied once.
     key: String,
     reports: std::sync::atomic::AtomicU32,
-    /// Told when the attempt first reports an ending: its slot can lease the next task.
-    turn_over: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    /// Told when the attempt reports an ending (its slot can lease the next task) and when
+    /// that ending was refused for a person's message (the conversation goes on).
+    turns: mpsc::UnboundedSender<Turn>,
 }
 
 impl Closer<'_> {
     async fn end(&self, outcome: &Outcome, spent: &[crate::ModelRequest], unless_messages: bool) -> Ended {
-        if let Some(over) = self.turn_over.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
-            let _ = over.send(());
-        }
+        let _ = self.turns.send(Turn::Over);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let ((partial, effects), batch) = match self.pump.send(ToPump::Take(tx)) {
             Ok(()) => rx.await.unwrap_or_default(),
@@ -440,6 +485,9 @@ impl Closer<'_> {
         // otherwise it was written with the ending (or cannot be any more).
         let unsent = if ended == Ended::MessagesWaiting { batch } else { None };
         let _ = self.pump.send(ToPump::Settle(unsent));
+        if ended == Ended::MessagesWaiting {
+            let _ = self.turns.send(Turn::GoesOn);
+        }
         ended
     }
 
@@ -700,21 +748,14 @@ async fn progress(
                 batch.push(more);
             }
         }
-        let body = (!batch.is_empty()).then(|| {
-            let (mut wire, mut evidence) = (Vec::with_capacity(batch.len()), Vec::new());
-            let mut rows = Vec::with_capacity(batch.len());
-            for event in batch {
-                seen.take(event, &mut rows, &mut evidence);
-            }
-            for (kind, mut data) in rows {
-                if let Some(o) = data.as_object_mut() {
-                    o.insert("type".into(), Value::String(kind));
-                }
-                wire.push(data);
-            }
-            seq += 1;
-            json!({"seq": seq, "events": wire, "evidence": evidence})
-        });
+        // A long drain goes in several batches (the host takes a bounded number at once):
+        // all but the last are sent now, in order.
+        while batch.len() > BATCH {
+            let rest = batch.split_off(BATCH);
+            let body = batch_body(&mut seen, &mut seq, std::mem::replace(&mut batch, rest));
+            send(&link, &path, &body, &lost).await;
+        }
+        let body = (!batch.is_empty()).then(|| batch_body(&mut seen, &mut seq, batch));
         if let Some(t) = take {
             held = true;
             let _ = t.send(((seen.partial.clone(), seen.effects.clone()), body));
@@ -728,6 +769,25 @@ async fn progress(
         }
     }
     (seen.partial, seen.effects)
+}
+
+/// The next numbered progress batch of `events`, seen into what the attempt showed.
+fn batch_body(seen: &mut Seen, seq: &mut i64, events: Vec<ClientEvent>) -> Value {
+    let (mut rows, mut evidence) = (Vec::with_capacity(events.len()), Vec::new());
+    for event in events {
+        seen.take(event, &mut rows, &mut evidence);
+    }
+    let wire: Vec<Value> = rows
+        .into_iter()
+        .map(|(kind, mut data)| {
+            if let Some(o) = data.as_object_mut() {
+                o.insert("type".into(), Value::String(kind));
+            }
+            data
+        })
+        .collect();
+    *seq += 1;
+    json!({"seq": *seq, "events": wire, "evidence": evidence})
 }
 
 /// Sends a progress batch until the host has it (it writes it once, by its `seq`), refuses

@@ -33,7 +33,8 @@ impl<R> Watched<R> {
     fn see(&mut self, bytes: &[u8]) {
         let mut rest = bytes;
         while let Some(end) = rest.iter().position(|&b| b == b'\n') {
-            self.grow(end);
+            // The transport counts the newline against its limit too.
+            self.grow(end + 1);
             (self.run, self.counted) = (0, false);
             rest = &rest[end + 1..];
         }

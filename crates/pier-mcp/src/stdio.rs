@@ -144,14 +144,20 @@ impl ChildProcess {
         if let Some(mut child) = child {
             // Signalling by pid is safe while we hold the unreaped child: the pid cannot be reused.
             if matches!(child.try_wait(), Ok(None)) {
-                // A guard ends the whole tree, SIGKILLing what is left and reaping it; a bare
-                // server gets SIGTERM and its grace.
-                let signal = if self.guarded { Signal::SIGUSR1 } else { Signal::SIGTERM };
-                if let Ok(pid) = i32::try_from(self.pid) {
-                    let _ = kill(Pid::from_raw(pid), signal);
+                // SIGTERM and a grace to end its own work (a guard passes it to the whole
+                // tree); then a guard is told to end the tree at once (SIGUSR1), and last, the
+                // process is killed.
+                let pid = i32::try_from(self.pid).ok().map(Pid::from_raw);
+                if let Some(pid) = pid {
+                    let _ = kill(pid, Signal::SIGTERM);
                 }
                 if tokio::time::timeout(grace, child.wait()).await.is_err() {
-                    let _ = child.kill().await;
+                    if let (true, Some(pid)) = (self.guarded, pid) {
+                        let _ = kill(pid, Signal::SIGUSR1);
+                    }
+                    if !self.guarded || tokio::time::timeout(GUARD_GRACE, child.wait()).await.is_err() {
+                        let _ = child.kill().await;
+                    }
                 }
             }
             // `try_wait` may have seen an exit without reaping on every platform; make sure.

@@ -43,6 +43,7 @@ impl Throttle {
 
     /// `Err(wait)` while `addr` may not try: it used up its failures.
     pub fn check(&self, addr: Option<IpAddr>) -> Result<(), Duration> {
+        let addr = addr.map(holder);
         let now = Instant::now();
         match self.lock().get(&addr).map(|b| b.now(now)) {
             Some(b) if b.left < 1.0 => Err(EVERY.mul_f64(1.0 - b.left)),
@@ -52,6 +53,7 @@ impl Throttle {
 
     /// `addr` failed once more.
     pub fn failed(&self, addr: Option<IpAddr>) {
+        let addr = addr.map(holder);
         let now = Instant::now();
         let mut map = self.lock();
         if map.len() >= MAX_ADDRESSES && !map.contains_key(&addr) {
@@ -66,6 +68,18 @@ impl Throttle {
         }
         let b = map.get(&addr).map_or(Bucket { left: BURST, at: now }, |b| b.now(now));
         map.insert(addr, Bucket { left: (b.left - 1.0).max(0.0), at: now });
+    }
+}
+
+/// Who holds an address: an IPv6 address's /64 (one subscriber's usual share, which it can
+/// pick addresses from at will), an IPv4 one (mapped into IPv6 or not) itself.
+fn holder(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+        },
+        v4 => v4,
     }
 }
 
@@ -119,5 +133,11 @@ mod tests {
         let wait = t.check(a).err();
         assert!(wait.is_some_and(|w| w > Duration::ZERO && w <= EVERY), "{wait:?}");
         assert!(t.check(b).is_ok(), "another address is not held back");
+        let c = IpAddr::from(std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1));
+        let d = IpAddr::from(std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0xffff, 2));
+        for _ in 0..10 {
+            t.failed(Some(c));
+        }
+        assert!(t.check(Some(d)).is_err(), "one /64 is one holder");
     }
 }

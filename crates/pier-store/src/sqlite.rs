@@ -88,7 +88,7 @@ const MIGRATIONS: [Migration; 11] = [
 static OPENED: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
 
 /// Moves every commit of the SQLite stores this process opened from their `-wal` into the
-/// database file itself (`PRAGMA wal_checkpoint(TRUNCATE)`), so the file alone holds the
+/// database file itself (`PRAGMA wal_checkpoint(PASSIVE)`), so the file alone holds the
 /// store: one copied or backed up is whole. Called as a process ends (a handle still held
 /// somewhere then never closes, and SQLite checkpoints only at the last close); what cannot
 /// be checkpointed (another process reading) is left for the next one, and said.
@@ -104,10 +104,16 @@ pub fn checkpoint_open_stores() {
 fn checkpoint(path: &Path) -> Result<(), StoreError> {
     let conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(2))?;
-    let (busy, _, _): (i64, i64, i64) =
-        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
-    if busy != 0 {
-        return Err(StoreError::Db("another connection is reading".into()));
+    // PASSIVE: it takes no lock another process (a `pier serve` on the same file) would wait
+    // for, and copies every frame no reader still needs, which is all of them once this
+    // process is done.
+    let (_, logged, copied): (i64, i64, i64) =
+        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    if copied < logged {
+        return Err(StoreError::Db(format!(
+            "{} of {logged} frames are still read by another process",
+            logged - copied
+        )));
     }
     Ok(())
 }
@@ -166,7 +172,15 @@ fn check_whole(path: &Path) -> Result<(), StoreError> {
     }
     let damaged = |what: String| StoreError::Damaged { path: path.display().to_string(), what };
     let flags = rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags).map_err(|e| damaged(e.to_string()))?;
+    let conn = match Connection::open_with_flags(path, flags) {
+        Ok(conn) => conn,
+        Err(rusqlite::Error::SqliteFailure(e, m))
+            if matches!(e.code, rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase) =>
+        {
+            return Err(damaged(m.unwrap_or_else(|| e.to_string())));
+        }
+        Err(e) => return Err(e.into()),
+    };
     conn.busy_timeout(Duration::from_secs(10))?;
     let read = if size <= QUICK_CHECK_UP_TO {
         conn.query_row("PRAGMA quick_check(1)", [], |r| r.get::<_, String>(0))

@@ -70,12 +70,17 @@ pub fn run(program: &OsString, args: &[OsString]) -> i32 {
                 return 128 + Signal::SIGKILL as i32;
             }
             Ok(Signal::SIGALRM) => {
-                // The agent did not end in its grace: end everything.
-                let _ = killpg(getpgrp(), Signal::SIGKILL);
+                // The agent did not end in its grace: end everything but the guard (a SIGKILL
+                // to the group would end the guard first, and leave what left the group).
+                end_rest(Duration::from_secs(2));
+                return 128 + Signal::SIGKILL as i32;
             }
             Ok(_) if !terminating => {
                 terminating = true;
                 let _ = killpg(getpgrp(), Signal::SIGTERM);
+                for pid in descendants(getpid()) {
+                    let _ = kill(pid, Signal::SIGTERM);
+                }
                 nix::unistd::alarm::set(TERM_GRACE.as_secs() as u32);
             }
             Ok(_) => {}

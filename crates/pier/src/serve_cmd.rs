@@ -62,7 +62,8 @@ fn token_bits(token: &str) -> f64 {
         }
     }
     // Hex (digits and a-f only) is 16 symbols, not 36.
-    let hex = token.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
+    let hex = token.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        && token.chars().any(|c| c.is_ascii_lowercase());
     let alphabet = if hex { 16.0 } else { alphabet };
     token.chars().count() as f64 * alphabet.max(1.0).log2()
 }
@@ -362,6 +363,7 @@ mod token_tests {
     fn short_tokens_are_weak_and_the_generated_one_is_not() {
         assert!(super::token_bits("tok123") < 40.0);
         assert!(super::token_bits("bench") < 128.0);
+        assert!(super::token_bits(&"7".repeat(32)) < 128.0, "digits only are 10 symbols, not 16");
         assert!(super::token_bits(&"0123456789abcdef".repeat(2)) >= 128.0, "32 hex characters");
         assert!(super::token_bits(&"0123456789abcdef".repeat(4)) >= 128.0, "the generated token");
     }
