@@ -82,7 +82,7 @@ pub struct SseLimits {
 
 impl Default for SseLimits {
     fn default() -> Self {
-        SseLimits { buffer: 1024, patience: Duration::from_secs(30) }
+        SseLimits { buffer: 256, patience: Duration::from_secs(30) }
     }
 }
 

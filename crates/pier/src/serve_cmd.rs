@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
     /// Events queued at most for one /events client
-    #[arg(long, default_value_t = 1024, hide = true)]
+    #[arg(long, default_value_t = 256, hide = true)]
     sse_buffer: usize,
     /// How long a client whose queue is full may take nothing before it is cut (it can resume)
     #[arg(long, default_value_t = 30_000, hide = true)]

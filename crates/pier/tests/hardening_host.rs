@@ -529,3 +529,65 @@ async fn an_events_client_that_stops_reading_is_cut_with_a_note_and_resumes_exac
     assert_eq!(rest, ((resume + 1)..=total).collect::<Vec<_>>());
     assert!(s.alive());
 }
+
+/// The resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next());
+    kb.and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) * 1024
+}
+
+/// The highest resident memory of `pid` seen over `over`, sampled every 50 ms.
+async fn peak_rss(pid: u32, over: Duration) -> u64 {
+    let until = tokio::time::Instant::now() + over;
+    let mut peak = 0;
+    while tokio::time::Instant::now() < until {
+        peak = peak.max(rss(pid));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    peak
+}
+
+/// 200 `/events` readers of a 10,000-task run that stop reading hold a bounded read-ahead
+/// each (not the log), and the memory comes back when they leave. Found by a probe: they
+/// took the server from ~340 MB to 0.8–1.0 GB, and it stayed there.
+#[tokio::test]
+async fn stalled_event_readers_hold_a_bounded_read_ahead_and_give_it_back() {
+    let home = must(tempfile::tempdir(), "home");
+    let mut s = serve(home.path(), &["--token", TOKEN]).await;
+    let pid = s.child.id().unwrap_or_else(|| panic!("serve's pid"));
+    let mut plan = String::from("[defaults]\nagent = \"worker:none\"\n");
+    for i in 0..10_000 {
+        plan.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"a prompt of some length for task {i}\"\n"));
+    }
+    let (code, body) = s.submit(json!({"plan": plan, "run_id": "mem"}), LIMIT * 4).await;
+    assert_eq!(code, 201, "{body}");
+    // One whole replay first, so what the server keeps anyway is in the baseline.
+    let whole = s.http.get(format!("{}/events?after=0&follow=false", s.base)).bearer_auth(TOKEN).send().await;
+    let whole = must(must(whole, "replay").text().await, "replay body");
+    assert!(whole.matches("event: task_created").count() >= 10_000);
+    let baseline = peak_rss(pid, Duration::from_millis(500)).await;
+
+    let mut readers = Vec::new();
+    for _ in 0..200 {
+        let client = reqwest::Client::new();
+        let resp = client.get(format!("{}/events?after=0", s.base)).bearer_auth(TOKEN).send().await;
+        readers.push((client, must(resp, "reader")));
+    }
+    let held = peak_rss(pid, Duration::from_secs(3)).await;
+    let per_reader = held.saturating_sub(baseline) / 200;
+    eprintln!("RSS {baseline} before, {held} with 200 stalled readers: {per_reader} bytes a reader");
+    assert!(per_reader < 1_500_000, "{per_reader} bytes a reader ({baseline} before, {held} with 200)");
+    assert!(s.alive());
+
+    drop(readers);
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let now = rss(pid);
+        if now <= baseline + 64 * 1024 * 1024 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{now} bytes kept after the readers left ({baseline} before)");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
