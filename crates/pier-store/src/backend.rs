@@ -18,9 +18,6 @@ pub(crate) type Work<T> = Box<dyn FnMut(&mut dyn Tx) -> Result<(T, i64), StoreEr
 
 /// A database the store can live in.
 pub(crate) trait Backend: Send + Sync + 'static {
-    /// Every pending task of every run, oldest run first, in plan order (the index hint is
-    /// SQLite's).
-    const PENDING_TASKS: &'static str;
     /// The first run after `?1` (by id) with a pending task, and when it was created.
     const PENDING_RUN_AFTER: &'static str;
     /// A page of run `?1`'s pending tasks in plan order: `?2` of them after the first `?3`.

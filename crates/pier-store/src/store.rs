@@ -116,7 +116,12 @@ impl<B: Backend> TaskStore for Store<B> {
     }
 
     fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
-        tasks(self.rows(B::PENDING_TASKS, &[])?)
+        let mut all = Vec::new();
+        self.visit_pending(&mut |t| {
+            all.push(t);
+            Ok(false)
+        })?;
+        Ok(all)
     }
 
     fn backup(&self, to: &std::path::Path) -> Result<(), StoreError> {

@@ -318,8 +318,8 @@ fn tasks_changed_reports_what_events_touched_in_every_run() {
     });
 }
 
-/// A worker's lease walks the pending tasks in the order `pending_tasks` lists them (oldest run
-/// first, plan order), run by run and page by page, and stops where its visitor does.
+/// A worker's lease walks the pending tasks oldest run first, in plan order (as
+/// `pending_tasks` lists them), run by run and page by page, and stops where its visitor does.
 #[test]
 fn visiting_pending_tasks_follows_their_order_across_runs_and_pages() {
     each(|name, s| {
@@ -328,13 +328,17 @@ fn visiting_pending_tasks_follows_their_order_across_runs_and_pages() {
             source.push_str(&format!("[[tasks]]\nid = \"t{i:02}\"\nprompt = \"x\"\n\n"));
         }
         let plan = parse(&source, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
-        s.create_run("n", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        // After `r` in time and, should both be created in one millisecond, by id.
+        s.create_run("z", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
         claim(s, "a", "o");
-        let held = s.claim("n", "t05", "o", FAR).unwrap_or_else(|e| panic!("{e}"));
+        let held = s.claim("z", "t05", "o", FAR).unwrap_or_else(|e| panic!("{e}"));
         assert!(held.is_some(), "{name}");
         let listed: Vec<(String, String)> =
             s.pending_tasks().unwrap_or_else(|e| panic!("{e}")).into_iter().map(|t| (t.run_id, t.id)).collect();
-        assert_eq!(listed.len(), 70, "{name}: b and 69 of n");
+        assert_eq!(listed.len(), 70, "{name}: b and 69 of z");
+        let mut expected = vec![("r".to_owned(), "b".to_owned())];
+        expected.extend((0..70).filter(|i| *i != 5).map(|i| ("z".to_owned(), format!("t{i:02}"))));
+        assert_eq!(listed, expected, "{name}: oldest run first, in plan order");
         let mut visited = Vec::new();
         s.visit_pending(&mut |t| {
             visited.push((t.run_id, t.id));

@@ -77,8 +77,9 @@ pub fn run(program: &OsString, args: &[OsString]) -> i32 {
             }
             Ok(_) if !terminating => {
                 terminating = true;
+                // The group at once; then what left it (a second SIGTERM to the others is harmless).
                 let _ = killpg(getpgrp(), Signal::SIGTERM);
-                for pid in descendants(getpid()) {
+                for pid in own_processes() {
                     let _ = kill(pid, Signal::SIGTERM);
                 }
                 nix::unistd::alarm::set(TERM_GRACE.as_secs() as u32);
@@ -110,15 +111,9 @@ fn reap(agent: Pid) -> Option<i32> {
 /// still one: its parent's, or, orphaned, the subreaper guard's), and reaps what the guard
 /// adopted, for at most `bound`.
 fn end_rest(bound: Duration) {
-    let (me, group) = (getpid(), getpgrp());
     let until = Instant::now() + bound;
     loop {
-        let mut others: Vec<Pid> = members(group).into_iter().filter(|p| *p != me).collect();
-        for pid in descendants(me) {
-            if !others.contains(&pid) {
-                others.push(pid);
-            }
-        }
+        let others = own_processes();
         for pid in &others {
             let _ = kill(*pid, Signal::SIGKILL);
         }
@@ -134,42 +129,35 @@ fn end_rest(bound: Duration) {
     }
 }
 
-/// The live processes below `root` in the tree of parents, from `/proc`.
-fn descendants(root: Pid) -> Vec<Pid> {
+/// The guard's own: the live processes of its group and those below it in the tree of
+/// parents (the guard itself left out), from one pass over `/proc`.
+fn own_processes() -> Vec<Pid> {
+    let (me, group) = (getpid().as_raw(), getpgrp().as_raw());
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    let mut parent_of = Vec::new();
+    // (pid, parent, group) of every live process.
+    let mut live = Vec::new();
     for pid in entries.flatten().filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok())) {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Fields after the command's closing parenthesis: state, ppid, pgrp, ...
         let rest = stat.rfind(')').map_or("", |i| &stat[i + 1..]);
         let fields: Vec<&str> = rest.split_whitespace().collect();
-        if let (Some(state), Some(ppid)) = (fields.first(), fields.get(1).and_then(|p| p.parse::<i32>().ok()))
+        let number = |i: usize| fields.get(i).and_then(|f| f.parse::<i32>().ok());
+        if let (Some(state), Some(ppid), Some(pgrp)) = (fields.first(), number(1), number(2))
             && *state != "Z"
         {
-            parent_of.push((pid, ppid));
+            live.push((pid, ppid, pgrp));
         }
     }
-    let mut found = vec![root.as_raw()];
+    let mut found = vec![me];
     let mut i = 0;
     while let Some(&parent) = found.get(i) {
-        found.extend(parent_of.iter().filter(|(_, ppid)| *ppid == parent).map(|(pid, _)| *pid));
+        found.extend(live.iter().filter(|(_, ppid, _)| *ppid == parent).map(|(pid, ..)| *pid));
         i += 1;
     }
-    found.into_iter().skip(1).map(Pid::from_raw).collect()
-}
-
-/// The processes of process group `group`, from `/proc`.
-fn members(group: Pid) -> Vec<Pid> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            // Fields after the command's closing parenthesis: state, ppid, pgrp, ...
-            let rest = stat.rfind(')').map_or("", |i| &stat[i + 1..]);
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            fields.get(2).and_then(|g| g.parse::<i32>().ok()) == Some(group.as_raw()) && fields.first() != Some(&"Z")
-        })
-        .map(Pid::from_raw)
-        .collect()
+    for (pid, _, pgrp) in &live {
+        if *pgrp == group && !found.contains(pid) {
+            found.push(*pid);
+        }
+    }
+    found.into_iter().filter(|p| *p != me).map(Pid::from_raw).collect()
 }

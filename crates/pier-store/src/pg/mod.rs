@@ -338,7 +338,6 @@ async fn listen(Target { config, tls }: Target, seq_tx: Weak<watch::Sender<i64>>
 }
 
 impl Backend for Pg {
-    const PENDING_TASKS: &'static str = crate::tasks_in!("= 'pending'", "");
     const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("").0;
     const PENDING_OF_RUN: &'static str = crate::pending_pages!("").1;
     const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "");
