@@ -25,7 +25,7 @@ use pier_store::state::TaskState;
 use pier_store::{OwnCommit, StoreError, TaskRow, TaskStore, now_ms, own_following};
 
 /// Whether a lease owner is a process of this machine that no longer exists.
-fn owner_dead(owner: &str) -> bool {
+pub(crate) fn owner_dead(owner: &str) -> bool {
     let mut parts = owner.split(':');
     let (Some(host), Some(pid)) = (parts.next(), parts.next()) else { return false };
     host == crate::config::hostname()
@@ -250,10 +250,10 @@ impl Host {
         if tokio::time::Instant::now() >= p.next_lease || p.view.unleased_run_seen {
             self.renew_leases(scope, p).await?;
         }
-        // An attempt whose task ended under it (a person's cancel) stops now, through the
-        // cancel handshake, not when its next heartbeat finds out.
+        // An attempt whose task a person cancelled (or that ended under it) stops now, through
+        // the cancel handshake, and ends the task with its output.
         for (key, token) in &p.active {
-            if p.view.get(&key.0, &key.1).is_some_and(|t| t.state.is_terminal()) {
+            if p.view.get(&key.0, &key.1).is_some_and(|t| t.state.is_terminal() || t.cancel_requested.is_some()) {
                 token.cancel();
             }
         }

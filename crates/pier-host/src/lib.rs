@@ -26,7 +26,10 @@ pub use pier_store::{
     SqliteStore, StoreError, TaskRow, TaskSpec, TaskState, TaskStore, Tokens, WorkerRow, code, offered_option,
     option_kind, plan, requires, state,
 };
-pub use tasks::{Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted, TaskView, Tasks};
+pub use tasks::{
+    CANCEL_WAIT, CancelledRun, Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted,
+    TaskView, Tasks,
+};
 
 /// The store below the host (`pier-store`), for the wiring that opens one.
 pub mod store {

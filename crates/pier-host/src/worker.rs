@@ -324,7 +324,10 @@ async fn attempt(
     let (run, task, n) = (row.run_id.clone(), row.id.clone(), row.attempt);
     tracing::info!(%run, %task, attempt = n, "leased");
     let (said_tx, mut said) = mpsc::unbounded_channel();
-    let notices = tokio::spawn(notices(link.clone(), at(&run, &task, n, "notice"), lost.clone(), said_tx));
+    // A person's cancel: the turn stops, and the ending (with the output) ends the task.
+    let cancelled = CancellationToken::new();
+    let told = Told { lost: lost.clone(), cancelled: cancelled.clone(), said: said_tx };
+    let notices = tokio::spawn(notices(link.clone(), at(&run, &task, n, "notice"), told));
     let (events, rx) = mpsc::channel(pier_client::run::EVENT_QUEUE);
     let (to_pump, asks) = mpsc::unbounded_channel();
     let pump = tokio::spawn(progress(link.clone(), at(&run, &task, n, "progress"), rx, asks, lost.clone()));
@@ -350,11 +353,12 @@ async fn attempt(
             opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone() }));
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
             let stopping = {
-                let (lost, stop) = (lost.clone(), stop.clone());
+                let (lost, stop, cancelled) = (lost.clone(), stop.clone(), cancelled.clone());
                 tokio::spawn(async move {
                     tokio::select! {
                         () = lost.cancelled() => {}
                         () = stop.cancelled() => {}
+                        () = cancelled.cancelled() => {}
                     }
                     let _ = int_tx.send(());
                 })
@@ -605,7 +609,8 @@ impl Channel for Remote<'_> {
 /// Renews the lease every third of its life. A refusal (the task is not this attempt's any
 /// more) cancels `lost`; so does a host out of reach for longer than the lease lasts (it has
 /// lapsed, and the task is another's to run): until then the worker goes on, and what it sends
-/// is sent again when the host is back.
+/// is sent again when the host is back. A person's cancel renews the lease (the notice
+/// long-poll stops the turn), so the attempt has the time to report its ending.
 async fn heartbeat(link: Link, path: String, ttl: Duration, lost: CancellationToken) {
     let body = json!({"ttl_ms": ttl.as_millis() as u64});
     let mut renewed = tokio::time::Instant::now();
@@ -613,6 +618,7 @@ async fn heartbeat(link: Link, path: String, ttl: Duration, lost: CancellationTo
         tokio::time::sleep(ttl / 3).await;
         match link.post(&path, body.clone()).await {
             Ok((200, _)) => renewed = tokio::time::Instant::now(),
+            Ok((409, v)) if v["error"]["code"] == "cancel_requested" => renewed = tokio::time::Instant::now(),
             Ok((409 | 404, _)) => {
                 lost.cancel();
                 return;
@@ -628,15 +634,30 @@ async fn heartbeat(link: Link, path: String, ttl: Duration, lost: CancellationTo
     }
 }
 
-/// Long-polls the host for what concerns the attempt: a lost task cancels `lost`, a message
-/// is told to the turn.
-async fn notices(link: Link, path: String, lost: CancellationToken, said: mpsc::UnboundedSender<Said>) {
+/// Whom the notice long-poll tells what.
+struct Told {
+    /// The task is not the attempt's any more.
+    lost: CancellationToken,
+    /// A person cancelled the task.
+    cancelled: CancellationToken,
+    /// A person's message waits.
+    said: mpsc::UnboundedSender<Said>,
+}
+
+/// Long-polls the host for what concerns the attempt: a lost task cancels `lost`, a person's
+/// cancel `cancelled`, a message is told to the turn.
+async fn notices(link: Link, path: String, to: Told) {
+    let Told { lost, cancelled, said } = to;
     tokio::time::sleep(NOTICE_AFTER).await;
     let mut told = None;
     loop {
         match link.post(&path, json!({"wait_ms": NOTICE_WAIT_MS})).await {
             Ok((200, n)) if n["held"] == false => {
                 lost.cancel();
+                return;
+            }
+            Ok((200, n)) if n["cancel"].is_string() => {
+                cancelled.cancel();
                 return;
             }
             Ok((200, n)) if n["messages"] == true => {

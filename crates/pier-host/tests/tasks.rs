@@ -48,13 +48,13 @@ async fn an_answer_names_its_question_so_a_repeat_or_a_stale_one_applies_nothing
 async fn a_person_s_action_on_an_unknown_run_or_task_names_which() {
     let dir = must(tempfile::tempdir(), "tempdir");
     let (_, tasks) = tasks(&dir);
-    let unknown_run = tasks.cancel_task("nope", "a", "test").await;
+    let unknown_run = tasks.cancel_task("nope", "a", "test", pier_host::CANCEL_WAIT).await;
     assert!(unknown_run.is_err_and(|e| e.code() == pier_host::ErrorCode::UnknownRun));
     let unknown_task = tasks.say("r", "nope", "hi", false, "me").await;
     assert!(unknown_task.is_err_and(|e| e.code() == pier_host::ErrorCode::UnknownTask));
     // A task that has not started takes no message, and says why.
     let not_running = tasks.say("r", "a", "hi", false, "me").await;
     assert!(not_running.is_err_and(|e| e.code() == pier_host::ErrorCode::NotRunning));
-    assert_eq!(must(tasks.cancel_run("r", "test").await, "cancel run"), 1);
+    assert_eq!(must(tasks.cancel_run("r", "test", pier_host::CANCEL_WAIT).await, "cancel run").cancelled, 1);
     assert_eq!(must(tasks.run("r").await, "run").counts().get("cancelled"), Some(&1));
 }

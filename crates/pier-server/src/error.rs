@@ -30,6 +30,7 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
         | ErrorCode::Duplicate
         | ErrorCode::BadTransition
         | ErrorCode::LeaseLost
+        | ErrorCode::CancelRequested
         | ErrorCode::IdempotencyConflict
         | ErrorCode::NotAWorkerTask
         | ErrorCode::NotRunning

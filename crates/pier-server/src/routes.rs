@@ -104,11 +104,32 @@ pub(crate) async fn task_budget(
     Ok(Json(json!({"tasks": rows})))
 }
 
+/// A cancel's optional body: how long to wait for the attempts holding the tasks to end them.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelBody {
+    wait_ms: Option<u64>,
+}
+
+fn cancel_wait(raw: &[u8]) -> Result<std::time::Duration, ApiError> {
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(pier_host::CANCEL_WAIT);
+    }
+    let body: CancelBody =
+        serde_json::from_slice(raw).map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("the body: {e}")))?;
+    let wait = body.wait_ms.map_or(pier_host::CANCEL_WAIT, std::time::Duration::from_millis);
+    Ok(wait.min(pier_host::tasks::MAX_WAIT))
+}
+
+/// A task's cancel: answered once the task has ended (an attempt holding it ends it with its
+/// output), or when `wait_ms` is over with the task still stopping (`cancel_requested`).
 pub(crate) async fn cancel_task(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
+    raw: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let row = app.tasks.cancel_task(&run, &task, "cancelled over HTTP").await?;
+    let wait = cancel_wait(&raw)?;
+    let row = app.tasks.cancel_task(&run, &task, "cancelled over HTTP", wait).await?;
     Ok(Json(json!({"task": row})))
 }
 
@@ -135,9 +156,14 @@ pub(crate) async fn retry_task(
     Ok(Json(json!({"run": run, "tasks": rows})))
 }
 
-pub(crate) async fn cancel_run(State(app): State<Shared>, Path(run): Path<String>) -> Result<Json<Value>, ApiError> {
-    let cancelled = app.tasks.cancel_run(&run, "run cancelled over HTTP").await?;
-    Ok(Json(json!({"run": run, "cancelled": cancelled})))
+pub(crate) async fn cancel_run(
+    State(app): State<Shared>,
+    Path(run): Path<String>,
+    raw: axum::body::Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let wait = cancel_wait(&raw)?;
+    let c = app.tasks.cancel_run(&run, "run cancelled over HTTP", wait).await?;
+    Ok(Json(json!({"run": run, "cancelled": c.cancelled, "stopping": c.stopping})))
 }
 
 #[derive(Deserialize)]

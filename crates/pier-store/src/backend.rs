@@ -103,7 +103,7 @@ impl Row {
 
     /// A row of [`task_columns!`], its JSON columns still text.
     pub fn raw_task(mut self) -> Result<RawTask, StoreError> {
-        let row = plain_row(
+        let mut row = plain_row(
             self.text(0)?,
             self.text(1)?,
             self.int(3)?,
@@ -114,6 +114,7 @@ impl Row {
             self.opt_text(9)?,
             self.opt_text(11)?,
         );
+        row.cancel_requested = self.opt_text(13)?;
         Ok((row, self.text(12)?, self.opt_text(10)?, self.text(2)?))
     }
 }
@@ -169,10 +170,10 @@ macro_rules! pending_pages {
 macro_rules! task_columns {
     () => {
         "run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms, not_before_ms, result, \
-         usage, error, spec"
+         usage, error, spec, cancel_requested"
     };
     (t) => {
         "t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner, t.lease_expires_at_ms, \
-         t.not_before_ms, t.result, t.usage, t.error, t.spec"
+         t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested"
     };
 }

@@ -32,6 +32,9 @@ pub enum ErrorCode {
     BadTransition,
     /// The caller's lease is gone: stop working on the task.
     LeaseLost,
+    /// A person cancelled the task the caller's attempt holds: stop its agent and report its
+    /// ending (with its output); the task ends cancelled.
+    CancelRequested,
     /// An idempotency key reused with another body.
     IdempotencyConflict,
     NotAWorkerTask,
@@ -51,7 +54,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order the documentation lists them.
-    pub const ALL: [ErrorCode; 23] = [
+    pub const ALL: [ErrorCode; 24] = [
         ErrorCode::Unauthorized,
         ErrorCode::BadRequest,
         ErrorCode::BadPlan,
@@ -66,6 +69,7 @@ impl ErrorCode {
         ErrorCode::Duplicate,
         ErrorCode::BadTransition,
         ErrorCode::LeaseLost,
+        ErrorCode::CancelRequested,
         ErrorCode::IdempotencyConflict,
         ErrorCode::NotAWorkerTask,
         ErrorCode::NotRunning,
@@ -93,6 +97,7 @@ impl ErrorCode {
             ErrorCode::Duplicate => "duplicate",
             ErrorCode::BadTransition => "bad_transition",
             ErrorCode::LeaseLost => "lease_lost",
+            ErrorCode::CancelRequested => "cancel_requested",
             ErrorCode::IdempotencyConflict => "idempotency_conflict",
             ErrorCode::NotAWorkerTask => "not_a_worker_task",
             ErrorCode::NotRunning => "not_running",

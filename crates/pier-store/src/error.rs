@@ -9,6 +9,10 @@ pub enum StoreError {
     /// later attempt, an expired lease, or a task that ended.
     #[error("task `{task}` is not held by attempt {attempt} of `{owner}` (any more); stop working on it")]
     LeaseLost { task: String, attempt: i64, owner: String },
+    /// A person cancelled the task the attempt holds: it asks nothing more, and its ending
+    /// (whatever it reports) is a cancel.
+    #[error("task `{task}` is being cancelled ({reason}); stop its agent and report its ending")]
+    CancelRequested { task: String, reason: String },
     #[error("idempotency key `{key}` was used before with another request; use a new key for a new request")]
     IdempotencyConflict { key: String },
     #[error("unknown task `{0}`")]
@@ -54,6 +58,7 @@ impl StoreError {
         match self {
             StoreError::IllegalTransition { .. } => ErrorCode::BadTransition,
             StoreError::LeaseLost { .. } => ErrorCode::LeaseLost,
+            StoreError::CancelRequested { .. } => ErrorCode::CancelRequested,
             StoreError::IdempotencyConflict { .. } => ErrorCode::IdempotencyConflict,
             StoreError::UnknownTask(_) => ErrorCode::UnknownTask,
             StoreError::UnknownRun(_) => ErrorCode::UnknownRun,

@@ -267,6 +267,11 @@ pub enum LogEvent {
         n: i64,
         attempt: i64,
     },
+    /// A person cancelled a task a live attempt holds: the attempt ends it, with its output.
+    CancelRequested {
+        attempt: i64,
+        reason: String,
+    },
     /// A person set a task's budget or the run's (on the run's first task event, `task` none).
     Budget {
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -104,6 +104,7 @@ pub(crate) fn plain_row(
         usage: None,
         error,
         spec: TaskSpec::default(),
+        cancel_requested: None,
     }
 }
 
@@ -300,6 +301,9 @@ pub(crate) fn park(tx: &mut dyn Tx, a: &Attempt, request: &QuestionRequest) -> R
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
     }
+    if let Some(reason) = &row.cancel_requested {
+        return Err(StoreError::CancelRequested { task: a.task.clone(), reason: reason.clone() });
+    }
     let mut seq = 0;
     if row.state == TaskState::Running {
         tx.exec(
@@ -439,7 +443,7 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
     tx.exec(
         "UPDATE tasks SET state = ?3, version = version + 1, failures = failures + ?4, lease_owner = NULL,
              lease_expires_at_ms = NULL, not_before_ms = ?5, result = COALESCE(?6, result),
-             usage = COALESCE(?7, usage), error = ?8
+             usage = COALESCE(?7, usage), error = ?8, cancel_requested = NULL
          WHERE run_id = ?1 AND id = ?2",
         &[
             Arg::Text(&row.run_id),
@@ -462,6 +466,7 @@ fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreEr
         result: c.result.clone().or_else(|| row.result.clone()),
         usage: c.usage.clone().or_else(|| row.usage.clone()),
         error: c.error.clone(),
+        cancel_requested: None,
         ..row.clone()
     })
 }
@@ -478,7 +483,7 @@ pub(crate) fn end_held_by_statements(
     }
     let Some(raw) = tx.task(&a.run, &a.task)? else { return Ok(None) };
     let row = decode(raw)?;
-    if !holds(&row, a, now) {
+    if !holds(&row, a, now) || row.cancel_requested.is_some() {
         return Ok(None);
     }
     let after = apply(tx, &row, c)?;
@@ -528,7 +533,7 @@ pub(crate) fn finish(
         let Some((from, after)) =
             tx.end_held(&EndHeld { attempt: a, columns: &c, now: now_ms(), beside: Beside::default() })?
         else {
-            return Err(lease_lost(a));
+            return end_requested(tx, a)?.ok_or_else(|| lease_lost(a));
         };
         return ended(tx, from, after, a.n, ending, extra);
     }
@@ -562,7 +567,8 @@ pub(crate) fn finish(
             keep_output(tx, a, output)?;
         }
     }
-    let (row, seq) = end_attempt(tx, &row, a.n, ending)?;
+    let requested = requested(&row);
+    let (row, seq) = end_attempt(tx, &row, a.n, requested.as_ref().unwrap_or(ending))?;
     if let Some(idem) = idem {
         let answer = serde_json::to_string(&row)?;
         tx.exec(
@@ -593,8 +599,25 @@ pub(crate) fn release_lost(
     if !same {
         return Ok((None, 0));
     }
-    let (row, seq) = end_attempt(tx, &row, a.n, ending)?;
+    let requested = requested(&row);
+    let (row, seq) = end_attempt(tx, &row, a.n, requested.as_ref().unwrap_or(ending))?;
     Ok((Some(row), seq))
+}
+
+/// The ending a person's cancel asked for, if one waits: it takes the place of whatever
+/// ending the attempt (or whoever releases it) would have written.
+fn requested(row: &TaskRow) -> Option<Ending> {
+    row.cancel_requested.as_ref().map(|reason| Ending::Cancelled { reason: reason.clone() })
+}
+
+/// An ending [`Tx::end_held`] did not apply: the attempt lost its task (`None`), or a
+/// person's cancel waits for it, which is applied instead.
+fn end_requested(tx: &mut dyn Tx, a: &Attempt) -> Result<Option<(TaskRow, i64)>, StoreError> {
+    let row = load_task(tx, &a.run, &a.task)?;
+    match requested(&row) {
+        Some(ending) if holds(&row, a, now_ms()) => end_attempt(tx, &row, a.n, &ending).map(Some),
+        _ => Ok(None),
+    }
 }
 
 pub(crate) fn record(
@@ -666,6 +689,23 @@ pub(crate) fn cancel(
     let row = load_task(tx, run, task)?;
     if row.state.is_terminal() {
         return Ok((None, 0));
+    }
+    // A live attempt ends its task itself, with what it showed, in one commit: a reader never
+    // sees the task ended and its attempt's output still missing. One whose lease has lapsed
+    // shows nothing more, and the task ends now.
+    if row.held().is_some_and(|h| h.expires_at_ms >= now_ms()) {
+        if row.cancel_requested.is_some() {
+            return Ok((Some(row), 0));
+        }
+        tx.exec(
+            "UPDATE tasks SET cancel_requested = ?3, version = version + 1 WHERE run_id = ?1 AND id = ?2",
+            &[Arg::Text(run), Arg::Text(task), Arg::Text(reason)],
+        )?;
+        // Nobody answers a question of a task that is ending; its agent hears it was cancelled.
+        void_questions(tx, run, task, "the task is being cancelled")?;
+        let asked = LogEvent::CancelRequested { attempt: row.attempt, reason: reason.to_owned() };
+        let seq = log(tx, run, Some(task), &asked)?;
+        return Ok((Some(load_task(tx, run, task)?), seq));
     }
     tx.exec(
         "UPDATE tasks SET state = 'cancelled', version = version + 1, lease_owner = NULL, lease_expires_at_ms = NULL
@@ -749,7 +789,7 @@ pub(crate) fn retry(
     for (t, reason) in chosen {
         tx.exec(
             "UPDATE tasks SET state = 'pending', version = version + 1, failures = 0, not_before_ms = 0,
-                 result = NULL, error = NULL, lease_owner = NULL, lease_expires_at_ms = NULL
+                 result = NULL, error = NULL, lease_owner = NULL, lease_expires_at_ms = NULL, cancel_requested = NULL
              WHERE run_id = ?1 AND id = ?2",
             &[Arg::Text(run), Arg::Text(&t.id)],
         )?;
@@ -886,7 +926,10 @@ pub(crate) fn finish_keeping(
             let (row, seq) = ended(tx, from, after, a.n, ending, extra)?;
             Ok((Ok(row), seq))
         }
-        None => Ok((Err(lease_lost(a)), recorded)),
+        None => match end_requested(tx, a)? {
+            Some((row, seq)) => Ok((Ok(row), seq)),
+            None => Ok((Err(lease_lost(a)), recorded)),
+        },
     }
 }
 
@@ -915,7 +958,10 @@ pub(crate) fn say(
     let row = load_task(tx, run, task)?;
     // A live attempt (running, or parked on a question) takes messages; a task waiting for
     // a re-run decision has none, and a message to it would never be sent.
-    if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput) || row.lease_owner.is_none() {
+    if !matches!(row.state, TaskState::Running | TaskState::AwaitingInput)
+        || row.lease_owner.is_none()
+        || row.cancel_requested.is_some()
+    {
         return Ok((None, 0));
     }
     let waiting = tx

@@ -29,6 +29,11 @@ pub struct TaskRow {
     pub usage: Option<Value>,
     pub error: Option<String>,
     pub spec: TaskSpec,
+    /// A person cancelled the task while an attempt held it: the reason, until that attempt
+    /// ends it (cancelled, whatever its own ending would have been, with its output in the
+    /// same commit) or its lease lapses.
+    #[serde(default)]
+    pub cancel_requested: Option<String>,
 }
 
 impl TaskRow {

@@ -93,8 +93,12 @@ pub(crate) const EVENTS_MODEL_REQUESTS: &str =
 pub(crate) const WORKERS: &str =
     "CREATE TABLE workers (name TEXT PRIMARY KEY, capabilities TEXT NOT NULL, seen_at_ms {INT} NOT NULL)";
 
+/// A person's cancel of a task a live attempt holds, waiting for that attempt to end it (with
+/// its output, in one commit): the reason given, or NULL.
+pub(crate) const TASKS_CANCEL_REQUESTED: &str = "ALTER TABLE tasks ADD COLUMN cancel_requested TEXT";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 7] = [
+pub(crate) const LATER: [Migration; 8] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -102,4 +106,5 @@ pub(crate) const LATER: [Migration; 7] = [
     &[DROP_MESSAGES_CLOSED],
     &[EVENTS_MODEL_REQUESTS],
     &[WORKERS],
+    &[TASKS_CANCEL_REQUESTED],
 ];

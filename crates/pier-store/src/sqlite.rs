@@ -70,7 +70,7 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 11] = [
+const MIGRATIONS: [Migration; 12] = [
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
@@ -82,6 +82,7 @@ const MIGRATIONS: [Migration; 11] = [
     LATER[4],
     LATER[5],
     LATER[6],
+    LATER[7],
 ];
 
 /// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].

@@ -614,7 +614,9 @@ fn nodes_starting_together_migrate_a_new_database_once() {
 #[test]
 fn an_attempts_output_is_kept_even_after_its_task_was_cancelled() {
     each(|name, s| {
-        let a = claim(s, "a", "owner-1");
+        // Its lease lapsed (its worker is cut off): the cancel ends the task at once, and what
+        // the attempt showed is kept when it comes.
+        let Ok(Some((a, _))) = s.claim("r", "a", "owner-1", 1) else { panic!("{name}: claim") };
         s.cancel("r", "a", "a person stopped it").unwrap_or_else(|e| panic!("{name}: {e}"));
         let output =
             serde_json::json!({"text": "half done", "toolCalls": [{"toolCallId": "t1", "status": "completed"}]});
@@ -654,8 +656,9 @@ fn an_ending_with_its_output_is_one_write_and_a_refused_ending_keeps_the_output(
             ["task_created", "transition", "text", "transition"],
             "{name}: the last events before the ending"
         );
-        // An attempt whose task was cancelled under it: the ending is refused, events and output kept.
-        let b = claim(s, "b", "owner-1");
+        // An attempt whose task was taken from it (its lease lapsed and it was released): the
+        // ending is refused, events and output kept.
+        let Ok(Some((b, _))) = s.claim("r", "b", "owner-1", 1) else { panic!("{name}: claim") };
         s.cancel("r", "b", "a person stopped it").unwrap_or_else(|e| panic!("{name}: {e}"));
         let refused = s.finish_keeping(&b, &last(&output, true), &done());
         assert!(matches!(&refused, Err(e) if e.is_race()), "{name}: {refused:?}");
@@ -663,6 +666,61 @@ fn an_ending_with_its_output_is_one_write_and_a_refused_ending_keeps_the_output(
         assert_eq!(attempts[0].output.as_ref(), Some(&output), "{name}: kept though refused");
         assert_eq!(kinds(s, "b"), ["task_created", "transition", "transition", "text"], "{name}");
         assert_eq!(state(s, "b"), TaskState::Cancelled, "{name}");
+    });
+}
+
+/// Issue #35.1: a person's cancel of a task a live attempt holds is asked of the attempt,
+/// which ends the task with its output in one commit; until then the task is live, so no
+/// reader sees it ended without its output. Whatever ending the attempt (or whoever
+/// releases it) writes, the task ends cancelled, for the reason the person gave.
+#[test]
+fn a_cancel_of_a_held_task_is_ended_by_its_attempt_with_its_output() {
+    each(|name, s| {
+        let output = json!({"text": "half done", "toolCalls": []});
+        let a = claim(s, "a", "owner-1");
+        let asked = s.cancel("r", "a", "a person stopped it").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let asked = asked.unwrap_or_else(|| panic!("{name}: the cancel was not taken"));
+        assert_eq!((asked.state, asked.cancel_requested.as_deref()), (TaskState::Running, Some("a person stopped it")));
+        assert_eq!(Some(&asked), s.task("r", "a").ok().flatten().as_ref(), "{name}: the answered row is stored");
+        let again = s.cancel("r", "a", "twice").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(again.and_then(|t| t.cancel_requested).as_deref(), Some("a person stopped it"), "{name}");
+        assert!(s.attempts("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"))[0].output.is_none(), "{name}");
+        // It asks nothing more and takes no message.
+        let parked = s.park(&a, &question(json!([])));
+        assert!(matches!(parked, Err(StoreError::CancelRequested { .. })), "{name}: {parked:?}");
+        assert_eq!(s.say("r", "a", "more", false, "me").unwrap_or_else(|e| panic!("{name}: {e}")), None, "{name}");
+        // Its ending (here: completed, with messages asked for) is the cancel, with its output.
+        let row = s.finish_keeping(&a, &last(&output, true), &done()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            (row.state, row.result.as_deref(), row.cancel_requested.as_deref()),
+            (TaskState::Cancelled, None, None)
+        );
+        assert_eq!(Some(&row), s.task("r", "a").ok().flatten().as_ref(), "{name}: the answered row is stored");
+        let attempts = s.attempts("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(attempts[0].output.as_ref(), Some(&output), "{name}");
+        assert_eq!(kinds(s, "a"), ["task_created", "transition", "cancel_requested", "text", "transition"], "{name}");
+        let events = s.events_after(Some("r"), 0, 1000).unwrap_or_else(|e| panic!("{e}"));
+        let last_move =
+            events.iter().rev().find(|e| e.kind == "transition").map(|e| e.data.clone()).unwrap_or_default();
+        assert_eq!(
+            (last_move["to"].as_str(), last_move["reason"].as_str()),
+            (Some("cancelled"), Some("a person stopped it"))
+        );
+        // An ending without output (a worker's plain report), and one by whoever releases a lost
+        // attempt, are the cancel too.
+        let b = claim(s, "b", "owner-1");
+        s.cancel("r", "b", "stop b").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let retry = Ending::Retry { error: None, reason: "again".into(), not_before_ms: 0, failure: false };
+        let held = s.task("r", "b").ok().flatten().and_then(|t| t.held()).unwrap_or_else(|| panic!("{name}: held"));
+        let released = s.release_lost(&held, &retry).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(released.map(|t| t.state), Some(TaskState::Cancelled), "{name}");
+        let late = s.finish(&b, &done(), None);
+        assert!(matches!(&late, Err(e) if e.is_race()), "{name}: {late:?}");
+        // A retried task starts clean.
+        s.retry("r", "b", false, "me").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let c = claim(s, "b", "owner-2");
+        let row = s.finish(&c, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(row.state, TaskState::Completed, "{name}");
     });
 }
 

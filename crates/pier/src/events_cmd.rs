@@ -64,6 +64,9 @@ pub fn event_text(e: &Event, entry: Entry) -> Option<String> {
             e.seq,
             if interrupt { ", interrupting" } else { ", for its next prompt" }
         )),
+        Entry::Host(LogEvent::CancelRequested { reason, .. }) => {
+            Some(format!("[{}] {task}: cancelled by a person ({reason}); its attempt is stopping", e.seq))
+        }
         Entry::Agent { event, .. } => match *event {
             AgentEvent::Permission { outcome, reason, .. } => {
                 let chosen = match outcome {

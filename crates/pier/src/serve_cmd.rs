@@ -299,13 +299,23 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
             let state = v["task"]["state"].as_str().unwrap_or("?");
             if state == "cancelled" {
                 println!("task {task} of run {}: cancelled", args.run);
+            } else if v["task"]["cancel_requested"].is_string() {
+                println!(
+                    "task {task} of run {}: stopping; its agent was asked to end and the task ends cancelled \
+                     (`pier show {} {task}` to see it end)",
+                    args.run, args.run
+                );
             } else {
                 println!("task {task} of run {} is {state}; there was nothing to cancel", args.run);
             }
         }
-        (EventFormat::Text, None) => {
-            println!("run {}: {} unfinished task(s) cancelled", args.run, v["cancelled"]);
-        }
+        (EventFormat::Text, None) => match v["stopping"].as_u64() {
+            Some(n) if n > 0 => println!(
+                "run {}: {} unfinished task(s) cancelled; {n} still stopping (their agents were asked to end)",
+                args.run, v["cancelled"]
+            ),
+            _ => println!("run {}: {} unfinished task(s) cancelled", args.run, v["cancelled"]),
+        },
     }
     Ok(())
 }

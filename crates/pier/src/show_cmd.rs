@@ -233,6 +233,9 @@ fn task_text(run: &str, v: &Value) -> String {
         t["attempt"],
         t["failures"]
     );
+    if let Some(why) = t["cancel_requested"].as_str() {
+        out.push_str(&format!("stopping: a person cancelled it ({why}); its attempt ends it with its output\n"));
+    }
     let spec = &t["spec"];
     out.push_str(&format!("agent: {}{}\n", spec["agent"].as_str().unwrap_or("?"), agent_line(&v["agent"])));
     if let Some(sandbox) = v["sandbox"].as_str() {

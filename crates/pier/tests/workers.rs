@@ -155,7 +155,8 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     let ended = events.iter().position(|e| e["task"] == "a" && e["to"] == "completed");
     assert!(last < ended, "the ending's batch is logged ahead of it");
 
-    // The next task: an HTTP cancel reaches the worker's long-poll within a second.
+    // The next task: an HTTP cancel reaches the worker's long-poll within a second; the worker
+    // ends the task with its output, and the cancel answers once it has.
     let (code, leased) = lease(&s, 5_000).await;
     assert_eq!((code, leased["task"]["id"].as_str()), (200, Some("b")), "{leased}");
     let (_, nodes) = s.call(Method::GET, "/nodes", None).await;
@@ -165,12 +166,30 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     assert_eq!(wk["running"], json!([["w", "b", 1]]), "{nodes}");
     let notice = spawn_post(&s, &at("w", "b", 1, "notice"), json!({"worker": "wk", "wait_ms": 20_000}));
     let cancelled = Instant::now();
-    assert_eq!(post(&s, "/runs/w/tasks/b/cancel", json!({})).await.0, 200);
+    let cancel = spawn_post(&s, "/runs/w/tasks/b/cancel", json!({}));
     let (_, notice, seen) = joined(notice).await;
-    assert_eq!((notice["held"].as_bool(), notice["state"].as_str()), (Some(false), Some("cancelled")), "{notice}");
+    assert_eq!(
+        (notice["held"].as_bool(), notice["state"].as_str(), notice["cancel"].as_str()),
+        (Some(true), Some("running"), Some("cancelled over HTTP")),
+        "{notice}"
+    );
     assert!(seen - cancelled < Duration::from_secs(1), "the cancel reached the worker in {:?}", seen - cancelled);
+    // It asks nothing more; its ending (whatever it reports) is the cancel, with its output.
+    let request = json!({"sessionId": "s1", "toolCall": {"toolCallId": "t2", "title": "Run make"},
+        "options": [{"optionId": "yes", "name": "Allow", "kind": "allow_once"}]});
+    let (code, v) = post(&s, &at("w", "b", 1, "questions"), json!({"worker": "wk", "request": request})).await;
+    assert_eq!((code, v["error"]["code"].as_str()), (409, Some("cancel_requested")), "{v}");
+    let output = json!({"text": "half built", "toolCalls": []});
+    let end = json!({"worker": "wk", "status": "interrupted", "idempotency_key": "e-b", "output": output,
+                     "progress": {"seq": 1, "events": [chunk("half built")]}});
+    let (code, v) = post(&s, &at("w", "b", 1, "end"), end).await;
+    assert_eq!((code, v["task"]["state"].as_str()), (200, Some("cancelled")), "{v}");
+    let (code, answered, _) = joined(cancel).await;
+    assert_eq!((code, answered["task"]["state"].as_str()), (200, Some("cancelled")), "{answered}");
+    let (_, t) = s.call(Method::GET, "/runs/w/tasks/b", None).await;
+    assert_eq!(t["attempts"][0]["output"], output, "{t}");
     let (code, v) =
-        post(&s, &at("w", "b", 1, "progress"), json!({"worker": "wk", "seq": 1, "events": [chunk("late")]})).await;
+        post(&s, &at("w", "b", 1, "progress"), json!({"worker": "wk", "seq": 2, "events": [chunk("late")]})).await;
     assert_eq!((code, v["error"]["code"].as_str()), (409, Some("lease_lost")), "{v}");
 }
 
@@ -281,27 +300,19 @@ async fn pier_worker_runs_the_agent_here_and_the_host_cannot_tell_the_difference
     let asked = f.requests();
     let last = asked.last().map(|r| r.body.to_string()).unwrap_or_default();
     assert!(last.contains("use -j4") && last.contains("long build"), "the message went on the same session: {last}");
-    // The worker keeps the attempt's output once its agent has stopped: both within a second.
-    // (The model's connection lives on up to 2 s in the gateway, read for its usage.)
+    // The worker's attempt ends the task with its output once its agent has stopped, and
+    // the cancel answers then: within a second.
     let cancelled = Instant::now();
-    assert_eq!(post(&s, "/runs/pw2/tasks/b/cancel", json!({})).await.0, 200);
-    let kept = async {
-        loop {
-            let (_, t) = s.call(Method::GET, "/runs/pw2/tasks/b", None).await;
-            if t["attempts"][0]["output"]["text"].as_str().is_some_and(|x| x.contains("Switching")) {
-                return t;
-            }
-            // Kept by the worker once it notices; polled, with the bound below.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    let t = must(tokio::time::timeout(LIMIT, kept).await, "the partial output was kept");
+    let (code, answered) = post(&s, "/runs/pw2/tasks/b/cancel", json!({})).await;
     assert!(
         cancelled.elapsed() < Duration::from_secs(1),
         "the agent stopped {:?} after the cancel",
         cancelled.elapsed()
     );
-    assert_eq!(t["task"]["state"], "cancelled", "{t}");
+    assert_eq!((code, answered["task"]["state"].as_str()), (200, Some("cancelled")), "{answered}");
+    let (_, t) = s.call(Method::GET, "/runs/pw2/tasks/b", None).await;
+    let text = t["attempts"][0]["output"]["text"].as_str().unwrap_or_default();
+    assert!(text.contains("Switching"), "the partial output is kept with the ending: {t}");
 }
 
 /// A worker with the wrong token is refused at its first call and stops, saying what to do;

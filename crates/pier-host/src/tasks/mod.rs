@@ -8,6 +8,7 @@
 //! API Boundary: nothing outside pier-host calls the store; the store's calls block, so every
 //! method runs them on a blocking thread and is `async`.
 
+mod cancel;
 mod follow;
 mod handle;
 mod people;
@@ -16,6 +17,7 @@ mod submit;
 mod views;
 mod workers;
 
+pub use cancel::{CANCEL_WAIT, CancelledRun};
 pub use follow::{Delivered, Follow, Follower};
 pub use handle::Tasks;
 pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};

@@ -1,4 +1,5 @@
-//! What people do to tasks: answer, say, retry, cancel. The rules are [`crate::person`]'s.
+//! What people do to tasks: answer, say, retry (cancel is `cancel.rs`). The rules are
+//! [`crate::person`]'s.
 
 use pier_store::{StoreError, TaskRow};
 use serde_json::Value;
@@ -95,35 +96,6 @@ impl Tasks {
                 }
             }
             Ok(rows)
-        })
-        .await
-    }
-
-    /// Cancels a task that has not ended; the task as it is now (cancelled, or as it ended).
-    pub async fn cancel_task(&self, run: &str, task: &str, reason: &str) -> Result<TaskRow, ActionError> {
-        let (run, task, reason) = (run.to_owned(), task.to_owned(), reason.to_owned());
-        self.blocking(move |s| {
-            person::task_of(s, &run, &task)?;
-            match s.cancel(&run, &task, &reason)? {
-                Some(row) => Ok(row),
-                None => Ok(person::task_of(s, &run, &task)?),
-            }
-        })
-        .await
-    }
-
-    /// Cancels every unfinished task of a run; how many it cancelled.
-    pub async fn cancel_run(&self, run: &str, reason: &str) -> Result<usize, ActionError> {
-        let (run, reason) = (run.to_owned(), reason.to_owned());
-        self.blocking(move |s| {
-            if !s.run_exists(&run)? {
-                return Err(StoreError::UnknownRun(run).into());
-            }
-            let mut n = 0;
-            for t in s.tasks(&run)?.into_iter().filter(|t| !t.state.is_terminal()) {
-                n += usize::from(s.cancel(&run, &t.id, &reason)?.is_some());
-            }
-            Ok(n)
         })
         .await
     }

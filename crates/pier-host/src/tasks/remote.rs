@@ -3,8 +3,8 @@
 //! go into the task's log in order, once per batch number; a permission request or a question
 //! parks the task for a person exactly as a local one does, and the worker waits for the
 //! answer; people's messages are taken by the attempt; and one long-poll (`notice`) tells the
-//! worker, as soon as it is so, that its task was cancelled, lost, or has a message or an
-//! answer waiting.
+//! worker, as soon as it is so, that a person cancelled its task (it then ends the task with
+//! its output), that the task was lost, or that a message or an answer waits.
 
 use std::time::Duration;
 
@@ -85,6 +85,9 @@ pub struct Notice {
     pub interrupt: bool,
     /// The attempt's question that has an answer now, if any.
     pub answered: Option<i64>,
+    /// A person cancelled the task (the reason): stop the agent's turn and report the
+    /// ending with its output; the task ends cancelled, whatever the report says.
+    pub cancel: Option<String>,
 }
 
 fn lost(a: &Attempt) -> ActionError {
@@ -203,16 +206,18 @@ impl Tasks {
                         && row.lease_owner.as_deref() == Some(a.owner.as_str())
                         && matches!(row.state, TaskState::Running | TaskState::AwaitingInput)
                         && row.lease_expires_at_ms.is_some_and(|e| e >= pier_store::now_ms());
-                    let interrupt = held && s.interrupt_waiting(&a.run, &a.task)?;
-                    let messages = held && (interrupt || s.messages_waiting(&a.run, &a.task)?);
+                    let cancel = if held { row.cancel_requested } else { None };
+                    let open = held && cancel.is_none();
+                    let interrupt = open && s.interrupt_waiting(&a.run, &a.task)?;
+                    let messages = open && (interrupt || s.messages_waiting(&a.run, &a.task)?);
                     let answered = match question {
-                        Some(n) if held => s.answer_of(&a, n)?.filter(|x| !x.is_empty()).map(|_| n),
+                        Some(n) if open => s.answer_of(&a, n)?.filter(|x| !x.is_empty()).map(|_| n),
                         _ => None,
                     };
-                    Ok(Notice { held, state: row.state, messages, interrupt, answered })
+                    Ok(Notice { held, state: row.state, messages, interrupt, answered, cancel })
                 })
                 .await?;
-            if !notice.held || notice.messages || notice.answered.is_some() {
+            if !notice.held || notice.cancel.is_some() || notice.messages || notice.answered.is_some() {
                 return Ok(notice);
             }
             let looked = tokio::time::Instant::now();

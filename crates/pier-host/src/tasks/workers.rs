@@ -128,7 +128,10 @@ impl Tasks {
         self.blocking(|s| Ok(s.workers()?)).await
     }
 
-    /// Renews a worker's lease on its attempt; when it now expires.
+    /// Renews a worker's lease on its attempt; when it now expires. Refused (`lease_lost`) when
+    /// the attempt does not hold its task; renewed but refused (`cancel_requested`) when a
+    /// person cancelled the task, so a worker that knows only heartbeats stops its agent (and
+    /// has the lease's time to report its ending with its output).
     pub async fn heartbeat(
         &self,
         run: &str,
@@ -139,11 +142,26 @@ impl Tasks {
     ) -> Result<i64, ActionError> {
         let expires = now_ms() + ttl(ttl_ms);
         let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: attempt, owner: worker.to_owned() };
-        let held = self.blocking(move |s| Ok(s.heartbeat(&attempt, expires)?)).await?;
+        let (held, cancel) = self
+            .blocking(move |s| {
+                if !s.heartbeat(&attempt, expires)? {
+                    return Ok((false, None));
+                }
+                Ok((true, s.task(&attempt.run, &attempt.task)?.and_then(|t| t.cancel_requested)))
+            })
+            .await?;
         if !held {
             return Err(ActionError::Refused {
                 code: ErrorCode::LeaseLost,
                 message: "the lease is not yours any more; stop working on this task".into(),
+            });
+        }
+        if let Some(reason) = cancel {
+            return Err(ActionError::Refused {
+                code: ErrorCode::CancelRequested,
+                message: format!(
+                    "a person cancelled this task ({reason}): stop its agent and report its ending with its output; it ends cancelled"
+                ),
             });
         }
         Ok(expires)

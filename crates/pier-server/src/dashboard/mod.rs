@@ -222,8 +222,11 @@ async fn cancel_run(
     if let Err(refused) = s.check(&f.csrf) {
         return refused;
     }
-    let notice = match app.tasks.cancel_run(&run, "run cancelled from the dashboard").await {
-        Ok(n) => format!("{n} unfinished task(s) cancelled"),
+    let notice = match app.tasks.cancel_run(&run, "run cancelled from the dashboard", pier_host::CANCEL_WAIT).await {
+        Ok(c) if c.stopping > 0 => {
+            format!("{} unfinished task(s) cancelled; {} still stopping", c.cancelled, c.stopping)
+        }
+        Ok(c) => format!("{} unfinished task(s) cancelled", c.cancelled),
         Err(e) => format!("refused: {e}"),
     };
     back(&format!("/ui/runs/{}", pages::seg(&run)), &notice)

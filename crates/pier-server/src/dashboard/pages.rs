@@ -413,7 +413,7 @@ pub fn task(
         p { a href={ "/ui/runs/" (seg(run)) } { "← run " (run) } }
         h1 { "Task " (t.id) }
         dl class="facts" {
-            dt { "state" } dd { (state(t.state.as_str())) }
+            dt { "state" } dd { (state(t.state.as_str())) @if let Some(why) = &t.cancel_requested { " — stopping: cancelled (" (why) ")" } }
             dt { "agent" } dd { code { (t.spec.agent) } @if let Some(info) = v.agent.as_ref().and_then(|a| a.info()) { " (" (info.name) " " (info.version) ")" } }
             dt { "attempts" } dd { (t.attempt) " (" (t.failures) " failed)" }
             @if let Some(owner) = &t.lease_owner { dt { "lease" } dd { (owner) } }

@@ -355,7 +355,7 @@ pub(super) fn number_and_commit(
          r AS (SELECT n, CASE WHEN ?7 THEN pg_notify('pier_commits', n::text)::text END AS rang FROM c)
          SELECT t.*, r.n, r.rang FROM r LEFT JOIN LATERAL
              (SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
-                  not_before_ms, result, usage, error, spec FROM tasks
+                  not_before_ms, result, usage, error, spec, cancel_requested FROM tasks
               WHERE ?8 AND (run_id, id) IN
                   (SELECT k.run_id, k.task_id FROM UNNEST(?2::text[], ?3::text[]) AS k(run_id, task_id)
                    WHERE k.task_id IS NOT NULL)) t ON true";
@@ -405,7 +405,7 @@ fn numbered(
     rows: bool,
 ) -> Result<((i64, i64), Option<Read>), StoreError> {
     let numbered = answer.and_then(|answer| {
-        let last = answer.first().map(|r| r.try_get::<_, i64>(13)).transpose()?;
+        let last = answer.first().map(|r| r.try_get::<_, i64>(14)).transpose()?;
         let tasks = if rows {
             let mut raw = Vec::with_capacity(answer.len());
             for r in answer.iter().filter(|r| r.try_get::<_, Option<String>>(0).is_ok_and(|id| id.is_some())) {

@@ -58,7 +58,7 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 8] = [
+const MIGRATIONS: [Migration; 9] = [
     &[
         RUNS,
         TASKS,
@@ -80,6 +80,7 @@ const MIGRATIONS: [Migration; 8] = [
     LATER[4],
     LATER[5],
     LATER[6],
+    LATER[7],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
@@ -388,7 +389,7 @@ impl Backend for Pg {
         let mut upto = after;
         let mut changed = Vec::with_capacity(rows.len());
         for mut r in rows {
-            upto = upto.max(r.int(13)?);
+            upto = upto.max(r.int(14)?);
             if r.0.first().is_some_and(|c| *c != Cell::Null) {
                 changed.push(ops::decode(r.raw_task()?)?);
             }

@@ -203,7 +203,7 @@ impl PgTx<'_> {
 
 pub(super) const TASK_FOR_UPDATE: &str =
     "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
-     not_before_ms, result, usage, error, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
+     not_before_ms, result, usage, error, spec, cancel_requested FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
 /// A claim in one statement: the row locked by primary key, skipped if another claimer holds
 /// it; updated through its `ctid` only if pending and due; the attempt's row added; the row
 /// as the claim left it. The state is tested on the locked row, never in the lookup: with
@@ -216,14 +216,15 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms FRO
              lease_owner = ?3, lease_expires_at_ms = ?4
          FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec),
+             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
      a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
          ON CONFLICT DO NOTHING)
      SELECT * FROM u";
 
 /// An ending in one statement: the row locked by primary key, updated through its `ctid`
-/// only if the attempt holds it (same attempt and owner, live, lease not expired), its state
-/// before returned beside the new row. As in `CLAIM`, the state is tested on the locked row.
+/// only if the attempt holds it (same attempt and owner, live, lease not expired) and no
+/// cancel waits for it (then `ops` ends it cancelled), its state before returned beside the
+/// new row. As in `CLAIM`, the state is tested on the locked row.
 /// `END_KEEPING` also keeps the attempt's output (`?12`), whether or not the ending applies.
 macro_rules! end_statement {
     ($keep:literal) => {
@@ -235,9 +236,9 @@ macro_rules! end_statement {
          lease_expires_at_ms = NULL, not_before_ms = COALESCE(?5, t.not_before_ms),
          result = COALESCE(?6, t.result), usage = COALESCE(?7, t.usage), error = ?8
      FROM o WHERE t.ctid = o.ctid AND o.state IN ('running', 'awaiting_input') AND t.attempt = ?9
-         AND t.lease_owner = ?10 AND t.lease_expires_at_ms >= ?11
+         AND t.lease_owner = ?10 AND t.lease_expires_at_ms >= ?11 AND t.cancel_requested IS NULL
      RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, o.state"
+         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested, o.state"
         )
     };
 }
@@ -329,7 +330,7 @@ impl Tx for PgTx<'_> {
         };
         let Some(r) = rows.first() else { return Ok(None) };
         let mut row = cells(r).map_err(|e| self.failed(e))?;
-        let from = row.text(13)?;
+        let from = row.text(14)?;
         let raw = row.raw_task()?;
         if let Some(waiting) = waiting
             && waiting.try_get::<_, i64>(0).map_err(|e| self.failed(e))? == 1

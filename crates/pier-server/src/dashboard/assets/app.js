@@ -8,8 +8,9 @@ const live = main && main.dataset.live;
 const run = live ? new URLSearchParams(live).get('run') : null;
 
 // Events that change what a page shows; session updates only feed the rail.
-const MOVES = new Set(["run_created", "task_created", "transition", "question", "answer", "permission", "message"]);
-const TYPES = ["run_created", "task_created", "transition", "question", "answer", "message", "message_sent",
+const MOVES = new Set(["run_created", "task_created", "transition", "question", "answer", "permission", "message",
+  "cancel_requested"]);
+const TYPES = ["run_created", "task_created", "transition", "question", "answer", "message", "message_sent", "cancel_requested",
   "session_update", "permission", "client_call", "elicitation", "protocol_error"];
 
 let pageSeq = Number((main && main.dataset.after) || 0);

@@ -3,7 +3,7 @@
 // tab would leave the seventh tab unable to load a page. Every event goes to every tab,
 // which keeps what concerns it.
 
-const TYPES = ["run_created", "task_created", "transition", "question", "answer", "message", "message_sent",
+const TYPES = ["run_created", "task_created", "transition", "question", "answer", "message", "message_sent", "cancel_requested",
   "session_update", "permission", "client_call", "elicitation", "protocol_error"];
 const ports = new Set();
 let source = null;
