@@ -184,13 +184,13 @@ async fn start_stdio(
             McpError::Spawn { server: server.clone(), command: spec.command.display().to_string(), source }
         })?;
     tracing::debug!(server, pid = process.pid(), "MCP server spawned");
-    let (stdout, oversized) = lines::Watched::new(stdout);
+    let (stdout, dropped) = lines::Watched::new(stdout);
     let transport =
         rmcp::transport::async_rw::AsyncRwTransport::new_client(stdout, stdin).with_max_line_length(lines::MAX_LINE);
     match handshake(transport, timeout).await {
         Ok((service, tools)) => {
             let server =
-                Server::new(server, service, Some(process)).watching(oversized).timed(call_timeout(spec.meta.as_ref()));
+                Server::new(server, service, Some(process)).watching(dropped).timed(call_timeout(spec.meta.as_ref()));
             Ok((Arc::new(server), tools))
         }
         Err(failure) => {

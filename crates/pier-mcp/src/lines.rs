@@ -1,9 +1,11 @@
-//! A stdio server's stdout as the MCP transport reads it, watched for lines too long to read.
+//! A stdio server's stdout as the MCP transport reads it, watched for answers it will drop.
 //!
-//! rmcp's transport drops a line over its limit (16 MiB) and reads on, so the call that line
-//! answered would wait for ever. [`Watched`] counts each line's length as the bytes pass and
-//! moves a counter when one crosses the limit: the calls in flight on that server see it and
-//! fail, saying why.
+//! rmcp's transport drops a line over its limit (16 MiB), and a line that does not decode as a
+//! JSON-RPC message of the server, and reads on, so the call that line answered would wait for
+//! its timeout. [`Watched`] follows each line as the bytes pass and, when one is too long or is
+//! a malformed answer, says why on a watch: the calls in flight on that server see it and fail
+//! at once, saying why. Lines that are not JSON objects at all (a server's stray log output) are
+//! not answers and pass, as rmcp passes over them.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -14,39 +16,91 @@ use tokio::sync::watch;
 /// The longest line the transport reads (rmcp's own limit, set on the transport to match).
 pub(crate) const MAX_LINE: usize = 16 << 20;
 
-/// `inner`, with a count of the lines over [`MAX_LINE`] so far.
+/// A line kept past this capacity is given back once it has been looked at.
+const KEEP_CAPACITY: usize = 1 << 20;
+
+/// The last line of a server's stdout the transport drops, and how many there were so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Dropped {
+    pub(crate) count: u64,
+    /// What was wrong with the last one, as a clause: "was over 16 MiB", "is not valid MCP (…)".
+    pub(crate) why: String,
+}
+
+/// `inner`, with each line the transport drops said on a watch.
 pub(crate) struct Watched<R> {
     inner: R,
-    /// Bytes of the current line so far.
+    /// The current line so far, up to [`MAX_LINE`].
+    line: Vec<u8>,
+    /// Bytes of the current line so far (it may be longer than `line` holds).
     run: usize,
-    /// Whether the current line was counted already.
-    counted: bool,
-    oversized: watch::Sender<u64>,
+    dropped: watch::Sender<Dropped>,
 }
 
 impl<R> Watched<R> {
-    pub(crate) fn new(inner: R) -> (Watched<R>, watch::Receiver<u64>) {
-        let (oversized, rx) = watch::channel(0);
-        (Watched { inner, run: 0, counted: false, oversized }, rx)
+    pub(crate) fn new(inner: R) -> (Watched<R>, watch::Receiver<Dropped>) {
+        let (dropped, rx) = watch::channel(Dropped::default());
+        (Watched { inner, line: Vec::new(), run: 0, dropped }, rx)
     }
 
     fn see(&mut self, bytes: &[u8]) {
         let mut rest = bytes;
         while let Some(end) = rest.iter().position(|&b| b == b'\n') {
             // The transport counts the newline against its limit too.
-            self.grow(end + 1);
-            (self.run, self.counted) = (0, false);
+            self.grow(&rest[..=end]);
+            self.line_ended();
             rest = &rest[end + 1..];
         }
-        self.grow(rest.len());
+        self.grow(rest);
     }
 
-    fn grow(&mut self, n: usize) {
-        self.run = self.run.saturating_add(n);
-        if self.run > MAX_LINE && !self.counted {
-            self.counted = true;
-            self.oversized.send_modify(|n| *n += 1);
+    fn grow(&mut self, bytes: &[u8]) {
+        let before = self.run;
+        self.run = self.run.saturating_add(bytes.len());
+        if before <= MAX_LINE && self.run > MAX_LINE {
+            self.drop_line(format!("was over {} MiB, which pier does not read", MAX_LINE >> 20));
+            self.line = Vec::new();
+        } else if self.run <= MAX_LINE {
+            self.line.extend_from_slice(bytes);
         }
+    }
+
+    fn line_ended(&mut self) {
+        if self.run <= MAX_LINE
+            && let Some(why) = malformed(&self.line)
+        {
+            self.drop_line(why);
+        }
+        self.run = 0;
+        self.line.clear();
+        if self.line.capacity() > KEEP_CAPACITY {
+            self.line = Vec::new();
+        }
+    }
+
+    fn drop_line(&self, why: String) {
+        self.dropped.send_modify(|d| {
+            d.count += 1;
+            d.why = why;
+        });
+    }
+}
+
+/// Why a whole line (its newline included) is an answer the transport drops, if it is one: a
+/// JSON object that does not decode as a message of the server (rmcp's own type), or a line
+/// that starts as one and is not JSON. A request or a notification of the server is not an
+/// answer (rmcp answers or passes over those itself).
+fn malformed(line: &[u8]) -> Option<String> {
+    let text = line.strip_prefix(b"\xEF\xBB\xBF".as_slice()).unwrap_or(line);
+    let text = text.trim_ascii();
+    if !text.starts_with(b"{") {
+        return None;
+    }
+    let e = serde_json::from_slice::<rmcp::model::ServerJsonRpcMessage>(text).err()?;
+    match serde_json::from_slice::<serde_json::Value>(text) {
+        Ok(v) if v.get("method").is_some() => None,
+        Ok(_) => Some(format!("is not a valid MCP answer ({e})")),
+        Err(e) => Some(format!("is not JSON ({e})")),
     }
 }
 
@@ -69,15 +123,34 @@ mod tests {
     #[test]
     fn a_line_over_the_limit_is_counted_once_wherever_it_is_cut() {
         let (mut w, rx) = Watched::new(());
-        w.see(b"{\"short\":1}\n");
-        assert_eq!(*rx.borrow(), 0);
+        w.see(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n");
+        assert_eq!(rx.borrow().count, 0);
         let chunk = vec![b'x'; 1 << 20];
         for _ in 0..17 {
             w.see(&chunk);
         }
-        assert_eq!(*rx.borrow(), 1);
+        assert_eq!(rx.borrow().count, 1);
+        assert!(rx.borrow().why.contains("over 16 MiB"), "{:?}", rx.borrow());
         w.see(b"still the same line\nnext\n");
-        assert_eq!(*rx.borrow(), 1, "counted once");
+        assert_eq!(rx.borrow().count, 1, "counted once");
         assert_eq!(w.run, 0);
+        assert!(w.line.capacity() <= KEEP_CAPACITY, "the big line's buffer was given back");
+    }
+
+    #[test]
+    fn a_malformed_answer_is_said_and_stray_output_or_requests_are_not() {
+        let (mut w, rx) = Watched::new(());
+        w.see(b"server started on stdio\n\n");
+        w.see(b"{\"jsonrpc\":\"2.0\",\"method\":\"notifications/whatever\",\"params\":{\"x\":[1]}}\n");
+        w.see(b"{\"jsonrpc\":\"2.0\",\"id\":3,\"method\":\"sampling/createMessage\",\"params\":7}\n");
+        w.see(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"res");
+        w.see(b"ult\":{\"content\":[]}}\r\n");
+        assert_eq!(rx.borrow().count, 0, "{:?}", rx.borrow());
+        w.see(b"{this is not json\n");
+        assert_eq!(rx.borrow().count, 1);
+        assert!(rx.borrow().why.starts_with("is not JSON"), "{:?}", rx.borrow());
+        w.see(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{\"content\":\"not a list\"},\"error\":5}\n");
+        assert_eq!(rx.borrow().count, 2);
+        assert!(rx.borrow().why.starts_with("is not a valid MCP answer"), "{:?}", rx.borrow());
     }
 }

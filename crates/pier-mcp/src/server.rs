@@ -26,8 +26,8 @@ pub(crate) struct Server {
     service: Mutex<Option<crate::Client>>,
     /// `None` for an http server.
     process: Option<ChildProcess>,
-    /// Lines of its stdout too long to read so far (a stdio server's).
-    oversized: Option<tokio::sync::watch::Receiver<u64>>,
+    /// The lines of its stdout the transport dropped so far (a stdio server's).
+    dropped: Option<tokio::sync::watch::Receiver<crate::lines::Dropped>>,
     /// How long one call may take.
     pub(crate) call_timeout: std::time::Duration,
 }
@@ -40,14 +40,14 @@ impl Server {
             peer,
             service: Mutex::new(Some(service)),
             process,
-            oversized: None,
+            dropped: None,
             call_timeout: crate::DEFAULT_CALL_TIMEOUT,
         }
     }
 
-    /// With the count of its stdout's lines too long to read.
-    pub(crate) fn watching(mut self, oversized: tokio::sync::watch::Receiver<u64>) -> Server {
-        self.oversized = Some(oversized);
+    /// With the lines of its stdout the transport drops.
+    pub(crate) fn watching(mut self, dropped: tokio::sync::watch::Receiver<crate::lines::Dropped>) -> Server {
+        self.dropped = Some(dropped);
         self
     }
 
@@ -57,18 +57,21 @@ impl Server {
         self
     }
 
-    /// Resolves when a line too long to read arrives after this call (never for an http server).
-    pub(crate) fn oversized(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let rx = self.oversized.clone();
+    /// Resolves, with what was wrong with it, when a line the transport drops (too long, or a
+    /// malformed answer) arrives after this call: the answer it carried never comes. Never for
+    /// an http server.
+    pub(crate) fn dropped(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let rx = self.dropped.clone();
         async move {
             match rx {
                 Some(mut rx) => {
                     rx.mark_unchanged();
-                    if rx.changed().await.is_err() {
-                        std::future::pending::<()>().await;
+                    match rx.changed().await {
+                        Ok(()) => rx.borrow().why.clone(),
+                        Err(_) => std::future::pending::<String>().await,
                     }
                 }
-                None => std::future::pending::<()>().await,
+                None => std::future::pending::<String>().await,
             }
         }
     }

@@ -75,26 +75,26 @@ async fn call(server: &Server, tool: String, args: Value, cx: ToolContext) -> Re
     if let Some(reason) = server.down_reason().await {
         return Err(not_running(server, &reason));
     }
-    let oversized = server.oversized();
+    let dropped = server.dropped();
     let result = tokio::select! {
         biased;
         // Dropping the call future makes rmcp send `notifications/cancelled` for the request.
         () = cx.cancel.cancelled() => return Err(ToolError::new("cancelled")),
-        // The transport drops such a line: the answer it carried will never come.
-        () = oversized => {
+        // The transport drops such a line: the answer it carried will never come. Which call it
+        // answered is not known, so each call in flight on the server fails.
+        why = dropped => {
             return Err(ToolError::new(format!(
-                "MCP server `{}` answered with a message over {} MiB, which pier does not read; the call to `{tool}` \
-                 failed (ask the tool for less)",
+                "MCP server `{}` sent an answer that {why}; the call to `{tool}` failed with the calls in flight on it \
+                 (for a large answer, ask the tool for less)",
                 server.name,
-                crate::lines::MAX_LINE >> 20
             )));
         }
         result = tokio::time::timeout(server.call_timeout, server.peer.call_tool(params)) => match result {
             Ok(result) => result,
             Err(_) => {
                 return Err(ToolError::new(format!(
-                    "MCP server `{}` did not answer the call to `{tool}` within {:?} (an answer that is not JSON-RPC \
-                     is dropped); the call is cancelled. `_meta` \"{}\" on the server's entry sets the limit",
+                    "MCP server `{}` did not answer the call to `{tool}` within {:?}; the call is cancelled. `_meta` \
+                     \"{}\" on the server's entry sets the limit",
                     server.name,
                     server.call_timeout,
                     crate::CALL_TIMEOUT_META

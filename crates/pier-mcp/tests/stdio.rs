@@ -76,9 +76,9 @@ async fn an_is_error_result_is_a_failed_output_the_model_reads() {
     servers.shutdown().await;
 }
 
-/// An answer over the transport's 16 MiB fails its call at once, saying so, and the server
-/// goes on serving; one that is not JSON-RPC fails its call at the server's call timeout
-/// (`_meta` "pier.dev/callTimeoutSecs"), never hanging the turn.
+/// An answer over the transport's 16 MiB, or one that is not JSON-RPC, fails its call at once,
+/// saying so, and the server goes on serving (issue #35.6: the garbled one failed only at the
+/// server's call timeout, `_meta` "pier.dev/callTimeoutSecs").
 #[tokio::test]
 async fn an_oversized_or_garbled_answer_fails_its_call_and_the_server_goes_on() {
     let dir = tempfile::tempdir().unwrap();
@@ -94,8 +94,12 @@ async fn an_oversized_or_garbled_answer_fails_its_call_and_the_server_goes_on() 
     assert!(started.elapsed() < Duration::from_secs(2), "failed as the line passed, not at the timeout");
     let out = tool(&servers, "u__echo").run(json!({"text": "still here"}), cx(dir.path())).await.unwrap();
     assert_eq!(out.text, "still here");
+    let started = std::time::Instant::now();
     let err = tool(&servers, "u__garbled").run(json!({}), cx(dir.path())).await.err().unwrap();
-    assert!(err.to_string().contains("did not answer the call to `garbled` within 2s"), "{err}");
+    assert!(err.to_string().contains("sent an answer that is not JSON"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2), "failed as the line passed, not at the timeout");
+    let out = tool(&servers, "u__echo").run(json!({"text": "and still"}), cx(dir.path())).await.unwrap();
+    assert_eq!(out.text, "and still");
     servers.shutdown().await;
 }
 
