@@ -24,6 +24,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     const PENDING_OF_RUN: &'static str;
     /// Every task not ended, oldest run first, in plan order.
     const UNFINISHED_TASKS: &'static str;
+    /// The runs with a task `?1`, newest first.
+    const RUNS_WITH_TASK: &'static str;
     /// The last event sequence committed.
     const LAST_SEQ: &'static str;
 
@@ -122,33 +124,39 @@ impl Row {
 /// The tasks of every run whose state meets `$state` (`= 'pending'`, `IN (…)`: the very terms
 /// of the partial index, which SQLite uses only for a condition that implies its own), oldest
 /// run first, in plan order; `$hint` names the index where the dialect takes one (SQLite's
-/// `INDEXED BY`).
+/// `INDEXED BY`), `$runs` the runs' index that holds their age (`runs_age`: SQLite would
+/// otherwise read the age from the run's row, past its plan).
 #[macro_export]
 #[doc(hidden)]
 macro_rules! tasks_in {
-    ($state:literal, $hint:literal) => {
+    ($state:literal, $hint:literal, $runs:literal) => {
         concat!(
             "SELECT ",
             $crate::task_columns!(t),
             " FROM tasks t ",
             $hint,
-            " JOIN runs r ON r.id = t.run_id WHERE t.state ",
+            " JOIN runs r ",
+            $runs,
+            " ON r.id = t.run_id WHERE t.state ",
             $state,
             " ORDER BY r.created_at_ms, r.id, t.ord"
         )
     };
 }
 
-/// [`Backend::PENDING_RUN_AFTER`] and [`Backend::PENDING_OF_RUN`] with SQLite's index `$hint`
-/// or none. Each seeks in the pending tasks' index and walks it in its order: no read, let
-/// alone a sort, of every pending task.
+/// [`Backend::PENDING_RUN_AFTER`] and [`Backend::PENDING_OF_RUN`] with SQLite's indexes
+/// `$hint` (the pending tasks') and `$runs` (the runs' ages), or none. Each seeks in the
+/// pending tasks' index and walks it in its order: no read, let alone a sort, of every
+/// pending task, and no read of a run's plan.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! pending_pages {
-    ($hint:literal) => {
+    ($hint:literal, $runs:literal) => {
         (
             concat!(
-                "SELECT r.id, r.created_at_ms FROM runs r WHERE r.id = (SELECT run_id FROM tasks ",
+                "SELECT r.id, r.created_at_ms FROM runs r ",
+                $runs,
+                " WHERE r.id = (SELECT run_id FROM tasks ",
                 $hint,
                 " WHERE state = 'pending' AND run_id > ?1 ORDER BY run_id LIMIT 1)"
             ),
@@ -159,6 +167,19 @@ macro_rules! pending_pages {
                 $hint,
                 " WHERE run_id = ?1 AND state = 'pending' ORDER BY ord LIMIT ?2 OFFSET ?3"
             ),
+        )
+    };
+}
+
+/// [`Backend::RUNS_WITH_TASK`] with the runs' index `$runs` (see [`tasks_in!`]) or none.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! runs_with_task {
+    ($runs:literal) => {
+        concat!(
+            "SELECT t.run_id FROM tasks t JOIN runs r ",
+            $runs,
+            " ON r.id = t.run_id WHERE t.id = ?1 ORDER BY r.created_at_ms DESC"
         )
     };
 }

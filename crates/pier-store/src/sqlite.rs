@@ -70,7 +70,7 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 12] = [
+const MIGRATIONS: [Migration; 13] = [
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
@@ -83,6 +83,7 @@ const MIGRATIONS: [Migration; 12] = [
     LATER[5],
     LATER[6],
     LATER[7],
+    LATER[8],
 ];
 
 /// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].
@@ -459,10 +460,14 @@ fn is_full(message: &str) -> bool {
 }
 
 impl Backend for Sqlite {
-    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("INDEXED BY tasks_pending").0;
-    const PENDING_OF_RUN: &'static str = crate::pending_pages!("INDEXED BY tasks_pending").1;
-    const UNFINISHED_TASKS: &'static str =
-        crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "INDEXED BY tasks_unfinished");
+    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("INDEXED BY tasks_pending", "INDEXED BY runs_age").0;
+    const PENDING_OF_RUN: &'static str = crate::pending_pages!("INDEXED BY tasks_pending", "INDEXED BY runs_age").1;
+    const UNFINISHED_TASKS: &'static str = crate::tasks_in!(
+        "IN ('pending', 'running', 'awaiting_input')",
+        "INDEXED BY tasks_unfinished",
+        "INDEXED BY runs_age"
+    );
+    const RUNS_WITH_TASK: &'static str = crate::runs_with_task!("INDEXED BY runs_age");
     const LAST_SEQ: &'static str = "SELECT COALESCE(MAX(seq), 0) FROM events";
 
     fn write<T: Send + 'static>(&self, _task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError> {
@@ -594,5 +599,39 @@ impl Tx for SqliteTx<'_> {
             )?
             .execute(params![a.run, a.task, a.n, effect.to_string()])?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run's age is read from `runs_age`, never from the run's row: there it comes after the
+    /// plan, and reading it walked the plan's every overflow page (on each lease of a worker).
+    #[test]
+    fn queries_of_runs_by_age_never_read_a_runs_row() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = Sqlite::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
+        let conn = lock(&store.reader);
+        let runs = [
+            <Sqlite as Backend>::PENDING_RUN_AFTER,
+            <Sqlite as Backend>::UNFINISHED_TASKS,
+            <Sqlite as Backend>::RUNS_WITH_TASK,
+            "SELECT id FROM runs ORDER BY created_at_ms, id",
+            "SELECT r.id, r.created_at_ms FROM runs r ORDER BY r.created_at_ms, r.id",
+        ];
+        for sql in runs {
+            let plan: Vec<String> = conn
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .and_then(|mut s| {
+                    let none = vec![rusqlite::types::Null; s.parameter_count()];
+                    s.query_map(rusqlite::params_from_iter(none), |r| r.get::<_, String>(3))?.collect()
+                })
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            let runs: Vec<&String> =
+                plan.iter().filter(|step| step.contains(" runs") || step.contains(" r ")).collect();
+            assert!(!runs.is_empty(), "{sql}: {plan:?}");
+            assert!(runs.iter().all(|step| step.contains("COVERING INDEX runs_age")), "{sql}: {plan:?}");
+        }
     }
 }

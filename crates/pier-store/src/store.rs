@@ -419,11 +419,7 @@ impl<B: Backend> TaskStore for Store<B> {
     }
 
     fn runs_with_task(&self, task: &str) -> Result<Vec<String>, StoreError> {
-        strings(self.rows(
-            "SELECT t.run_id FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.id = ?1
-             ORDER BY r.created_at_ms DESC",
-            &[Arg::Text(task)],
-        )?)
+        strings(self.rows(B::RUNS_WITH_TASK, &[Arg::Text(task)])?)
     }
 
     fn run_ids(&self) -> Result<Vec<String>, StoreError> {

@@ -58,7 +58,7 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 9] = [
+const MIGRATIONS: [Migration; 10] = [
     &[
         RUNS,
         TASKS,
@@ -81,6 +81,7 @@ const MIGRATIONS: [Migration; 9] = [
     LATER[5],
     LATER[6],
     LATER[7],
+    LATER[8],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
@@ -339,9 +340,10 @@ async fn listen(Target { config, tls }: Target, seq_tx: Weak<watch::Sender<i64>>
 }
 
 impl Backend for Pg {
-    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("").0;
-    const PENDING_OF_RUN: &'static str = crate::pending_pages!("").1;
-    const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "");
+    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("", "").0;
+    const PENDING_OF_RUN: &'static str = crate::pending_pages!("", "").1;
+    const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "", "");
+    const RUNS_WITH_TASK: &'static str = crate::runs_with_task!("");
     const LAST_SEQ: &'static str = "SELECT n FROM pier_seq";
 
     fn write<T: Send + 'static>(&self, task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError> {
