@@ -310,6 +310,27 @@ pub struct Report {
     /// written in the ending's commit, ahead of it (once, with the report's key).
     #[serde(default)]
     pub progress: Option<crate::tasks::Progress>,
+    /// The worker's next task, leased in the ending's commit.
+    #[serde(default)]
+    pub next: Option<NextLease>,
+}
+
+/// What a worker asks of its next lease, with its report.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NextLease {
+    pub capabilities: Vec<String>,
+    #[serde(default)]
+    pub agents: Vec<String>,
+    pub ttl_ms: Option<i64>,
+}
+
+/// What a report is decided and priced with beside the report itself.
+pub(crate) struct Reporting<'a> {
+    /// The report as sent: its idempotency key's request.
+    pub body: &'a Value,
+    pub retry_base: std::time::Duration,
+    pub prices: Option<&'a std::collections::BTreeMap<String, crate::gateway::Price>>,
 }
 
 /// A worker's usage: one entry or a list.
@@ -404,10 +425,10 @@ pub(crate) fn report(
     run: &str,
     task: &str,
     report: &Report,
-    body: &Value,
-    retry_base: std::time::Duration,
-    prices: Option<&std::collections::BTreeMap<String, crate::gateway::Price>>,
-) -> Result<TaskRow, ActionError> {
+    cx: &Reporting<'_>,
+    next: Option<&pier_store::NextClaim>,
+) -> Result<(TaskRow, Option<TaskRow>), ActionError> {
+    let Reporting { body, retry_base, prices } = *cx;
     let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
     // A task naming an agent is a worker's to end only while that worker holds it (it leased
     // it with `agents`); a host node's attempt never is (node ids have a `:`, workers' names
@@ -484,12 +505,17 @@ pub(crate) fn report(
         .with_evidence(evidence)
         .with_output(report.output.as_ref().map(Value::to_string))
         .unless_messages(report.unless_messages);
-    match store.finish(&attempt, &ending, Some(&idem)) {
-        Ok(row) => {
+    // A report asking for its next task answers with it, a repeat too (found or not).
+    let reported = match report.next {
+        Some(_) => store.report_and_claim(&attempt, &ending, &idem, next).map(|r| (r.task, r.next)),
+        None => store.finish(&attempt, &ending, Some(&idem)).map(|row| (row, None)),
+    };
+    match reported {
+        Ok(reported) => {
             if let Some(outcome) = &outcome {
                 crate::telemetry::attempt_ended(outcome, &ending);
             }
-            Ok(row)
+            Ok(reported)
         }
         Err(e) => {
             if matches!(e, StoreError::LeaseLost { .. }) {

@@ -144,19 +144,16 @@ async fn slot(
     stop: CancellationToken,
 ) -> Result<(), WorkerError> {
     let agents: Vec<&str> = if config.takes_agent_tasks { vec![config.agent.as_str()] } else { Vec::new() };
-    let ask = json!({"capabilities": config.capabilities, "agents": agents,
-                     "ttl_ms": config.lease_ttl.as_millis() as u64, "wait_ms": LEASE_WAIT_MS});
-    // The next lease, asked for while the attempt before it reports its ending.
-    let mut next: Option<tokio::task::JoinHandle<Result<Lease, WorkerError>>> = None;
+    let ttl_ms = config.lease_ttl.as_millis() as u64;
+    let ask =
+        json!({"capabilities": config.capabilities, "agents": agents, "ttl_ms": ttl_ms, "wait_ms": LEASE_WAIT_MS});
+    // What an attempt's ending asks for: the next task, leased in the ending's commit.
+    let ask_next = json!({"capabilities": config.capabilities, "agents": agents, "ttl_ms": ttl_ms});
+    // The next task, leased with the ending of the attempt before it.
+    let mut next: Option<Box<Granted>> = None;
     while !stop.is_cancelled() {
         let leased = match next.take() {
-            Some(mut asked) => tokio::select! {
-                () = stop.cancelled() => {
-                    release(&link, asked, false).await;
-                    return Ok(());
-                }
-                leased = &mut asked => leased.unwrap_or_else(|e| Err(WorkerError::Host(e.to_string()))),
-            },
+            Some(granted) => Ok(Lease::Granted(granted)),
             None => tokio::select! {
                 () = stop.cancelled() => return Ok(()),
                 leased = lease(link.clone(), ask.clone(), config.lease_ttl) => leased,
@@ -164,33 +161,13 @@ async fn slot(
         };
         match leased {
             Ok(Lease::Granted(granted)) => {
-                // Once the agent's turn is over, the next task is leased while this one's
-                // ending goes to the host and its agent back to the pool: the two round trips
-                // overlap instead of adding up. If the conversation goes on instead (a person's
-                // message came), a task leased ahead goes back rather than wait for it.
-                let (turns, mut turn) = mpsc::unbounded_channel();
-                let run = attempt(&config, &link, &pool, *granted, &stop, turns);
-                tokio::pin!(run);
-                let ran = loop {
-                    tokio::select! {
-                        ran = &mut run => break ran,
-                        Some(t) = turn.recv() => match t {
-                            Turn::Over if next.is_none() && !stop.is_cancelled() => {
-                                next = Some(tokio::spawn(lease(link.clone(), ask.clone(), config.lease_ttl)));
-                            }
-                            Turn::GoesOn => {
-                                if let Some(asked) = next.take() {
-                                    let link = link.clone();
-                                    tokio::spawn(async move { release(&link, asked, true).await });
-                                }
-                            }
-                            Turn::Over => {}
-                        },
-                    }
-                };
+                let (leased_tx, mut leased_rx) = mpsc::unbounded_channel();
+                let asks = Next { ask: ask_next.clone(), leased: leased_tx };
+                let ran = attempt(&config, &link, &pool, *granted, &stop, asks).await;
+                next = leased_rx.try_recv().ok();
                 if let Err(e) = ran {
-                    if let Some(asked) = next.take() {
-                        release(&link, asked, false).await;
+                    if let Some(granted) = next.take() {
+                        give_back(&link, *granted).await;
                     }
                     return Err(e);
                 }
@@ -207,30 +184,17 @@ async fn slot(
             }
         }
     }
-    if let Some(asked) = next.take() {
-        release(&link, asked, false).await;
+    if let Some(granted) = next.take() {
+        give_back(&link, *granted).await;
     }
     Ok(())
 }
 
-/// What an attempt tells its slot about its turn.
-enum Turn {
-    /// The agent's turn is over and its ending is being reported: lease the next task.
-    Over,
-    /// The ending was refused for a person's message: the conversation goes on.
-    GoesOn,
-}
-
-/// Gives a lease asked ahead back to the host: a task it granted goes back at once; one still
-/// asked for is given back when it comes (`wait`), or the request is dropped.
-async fn release(link: &Link, asked: tokio::task::JoinHandle<Result<Lease, WorkerError>>, wait: bool) {
-    if !wait && !asked.is_finished() {
-        asked.abort();
-        return;
-    }
-    if let Ok(Ok(Lease::Granted(granted))) = asked.await {
-        give_back(link, *granted).await;
-    }
+/// How an attempt's ending asks for its slot's next task, and where the lease goes.
+struct Next {
+    /// The `next` of the ending's report.
+    ask: Value,
+    leased: mpsc::UnboundedSender<Box<Granted>>,
 }
 
 /// What asking for a task gave.
@@ -280,11 +244,15 @@ async fn give_back(link: &Link, granted: Granted) {
 
 /// Asks the host for a task, waiting for one.
 async fn lease(link: Link, ask: Value, ttl: Duration) -> Result<Lease, WorkerError> {
-    let leased = match link.post("/v1/lease", ask).await? {
-        (200, leased) => leased,
-        (204, _) => return Ok(Lease::NoWork),
-        (status, answer) => return Ok(Lease::Refused(status, answer)),
-    };
+    match link.post("/v1/lease", ask).await? {
+        (200, leased) => granted(link, &leased, ttl).await,
+        (204, _) => Ok(Lease::NoWork),
+        (status, answer) => Ok(Lease::Refused(status, answer)),
+    }
+}
+
+/// A task the host leased (`{task, prompt}`), its lease renewed from now on.
+async fn granted(link: Link, leased: &Value, ttl: Duration) -> Result<Lease, WorkerError> {
     let row: crate::TaskRow = match serde_json::from_value(leased["task"].clone()) {
         Ok(row) => row,
         Err(e) => {
@@ -318,7 +286,7 @@ async fn attempt(
     pool: &AgentPool,
     granted: Granted,
     stop: &CancellationToken,
-    turns: mpsc::UnboundedSender<Turn>,
+    next: Next,
 ) -> Result<(), WorkerError> {
     let Granted { row, prompt, lost, heartbeat } = granted;
     let (run, task, n) = (row.run_id.clone(), row.id.clone(), row.attempt);
@@ -343,7 +311,8 @@ async fn attempt(
         lease_ttl: config.lease_ttl,
         key: format!("end-{:016x}", fastrand::u64(..)),
         reports: Default::default(),
-        turns,
+        next,
+        stop,
     };
     let mut spent = Vec::new();
     let mut ended = None;
@@ -471,14 +440,13 @@ struct Closer<'a> {
     /// The attempt's reports' keys: a repeat of one report is applied once.
     key: String,
     reports: std::sync::atomic::AtomicU32,
-    /// Told when the attempt reports an ending (its slot can lease the next task) and when
-    /// that ending was refused for a person's message (the conversation goes on).
-    turns: mpsc::UnboundedSender<Turn>,
+    /// The next task for the slot, asked for with the ending (unless the worker stops).
+    next: Next,
+    stop: &'a CancellationToken,
 }
 
 impl Closer<'_> {
     async fn end(&self, outcome: &Outcome, spent: &[crate::ModelRequest], unless_messages: bool) -> Ended {
-        let _ = self.turns.send(Turn::Over);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let ((partial, effects), batch) = match self.pump.send(ToPump::Take(tx)) {
             Ok(()) => rx.await.unwrap_or_default(),
@@ -489,9 +457,6 @@ impl Closer<'_> {
         // otherwise it was written with the ending (or cannot be any more).
         let unsent = if ended == Ended::MessagesWaiting { batch } else { None };
         let _ = self.pump.send(ToPump::Settle(unsent));
-        if ended == Ended::MessagesWaiting {
-            let _ = self.turns.send(Turn::GoesOn);
-        }
         ended
     }
 
@@ -525,6 +490,9 @@ impl Closer<'_> {
         if let Some(batch) = batch {
             report["progress"] = batch;
         }
+        if !self.stop.is_cancelled() {
+            report["next"] = self.next.ask.clone();
+        }
         if !spent.is_empty() {
             let usage: Vec<Value> = spent
                 .iter()
@@ -541,7 +509,18 @@ impl Closer<'_> {
         let deadline = tokio::time::Instant::now() + self.lease_ttl;
         loop {
             match self.link.post(&self.path, report.clone()).await {
-                Ok((200, _)) => return Ended::Taken,
+                Ok((200, answer)) => {
+                    if answer["next"].is_object() {
+                        match granted(self.link.clone(), &answer["next"], self.lease_ttl).await {
+                            Ok(Lease::Granted(g)) => {
+                                let _ = self.next.leased.send(g);
+                            }
+                            Ok(_) => {}
+                            Err(e) => tracing::warn!(error = %e, "the next task's lease is not usable"),
+                        }
+                    }
+                    return Ended::Taken;
+                }
                 Ok((409, answer)) if answer["error"]["code"] == "messages_waiting" => return Ended::MessagesWaiting,
                 Ok((status, answer)) if (400..500).contains(&status) => {
                     tracing::warn!(status, %answer, "the host refused the attempt's ending");

@@ -254,6 +254,9 @@ pub(crate) async fn update(
     Path((run, task)): Path<(String, String)>,
     Body(body): Body<Value>,
 ) -> Result<Json<Value>, ApiError> {
-    let row = app.tasks.report(&run, &task, body).await?;
-    Ok(Json(json!({"task": row})))
+    let (row, next) = app.tasks.report(&run, &task, body).await?;
+    Ok(Json(match next {
+        Some(next) => json!({"task": row, "next": next}),
+        None => json!({"task": row}),
+    }))
 }

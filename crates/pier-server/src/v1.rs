@@ -180,8 +180,11 @@ pub(crate) async fn end(
     if let Some(o) = body.as_object_mut() {
         o.insert("attempt".into(), json!(n));
     }
-    let row = app.tasks.report(&run, &task, body).await?;
-    Ok(Json(json!({"task": row})))
+    let (row, next) = app.tasks.report(&run, &task, body).await?;
+    Ok(Json(match next {
+        Some(next) => json!({"task": row, "next": next}),
+        None => json!({"task": row}),
+    }))
 }
 
 pub(crate) async fn workers(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {

@@ -55,6 +55,16 @@ pub trait TaskStore: Send + Sync + 'static {
     /// attempt's unanswered questions are void. Refused (`lease_lost`) unless `attempt`
     /// holds the task with a live lease. With `idem`, a repeat gets the first answer.
     fn finish(&self, attempt: &Attempt, ending: &Ending, idem: Option<&Idem>) -> Result<TaskRow, StoreError>;
+    /// A worker's report ([`TaskStore::finish`] with its key) and, in the same commit, the
+    /// claim of `next` for the worker (if it is still pending, due and ready). A repeat of the
+    /// key answers what the first did.
+    fn report_and_claim(
+        &self,
+        attempt: &Attempt,
+        ending: &Ending,
+        idem: &Idem,
+        next: Option<&crate::NextClaim>,
+    ) -> Result<crate::Reported, StoreError>;
     /// Ends an attempt its holder lost (lease expired, host dead), if the task is still as
     /// `held` describes it (same attempt, owner and expiry); `None` if it moved on.
     fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError>;

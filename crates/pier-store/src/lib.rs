@@ -38,11 +38,12 @@ pub use code::ErrorCode;
 pub use entry::{AgentEvent, Entry, is_agent_event};
 pub use error::StoreError;
 pub use log::{Event, LogCursor, LogEvent, OwnCommit, RawEvent, own_following};
+pub use ops::{Candidate, NextClaim};
 pub use pg::{Pg, ScratchDatabase, redacted};
 pub use plan::{Budget, Plan, PlanError, TaskSpec};
 pub use rows::{
-    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
-    WorkerRow, offered_option, option_kind,
+    AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, Reported,
+    TaskRow, WorkerRow, offered_option, option_kind,
 };
 pub use spend::{MODEL_REQUEST, ModelRequest, Spend, Subtotal, Tokens};
 pub use sqlite::{Sqlite, checkpoint_open_stores};

@@ -527,7 +527,7 @@ pub(crate) fn finish(
     ending: &Ending,
     idem: Option<&Idem>,
 ) -> Result<(TaskRow, i64), StoreError> {
-    if idem.is_none() {
+    let Some(idem) = idem else {
         // The fence and the ending in one step where the backend can (`Tx::end_held`).
         let (c, extra) = columns(ending);
         let Some((from, after)) =
@@ -536,53 +536,127 @@ pub(crate) fn finish(
             return end_requested(tx, a)?.ok_or_else(|| lease_lost(a));
         };
         return ended(tx, from, after, a.n, ending, extra);
+    };
+    match report_once(tx, a, ending, idem)? {
+        Err(first) => Ok((serde_json::from_str(&first)?, 0)),
+        Ok((row, seq)) => {
+            remember(tx, a, idem, &serde_json::to_string(&row)?)?;
+            Ok((row, seq))
+        }
     }
+}
+
+/// A worker's report applied (its events, side effects, output and ending, a person's cancel
+/// in place of its ending), or — `Err`, with the first answer as stored — a repeat of its key.
+fn report_once(
+    tx: &mut dyn Tx,
+    a: &Attempt,
+    ending: &Ending,
+    idem: &Idem,
+) -> Result<Result<(TaskRow, i64), String>, StoreError> {
     // The task is read (and, where rows lock, locked) first, so of two reports with one key
     // the second waits for the first and then finds its answer.
     let row = load_task(tx, &a.run, &a.task)?;
-    if let Some(idem) = idem {
-        let first = tx.texts(
-            "SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
-            &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key())],
-        )?;
-        if let Some(first) = first {
-            if first.get(1).cloned().flatten().as_deref() != Some(idem.request()) {
-                return Err(StoreError::IdempotencyConflict { key: idem.key().to_owned() });
-            }
-            let answer = first.into_iter().next().flatten().unwrap_or_default();
-            return Ok((serde_json::from_str(&answer)?, 0));
-        }
+    if let Some(first) = first_answer(tx, a, idem)? {
+        return Ok(Err(first));
     }
     if !holds(&row, a, now_ms()) {
         return Err(lease_lost(a));
     }
-    if let Some(idem) = idem {
-        if idem.refuses_with_messages()
-            && tx.int(MESSAGE_WAITING, &[Arg::Text(&a.run), Arg::Text(&a.task)])?.unwrap_or(0) > 0
-        {
-            return Err(messages_waiting(a));
-        }
-        record(tx, a, idem.events(), idem.evidence())?;
-        if let Some(output) = idem.output() {
-            keep_output(tx, a, output)?;
-        }
+    if idem.refuses_with_messages()
+        && row.cancel_requested.is_none()
+        && tx.int(MESSAGE_WAITING, &[Arg::Text(&a.run), Arg::Text(&a.task)])?.unwrap_or(0) > 0
+    {
+        return Err(messages_waiting(a));
+    }
+    record(tx, a, idem.events(), idem.evidence())?;
+    if let Some(output) = idem.output() {
+        keep_output(tx, a, output)?;
     }
     let requested = requested(&row);
-    let (row, seq) = end_attempt(tx, &row, a.n, requested.as_ref().unwrap_or(ending))?;
-    if let Some(idem) = idem {
-        let answer = serde_json::to_string(&row)?;
-        tx.exec(
-            "INSERT INTO updates (run_id, task_id, key, answer, request) VALUES (?1, ?2, ?3, ?4, ?5)",
-            &[
-                Arg::Text(&a.run),
-                Arg::Text(&a.task),
-                Arg::Text(idem.key()),
-                Arg::Text(&answer),
-                Arg::Text(idem.request()),
-            ],
-        )?;
+    end_attempt(tx, &row, a.n, requested.as_ref().unwrap_or(ending)).map(Ok)
+}
+
+/// The first answer to `idem`'s key, if it was used before; a repeat with another request is
+/// refused.
+fn first_answer(tx: &mut dyn Tx, a: &Attempt, idem: &Idem) -> Result<Option<String>, StoreError> {
+    let first = tx.texts(
+        "SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key())],
+    )?;
+    let Some(first) = first else { return Ok(None) };
+    if first.get(1).cloned().flatten().as_deref() != Some(idem.request()) {
+        return Err(StoreError::IdempotencyConflict { key: idem.key().to_owned() });
     }
-    Ok((row, seq))
+    Ok(Some(first.into_iter().next().flatten().unwrap_or_default()))
+}
+
+/// The first answer to a report's key, for its repeats.
+fn remember(tx: &mut dyn Tx, a: &Attempt, idem: &Idem, answer: &str) -> Result<(), StoreError> {
+    tx.exec(
+        "INSERT INTO updates (run_id, task_id, key, answer, request) VALUES (?1, ?2, ?3, ?4, ?5)",
+        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key()), Arg::Text(answer), Arg::Text(idem.request())],
+    )?;
+    Ok(())
+}
+
+/// A worker's report ([`finish`] with its key) and, in the same commit, the claim of the next
+/// task for the worker (`next`, found before, if one was): one commit, not two, per task a
+/// worker runs. A repeat of the key answers what the first did, the task claimed then included.
+pub(crate) fn report_and_claim(
+    tx: &mut dyn Tx,
+    a: &Attempt,
+    ending: &Ending,
+    idem: &Idem,
+    next: Option<&NextClaim>,
+) -> Result<(crate::Reported, i64), StoreError> {
+    match report_once(tx, a, ending, idem)? {
+        Err(first) => Ok((serde_json::from_str(&first)?, 0)),
+        Ok((row, seq)) => {
+            let (mut claimed, mut claimed_seq) = (None, 0);
+            for c in next.map_or(&[][..], |n| &n.candidates) {
+                if ready(tx, c)? {
+                    let owner = next.map_or("", |n| &n.owner);
+                    (claimed, claimed_seq) = claim(tx, &c.run, &c.task, owner, next.map_or(0, |n| n.until))?;
+                    if claimed.is_some() {
+                        break;
+                    }
+                }
+            }
+            let reported = crate::Reported { task: row, next: claimed.map(|(_, row)| row) };
+            remember(tx, a, idem, &serde_json::to_string(&reported)?)?;
+            Ok((reported, seq.max(claimed_seq)))
+        }
+    }
+}
+
+/// Whether a candidate's dependencies completed: it was found before this commit, maybe
+/// counting on its ending.
+fn ready(tx: &mut dyn Tx, c: &Candidate) -> Result<bool, StoreError> {
+    for d in &c.depends_on {
+        if load_task(tx, &c.run, d)?.state != TaskState::Completed {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// What a worker's report claims for it next: the first of `candidates` still pending, due
+/// and ready (reports of several workers race for the same first ones), and until when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NextClaim {
+    pub candidates: Vec<Candidate>,
+    pub owner: String,
+    pub until: i64,
+}
+
+/// A task a report may claim next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub run: String,
+    pub task: String,
+    /// Its dependencies, each checked completed in the commit that claims it.
+    pub depends_on: Vec<String>,
 }
 
 pub(crate) fn release_lost(
@@ -648,14 +722,7 @@ pub(crate) fn record_once(
     evidence: &[Value],
 ) -> Result<(bool, i64), StoreError> {
     let row = load_task(tx, &a.run, &a.task)?;
-    let first = tx.texts(
-        "SELECT answer, request FROM updates WHERE run_id = ?1 AND task_id = ?2 AND key = ?3",
-        &[Arg::Text(&a.run), Arg::Text(&a.task), Arg::Text(idem.key())],
-    )?;
-    if let Some(first) = first {
-        if first.get(1).cloned().flatten().as_deref() != Some(idem.request()) {
-            return Err(StoreError::IdempotencyConflict { key: idem.key().to_owned() });
-        }
+    if first_answer(tx, a, idem)?.is_some() {
         return Ok((false, 0));
     }
     if !holds(&row, a, now_ms()) {

@@ -55,6 +55,14 @@ impl TaskRow {
     }
 }
 
+/// What a worker's report with a claim of its next task did: the task as it ended, and the
+/// task claimed for the worker in the same commit (none when it was taken first).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reported {
+    pub task: TaskRow,
+    pub next: Option<TaskRow>,
+}
+
 /// The token of a live attempt: attempt `n` of a task, held by `owner`. Only
 /// [`crate::TaskStore::claim`] makes one; every operation of the attempt is fenced on it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -199,6 +199,18 @@ impl<B: Backend> TaskStore for Store<B> {
         self.op_on(attempt, move |tx| ops::finish(tx, &a, &ending, idem.as_ref()))
     }
 
+    fn report_and_claim(
+        &self,
+        attempt: &Attempt,
+        ending: &Ending,
+        idem: &Idem,
+        next: Option<&crate::NextClaim>,
+    ) -> Result<crate::Reported, StoreError> {
+        let (a, ending, idem, next) = (attempt.clone(), ending.clone(), idem.clone(), next.cloned());
+        // Two tasks' rows: not a job of one task, so it never runs beside another job of either.
+        self.op(move |tx| ops::report_and_claim(tx, &a, &ending, &idem, next.as_ref()))
+    }
+
     fn release_lost(&self, held: &Held, ending: &Ending) -> Result<Option<TaskRow>, StoreError> {
         let (h, ending) = (held.clone(), ending.clone());
         self.op_on(&held.attempt, move |tx| ops::release_lost(tx, &h, &ending))

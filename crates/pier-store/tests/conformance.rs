@@ -724,6 +724,54 @@ fn a_cancel_of_a_held_task_is_ended_by_its_attempt_with_its_output() {
     });
 }
 
+/// A worker's report and the claim of its next task are one commit (the first candidate still
+/// free); a repeat of the report answers the same claim; a next task whose dependency has not
+/// completed is not claimed.
+#[test]
+fn a_report_claims_the_workers_next_task_in_its_commit() {
+    each(|name, s| {
+        let a = claim(s, "a", "wk");
+        let candidate = |run: &str, task: &str, deps: &[&str]| pier_store::Candidate {
+            run: run.into(),
+            task: task.into(),
+            depends_on: deps.iter().map(|d| d.to_string()).collect(),
+        };
+        let next = |candidates| pier_store::NextClaim { candidates, owner: "wk".into(), until: FAR };
+        let body = json!({"status": "completed", "result": "ok", "next": {}});
+        let idem = Idem::worker_report(&a, "k1", &body);
+        let reported = s
+            .report_and_claim(
+                &a,
+                &done(),
+                &idem,
+                Some(&next(vec![candidate("r", "a", &[]), candidate("r", "b", &["a"])])),
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(reported.task.state, TaskState::Completed, "{name}");
+        let b = reported.next.clone().unwrap_or_else(|| panic!("{name}: b was not claimed"));
+        assert_eq!((b.id.as_str(), b.state, b.lease_owner.as_deref()), ("b", TaskState::Running, Some("wk")));
+        assert_eq!(Some(&b), s.task("r", "b").ok().flatten().as_ref(), "{name}");
+        let events = s.events_after(Some("r"), 0, 1000).unwrap_or_else(|e| panic!("{e}"));
+        let moves: Vec<(Option<String>, i64)> =
+            events.iter().filter(|e| e.kind == "transition").map(|e| (e.task.clone(), e.seq)).collect();
+        let tail = &moves[moves.len() - 2..];
+        assert_eq!((tail[0].0.as_deref(), tail[1].0.as_deref(), tail[1].1 - tail[0].1), (Some("a"), Some("b"), 1));
+        let again = s.report_and_claim(&a, &done(), &idem, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(again, reported, "{name}: a repeat answers the first answer");
+        // A task whose dependency has not completed is not claimed, whatever was counted on.
+        let plan =
+            "[[tasks]]\nid = \"d\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"c\"\nprompt = \"y\"\ndepends_on = [\"d\"]\n";
+        let plan = parse(plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("q", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let c = next(vec![candidate("q", "c", &["d"])]);
+        let b = Attempt { run: "r".into(), task: "b".into(), n: b.attempt, owner: "wk".into() };
+        let idem = Idem::worker_report(&b, "k2", &body);
+        let reported = s.report_and_claim(&b, &done(), &idem, Some(&c)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((reported.task.state, reported.next), (TaskState::Completed, None), "{name}");
+        assert_eq!(s.task("q", "c").ok().flatten().map(|t| t.state), Some(TaskState::Pending), "{name}");
+    });
+}
+
 #[test]
 fn an_agents_latest_initialize_answer_is_kept() {
     each(|name, s| {

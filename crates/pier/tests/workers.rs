@@ -128,14 +128,19 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     assert_eq!(taken["messages"][0]["text"], "and the docs", "{taken}");
 
     // The ending: the output kept and the usage counted with it, once.
-    // Its last progress batch rides with it, written ahead of it in its commit.
+    // Its last progress batch rides with it, written ahead of it in its commit, and the next
+    // task (b, whose dependency it completes) is leased in that commit too; a repeat of the
+    // report answers the same lease.
     let end = json!({"worker": "wk", "status": "completed", "idempotency_key": "end-1", "result": "built",
         "output": {"text": "Building done"}, "usage": {"provider": "openai", "model": "m", "input": 10, "output": 5},
-        "progress": {"seq": 3, "events": [chunk(" and tested")]}});
-    for _ in 0..2 {
-        let (code, v) = post(&s, &at("w", "a", n, "end"), end.clone()).await;
-        assert_eq!(code, 200, "{v}");
-    }
+        "progress": {"seq": 3, "events": [chunk(" and tested")]},
+        "next": {"capabilities": ["build"], "ttl_ms": 60_000}});
+    let (code, first) = post(&s, &at("w", "a", n, "end"), end.clone()).await;
+    assert_eq!(code, 200, "{first}");
+    assert_eq!((first["next"]["task"]["id"].as_str(), first["next"]["prompt"].as_str()), (Some("b"), Some("and this")));
+    let (code, again) = post(&s, &at("w", "a", n, "end"), end.clone()).await;
+    assert_eq!((code, &again), (200, &first), "a repeat answers the first report's answer, its lease included");
+    let leased = first["next"].clone();
     let (_, t) = s.call(Method::GET, "/runs/w/tasks/a", None).await;
     assert_eq!((t["task"]["state"].as_str(), t["task"]["result"].as_str()), (Some("completed"), Some("built")), "{t}");
     assert_eq!(t["attempts"][0]["output"]["text"], "Building done", "{t}");
@@ -154,11 +159,13 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     let last = events.iter().rposition(|e| e["task"] == "a" && e["type"] == "session_update");
     let ended = events.iter().position(|e| e["task"] == "a" && e["to"] == "completed");
     assert!(last < ended, "the ending's batch is logged ahead of it");
+    let claimed = s.events_until(Some(0), |e| e["task"] == "b" && e["to"] == "running").await;
+    let seq = |e: Option<&Value>| e.and_then(|e| e["seq"].as_i64()).unwrap_or_default();
+    assert_eq!(seq(claimed.last()), seq(ended.and_then(|i| events.get(i))) + 1, "claimed in the ending's commit");
 
     // The next task: an HTTP cancel reaches the worker's long-poll within a second; the worker
     // ends the task with its output, and the cancel answers once it has.
-    let (code, leased) = lease(&s, 5_000).await;
-    assert_eq!((code, leased["task"]["id"].as_str()), (200, Some("b")), "{leased}");
+    assert_eq!(leased["task"]["id"].as_str(), Some("b"), "{leased}");
     let (_, nodes) = s.call(Method::GET, "/nodes", None).await;
     let wk =
         nodes["workers"].as_array().and_then(|w| w.iter().find(|w| w["name"] == "wk")).cloned().unwrap_or_default();

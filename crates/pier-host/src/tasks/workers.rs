@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use pier_store::{Attempt, ErrorCode, StoreError, TaskRow, TaskState, TaskStore, now_ms};
+use pier_store::{Attempt, Candidate, ErrorCode, NextClaim, StoreError, TaskRow, TaskState, TaskStore, now_ms};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -11,6 +11,9 @@ use crate::person::{self, ActionError, Report};
 
 /// How often a worker asking for work is written as seen, at most.
 const SEEN_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+/// The tasks a report with `next` offers its commit to claim, in queue order: enough for the
+/// reports of a worker's slots, which come together and race for the first ones.
+const NEXT_CANDIDATES: usize = 16;
 /// A lease a worker asks for lasts this long by default, and within these bounds.
 const DEFAULT_TTL_MS: i64 = 30_000;
 const TTL_BOUNDS_MS: (i64, i64) = (1_000, 3_600_000);
@@ -20,6 +23,43 @@ const TTL_BOUNDS_MS: (i64, i64) = (1_000, 3_600_000);
 pub struct Leased {
     pub task: TaskRow,
     pub prompt: String,
+}
+
+impl Leased {
+    /// `task` as claimed, with its prompt.
+    fn of(s: &dyn TaskStore, task: TaskRow) -> Result<Leased, StoreError> {
+        let prompt = pier_store::plan::render(&task.spec.prompt, &dependency_results(s, &task)?);
+        Ok(Leased { task, prompt })
+    }
+}
+
+/// Offers `visit` each pending task that is due, whose dependencies completed, and that is
+/// either a worker task fitting `capabilities` (its `worker:` capability and what it
+/// `requires`) or a task of one of `agents`, until it takes one (`true`).
+/// `completing` is a task whose completion is being written: its dependents count as ready
+/// (the store's claim checks it in the same commit).
+fn visit_fitting(
+    s: &dyn TaskStore,
+    capabilities: &[String],
+    agents: &[String],
+    completing: Option<(&str, &str)>,
+    visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>,
+) -> Result<(), StoreError> {
+    s.visit_pending(&mut |t| {
+        let fits = t.spec.fits_worker(capabilities) || (!t.spec.is_worker() && agents.contains(&t.spec.agent));
+        if !fits || t.not_before_ms > now_ms() {
+            return Ok(false);
+        }
+        for d in &t.spec.depends_on {
+            if completing == Some((t.run_id.as_str(), d.as_str())) {
+                continue;
+            }
+            if !s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed) {
+                return Ok(false);
+            }
+        }
+        visit(t)
+    })
 }
 
 fn ttl(ttl_ms: Option<i64>) -> i64 {
@@ -53,20 +93,9 @@ impl Tasks {
         let leased = self
             .blocking(move |s| {
                 let mut leased = None;
-                s.visit_pending(&mut |t| {
-                    let fits =
-                        t.spec.fits_worker(&capabilities) || (!t.spec.is_worker() && agents.contains(&t.spec.agent));
-                    if !fits || t.not_before_ms > now_ms() {
-                        return Ok(false);
-                    }
-                    for d in &t.spec.depends_on {
-                        if !s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed) {
-                            return Ok(false);
-                        }
-                    }
+                visit_fitting(s, &capabilities, &agents, None, &mut |t| {
                     let Some((_, task)) = s.claim(&t.run_id, &t.id, &worker, now_ms() + ttl)? else { return Ok(false) };
-                    let prompt = pier_store::plan::render(&task.spec.prompt, &dependency_results(s, &task)?);
-                    leased = Some(Leased { task, prompt });
+                    leased = Some(Leased::of(s, task)?);
                     Ok(true)
                 })?;
                 Ok(leased)
@@ -94,19 +123,7 @@ impl Tasks {
                 "a worker's name is 1 to 200 characters without `:` (host nodes' ids have one)",
             ));
         }
-        let due = {
-            let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let now = std::time::Instant::now();
-            let fresh = seen.get(worker).is_some_and(|(caps, at)| caps == capabilities && now - *at < SEEN_EVERY);
-            if !fresh {
-                seen.insert(worker.to_owned(), (capabilities.to_vec(), now));
-            }
-            !fresh
-        };
-        if due {
-            let (name, caps) = (worker.to_owned(), capabilities.to_vec());
-            self.blocking(move |s| Ok(s.seen_worker(&name, &caps)?)).await?;
-        }
+        self.seen(worker, capabilities).await?;
         let mut commits = self.store.subscribe();
         let deadline = tokio::time::Instant::now() + wait.min(super::MAX_WAIT);
         loop {
@@ -121,6 +138,24 @@ impl Tasks {
                 _ => {}
             }
         }
+    }
+
+    /// Lists `worker` as seen (`GET /nodes`), writing it at most every [`SEEN_EVERY`].
+    async fn seen(&self, worker: &str, capabilities: &[String]) -> Result<(), ActionError> {
+        let due = {
+            let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now = std::time::Instant::now();
+            let fresh = seen.get(worker).is_some_and(|(caps, at)| caps == capabilities && now - *at < SEEN_EVERY);
+            if !fresh {
+                seen.insert(worker.to_owned(), (capabilities.to_vec(), now));
+            }
+            !fresh
+        };
+        if due {
+            let (name, caps) = (worker.to_owned(), capabilities.to_vec());
+            self.blocking(move |s| Ok(s.seen_worker(&name, &caps)?)).await?;
+        }
+        Ok(())
     }
 
     /// The pull workers seen, with the attempts each holds.
@@ -168,12 +203,51 @@ impl Tasks {
     }
 
     /// Applies a worker's report on its attempt (`body` is the report as sent: a repeat with
-    /// the same idempotency key and body gets the first answer).
-    pub async fn report(&self, run: &str, task: &str, body: Value) -> Result<TaskRow, ActionError> {
+    /// the same idempotency key and body gets the first answer). With `next`, the worker's next
+    /// task is leased in the ending's commit where one fits (else right after it); its lease
+    /// is then `Some`, or `None` when none fits now.
+    pub async fn report(
+        &self,
+        run: &str,
+        task: &str,
+        body: Value,
+    ) -> Result<(TaskRow, Option<Option<Leased>>), ActionError> {
         let report = Report::deserialize(&body)
             .map_err(|e| ActionError::bad_request(format!("the report is not valid: {e}")))?;
+        let next = report.next.clone();
+        if let Some(n) = &next {
+            self.seen(&report.worker, &n.capabilities).await?;
+        }
+        let worker = report.worker.clone();
         let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
         let prices = self.config.gateway.as_ref().map(|g| g.prices.clone());
-        self.blocking(move |s| person::report(s, &run, &task, &report, &body, retry_base, prices.as_deref())).await
+        let (row, claimed) = self
+            .blocking(move |s| {
+                // Candidates are looked for before the report's commit, which claims the first
+                // still free (the reports of a worker's slots come together).
+                let mut next = None;
+                if let Some(n) = &report.next {
+                    let completing = (report.status == "completed").then_some((run.as_str(), task.as_str()));
+                    let mut candidates = Vec::new();
+                    visit_fitting(s, &n.capabilities, &n.agents, completing, &mut |t| {
+                        candidates.push(Candidate { run: t.run_id, task: t.id, depends_on: t.spec.depends_on });
+                        Ok(candidates.len() >= NEXT_CANDIDATES)
+                    })?;
+                    next =
+                        Some(NextClaim { candidates, owner: report.worker.clone(), until: now_ms() + ttl(n.ttl_ms) });
+                }
+                let cx = person::Reporting { body: &body, retry_base, prices: prices.as_deref() };
+                let (row, claimed) = person::report(s, &run, &task, &report, &cx, next.as_ref())?;
+                Ok((row, claimed.map(|t| Leased::of(s, t)).transpose()?))
+            })
+            .await?;
+        let Some(n) = next else { return Ok((row, None)) };
+        if claimed.is_some() {
+            crate::telemetry::attempt_started();
+            return Ok((row, Some(claimed)));
+        }
+        // Taken first by another, or none fitted before the ending: a lease as `lease` gives it.
+        let leased = self.lease(&worker, &n.capabilities, &n.agents, n.ttl_ms).await?;
+        Ok((row, Some(leased)))
     }
 }
