@@ -10,7 +10,7 @@ use pier_store::ErrorCode;
 use pier_store::plan::PlanError;
 use pier_store::state::TaskState;
 use pier_store::{
-    Attempt, Ending, ErrorClass, Idem, Question, QuestionRequest, StoreError, TaskRow, TaskStore, now_ms,
+    Attempt, Ending, ErrorClass, Idem, Question, QuestionRequest, Reported, StoreError, TaskRow, TaskStore, now_ms,
     offered_option, option_kind,
 };
 
@@ -427,14 +427,16 @@ pub(crate) fn report(
     report: &Report,
     cx: &Reporting<'_>,
     next: Option<&pier_store::NextClaim>,
-) -> Result<(TaskRow, Option<TaskRow>), ActionError> {
+) -> Result<Reported, ActionError> {
     let Reporting { body, retry_base, prices } = *cx;
     let row = store.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?;
     // A task naming an agent is a worker's to end only while that worker holds it (it leased
     // it with `agents`); a host node's attempt never is (node ids have a `:`, workers' names
-    // may not). The lease fences the ending either way.
+    // may not). The lease fences the ending either way; a task no one holds is the store's to
+    // answer (a repeat of a report that ended it gets its first answer, anything else
+    // `lease_lost`).
     let leased_by_worker = !report.worker.contains(':') && row.lease_owner.as_deref() == Some(report.worker.as_str());
-    if !row.spec.is_worker() && !leased_by_worker {
+    if !row.spec.is_worker() && row.lease_owner.is_some() && !leased_by_worker {
         return Err(ActionError::Refused {
             code: ErrorCode::NotAWorkerTask,
             message: format!(
@@ -507,8 +509,8 @@ pub(crate) fn report(
         .unless_messages(report.unless_messages);
     // A report asking for its next task answers with it, a repeat too (found or not).
     let reported = match report.next {
-        Some(_) => store.report_and_claim(&attempt, &ending, &idem, next).map(|r| (r.task, r.next)),
-        None => store.finish(&attempt, &ending, Some(&idem)).map(|row| (row, None)),
+        Some(_) => store.report_and_claim(&attempt, &ending, &idem, next),
+        None => store.finish(&attempt, &ending, Some(&idem)).map(|task| Reported { task, next: None, repeat: false }),
     };
     match reported {
         Ok(reported) => {

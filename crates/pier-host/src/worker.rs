@@ -391,7 +391,7 @@ async fn attempt(
         let _ = pump.await;
         notices.abort();
         heartbeat.abort();
-        return if ended == Ended::Token { Err(WorkerError::Token) } else { Ok(()) };
+        return ended.into_result();
     }
     if lost.is_cancelled() {
         drop(events);
@@ -412,10 +412,7 @@ async fn attempt(
     let _ = pump.await;
     notices.abort();
     heartbeat.abort();
-    match ended {
-        Ended::Token => Err(WorkerError::Token),
-        _ => Ok(()),
-    }
+    ended.into_result()
 }
 
 /// How an attempt's ending went.
@@ -428,6 +425,19 @@ enum Ended {
     /// Refused for good (the attempt is not the task's any more), or the host stayed away.
     Dropped,
     Token,
+    /// The host answered with a next task this worker cannot read: it stops, as for a lease.
+    Unreadable(String),
+}
+
+impl Ended {
+    /// What the worker does after this ending: go on, or stop with the error.
+    fn into_result(self) -> Result<(), WorkerError> {
+        match self {
+            Ended::Token => Err(WorkerError::Token),
+            Ended::Unreadable(why) => Err(WorkerError::Unreadable(why)),
+            Ended::Taken | Ended::MessagesWaiting | Ended::Dropped => Ok(()),
+        }
+    }
 }
 
 /// What ends an attempt on the host: the report of its outcome with what it showed and spent.
@@ -516,12 +526,24 @@ impl Closer<'_> {
                                 let _ = self.next.leased.send(g);
                             }
                             Ok(_) => {}
+                            Err(WorkerError::Unreadable(why)) => return Ended::Unreadable(why),
                             Err(e) => tracing::warn!(error = %e, "the next task's lease is not usable"),
                         }
                     }
                     return Ended::Taken;
                 }
                 Ok((409, answer)) if answer["error"]["code"] == "messages_waiting" => return Ended::MessagesWaiting,
+                // A host older than this worker knows no `next`: the ending goes without it (the
+                // slot leases on its own), nothing of it having been written.
+                Ok((400, answer))
+                    if report.get("next").is_some()
+                        && answer["error"]["message"].as_str().is_some_and(|m| m.contains("`next`")) =>
+                {
+                    if let Some(r) = report.as_object_mut() {
+                        r.remove("next");
+                    }
+                    continue;
+                }
                 Ok((status, answer)) if (400..500).contains(&status) => {
                     tracing::warn!(status, %answer, "the host refused the attempt's ending");
                     return Ended::Dropped;

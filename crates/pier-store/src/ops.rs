@@ -611,7 +611,7 @@ pub(crate) fn report_and_claim(
     next: Option<&NextClaim>,
 ) -> Result<(crate::Reported, i64), StoreError> {
     match report_once(tx, a, ending, idem)? {
-        Err(first) => Ok((serde_json::from_str(&first)?, 0)),
+        Err(first) => Ok((crate::Reported { repeat: true, ..serde_json::from_str(&first)? }, 0)),
         Ok((row, seq)) => {
             let (mut claimed, mut claimed_seq) = (None, 0);
             for c in next.map_or(&[][..], |n| &n.candidates) {
@@ -623,7 +623,7 @@ pub(crate) fn report_and_claim(
                     }
                 }
             }
-            let reported = crate::Reported { task: row, next: claimed.map(|(_, row)| row) };
+            let reported = crate::Reported { task: row, next: claimed.map(|(_, row)| row), repeat: false };
             remember(tx, a, idem, &serde_json::to_string(&reported)?)?;
             Ok((reported, seq.max(claimed_seq)))
         }
@@ -631,10 +631,16 @@ pub(crate) fn report_and_claim(
 }
 
 /// Whether a candidate's dependencies completed: it was found before this commit, maybe
-/// counting on its ending.
+/// counting on its ending. A completed task never moves again but by a retry, which waits
+/// for this commit, so the rows are read without a lock (locking them could deadlock two
+/// nodes' reports).
 fn ready(tx: &mut dyn Tx, c: &Candidate) -> Result<bool, StoreError> {
     for d in &c.depends_on {
-        if load_task(tx, &c.run, d)?.state != TaskState::Completed {
+        let done = tx.int(
+            "SELECT COUNT(*) FROM tasks WHERE run_id = ?1 AND id = ?2 AND state = 'completed'",
+            &[Arg::Text(&c.run), Arg::Text(d)],
+        )?;
+        if done != Some(1) {
             return Ok(false);
         }
     }
@@ -775,7 +781,8 @@ pub(crate) fn cancel(
         return Ok((Some(load_task(tx, run, task)?), seq));
     }
     tx.exec(
-        "UPDATE tasks SET state = 'cancelled', version = version + 1, lease_owner = NULL, lease_expires_at_ms = NULL
+        "UPDATE tasks SET state = 'cancelled', version = version + 1, lease_owner = NULL, lease_expires_at_ms = NULL,
+             cancel_requested = NULL
          WHERE run_id = ?1 AND id = ?2",
         &[Arg::Text(run), Arg::Text(task)],
     )?;

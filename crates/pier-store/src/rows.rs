@@ -61,6 +61,9 @@ impl TaskRow {
 pub struct Reported {
     pub task: TaskRow,
     pub next: Option<TaskRow>,
+    /// This is a repeat of the report: the first answer, as stored.
+    #[serde(skip)]
+    pub repeat: bool,
 }
 
 /// The token of a live attempt: attempt `n` of a task, held by `owner`. Only

@@ -200,6 +200,28 @@ async fn a_worker_drives_its_attempt_through_the_v1_api_like_a_local_one() {
     assert_eq!((code, v["error"]["code"].as_str()), (409, Some("lease_lost")), "{v}");
 }
 
+/// A repeat of a report whose commit leased nothing leases nothing either: a task that fits
+/// by then is left for the next lease, not held for an answer the worker may never read.
+#[tokio::test]
+async fn a_repeated_report_never_leases_a_second_task() {
+    let s = server(None).await;
+    let plan = "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"one\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "r1"})).await.0, 201);
+    let (code, leased) = lease(&s, 5_000).await;
+    assert_eq!((code, leased["task"]["id"].as_str()), (200, Some("a")), "{leased}");
+    let n = leased["task"]["attempt"].as_i64().unwrap_or_default();
+    let end = json!({"worker": "wk", "status": "completed", "idempotency_key": "e1", "result": "ok",
+                     "next": {"capabilities": ["build"], "ttl_ms": 60_000}});
+    let (code, first) = post(&s, &at("r1", "a", n, "end"), end.clone()).await;
+    assert_eq!((code, first["task"]["state"].as_str(), &first["next"]), (200, Some("completed"), &Value::Null));
+    let plan = "[[tasks]]\nid = \"b\"\nagent = \"worker:build\"\nprompt = \"two\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "r2"})).await.0, 201);
+    let (code, again) = post(&s, &at("r1", "a", n, "end"), end).await;
+    assert_eq!((code, &again), (200, &first), "the repeat answers the first answer");
+    let (code, leased) = lease(&s, 0).await;
+    assert_eq!((code, leased["task"]["id"].as_str()), (200, Some("b")), "{leased}");
+}
+
 /// `pier worker ARGS…` on its own home and directory (as another machine would be), with the
 /// host's `token` and, if given, a `model` for its agents.
 fn worker_command(token: &str, model: Option<&str>, args: &[&str]) -> (tempfile::TempDir, tokio::process::Command) {

@@ -118,11 +118,6 @@ impl Tasks {
         ttl_ms: Option<i64>,
         wait: std::time::Duration,
     ) -> Result<Option<Leased>, ActionError> {
-        if worker.is_empty() || worker.contains(':') || worker.len() > 200 {
-            return Err(ActionError::bad_request(
-                "a worker's name is 1 to 200 characters without `:` (host nodes' ids have one)",
-            ));
-        }
         self.seen(worker, capabilities).await?;
         let mut commits = self.store.subscribe();
         let deadline = tokio::time::Instant::now() + wait.min(super::MAX_WAIT);
@@ -140,8 +135,14 @@ impl Tasks {
         }
     }
 
-    /// Lists `worker` as seen (`GET /nodes`), writing it at most every [`SEEN_EVERY`].
+    /// Lists `worker` as seen (`GET /nodes`), writing it at most every [`SEEN_EVERY`]; a name
+    /// that cannot be a worker's is refused.
     async fn seen(&self, worker: &str, capabilities: &[String]) -> Result<(), ActionError> {
+        if worker.is_empty() || worker.contains(':') || worker.len() > 200 {
+            return Err(ActionError::bad_request(
+                "a worker's name is 1 to 200 characters without `:` (host nodes' ids have one)",
+            ));
+        }
         let due = {
             let mut seen = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let now = std::time::Instant::now();
@@ -221,7 +222,7 @@ impl Tasks {
         let worker = report.worker.clone();
         let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
         let prices = self.config.gateway.as_ref().map(|g| g.prices.clone());
-        let (row, claimed) = self
+        let reported = self
             .blocking(move |s| {
                 // Candidates are looked for before the report's commit, which claims the first
                 // still free (the reports of a worker's slots come together).
@@ -237,13 +238,19 @@ impl Tasks {
                         Some(NextClaim { candidates, owner: report.worker.clone(), until: now_ms() + ttl(n.ttl_ms) });
                 }
                 let cx = person::Reporting { body: &body, retry_base, prices: prices.as_deref() };
-                let (row, claimed) = person::report(s, &run, &task, &report, &cx, next.as_ref())?;
-                Ok((row, claimed.map(|t| Leased::of(s, t)).transpose()?))
+                let reported = person::report(s, &run, &task, &report, &cx, next.as_ref())?;
+                let claimed = reported.next.map(|t| Leased::of(s, t)).transpose()?;
+                Ok((reported.task, claimed, reported.repeat))
             })
             .await?;
+        let (row, claimed, repeat) = reported;
         let Some(n) = next else { return Ok((row, None)) };
-        if claimed.is_some() {
-            crate::telemetry::attempt_started();
+        if claimed.is_some() || repeat {
+            // A repeat answers what the first did: a task leased after that commit was the
+            // first answer's to give (it lapses if that answer was lost), not this one's.
+            if !repeat {
+                crate::telemetry::attempt_started();
+            }
             return Ok((row, Some(claimed)));
         }
         // Taken first by another, or none fitted before the ending: a lease as `lease` gives it.
