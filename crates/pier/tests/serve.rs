@@ -290,6 +290,13 @@ async fn lease(s: &Server, worker: &str, ttl_ms: i64) -> Value {
     leased
 }
 
+/// Run `run` of one task `w` for `worker:echo`, leased by `worker` for `ttl_ms`.
+async fn one_worker_task(s: &Server, run: &str, worker: &str, ttl_ms: i64) -> Value {
+    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": run}))).await.0, 201);
+    lease(s, worker, ttl_ms).await
+}
+
 fn report(leased: &Value, worker: &str, status: &str, key: &str, extra: Value) -> Value {
     let mut body = json!({
         "worker": worker, "attempt": leased["task"]["attempt"], "version": leased["task"]["version"],
@@ -340,9 +347,7 @@ async fn only_the_holder_of_the_live_lease_ends_a_task() {
 #[tokio::test]
 async fn an_idempotency_key_reused_with_another_body_is_refused() {
     let s = server(None).await;
-    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
-    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "i"}))).await.0, 201);
-    let leased = lease(&s, "wk-1", 60_000).await;
+    let leased = one_worker_task(&s, "i", "wk-1", 60_000).await;
     let url = "/runs/i/tasks/w/update";
     let first = report(&leased, "wk-1", "completed", "k1", json!({"result": "one"}));
     let (code, done) = s.call(reqwest::Method::POST, url, Some(first.clone())).await;
@@ -358,9 +363,7 @@ async fn an_idempotency_key_reused_with_another_body_is_refused() {
 #[tokio::test]
 async fn a_dead_workers_lease_is_taken_back_within_the_lease_time() {
     let s = server(None).await;
-    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
-    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "d"}))).await.0, 201);
-    let leased = lease(&s, "wk-dead", 1_000).await;
+    let leased = one_worker_task(&s, "d", "wk-dead", 1_000).await;
     let from = leased["task"]["version"].as_i64();
     // The worker never heartbeats: the host must act on the expiry by itself.
     let events = s
@@ -617,9 +620,7 @@ async fn an_agents_question_is_answered_over_http() {
 #[tokio::test]
 async fn a_message_to_a_pull_worker_task_is_queued_for_its_worker_to_take() {
     let s = server(None).await;
-    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
-    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "pw"}))).await.0, 201);
-    let leased = lease(&s, "w1", 10_000).await;
+    let leased = one_worker_task(&s, "pw", "w1", 10_000).await;
     let (code, body) = s.call(reqwest::Method::POST, "/runs/pw/tasks/w/messages", Some(json!({"text": "hello"}))).await;
     assert_eq!(code, 201, "{body}");
     let n = leased["task"]["attempt"].as_i64().unwrap_or_default();
@@ -635,9 +636,7 @@ async fn a_message_to_a_pull_worker_task_is_queued_for_its_worker_to_take() {
 #[tokio::test]
 async fn a_full_inbox_refuses_more_messages_until_they_are_taken() {
     let s = server(None).await;
-    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
-    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "in"}))).await.0, 201);
-    let leased = lease(&s, "w1", 60_000).await;
+    let leased = one_worker_task(&s, "in", "w1", 60_000).await;
     for i in 0..100 {
         let (code, body) =
             s.call(reqwest::Method::POST, "/runs/in/tasks/w/messages", Some(json!({"text": format!("m{i}")}))).await;
@@ -849,9 +848,7 @@ async fn metrics_are_prometheus_text_behind_the_token_or_on_their_own_address() 
 async fn a_worker_s_report_carries_its_usage_once() {
     let toml = "[prices.\"m-priced\"]\ninput = 1.0\noutput = 2.0\n";
     let (s, _) = support::serve::server_configured(None, &[], Some(toml)).await;
-    let plan = "[[tasks]]\nid = \"w\"\nagent = \"worker:echo\"\nprompt = \"p\"\n";
-    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "wu"}))).await.0, 201);
-    let leased = lease(&s, "wk", 60_000).await;
+    let leased = one_worker_task(&s, "wu", "wk", 60_000).await;
     let bad = report(&leased, "wk", "completed", "k0", json!({"result": "r", "usage": {"model": "m", "cost": -1.0}}));
     let (code, v) = s.call(reqwest::Method::POST, "/runs/wu/tasks/w/update", Some(bad)).await;
     assert_eq!((code, v["error"]["code"].as_str()), (400, Some("bad_request")), "{v}");

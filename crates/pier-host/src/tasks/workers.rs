@@ -205,8 +205,8 @@ impl Tasks {
 
     /// Applies a worker's report on its attempt (`body` is the report as sent: a repeat with
     /// the same idempotency key and body gets the first answer). With `next`, the worker's next
-    /// task is leased in the ending's commit where one fits (else right after it); its lease
-    /// is then `Some`, or `None` when none fits now.
+    /// task is leased in the ending's commit where one fits and is free; its lease is then
+    /// `Some`, or `None` (the worker leases as usual).
     pub async fn report(
         &self,
         run: &str,
@@ -215,11 +215,10 @@ impl Tasks {
     ) -> Result<(TaskRow, Option<Option<Leased>>), ActionError> {
         let report = Report::deserialize(&body)
             .map_err(|e| ActionError::bad_request(format!("the report is not valid: {e}")))?;
-        let next = report.next.clone();
-        if let Some(n) = &next {
+        let asked = report.next.is_some();
+        if let Some(n) = &report.next {
             self.seen(&report.worker, &n.capabilities).await?;
         }
-        let worker = report.worker.clone();
         let (run, task, retry_base) = (run.to_owned(), task.to_owned(), self.config.retry_base);
         let prices = self.config.gateway.as_ref().map(|g| g.prices.clone());
         let reported = self
@@ -244,17 +243,14 @@ impl Tasks {
             })
             .await?;
         let (row, claimed, repeat) = reported;
-        let Some(n) = next else { return Ok((row, None)) };
-        if claimed.is_some() || repeat {
-            // A repeat answers what the first did: a task leased after that commit was the
-            // first answer's to give (it lapses if that answer was lost), not this one's.
-            if !repeat {
-                crate::telemetry::attempt_started();
-            }
-            return Ok((row, Some(claimed)));
+        if !asked {
+            return Ok((row, None));
         }
-        // Taken first by another, or none fitted before the ending: a lease as `lease` gives it.
-        let leased = self.lease(&worker, &n.capabilities, &n.agents, n.ttl_ms).await?;
-        Ok((row, Some(leased)))
+        // A task none of whose candidates was free is the worker's to lease as usual (it
+        // waits there for one), not this call's: a repeat answers exactly what the first did.
+        if claimed.is_some() && !repeat {
+            crate::telemetry::attempt_started();
+        }
+        Ok((row, Some(claimed)))
     }
 }
