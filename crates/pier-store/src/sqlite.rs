@@ -167,7 +167,8 @@ const QUICK_CHECK_UP_TO: u64 = 16 << 20;
 
 /// Whether the store at `path` reads whole, through a read-only connection (nothing is
 /// written, not even the -wal's commits folded in): a new or empty file is. A damaged one is
-/// refused, saying what SQLite found.
+/// refused, saying what SQLite found; so is one a newer pier wrote (a connection that could
+/// write would fold that pier's -wal into the file as it closed).
 fn check_whole(path: &Path) -> Result<(), StoreError> {
     let size = std::fs::metadata(path).map_or(0, |m| m.len());
     if size == 0 {
@@ -191,7 +192,10 @@ fn check_whole(path: &Path) -> Result<(), StoreError> {
         conn.query_row("SELECT COUNT(*) FROM sqlite_schema", [], |r| r.get::<_, i64>(0)).map(|_| "ok".to_owned())
     };
     match read {
-        Ok(verdict) if verdict == "ok" => Ok(()),
+        Ok(verdict) if verdict == "ok" => {
+            let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+            refuse_newer(path, version)
+        }
         Ok(verdict) => Err(damaged(verdict)),
         Err(rusqlite::Error::SqliteFailure(e, m))
             if matches!(e.code, rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase) =>
@@ -200,6 +204,18 @@ fn check_whole(path: &Path) -> Result<(), StoreError> {
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// A store from a newer pier is refused before anything is written to it.
+fn refuse_newer(path: &Path, version: i64) -> Result<(), StoreError> {
+    if version > MIGRATIONS.len() as i64 {
+        return Err(StoreError::Db(format!(
+            "{} was written by a newer pier (store version {version}; this pier knows versions up to {}); upgrade pier",
+            path.display(),
+            MIGRATIONS.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Brings the schema up to date. Processes opening a new store at once (two `pier serve`
@@ -243,15 +259,9 @@ impl Sqlite {
         // A damaged store is refused before anything is written to it (or folded into it).
         check_whole(path)?;
         let conn = Connection::open(path)?;
-        // A store from a newer pier is refused before anything is written to it.
+        // Read again: a newer pier may have migrated the file since.
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
-        if version > MIGRATIONS.len() as i64 {
-            return Err(StoreError::Db(format!(
-                "{} was written by a newer pier (store version {version}; this pier knows versions up to {}); upgrade pier",
-                path.display(),
-                MIGRATIONS.len()
-            )));
-        }
+        refuse_newer(path, version)?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         // Statements are reused by every commit; the default cache of 16 is too small.
         conn.set_prepared_statement_cache_capacity(64);

@@ -17,9 +17,11 @@ fn two_tasks() -> Plan {
     plan("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"victim\"\nprompt = \"y\"\n")
 }
 
-/// The bytes of the store and of its WAL and index files, to show nothing was written.
+/// The bytes of the store and of its WAL, to show nothing was written. The `-shm` is left
+/// out: it is SQLite's shared index of the WAL, rebuilt from it, and every reader writes
+/// its read marks there.
 fn snapshot(db: &Path) -> Vec<(PathBuf, Option<Vec<u8>>)> {
-    ["", "-wal", "-shm"]
+    ["", "-wal"]
         .iter()
         .map(|suffix| {
             let p = PathBuf::from(format!("{}{suffix}", db.display()));
@@ -29,16 +31,59 @@ fn snapshot(db: &Path) -> Vec<(PathBuf, Option<Vec<u8>>)> {
         .collect()
 }
 
+/// Every row of every table of the store, and its version, read from a copy (so reading
+/// them writes nothing to the store itself). An open that read and wrote nothing may still
+/// fold the -wal's commits into the file as its connection closes, which changes the bytes
+/// and not what they hold.
+fn contents(db: &Path) -> Vec<String> {
+    let copy = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let at = copy.path().join("copy.db");
+    for suffix in ["", "-wal"] {
+        let from = PathBuf::from(format!("{}{suffix}", db.display()));
+        if from.exists() {
+            std::fs::copy(&from, format!("{}{suffix}", at.display())).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    let c = rusqlite::Connection::open(&at).unwrap_or_else(|e| panic!("{e}"));
+    let version: i64 = c.pragma_query_value(None, "user_version", |r| r.get(0)).unwrap_or_else(|e| panic!("{e}"));
+    let mut rows = vec![format!("user_version {version}")];
+    let tables: Vec<String> = c
+        .prepare("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name")
+        .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
+        .unwrap_or_else(|e| panic!("{e}"));
+    for table in tables {
+        let mut q = c.prepare(&format!("SELECT * FROM \"{table}\" ORDER BY rowid")).unwrap_or_else(|e| panic!("{e}"));
+        let width = q.column_count();
+        let read: Vec<String> = q
+            .query_map([], |r| {
+                let cells: Vec<rusqlite::types::Value> = (0..width).map(|i| r.get(i)).collect::<Result<_, _>>()?;
+                Ok(format!("{table}: {cells:?}"))
+            })
+            .and_then(|m| m.collect())
+            .unwrap_or_else(|e| panic!("{e}"));
+        rows.extend(read);
+    }
+    rows
+}
+
 #[test]
 fn a_store_written_by_a_newer_pier_is_refused_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let db = dir.path().join("pier.db");
-    drop(SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}")));
+    let written = dir.path().join("written.db");
+    drop(SqliteStore::open(&written).unwrap_or_else(|e| panic!("{e}")));
     {
-        let c = rusqlite::Connection::open(&db).unwrap_or_else(|e| panic!("{e}"));
+        // The newer pier's commit is still in the -wal (it was stopped before folding it in):
+        // a connection that wrote to the store here would fold it in as it closed.
+        let c = rusqlite::Connection::open(&written).unwrap_or_else(|e| panic!("{e}"));
         c.pragma_update(None, "user_version", 99).unwrap_or_else(|e| panic!("{e}"));
+        for suffix in ["", "-wal"] {
+            std::fs::copy(format!("{}{suffix}", written.display()), format!("{}{suffix}", db.display()))
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
     }
     let before = snapshot(&db);
+    assert!(before[1].1.as_ref().is_some_and(|wal| !wal.is_empty()), "the commit is in the -wal");
     let err = SqliteStore::open(&db).err().unwrap_or_else(|| panic!("a store from a newer pier was opened"));
     let message = err.to_string();
     assert!(message.contains("written by a newer pier"), "{message}");
@@ -62,7 +107,7 @@ fn a_task_row_with_corrupt_json_fails_every_read_naming_run_and_task() {
             .unwrap_or_else(|e| panic!("{e}"));
         c.execute("UPDATE tasks SET usage = 'not json' WHERE id = 'a'", []).unwrap_or_else(|e| panic!("{e}"));
     }
-    let before = snapshot(&db);
+    let before = contents(&db);
     let s = SqliteStore::open(&db).unwrap_or_else(|e| panic!("{e}"));
     for got in [s.tasks("r1").map(|_| ()), s.task("r1", "victim").map(|_| ()), s.pending_tasks().map(|_| ())] {
         match got {
@@ -79,7 +124,7 @@ fn a_task_row_with_corrupt_json_fails_every_read_naming_run_and_task() {
         other => panic!("corrupt usage was read without complaint: {other:?}"),
     }
     drop(s);
-    assert_eq!(snapshot(&db), before, "the file was touched");
+    assert_eq!(contents(&db), before, "the store was written to");
 }
 
 /// A small tmpfs, unmounted when dropped. Mounting needs root: a test that cannot
