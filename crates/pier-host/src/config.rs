@@ -32,6 +32,8 @@ pub struct HostConfig {
     /// The model gateway agents' model traffic goes through (`None`: agents call their
     /// providers themselves, with the keys pier's environment gives them, and spend is unknown).
     pub gateway: Option<crate::gateway::GatewayConfig>,
+    /// The task types every plan may use (pier.toml's `[types]`).
+    pub types: pier_store::plan::Shared,
 }
 
 /// The confinement of a host's agents (pier.toml's `[sandbox]` and `[limits]`), and the
@@ -117,6 +119,7 @@ impl HostConfig {
             default_idle_timeout: Duration::from_secs(600),
             sandbox: SandboxConfig::new(&pier_exe),
             gateway: None,
+            types: pier_store::plan::Shared::default(),
             pier_exe,
         }
     }

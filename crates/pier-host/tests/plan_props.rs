@@ -58,6 +58,9 @@ const FIELDS: &[&str] = &[
     "sandbox",
     "network",
     "limits",
+    "priority",
+    "concurrency",
+    "input",
 ];
 
 fn config() -> HostConfig {
@@ -74,6 +77,7 @@ fn config() -> HostConfig {
         default_idle_timeout: Duration::from_secs(600),
         sandbox: pier_host::SandboxConfig::new(Path::new("/bin/true")),
         gateway: None,
+        types: Default::default(),
     }
 }
 
@@ -141,6 +145,7 @@ proptest! {
             limits: pier_host::plan::Limits { cpu, memory, pids: None },
             budget: None,
             run_budget: None,
+            ..TaskSpec::default()
         };
         let _ = attempt_options(&spec, &config());
         for bad in [-1.0, 0.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e300] {

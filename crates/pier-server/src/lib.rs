@@ -10,7 +10,7 @@
 //! |---|---|
 //! | `GET /health` | liveness |
 //! | `GET /metrics` | Prometheus text (also without the token on `--metrics-listen`) |
-//! | `POST /runs` `{plan, run_id?}` | submit a plan (TOML text) |
+//! | `POST /runs` `{plan, run_id?}` or `{type, input, priority?, task_id?, run_id?}` | submit a plan (TOML text), or one task of a pier.toml type |
 //! | `GET /runs`, `GET /runs/{run}` | runs with counts; one run with its tasks |
 //! | `GET /runs/{run}/tasks/{task}` | one task with its current attempt's evidence |
 //! | `POST /runs/{run}/cancel` | cancel every unfinished task of a run |

@@ -12,15 +12,35 @@ use serde_json::{Value, json};
 use crate::Shared;
 use crate::error::{ApiError, Body};
 
+/// A plan, or one task of a declared type (`type`, `input`, and `priority`, `task_id` if given).
 #[derive(Deserialize)]
 pub(crate) struct SubmitBody {
-    plan: String,
+    plan: Option<String>,
     run_id: Option<String>,
+    #[serde(rename = "type")]
+    task_type: Option<String>,
+    input: Option<Value>,
+    priority: Option<u8>,
+    task_id: Option<String>,
 }
 
 pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Result<Response, ApiError> {
     let config = app.tasks.config();
-    let plan = pier_host::tasks::parse_plan(&body.plan, &config.agents, &config.pier_exe)
+    let text = match (body.plan, body.task_type) {
+        (Some(plan), None) if body.input.is_none() && body.priority.is_none() && body.task_id.is_none() => plan,
+        (None, Some(ty)) => {
+            let input = body.input.unwrap_or_else(|| json!({}));
+            pier_host::tasks::one_task_plan(&ty, &input, body.priority, body.task_id.as_deref())
+                .map_err(pier_host::ActionError::Plan)?
+        }
+        _ => {
+            return Err(pier_host::ActionError::bad_request(
+                "give either `plan` (a plan's text) or `type` with its `input` (and `priority`, `task_id` if you like)",
+            )
+            .into());
+        }
+    };
+    let plan = pier_host::tasks::parse_plan(&text, &config.agents, &config.pier_exe, &config.types)
         .map_err(pier_host::ActionError::Plan)?;
     let submission = Submission { plan, run: body.run_id, source: "http".into(), own: false };
     let submitted = app.tasks.submit(submission).await?;

@@ -74,6 +74,9 @@ pub struct FileConfig {
     /// `[rate_limits."PROVIDER"]`: `rpm`, `tpm` and `hold` for the gateway, across the store's nodes.
     #[serde(default)]
     pub rate_limits: BTreeMap<String, pier_egress::gateway::RateLimit>,
+    /// `[types.NAME]`: task types every plan (and `pier submit --type`) may use.
+    #[serde(default)]
+    pub types: BTreeMap<String, toml::Value>,
 }
 
 /// `[client]`.
@@ -151,6 +154,7 @@ impl FileConfig {
         self.budget = over.budget.or(self.budget);
         self.run_budget = over.run_budget.or(self.run_budget);
         self.rate_limits.extend(over.rate_limits);
+        self.types.extend(over.types);
         self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
         self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {
@@ -319,6 +323,11 @@ pub fn load_files(env: &dyn Env, cwd: &Path) -> anyhow::Result<FileConfig> {
         config = config.merged(FileConfig::read(&path)?);
     }
     Ok(config)
+}
+
+/// The task types of pier.toml's `[types]`, checked as a plan's are.
+pub fn types(files: &FileConfig) -> anyhow::Result<pier_host::plan::Shared> {
+    pier_host::plan::Shared::new(files.types.clone()).map_err(|e| anyhow::anyhow!("`[types]` in pier.toml: {e}"))
 }
 
 /// The model gateway of a host (`pier run`, `pier serve`), unless pier.toml turns it off:

@@ -111,7 +111,7 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
         (None, Some(plan_path)) => {
             let text =
                 std::fs::read_to_string(plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?;
-            let plan = pier_host::tasks::parse_plan(&text, &files.agents, &pier_exe)?;
+            let plan = pier_host::tasks::parse_plan(&text, &files.agents, &pier_exe, &config::types(&files)?)?;
             let base = plan_path.canonicalize()?.parent().map(PathBuf::from).unwrap_or(here);
             (base, Some((plan, plan_path.display().to_string())))
         }
@@ -123,6 +123,7 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
         retry_base: Duration::from_millis(args.retry_base_ms),
         cancel_grace: Duration::from_millis(args.cancel_grace_ms),
         gateway: config::gateway(&files, &ProcessEnv)?,
+        types: config::types(&files)?,
         ..HostConfig::new(pier_exe, files.agents.clone(), base_dir)
     };
     Ok((config, files, plan))

@@ -136,6 +136,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         gateway: config::gateway(&files, &env)?,
+        types: config::types(&files)?,
         ..HostConfig::new(std::env::current_exe()?, files.agents.clone(), here)
     };
     let tasks = crate::run_cmd::open_tasks_with(&args.store, &files, config)?;
@@ -237,18 +238,52 @@ async fn call(args: &ServerArgs, method: reqwest::Method, path: &str, body: Opti
 
 #[derive(Debug, clap::Args)]
 pub struct SubmitArgs {
-    plan: PathBuf,
+    /// The plan file (or give --type)
+    #[arg(required_unless_present = "task_type", conflicts_with = "task_type")]
+    plan: Option<PathBuf>,
     #[arg(long)]
     run_id: Option<String>,
+    /// One task of this type (pier.toml's `[types.NAME]` on the server)
+    #[arg(long = "type", value_name = "NAME")]
+    task_type: Option<String>,
+    /// A field of the task's input: `KEY=VALUE` (VALUE read as JSON when it is, else as text)
+    #[arg(long, value_name = "KEY=VALUE", requires = "task_type")]
+    input: Vec<String>,
+    /// 0..=9; among ready tasks the higher goes first
+    #[arg(long, requires = "task_type")]
+    priority: Option<u8>,
+    /// The task's id [default: the type's name]
+    #[arg(long, requires = "task_type")]
+    task_id: Option<String>,
     #[command(flatten)]
     server: ServerArgs,
 }
 
+/// `KEY=VALUE` pairs as a JSON object: a VALUE that is JSON (`3`, `true`, `["a"]`) as that, else as text.
+fn input_object(pairs: &[String]) -> anyhow::Result<serde_json::Value> {
+    let mut input = serde_json::Map::new();
+    for pair in pairs {
+        let Some((key, value)) = pair.split_once('=') else {
+            anyhow::bail!("--input {pair:?}: give KEY=VALUE");
+        };
+        let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::String(value.to_owned()));
+        input.insert(key.to_owned(), value);
+    }
+    Ok(serde_json::Value::Object(input))
+}
+
 #[allow(clippy::print_stdout)]
 pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
-    let plan = std::fs::read_to_string(&args.plan).with_context(|| format!("cannot read {}", args.plan.display()))?;
-    let v =
-        call(&args.server, reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": args.run_id}))).await?;
+    let body = match (&args.plan, &args.task_type) {
+        (Some(path), _) => {
+            let plan = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            json!({"plan": plan, "run_id": args.run_id})
+        }
+        (None, Some(ty)) => json!({"type": ty, "input": input_object(&args.input)?, "priority": args.priority,
+                                   "task_id": args.task_id, "run_id": args.run_id}),
+        (None, None) => anyhow::bail!("give a plan file or --type NAME"),
+    };
+    let v = call(&args.server, reqwest::Method::POST, "/runs", Some(body)).await?;
     println!("{}", v["run"].as_str().unwrap_or(""));
     Ok(())
 }

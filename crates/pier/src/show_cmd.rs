@@ -224,6 +224,26 @@ fn run_text(run: &str, v: &Value) -> String {
     out
 }
 
+/// A task's type and input, priority, concurrency keys and prompt (its input rendered in).
+fn typed_lines(spec: &Value) -> String {
+    let mut out = String::new();
+    if let Some(ty) = spec["type"].as_str() {
+        out.push_str(&format!("type: {ty}, input {}\n", spec["input"]));
+    }
+    if let Some(p) = spec["priority"].as_u64().filter(|p| *p > 0) {
+        out.push_str(&format!("priority: {p}\n"));
+    }
+    if let Some(keys) = spec["concurrency"].as_array().filter(|k| !k.is_empty()) {
+        let keys: Vec<String> =
+            keys.iter().map(|k| format!("{} (limit {})", k["key"].as_str().unwrap_or("?"), k["limit"])).collect();
+        out.push_str(&format!("concurrency: {}\n", keys.join(", ")));
+    }
+    if let Some(prompt) = spec["prompt"].as_str() {
+        out.push_str(&format!("prompt:\n{}\n", indent(prompt)));
+    }
+    out
+}
+
 fn task_text(run: &str, v: &Value) -> String {
     let t = &v["task"];
     let id = t["id"].as_str().unwrap_or("?");
@@ -254,6 +274,7 @@ fn task_text(run: &str, v: &Value) -> String {
         let words: Vec<&str> = requires.iter().filter_map(Value::as_str).collect();
         out.push_str(&format!("requires: {}\n", words.join(", ")));
     }
+    out.push_str(&typed_lines(spec));
     if let Some(request) = request_of(&v["question"]) {
         out.push_str(&format!("waits: {}\n", waiting_for(run, id, Some(&request))));
     } else if t["state"] == "awaiting_input" {

@@ -300,6 +300,7 @@ fn spec(id: &str, prompt: &str) -> pier_host::TaskSpec {
         limits: Default::default(),
         budget: None,
         run_budget: None,
+        ..Default::default()
     }
 }
 

@@ -3,7 +3,7 @@
 
 mod support;
 
-use support::serve::{Server, TOKEN, server, server_with};
+use support::serve::{Server, TOKEN, cli, server, server_with};
 
 use std::process::Stdio;
 
@@ -219,19 +219,6 @@ async fn pull_workers_lease_heartbeat_and_report_through_the_same_state_machine(
         (code, ended["task"]["state"].clone(), ended["task"]["result"].clone()),
         (200, json!("cancelled"), Value::Null)
     );
-}
-
-async fn cli(s: &Server, args: &[&str]) -> std::process::Output {
-    let mut cmd = Command::new(PIER);
-    cmd.args(args)
-        .env("PIER_TOKEN", TOKEN)
-        .env("PIER_SERVER", &s.base)
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    must(must(tokio::time::timeout(LIMIT, cmd.output()).await, "cli in time"), "cli")
 }
 
 #[tokio::test]

@@ -21,6 +21,6 @@ pub use cancel::{CANCEL_WAIT, CancelledRun};
 pub use follow::{Delivered, Follow, Follower};
 pub use handle::Tasks;
 pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};
-pub use submit::{Submission, Submitted, parse_plan};
+pub use submit::{Submission, Submitted, one_task_plan, parse_plan};
 pub use views::{RunSummary, RunView, StoreCounts, TaskView, counts};
 pub use workers::Leased;

@@ -14,7 +14,12 @@ use crate::person::ActionError;
 /// Parses a plan, every agent it names checked: a pull-worker agent, or one the registry
 /// (`agents`, pier's own `exe`, `PATH`) resolves. Needs no store: a refused plan leaves
 /// nothing behind.
-pub fn parse_plan(text: &str, agents: &BTreeMap<String, AgentDef>, exe: &Path) -> Result<Plan, PlanError> {
+pub fn parse_plan(
+    text: &str,
+    agents: &BTreeMap<String, AgentDef>,
+    exe: &Path,
+    types: &plan::Shared,
+) -> Result<Plan, PlanError> {
     let path = std::env::var("PATH").ok();
     let known = |agent: &str| {
         if pier_store::requires::is_worker(agent) {
@@ -22,7 +27,30 @@ pub fn parse_plan(text: &str, agents: &BTreeMap<String, AgentDef>, exe: &Path) -
         }
         pier_client::registry::resolve(agent, agents, exe, path.as_deref()).map(|_| ()).map_err(|e| e.to_string())
     };
-    plan::parse(text, &known)
+    plan::parse_typed(text, types, &known)
+}
+
+/// An ad-hoc task of a declared type (`pier submit --type`, `POST /runs` with `type`): the
+/// text of a one-task plan, parsed and checked as any plan is. The task is `id`, else the type's name.
+pub fn one_task_plan(
+    task_type: &str,
+    input: &serde_json::Value,
+    priority: Option<u8>,
+    id: Option<&str>,
+) -> Result<String, PlanError> {
+    let refused = |message: String| PlanError(vec![plan::Problem { line: 0, message }]);
+    let input = toml::Value::try_from(input)
+        .map_err(|e| refused(format!("the input cannot be a plan's (TOML has no null): {e}")))?;
+    let mut task = toml::Table::new();
+    task.insert("id".into(), id.unwrap_or(task_type).into());
+    task.insert("type".into(), task_type.into());
+    task.insert("input".into(), input);
+    if let Some(p) = priority {
+        task.insert("priority".into(), i64::from(p).into());
+    }
+    let mut plan = toml::Table::new();
+    plan.insert("tasks".into(), toml::Value::Array(vec![toml::Value::Table(task)]));
+    toml::to_string(&plan).map_err(|e| refused(format!("the task cannot be written as a plan: {e}")))
 }
 
 /// Refuses every task whose confinement this machine cannot give (a strict task where user

@@ -21,6 +21,21 @@ pub struct Server {
     pub http: reqwest::Client,
 }
 
+/// Runs `pier ARGS` as a client of `s` (`PIER_SERVER`, `PIER_TOKEN`), to its end.
+#[allow(dead_code)]
+pub async fn cli(s: &Server, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(PIER);
+    cmd.args(args)
+        .env("PIER_TOKEN", TOKEN)
+        .env("PIER_SERVER", &s.base)
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    must(must(tokio::time::timeout(LIMIT, cmd.output()).await, "cli in time"), "cli")
+}
+
 pub async fn server(base_url: Option<String>) -> Server {
     server_with(base_url, &[]).await.0
 }

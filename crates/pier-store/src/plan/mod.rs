@@ -7,6 +7,9 @@ pub use pier_jail::{Level, Limits};
 use pier_tools::{Rule, ToolKind};
 use serde::{Deserialize, Serialize};
 
+mod types;
+pub use types::{ConcurrencyKey, MAX_PRIORITY};
+
 /// A validated plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -63,6 +66,22 @@ pub struct TaskSpec {
     /// The most the model requests of all the run's tasks may spend (the plan's `[budget]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_budget: Option<Budget>,
+    /// The task's type (`[types.NAME]`), whose schema its input met.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub task_type: Option<String>,
+    /// What the prompt was rendered from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<serde_json::Value>,
+    /// 0..=9: among ready tasks the higher goes first.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub priority: u8,
+    /// The caps this task counts against while it runs, keys rendered.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub concurrency: Vec<ConcurrencyKey>,
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
 }
 
 /// A spending limit: tokens (input and output) and cost (in the price table's currency).
@@ -121,7 +140,7 @@ impl TaskSpec {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Defaults {
     agent: Option<String>,
@@ -144,13 +163,56 @@ struct Defaults {
     #[serde(default)]
     limits: Limits,
     budget: Option<Budget>,
+    priority: Option<u8>,
+    #[serde(default)]
+    concurrency: Vec<ConcurrencyKey>,
+}
+
+impl Defaults {
+    /// These (a type's) over `plan`'s: a field given here wins; lists and caps add up.
+    fn over(self, plan: &Defaults) -> Defaults {
+        let mut permissions = plan.permissions.clone();
+        permissions.extend(self.permissions);
+        let mut roots = plan.roots.clone();
+        roots.extend(self.roots);
+        let mut network = plan.network.clone();
+        network.extend(self.network);
+        let mut concurrency = plan.concurrency.clone();
+        concurrency.extend(self.concurrency);
+        Defaults {
+            agent: self.agent.or_else(|| plan.agent.clone()),
+            max_attempts: self.max_attempts.or(plan.max_attempts),
+            timeout: self.timeout.or(plan.timeout),
+            max_time: self.max_time.or(plan.max_time),
+            cwd: self.cwd.or_else(|| plan.cwd.clone()),
+            retry_on: self.retry_on.or_else(|| plan.retry_on.clone()),
+            idempotent: self.idempotent.or(plan.idempotent),
+            permissions,
+            roots,
+            writable: self.writable.or_else(|| plan.writable.clone()),
+            fresh_agent: self.fresh_agent.or(plan.fresh_agent),
+            requires: self.requires.or_else(|| plan.requires.clone()),
+            sandbox: self.sandbox.or_else(|| plan.sandbox.clone()),
+            network,
+            limits: plan.limits.overlaid(self.limits),
+            budget: self.budget.or(plan.budget),
+            priority: self.priority.or(plan.priority),
+            concurrency,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TaskDef {
     id: String,
-    prompt: String,
+    prompt: Option<String>,
+    #[serde(rename = "type")]
+    task_type: Option<String>,
+    input: Option<toml::Value>,
+    priority: Option<u8>,
+    #[serde(default)]
+    concurrency: Vec<ConcurrencyKey>,
     agent: Option<String>,
     #[serde(default)]
     depends_on: Vec<String>,
@@ -184,6 +246,8 @@ struct PlanFile {
     defaults: Defaults,
     /// The run's budget.
     budget: Option<Budget>,
+    #[serde(default)]
+    types: BTreeMap<String, toml::Value>,
     #[serde(default)]
     tasks: Vec<toml::Spanned<TaskDef>>,
 }
@@ -303,6 +367,35 @@ fn cycle_text(cycle: &[String]) -> String {
 
 /// Parses and checks a plan. `agent_known` says whether an agent name or command resolves.
 pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Result<Plan, PlanError> {
+    parse_typed(text, &Shared::default(), agent_known)
+}
+
+/// The task types every plan may use (pier.toml's `[types]`); a plan's own of the same name win.
+#[derive(Debug, Clone, Default)]
+pub struct Shared {
+    types: BTreeMap<String, toml::Value>,
+}
+
+impl Shared {
+    /// The `[types]` table of a configuration file, checked as a plan's would be.
+    pub fn new(types: BTreeMap<String, toml::Value>) -> Result<Shared, PlanError> {
+        let mut problems = Vec::new();
+        types::parse_types(types.clone(), &|_| 0, &mut problems);
+        if problems.is_empty() { Ok(Shared { types }) } else { Err(PlanError(problems)) }
+    }
+
+    /// Whether type `name` is declared.
+    pub fn has(&self, name: &str) -> bool {
+        self.types.contains_key(name)
+    }
+}
+
+/// [`parse`] with the task types of `shared` beside the plan's own.
+pub fn parse_typed(
+    text: &str,
+    shared: &Shared,
+    agent_known: &dyn Fn(&str) -> Result<(), String>,
+) -> Result<Plan, PlanError> {
     let file: PlanFile = toml::from_str(text).map_err(|e| {
         let line = e.span().map_or(0, |s| Lines::new(text).of(s.start));
         PlanError(vec![Problem { line, message: e.message().to_owned() }])
@@ -310,6 +403,14 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
     let d = file.defaults;
     let index = Lines::new(text);
     let mut problems = Vec::new();
+    let type_line = |name: &str| {
+        [format!("[types.{name}]"), format!("[types.\"{name}\"]")]
+            .iter()
+            .find_map(|header| text.find(header.as_str()))
+            .map_or(0, |at| index.of(at))
+    };
+    let mut declared = types::parse_types(shared.types.clone(), &|_| 0, &mut problems);
+    declared.extend(types::parse_types(file.types, &type_line, &mut problems));
     let defaults_line = text.find("[defaults]").map_or(0, |at| index.of(at));
     for why in number_problems(d.timeout, d.max_time, d.max_attempts) {
         problems.push(Problem { line: defaults_line, message: format!("[defaults]: {why}") });
@@ -325,7 +426,7 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
         }
         lines.entry(t.id.clone()).or_insert(line);
         let mut say = |message: String| problems.push(Problem { line, message });
-        let mut spec = task_spec(t, &d, agent_known, &mut say);
+        let mut spec = typed_spec(t, &d, &declared, agent_known, &mut say);
         spec.run_budget = file.budget;
         tasks.push(spec);
     }
@@ -340,9 +441,103 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
     if problems.is_empty() { Ok(Plan { tasks, lines }) } else { Err(PlanError(problems)) }
 }
 
+/// A task with its type's fields and the defaults applied, its input checked and rendered
+/// into its prompt and concurrency keys; what is wrong with it alone goes to `say`.
+fn typed_spec(
+    mut t: TaskDef,
+    d: &Defaults,
+    declared: &BTreeMap<String, types::TaskType>,
+    agent_known: &dyn Fn(&str) -> Result<(), String>,
+    say: &mut dyn FnMut(String),
+) -> TaskSpec {
+    let id = t.id.clone();
+    let of_type = match t.task_type.as_deref().map(|name| (name, declared.get(name))) {
+        None => None,
+        Some((_, Some(ty))) => Some(ty),
+        Some((name, None)) => {
+            let known: Vec<&str> = declared.keys().map(String::as_str).collect();
+            let known = if known.is_empty() {
+                "none is declared".to_owned()
+            } else {
+                format!("declared: {}", known.join(", "))
+            };
+            say(format!("task `{id}`: unknown type `{name}` ({known})"));
+            None
+        }
+    };
+    let input = t.input.take().map(toml_to_json);
+    if let (Some(ty), Some(input)) = (of_type, &input) {
+        for why in ty.input_problems(input) {
+            say(format!("task `{id}`: {why}"));
+        }
+    }
+    if let (Some(ty), None) = (of_type, &input)
+        && ty.takes_input()
+    {
+        let name = t.task_type.as_deref().unwrap_or_default();
+        say(format!("task `{id}`: type `{name}` takes an input; give input = {{ ... }}"));
+    }
+    let template = t.prompt.take().or_else(|| of_type.and_then(|ty| ty.prompt.clone()));
+    let prompt = match (template, &input) {
+        (None, _) => {
+            say(format!("task `{id}`: give a prompt (or a type whose prompt it renders)"));
+            String::new()
+        }
+        (Some(p), None) => p,
+        (Some(p), Some(input)) => types::fill(&p, "{{input.", "}}", input).unwrap_or_else(|missing| {
+            say(format!("task `{id}`: the prompt names input field(s) the input lacks: {}", missing.join(", ")));
+            p
+        }),
+    };
+    let typed_defaults = of_type.map(|ty| ty.defaults.clone().over(d));
+    let d = typed_defaults.as_ref().unwrap_or(d);
+    let priority = t.priority.or(d.priority).unwrap_or(0);
+    if priority > MAX_PRIORITY {
+        say(format!("task `{id}`: priority = {priority}: give a whole number from 0 to {MAX_PRIORITY} (9 goes first)"));
+    }
+    let mut keys: Vec<ConcurrencyKey> = Vec::new();
+    for key in d.concurrency.iter().chain(&t.concurrency) {
+        let rendered = match &input {
+            Some(input) => types::fill(&key.key, "{input.", "}", input).unwrap_or_else(|missing| {
+                say(format!(
+                    "task `{id}`: concurrency key `{}` names input field(s) the input lacks: {}",
+                    key.key,
+                    missing.join(", ")
+                ));
+                key.key.clone()
+            }),
+            None if !types::input_fields(&key.key, "{input.", "}").is_empty() => {
+                say(format!("task `{id}`: concurrency key `{}` names the input, and the task has none", key.key));
+                key.key.clone()
+            }
+            None => key.key.clone(),
+        };
+        if key.limit == 0 {
+            say(format!("task `{id}`: concurrency key `{}`: limit = 0 would never run it; give 1 or more", key.key));
+        }
+        if rendered.trim().is_empty() {
+            say(format!("task `{id}`: a concurrency key is empty"));
+        }
+        // The same key twice holds at the smaller limit.
+        match keys.iter_mut().find(|k| k.key == rendered) {
+            Some(k) => k.limit = k.limit.min(key.limit),
+            None => keys.push(ConcurrencyKey { key: rendered, limit: key.limit }),
+        }
+    }
+    keys.sort_by(|a, b| a.key.cmp(&b.key));
+    let task_type = t.task_type.take();
+    let mut spec = task_spec(t, prompt, d, agent_known, say);
+    spec.task_type = task_type;
+    spec.input = input;
+    spec.priority = priority;
+    spec.concurrency = keys;
+    spec
+}
+
 /// A task with the defaults applied; what is wrong with it alone goes to `say`.
 fn task_spec(
     t: TaskDef,
+    prompt: String,
     d: &Defaults,
     agent_known: &dyn Fn(&str) -> Result<(), String>,
     say: &mut dyn FnMut(String),
@@ -391,7 +586,7 @@ fn task_spec(
     }
     TaskSpec {
         id: t.id,
-        prompt: t.prompt,
+        prompt,
         agent,
         depends_on: t.depends_on,
         cwd: t.cwd.or_else(|| d.cwd.clone()),
@@ -411,6 +606,7 @@ fn task_spec(
         limits,
         budget,
         run_budget: None,
+        ..TaskSpec::default()
     }
 }
 

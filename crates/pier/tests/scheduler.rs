@@ -1,0 +1,104 @@
+//! Issue #32 end to end: task types declared in pier.toml, ad-hoc tasks of a type submitted
+//! from the CLI and over HTTP, their input checked (every problem at once, nothing stored) and
+//! rendered into the prompt the agent is given and `pier show` prints.
+
+mod support;
+
+use std::process::Stdio;
+
+use pier_fake_model::FakeModel;
+use serde_json::json;
+use support::serve::{TOKEN, cli, server_configured};
+use support::{LIMIT, echo, must};
+use tokio::process::Command;
+
+const PIER: &str = env!("CARGO_BIN_EXE_pier");
+
+const TYPES: &str = r#"
+[types.greet]
+prompt = "Say hello to {{input.who}}, {{input.times}} times."
+priority = 3
+concurrency = [{ key = "greeter:{input.who}", limit = 1 }]
+input = { type = "object", required = ["who", "times"], additionalProperties = false, properties = { who = { type = "string", minLength = 1 }, times = { type = "integer", minimum = 1 } } }
+"#;
+
+fn text(o: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[tokio::test]
+async fn a_task_of_a_declared_type_is_submitted_checked_rendered_and_shown() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let (s, _) = server_configured(Some(f.base_url()), &[], Some(TYPES)).await;
+
+    let o =
+        cli(&s, &["submit", "--type", "greet", "--input", "who=world", "--input", "times=2", "--run-id", "g1"]).await;
+    assert_eq!((o.status.code(), String::from_utf8_lossy(&o.stdout).trim()), (Some(0), "g1"), "{}", text(&o));
+    s.events_until(None, |e| e["task"] == "greet" && e["to"] == "completed").await;
+    let asked: Vec<String> = f.requests().iter().map(|r| r.body.to_string()).collect();
+    assert!(
+        asked.iter().any(|b| b.contains("Say hello to world, 2 times.")),
+        "the agent got the rendered prompt: {asked:?}"
+    );
+    let shown = text(&cli(&s, &["show", "g1", "greet"]).await);
+    for line in
+        ["type: greet, input {\"times\":2,\"who\":\"world\"}", "priority: 3", "concurrency: greeter:world (limit 1)"]
+    {
+        assert!(shown.contains(line), "`{line}` in:\n{shown}");
+    }
+    assert!(shown.contains("prompt:\n  Say hello to world, 2 times."), "{shown}");
+
+    // Over HTTP, with the task's own id and priority.
+    let body =
+        json!({"type": "greet", "input": {"who": "http", "times": 1}, "priority": 7, "task_id": "h", "run_id": "g2"});
+    let (code, answer) = s.call(reqwest::Method::POST, "/runs", Some(body)).await;
+    assert_eq!((code, &answer["run"]), (201, &json!("g2")), "{answer}");
+    let (_, task) = s.call(reqwest::Method::GET, "/runs/g2/tasks/h", None).await;
+    assert_eq!(task["task"]["spec"]["priority"], 7, "{task}");
+    assert_eq!(task["task"]["spec"]["prompt"], "Say hello to http, 1 times.", "{task}");
+}
+
+#[tokio::test]
+async fn a_bad_input_is_refused_with_every_field_and_nothing_is_stored() {
+    let (s, _) = server_configured(None, &[], Some(TYPES)).await;
+    let body = json!({"type": "greet", "input": {"who": "", "times": "x", "extra": 1}, "run_id": "bad"});
+    let (code, answer) = s.call(reqwest::Method::POST, "/runs", Some(body)).await;
+    assert_eq!(code, 400, "{answer}");
+    let said = answer.to_string();
+    for part in ["/who", "/times", "extra", "task `greet`"] {
+        assert!(said.contains(part), "`{part}` in {said}");
+    }
+    let o = cli(&s, &["submit", "--type", "nope", "--input", "a=1"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("unknown type `nope` (declared: greet)"), "{}", text(&o));
+    let o = cli(&s, &["submit", "--type", "greet", "--input", "who=x", "--priority", "12"]).await;
+    assert!(text(&o).contains("priority = 12") && text(&o).contains("times"), "both problems at once: {}", text(&o));
+    let (code, answer) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": "x", "type": "greet"}))).await;
+    assert_eq!(code, 400, "{answer}");
+    let (_, runs) = s.call(reqwest::Method::GET, "/runs", None).await;
+    assert_eq!(runs["runs"], json!([]), "nothing was stored: {runs}");
+}
+
+#[tokio::test]
+async fn a_type_that_cannot_hold_stops_the_server_at_start_naming_it() {
+    let dir = must(tempfile::tempdir(), "dir");
+    must(
+        std::fs::write(
+            dir.path().join("pier.toml"),
+            "[types.t]\nprompt = \"{{input.x}}\"\ninput = { type = \"object\", properties = { y = { type = \"string\" } } }\n",
+        ),
+        "toml",
+    );
+    let o = Command::new(PIER)
+        .args(["serve", "--listen", "127.0.0.1:0", "--token", TOKEN])
+        .current_dir(dir.path())
+        .env("HOME", dir.path())
+        .env("PIER_HOME", dir.path().join("data"))
+        .stdin(Stdio::null())
+        .output();
+    let o = must(must(tokio::time::timeout(LIMIT, o).await, "serve in time"), "serve");
+    assert_ne!(o.status.code(), Some(0));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(said.contains("[types]") && said.contains("type `t`") && said.contains("`x`"), "{said}");
+}
