@@ -458,6 +458,8 @@ struct RunView {
     startable: std::collections::BTreeSet<usize>,
     /// The rows held by an attempt (running or awaiting input), anyone's.
     live: std::collections::BTreeSet<usize>,
+    /// A task has a priority or concurrency keys: passes rank every ready task (`pick`).
+    scheduled: bool,
 }
 
 impl RunView {
@@ -480,6 +482,7 @@ impl RunView {
         self.startable.remove(&i);
         self.live.remove(&i);
         let Some(t) = self.rows.get(i) else { return };
+        self.scheduled |= t.spec.priority > 0 || !t.spec.concurrency.is_empty();
         match t.state {
             TaskState::Pending if !t.spec.is_worker() => {
                 self.startable.insert(i);
@@ -520,6 +523,8 @@ struct View {
     /// Tasks seen failing or being cancelled; dependents are looked for only when this grows.
     bad_endings: usize,
     bad_endings_checked: usize,
+    /// When each ready task was first seen ready, for ageing (`pick`).
+    waiting_since: HashMap<Key, i64>,
 }
 
 impl View {
@@ -555,6 +560,7 @@ impl View {
             seq,
             bad_endings: 0,
             bad_endings_checked: usize::MAX,
+            waiting_since: HashMap::new(),
         };
         for tasks in runs {
             for t in tasks {
@@ -698,10 +704,13 @@ impl View {
     }
 
     /// Up to `room` tasks ready to claim now, in run and plan order.
-    fn runnable(&self, now: i64, room: usize) -> Vec<Key> {
+    fn runnable(&mut self, now: i64, room: usize) -> Vec<Key> {
         let mut out = Vec::new();
         if room == 0 {
             return out;
+        }
+        if self.runs.values().any(|r| r.scheduled) {
+            return self.picked(now, room);
         }
         for (run, r) in self.driven() {
             for t in r.startable() {
@@ -714,6 +723,24 @@ impl View {
             }
         }
         out
+    }
+
+    /// [`View::runnable`] when a task has a priority or concurrency keys: every ready task in
+    /// view ranked by `pick` (those of runs other nodes drive keep their keys' places), with
+    /// the live attempts of every run in view counted against their keys (other nodes' and
+    /// workers' too).
+    fn picked(&mut self, now: i64, room: usize) -> Vec<Key> {
+        let held = crate::pick::held(self.runs.values().flat_map(RunView::live));
+        let mut ready = Vec::new();
+        for (run, r) in &self.runs {
+            let mine = self.held.contains(run);
+            for t in r.startable() {
+                if t.not_before_ms <= now && !r.busy.contains(&t.id) && r.ready(t) {
+                    ready.push(crate::pick::Ready { key: (run.clone(), t.id.clone()), row: t, mine });
+                }
+            }
+        }
+        crate::pick::pick(ready, room, held, &mut self.waiting_since, now)
     }
 
     /// Attempts held by someone else that look lost in the view.

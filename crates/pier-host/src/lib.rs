@@ -12,6 +12,7 @@ pub mod decide;
 pub mod gateway;
 pub mod host;
 mod person;
+mod pick;
 pub mod pool;
 pub mod tasks;
 pub mod telemetry;

@@ -77,6 +77,8 @@ pub trait TaskStore: Send + Sync + 'static {
     fn seen_worker(&self, name: &str, capabilities: &[String]) -> Result<(), StoreError>;
     /// The pull workers seen, with the attempts each holds.
     fn workers(&self) -> Result<Vec<crate::WorkerRow>, StoreError>;
+    /// How many live attempts hold concurrency key `key` (anyone's, on every node and worker).
+    fn key_holders(&self, key: &str) -> Result<i64, StoreError>;
 
     /// A person's budgets: task `task`'s own (`budget`) and the run's (`run_budget`, on every
     /// task of the run); `None` limits keep what was. The tasks changed, as they are now.

@@ -17,6 +17,7 @@ mod api;
 mod backend;
 mod entry;
 mod error;
+mod keys;
 mod log;
 mod ops;
 mod pg;

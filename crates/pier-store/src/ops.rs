@@ -33,6 +33,10 @@ pub(crate) struct Claim<'a> {
     pub owner: &'a str,
     pub until: i64,
     pub now: i64,
+    /// Whether a task with concurrency keys may be claimed: not by a claim that shares its
+    /// transaction's fate with other work (a report's next task), since a key found full after
+    /// the task moved undoes the whole transaction.
+    pub keyed: bool,
 }
 
 /// An ending of the attempt holding a task ([`Tx::end_held`]).
@@ -75,6 +79,9 @@ pub(crate) trait Tx {
     fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError>;
     /// The first column of every row, as text.
     fn strings(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<String>, StoreError>;
+    /// Locks concurrency key `key` until the transaction ends, if no other transaction holds
+    /// it (false then). A backend whose writers are one at a time needs no lock.
+    fn lock_key(&mut self, key: &str) -> Result<bool, StoreError>;
 }
 
 /// A task row's plain columns; the JSON ones are filled in by [`decode`].
@@ -141,9 +148,11 @@ pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) 
     let mut last = log(tx, run, None, &created)?;
     for (i, t) in plan.tasks.iter().enumerate() {
         let spec = serde_json::to_string(t)?;
+        let keyed = Arg::OptInt((!t.concurrency.is_empty()).then_some(1));
         tx.exec(
-            "INSERT INTO tasks (run_id, id, ord, state, version, spec) VALUES (?1, ?2, ?3, 'pending', 1, ?4)",
-            &[Arg::Text(run), Arg::Text(&t.id), Arg::Int(i as i64), Arg::Text(&spec)],
+            "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed)
+             VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5)",
+            &[Arg::Text(run), Arg::Text(&t.id), Arg::Int(i as i64), Arg::Text(&spec), keyed],
         )?;
         let created = LogEvent::TaskCreated {
             depends_on: t.depends_on.clone(),
@@ -234,7 +243,13 @@ pub(crate) fn claim(
     owner: &str,
     until: i64,
 ) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
-    let Some(claimed) = tx.take(&Claim { run, task, owner, until, now: now_ms() })? else { return Ok((None, 0)) };
+    claim_as(tx, &Claim { run, task, owner, until, now: now_ms(), keyed: true })
+}
+
+/// [`claim`], as `c` says.
+fn claim_as(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
+    let Claim { run, task, owner, .. } = *c;
+    let Some(claimed) = tx.take(c)? else { return Ok((None, 0)) };
     let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: claimed.attempt, owner: owner.to_owned() };
     let reason = format!("attempt {} started", attempt.n);
     let before = Was { run, task, state: TaskState::Pending, version: claimed.version - 1 };
@@ -253,10 +268,13 @@ pub(crate) fn claim(
 /// fenced on the version read, the attempt's row, and the row as the update left it built
 /// rather than read back.
 pub(crate) fn take_by_statements(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
-    let Claim { run, task, owner, until, now } = *c;
+    let Claim { run, task, owner, until, now, keyed } = *c;
     let Some(raw) = tx.task(run, task)? else { return Ok(None) };
     let row = decode(raw)?;
-    if row.state != TaskState::Pending || row.not_before_ms > now {
+    if row.state != TaskState::Pending || row.not_before_ms > now || (!keyed && !row.spec.concurrency.is_empty()) {
+        return Ok(None);
+    }
+    if !crate::keys::free(tx, &row.spec.concurrency, run, task)? {
         return Ok(None);
     }
     // Fenced on the version read in this transaction (every change of a task moves it, so the
@@ -276,6 +294,7 @@ pub(crate) fn take_by_statements(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<Optio
         "INSERT INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
         &[Arg::Text(run), Arg::Text(task), Arg::Int(row.attempt + 1)],
     )?;
+    crate::keys::hold(tx, &row.spec.concurrency, run, task, row.attempt + 1)?;
     Ok(Some(TaskRow {
         state: TaskState::Running,
         version: row.version + 1,
@@ -617,7 +636,10 @@ pub(crate) fn report_and_claim(
             for c in next.map_or(&[][..], |n| &n.candidates) {
                 if ready(tx, c)? {
                     let owner = next.map_or("", |n| &n.owner);
-                    (claimed, claimed_seq) = claim(tx, &c.run, &c.task, owner, next.map_or(0, |n| n.until))?;
+                    let until = next.map_or(0, |n| n.until);
+                    // A task with concurrency keys is left to the worker's own lease.
+                    let one = Claim { run: &c.run, task: &c.task, owner, until, now: now_ms(), keyed: false };
+                    (claimed, claimed_seq) = claim_as(tx, &one)?;
                     if claimed.is_some() {
                         break;
                     }

@@ -103,8 +103,18 @@ pub(crate) const TASKS_CANCEL_REQUESTED: &str = "ALTER TABLE tasks ADD COLUMN ca
 /// every lease of a worker).
 pub(crate) const RUNS_AGE: &str = "CREATE INDEX runs_age ON runs(id, created_at_ms)";
 
+/// A task with concurrency keys (its spec's `concurrency`) is 1, others NULL: PostgreSQL's
+/// fused claim takes only the others, and leaves these to the claim that counts their holders.
+pub(crate) const TASKS_KEYED: &str = "ALTER TABLE tasks ADD COLUMN keyed {INT}";
+
+/// The attempts that hold each concurrency key, as their claims wrote them. A row whose attempt
+/// no longer runs (it ended, or was taken back) is stale: the next claim of the key deletes it
+/// before counting, so no ending has to, and the count reads only the key's few rows.
+pub(crate) const KEY_HOLDERS: &str = "CREATE TABLE key_holders (key TEXT NOT NULL, run_id TEXT NOT NULL,
+    task_id TEXT NOT NULL, attempt {INT} NOT NULL, PRIMARY KEY (key, run_id, task_id))";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 9] = [
+pub(crate) const LATER: [Migration; 10] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -114,4 +124,5 @@ pub(crate) const LATER: [Migration; 9] = [
     &[WORKERS],
     &[TASKS_CANCEL_REQUESTED],
     &[RUNS_AGE],
+    &[TASKS_KEYED, KEY_HOLDERS],
 ];

@@ -70,7 +70,7 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 13] = [
+const MIGRATIONS: [Migration; 14] = [
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
@@ -84,6 +84,7 @@ const MIGRATIONS: [Migration; 13] = [
     LATER[6],
     LATER[7],
     LATER[8],
+    LATER[9],
 ];
 
 /// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].
@@ -557,6 +558,12 @@ impl rusqlite::ToSql for Arg<'_> {
 }
 
 impl Tx for SqliteTx<'_> {
+    /// SQLite's writers take turns (one connection per process, and `BEGIN IMMEDIATE` across
+    /// processes): the transaction that counts a key's holders is the only writer.
+    fn lock_key(&mut self, _key: &str) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
     fn exec(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
         Ok(self.0.prepare_cached(sql)?.execute(rusqlite::params_from_iter(args))? as u64)
     }

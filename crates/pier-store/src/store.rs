@@ -176,7 +176,12 @@ impl<B: Backend> TaskStore for Store<B> {
     ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
         let (r, t, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
         let work = move |tx: &mut dyn Tx| ops::claim(tx, &r, &t, &owner, lease_until_ms);
-        self.db.write(Some((run, task)), Box::new(work)).map(|(answer, _)| answer)
+        match self.db.write(Some((run, task)), Box::new(work)) {
+            Ok((answer, _)) => Ok(answer),
+            // A claim beside it took the key's last place: undone, the task waits.
+            Err(StoreError::KeyFull { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {
@@ -229,6 +234,11 @@ impl<B: Backend> TaskStore for Store<B> {
     fn seen_worker(&self, name: &str, capabilities: &[String]) -> Result<(), StoreError> {
         let (name, caps) = (name.to_owned(), capabilities.to_vec());
         self.op(move |tx| ops::seen_worker(tx, &name, &caps))
+    }
+
+    fn key_holders(&self, key: &str) -> Result<i64, StoreError> {
+        let mut rows = self.rows(crate::keys::LIVE_HOLDERS, &[Arg::Text(key)])?;
+        rows.first_mut().map_or(Ok(0), |r| r.int(0))
     }
 
     fn workers(&self) -> Result<Vec<crate::WorkerRow>, StoreError> {

@@ -1062,3 +1062,62 @@ fn model_requests_are_picked_out_and_budgets_raised_with_their_events() {
         assert!(s.set_budget("r", Some("nobody"), tokens(1), None, "me").is_err(), "{name}");
     });
 }
+
+/// Issue #32: a concurrency key's limit holds across handles (nodes) and racing claimers; an
+/// attempt parked on a question still holds its key, an ended or retried one frees it, and a
+/// task whose attempt ended waiting for a person's decision holds none.
+#[test]
+fn a_concurrency_keys_limit_holds_across_claimers_and_frees_as_attempts_end() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let (s, other) = (open(&fresh.spec), open(&fresh.spec));
+        let mut text = String::new();
+        for i in 0..12 {
+            text.push_str(&format!(
+                "[[tasks]]\nid = \"t{i:02}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n"
+            ));
+        }
+        text.push_str("[[tasks]]\nid = \"solo\"\nprompt = \"x\"\nconcurrency = [{ key = \"k2\", limit = 1 }]\n\n");
+        text.push_str("[[tasks]]\nid = \"free\"\nprompt = \"x\"\n");
+        let plan = parse(&text, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let a = claim(&s, "t00", "o1");
+        let b = claim(&other, "t01", "o2");
+        assert_eq!(s.claim("r", "t02", "o1", FAR).unwrap_or_else(|e| panic!("{e}")), None, "{name}: k is full");
+        assert_eq!(other.claim("r", "t02", "o2", FAR).unwrap_or_else(|e| panic!("{e}")), None, "{name}: on any node");
+        assert_eq!(state(&s, "t02"), TaskState::Pending, "{name}: a refused claim changes nothing");
+        claim(&s, "solo", "o1");
+        claim(&s, "free", "o1");
+        // Parked on a question, the attempt still runs: the key stays held.
+        s.park(&a, &question(json!([]))).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(s.claim("r", "t02", "o1", FAR).unwrap_or_else(|e| panic!("{e}")), None, "{name}: parked holds");
+        // An ending frees its place.
+        s.finish(&b, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let c = claim(&other, "t02", "o2");
+        // A retry frees it too; so does an ending that waits for a person's decision.
+        let retry = Ending::Retry { error: None, reason: "again".into(), not_before_ms: 0, failure: true };
+        s.finish(&c, &retry, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let d = claim(&s, "t03", "o1");
+        let ask = Ending::AskPerson { error: None, reason: "decide".into(), failure: true, evidence: vec![] };
+        s.finish(&d, &ask, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // One place is free (a holds the other): of 16 racing claimers on two handles, over the
+        // remaining tasks, exactly one wins.
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let s = if i % 2 == 0 { s.clone() } else { other.clone() };
+                std::thread::spawn(move || s.claim("r", &format!("t{:02}", 4 + i % 8), &format!("racer-{i}"), FAR))
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
+        assert!(results.iter().all(Result::is_ok), "{name}: losers are told, not failed: {results:?}");
+        let winners = results.iter().filter(|r| matches!(r, Ok(Some(_)))).count();
+        assert_eq!(winners, 1, "{name}: {results:?}");
+        let live = s
+            .tasks("r")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_iter()
+            .filter(|t| t.spec.concurrency.iter().any(|k| k.key == "k") && t.lease_owner.is_some())
+            .count();
+        assert_eq!(live, 2, "{name}: the key's holders");
+    }
+}

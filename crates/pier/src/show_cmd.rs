@@ -224,8 +224,9 @@ fn run_text(run: &str, v: &Value) -> String {
     out
 }
 
-/// A task's type and input, priority, concurrency keys and prompt (its input rendered in).
-fn typed_lines(spec: &Value) -> String {
+/// A task's type and input, priority, concurrency keys (and, while it is pending, the full
+/// ones it waits for) and prompt as its agent gets it.
+fn typed_lines(spec: &Value, v: &Value) -> String {
     let mut out = String::new();
     if let Some(ty) = spec["type"].as_str() {
         out.push_str(&format!("type: {ty}, input {}\n", spec["input"]));
@@ -238,7 +239,16 @@ fn typed_lines(spec: &Value) -> String {
             keys.iter().map(|k| format!("{} (limit {})", k["key"].as_str().unwrap_or("?"), k["limit"])).collect();
         out.push_str(&format!("concurrency: {}\n", keys.join(", ")));
     }
-    if let Some(prompt) = spec["prompt"].as_str() {
+    if v["task"]["state"] == "pending" {
+        for k in v["keys"].as_array().into_iter().flatten() {
+            let (running, limit) = (k["running"].as_i64().unwrap_or(0), k["limit"].as_i64().unwrap_or(0));
+            if running >= limit {
+                let key = k["key"].as_str().unwrap_or("?");
+                out.push_str(&format!("waiting for concurrency key {key}: {running} of {limit} running\n"));
+            }
+        }
+    }
+    if let Some(prompt) = v["prompt"].as_str().or(spec["prompt"].as_str()) {
         out.push_str(&format!("prompt:\n{}\n", indent(prompt)));
     }
     out
@@ -274,7 +284,7 @@ fn task_text(run: &str, v: &Value) -> String {
         let words: Vec<&str> = requires.iter().filter_map(Value::as_str).collect();
         out.push_str(&format!("requires: {}\n", words.join(", ")));
     }
-    out.push_str(&typed_lines(spec));
+    out.push_str(&typed_lines(spec, v));
     if let Some(request) = request_of(&v["question"]) {
         out.push_str(&format!("waits: {}\n", waiting_for(run, id, Some(&request))));
     } else if t["state"] == "awaiting_input" {

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -140,6 +140,49 @@ fn gated(f: &FakeModel) -> pier_fake_model::Gate {
         reply
     });
     gate
+}
+
+/// Waits on `watch` until `n` tasks completed; the log as `read` serves it, checked gap-free
+/// with each of `n` tasks completed exactly once.
+async fn every_task_once(watch: &Node, read: &Node, n: usize) -> Vec<Value> {
+    let mut done = 0;
+    watch
+        .events(
+            |e| {
+                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                done == n
+            },
+            true,
+        )
+        .await;
+    let log = read.log().await;
+    assert_eq!(seqs(&log), (1..=log.len() as i64).collect::<Vec<_>>(), "the log has a gap");
+    let completed = completed_per_task(&log);
+    assert_eq!(completed.len(), n);
+    assert!(completed.values().all(|n| *n == 1), "a task completed twice: {completed:?}");
+    log
+}
+
+/// A fake model whose every answer (`echo`) waits `ms` first.
+async fn paused_model(ms: u64) -> FakeModel {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
+            steps.insert(0, pier_fake_model::Step::Pause(Duration::from_millis(ms)));
+        }
+        reply
+    });
+    f
+}
+
+/// A node of each of `names` on `db`.
+async fn three_nodes(dir: &Path, names: &[&str], db: &str, model: &str, lease: u64) -> Vec<Node> {
+    let mut nodes = Vec::new();
+    for name in names {
+        nodes.push(node(dir, name, db, model, lease).await);
+    }
+    nodes
 }
 
 /// A database of its own on the test server (`PIER_TEST_PG`), dropped at the end.
@@ -380,21 +423,7 @@ async fn a_postgres_restart_mid_run_loses_and_doubles_nothing() {
         .await;
     // The server goes away mid-run (its connections cut) and comes back.
     cluster.restart();
-    let mut done = 0;
-    nodes[0]
-        .events(
-            |e| {
-                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
-                done == 40
-            },
-            true,
-        )
-        .await;
-    let log = nodes[0].log().await;
-    assert_eq!(seqs(&log), (1..=log.len() as i64).collect::<Vec<_>>(), "the log has a gap");
-    let completed = completed_per_task(&log);
-    assert_eq!(completed.len(), 40);
-    assert!(completed.values().all(|n| *n == 1), "a task completed twice: {completed:?}");
+    every_task_once(&nodes[0], &nodes[0], 40).await;
     for node in nodes {
         let lines = node.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let outages = lines.iter().filter(|l| l.contains("cannot reach the database")).count();
@@ -651,23 +680,13 @@ async fn hopping_reader(bases: std::sync::Arc<std::sync::Mutex<Vec<String>>>, wa
 
 #[tokio::test]
 async fn three_nodes_on_postgres_under_fifty_random_kills_complete_a_dag_exactly_once() {
-    let f = must(FakeModel::start().await, "fake");
     // Slow enough that kills land mid-turn.
-    f.set_fallback(|body| {
-        let mut reply = echo(body);
-        if let pier_fake_model::Reply::Stream(steps) = &mut reply {
-            steps.insert(0, pier_fake_model::Step::Pause(Duration::from_millis(60)));
-        }
-        reply
-    });
+    let f = paused_model(60).await;
     let dir = must(tempfile::tempdir(), "dir");
     let db = database();
     let (model, lease) = (f.base_url(), 1_000);
     let names = ["a", "b", "c"];
-    let mut nodes = Vec::new();
-    for name in names {
-        nodes.push(node(dir.path(), name, db.url(), &model, lease).await);
-    }
+    let mut nodes = three_nodes(dir.path(), &names, db.url(), &model, lease).await;
     let bases = std::sync::Arc::new(std::sync::Mutex::new(nodes.iter().map(|n| n.base.clone()).collect::<Vec<_>>()));
     nodes[0].submit(&dag(), "dag").await;
     // Pull workers on nodes b and c; a reader hopping between all three.
@@ -853,4 +872,86 @@ async fn workers_killed_ten_times_leave_every_task_done_exactly_once_on_postgres
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(processes_with_env(&marker), Vec::<i32>::new(), "agent processes outlived their workers");
+}
+
+/// Issue #32: three nodes on PostgreSQL under ten SIGKILLs never run more of a concurrency
+/// key's tasks at once than its limit (read from the event log: every attempt from its
+/// `running` to the transition that ends it), and a priority-9 task submitted behind 100
+/// ready priority-0 ones of its key starts in the key's next free place.
+#[tokio::test]
+async fn three_nodes_on_postgres_under_ten_kills_hold_a_keys_limit_and_put_priority_first() {
+    // Slow enough that the key's tasks overlap and kills land mid-turn.
+    let f = paused_model(40).await;
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = database();
+    let (model, lease) = (f.base_url(), 1_000);
+    let names = ["a", "b", "c"];
+    let mut nodes = three_nodes(dir.path(), &names, db.url(), &model, lease).await;
+    let keyed = |id: &str, priority: u8| {
+        format!(
+            "[[tasks]]\nid = \"{id}\"\nprompt = \"task {id}\"\npriority = {priority}\n\
+             concurrency = [{{ key = \"provider:x\", limit = 2 }}]\n\n"
+        )
+    };
+    // Two runs, so more than one node drives the key's tasks.
+    for run in ["low1", "low2"] {
+        let plan: String = (0..60).map(|i| keyed(&format!("{run}-{i:02}"), 0)).collect();
+        nodes[0].submit(&plan, run).await;
+    }
+    let mut rng = fastrand::Rng::with_seed(32);
+    for round in 0..10 {
+        let mut started = 0;
+        nodes[(round + 1) % 3]
+            .events(
+                |e| {
+                    started += usize::from(e["type"] == "transition" && e["to"] == "running");
+                    started >= 4 * (round + 1)
+                },
+                true,
+            )
+            .await;
+        let victim = rng.usize(..3);
+        nodes[victim].kill();
+        let _ = nodes[victim].child.wait().await;
+        nodes[victim] = node(dir.path(), names[victim], db.url(), &model, lease).await;
+    }
+    nodes[1].submit(&keyed("urgent", 9), "urgent").await;
+    let log = every_task_once(&nodes[2], &nodes[0], 121).await;
+    // At every point of the log, the attempts between their `running` and their ending.
+    let mut live = HashSet::new();
+    let mut most = 0;
+    for e in log.iter().filter(|e| e["type"] == "transition") {
+        let task = e["task"].as_str().unwrap_or_default().to_owned();
+        match e["to"].as_str() {
+            Some("running") if e["from"] == "pending" => {
+                live.insert(task);
+            }
+            Some("running" | "awaiting_input") => {}
+            _ => {
+                live.remove(&task);
+            }
+        }
+        most = most.max(live.len());
+    }
+    assert_eq!(most, 2, "the key's limit of 2 was exceeded (or never reached)");
+    let started = log.iter().filter(|e| e["type"] == "transition" && e["to"] == "running").count();
+    assert!(started > 121, "no kill landed mid-attempt ({started} attempts); the test proves nothing");
+    // The urgent task: created behind the low ones still waiting, it started before all but
+    // the claims already under way when it came (at most the key's two places).
+    let at = |pred: &dyn Fn(&Value) -> bool| log.iter().position(pred).unwrap_or(usize::MAX);
+    let created = at(&|e| e["task"] == "urgent");
+    let began = at(&|e| e["task"] == "urgent" && e["to"] == "running");
+    let waiting_low = log[..created]
+        .iter()
+        .filter(|e| e["type"] == "transition" && e["to"] == "running" && e["from"] == "pending")
+        .count();
+    assert!(waiting_low < 110, "the low tasks had nearly all started ({waiting_low}); the test proves nothing");
+    let before = log[created..began]
+        .iter()
+        .filter(|e| e["type"] == "transition" && e["to"] == "running" && e["from"] == "pending")
+        .count();
+    assert!(before <= 2, "{before} low-priority tasks started after the urgent one came and before it");
+    for node in nodes {
+        node.stop().await;
+    }
 }

@@ -102,3 +102,62 @@ async fn a_type_that_cannot_hold_stops_the_server_at_start_naming_it() {
     let said = String::from_utf8_lossy(&o.stderr);
     assert!(said.contains("[types]") && said.contains("type `t`") && said.contains("`x`"), "{said}");
 }
+
+#[tokio::test]
+async fn tasks_of_one_key_in_two_runs_all_run_one_at_a_time() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let (s, _) = server_configured(Some(f.base_url()), &["--concurrency", "4"], None).await;
+    for run in ["k1", "k2"] {
+        let plan: String = (0..4)
+            .map(|i| {
+                format!(
+                    "[[tasks]]\nid = \"{run}-{i}\"\nprompt = \"p\"\nconcurrency = [{{ key = \"one\", limit = 1 }}]\n\n"
+                )
+            })
+            .collect();
+        let (code, answer) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": run}))).await;
+        assert_eq!(code, 201, "{answer}");
+    }
+    let mut done = 0;
+    let log = s
+        .events_until(None, |e| {
+            done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+            done == 8
+        })
+        .await;
+    let mut live = 0;
+    for e in log.iter().filter(|e| e["type"] == "transition") {
+        match (e["from"].as_str(), e["to"].as_str()) {
+            (Some("pending"), Some("running")) => live += 1,
+            (Some("running"), _) => live -= 1,
+            _ => {}
+        }
+        assert!(live <= 1, "two tasks of key `one` ran at once: {log:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_task_waiting_for_a_full_key_says_so_and_workers_cannot_lease_past_it() {
+    let (s, _) = server_configured(None, &[], None).await;
+    let plan: String = ["first", "second"]
+        .iter()
+        .map(|id| {
+            format!(
+                "[[tasks]]\nid = \"{id}\"\nagent = \"worker:echo\"\nprompt = \"p\"\n\
+                 concurrency = [{{ key = \"repo:foo\", limit = 1 }}]\n\n"
+            )
+        })
+        .collect();
+    let (code, answer) = s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "w"}))).await;
+    assert_eq!(code, 201, "{answer}");
+    let lease = json!({"worker": "w1", "capabilities": ["echo"], "ttl_ms": 60_000});
+    let (code, leased) = s.call(reqwest::Method::POST, "/lease", Some(lease.clone())).await;
+    assert_eq!((code, &leased["task"]["id"]), (200, &json!("first")), "{leased}");
+    let (code, none) = s.call(reqwest::Method::POST, "/lease", Some(lease)).await;
+    assert_eq!(code, 204, "a worker leased past the key's limit: {none}");
+    let shown = text(&cli(&s, &["show", "w", "second"]).await);
+    assert!(shown.contains("waiting for concurrency key repo:foo: 1 of 1 running"), "{shown}");
+    let (_, task) = s.call(reqwest::Method::GET, "/runs/w/tasks/second", None).await;
+    assert_eq!(task["keys"], json!([{"key": "repo:foo", "limit": 1, "running": 1}]), "{task}");
+}

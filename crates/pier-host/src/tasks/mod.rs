@@ -22,5 +22,5 @@ pub use follow::{Delivered, Follow, Follower};
 pub use handle::Tasks;
 pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};
 pub use submit::{Submission, Submitted, one_task_plan, parse_plan};
-pub use views::{RunSummary, RunView, StoreCounts, TaskView, counts};
+pub use views::{KeyLoad, RunSummary, RunView, StoreCounts, TaskView, counts};
 pub use workers::Leased;

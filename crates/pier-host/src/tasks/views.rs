@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use pier_store::{AgentRow, AttemptRow, Event, MODEL_REQUEST, NodeRow, Question, Spend, TaskRow, TaskState, TaskStore};
+use pier_store::{
+    AgentRow, AttemptRow, Event, MODEL_REQUEST, NodeRow, Question, Spend, StoreError, TaskRow, TaskState, TaskStore,
+};
 use serde::Serialize;
 
 use super::handle::Tasks;
@@ -92,6 +94,16 @@ pub struct TaskView {
     pub sandbox: String,
     /// Its model requests through the gateway, over all its attempts.
     pub spend: Spend,
+    /// Its concurrency keys, each with its limit and the live attempts holding it now.
+    pub keys: Vec<KeyLoad>,
+}
+
+/// A concurrency key of a task, as it stands.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KeyLoad {
+    pub key: String,
+    pub limit: u32,
+    pub running: i64,
 }
 
 impl TaskView {
@@ -164,7 +176,14 @@ impl Tasks {
         self.blocking(move |s| {
             let row = person::task_of(s, &run, &task)?;
             let prompt = pier_store::plan::render(&row.spec.prompt, &dependency_results(s, &row)?);
+            let keys = row
+                .spec
+                .concurrency
+                .iter()
+                .map(|k| Ok(KeyLoad { key: k.key.clone(), limit: k.limit, running: s.key_holders(&k.key)? }))
+                .collect::<Result<_, StoreError>>()?;
             Ok(TaskView {
+                keys,
                 spend: Spend::from_events(&s.events_of_kind(&run, Some(&task), MODEL_REQUEST)?),
                 sandbox: config.sandbox.describe_task(&row.spec),
                 attempts: s.attempts(&run, &task)?,

@@ -58,7 +58,7 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 10] = [
+const MIGRATIONS: [Migration; 11] = [
     &[
         RUNS,
         TASKS,
@@ -82,6 +82,7 @@ const MIGRATIONS: [Migration; 10] = [
     LATER[6],
     LATER[7],
     LATER[8],
+    LATER[9],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.

@@ -40,8 +40,9 @@ pub(crate) type Ending = Result<Vec<Pending>, (StoreError, bool)>;
 pub(crate) enum Rounds {
     /// Every job ended: those that succeeded with their events, in order; those that failed
     /// (having changed nothing) with their error and whether it may pass on another try. With
-    /// the number of rounds sent (the round trips).
-    Ended(Vec<(Box<dyn Job>, Ending)>, usize),
+    /// the jobs that are to run alone after the rounds (having changed nothing), and the
+    /// number of rounds sent (the round trips).
+    Ended(Vec<(Box<dyn Job>, Ending)>, Jobs, usize),
     /// The group is to be run job by job: a statement failed, a job that changed something
     /// failed, or a job diverged. The transaction (if begun) is left for the caller to roll back.
     Redo(Jobs),
@@ -73,18 +74,24 @@ struct Slot {
     job: Box<dyn Job>,
     replay: Replay,
     ended: Option<Ending>,
+    /// The job stopped to run alone after the rounds (`PgTx::alone`).
+    alone: bool,
 }
 
 /// Runs `jobs` in rounds in `t`'s transaction (its pending `BEGIN` rides with the first).
 pub(crate) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
     let mut slots: Vec<Slot> =
-        jobs.into_iter().map(|job| Slot { job, replay: Replay::default(), ended: None }).collect();
+        jobs.into_iter().map(|job| Slot { job, replay: Replay::default(), ended: None, alone: false }).collect();
     let every = |slots: Vec<Slot>| slots.into_iter().map(|s| s.job).collect::<Vec<_>>();
     let mut sent = 0;
     loop {
         let mut round: Vec<(usize, Vec<Want>)> = Vec::new();
-        for (i, slot) in slots.iter_mut().enumerate().filter(|(_, s)| s.ended.is_none()) {
+        for (i, slot) in slots.iter_mut().enumerate().filter(|(_, s)| s.ended.is_none() && !s.alone) {
             let (outcome, mut replay, events) = t.replaying(std::mem::take(&mut slot.replay), |t| slot.job.run(t));
+            if std::mem::take(&mut t.alone) {
+                slot.alone = true;
+                continue;
+            }
             if replay.diverged {
                 tracing::debug!("a job asked for other statements when run again; the group runs job by job");
                 return Rounds::Redo(every(slots));
@@ -118,7 +125,9 @@ pub(crate) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
             Err(Sent::Failed) => return Rounds::Redo(every(slots)),
         }
     }
-    Rounds::Ended(slots.into_iter().filter_map(|s| s.ended.map(|ended| (s.job, ended))).collect(), sent)
+    let (alone, slots): (Vec<Slot>, Vec<Slot>) = slots.into_iter().partition(|s| s.alone);
+    let ended = slots.into_iter().filter_map(|s| s.ended.map(|ended| (s.job, ended))).collect();
+    Rounds::Ended(ended, alone.into_iter().map(|s| s.job).collect(), sent)
 }
 
 enum Sent {

@@ -8,7 +8,7 @@ use tokio_postgres::{Client, Statement};
 
 use super::conn::*;
 use super::replay::*;
-use crate::backend::Row;
+use crate::backend::{Cell, Row};
 use crate::ops::{self, Arg, RawTask, Tx};
 use crate::state::TaskState;
 use crate::{Attempt, StoreError, TaskRow};
@@ -47,6 +47,10 @@ pub(crate) struct PgTx<'c> {
     pub(crate) aborted: bool,
     /// In rounds (`rounds`): the current job's answers so far, and where it stops.
     pub(super) replay: Option<Replay>,
+    /// The current job is to run alone, after the rounds: a claim of a task with concurrency
+    /// keys, which reads what other jobs' endings change (the keys' holders), so it must come
+    /// after them in the transaction as its events come after theirs in the log.
+    pub(super) alone: bool,
 }
 
 /// Opens a group's transaction; `BEGIN_CAREFUL` with the first job's savepoint.
@@ -75,6 +79,7 @@ impl PgTx<'_> {
             wrote: false,
             aborted: false,
             replay: None,
+            alone: false,
         }
     }
 
@@ -210,16 +215,16 @@ pub(super) const TASK_FOR_UPDATE: &str =
 /// `state = 'pending'` there the generic plan of the prepared statement walked the
 /// `tasks_pending` partial index over the run's pending tasks (0.5 ms per claim at 10,000 of
 /// them, against 0.01 ms).
-pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms FROM tasks WHERE run_id = ?1 AND id = ?2
-         FOR UPDATE SKIP LOCKED),
+pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, keyed FROM tasks
+         WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
              lease_owner = ?3, lease_expires_at_ms = ?4
-         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
+         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5 AND c.keyed IS NULL
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
              t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
      a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
          ON CONFLICT DO NOTHING)
-     SELECT * FROM u";
+     SELECT u.*, c.keyed FROM c LEFT JOIN u ON true";
 
 /// An ending in one statement: the row locked by primary key, updated through its `ctid`
 /// only if the attempt holds it (same attempt and owner, live, lease not expired) and no
@@ -346,11 +351,31 @@ impl Tx for PgTx<'_> {
     }
 
     fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
-        let ops::Claim { run, task, owner, until, now } = *c;
+        let ops::Claim { run, task, owner, until, now, keyed } = *c;
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
-        let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
-        row.map(|r| ops::decode(r.raw_task()?)).transpose()
+        let Some(mut row) = rows.first().map(cells).transpose().map_err(|e| self.failed(e))? else { return Ok(None) };
+        let taken = matches!(row.0.first(), Some(Cell::Text(_)));
+        match (taken, row.opt_int(14)?) {
+            (true, _) => Ok(Some(ops::decode(row.raw_task()?)?)),
+            // A task with concurrency keys: the claim that counts their holders, on the row `c` locked.
+            (_, Some(_)) if keyed && self.replay.is_some() => {
+                // Nothing written yet (the claim only locked the row): it runs again, alone.
+                self.alone = true;
+                Err(StoreError::Db("a claim of a task with concurrency keys runs after the rounds".into()))
+            }
+            (_, Some(_)) if keyed => ops::take_by_statements(self, c),
+            _ => Ok(None),
+        }
+    }
+
+    fn lock_key(&mut self, key: &str) -> Result<bool, StoreError> {
+        // The two-key form: its lock space is apart from the migrations' one-key lock.
+        let got = self.int(
+            "SELECT CASE WHEN pg_try_advisory_xact_lock(1885955442, hashtext(?1)) THEN 1::bigint ELSE 0::bigint END",
+            &[Arg::Text(key)],
+        )?;
+        Ok(got == Some(1))
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
