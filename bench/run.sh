@@ -116,7 +116,13 @@ if wanted B5-pg; then
     run "B5-pg-serve-10x1000-tasks-${n}-nodes" "$bench" serve --runs 10 --tasks 1000 --concurrency 8 --nodes "$n" --pg "$pg" -- "$pier"
   done
   run B5-claims-sqlite       "$bench" claims --tasks 10000 --claimers 16
+  for k in 1 10 100; do
+    run "B5-claims-sqlite-keys-$k" "$bench" claims --tasks 10000 --claimers 16 --keys "$k"
+  done
   run B5-pg-claims           "$bench" claims --tasks 10000 --claimers 16 --pg "$pg"
+  for k in 1 10 100; do
+    run "B5-pg-claims-keys-$k" "$bench" claims --tasks 10000 --claimers 16 --keys "$k" --pg "$pg"
+  done
 fi
 run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
 if wanted B5-sse; then

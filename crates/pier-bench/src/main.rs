@@ -13,7 +13,7 @@
 //! - `host [--pg SERVER] -- PIER`: B5 end to end, `pier run` of N trivial tasks against the
 //!   bench agent, on SQLite or (with `--pg`) a fresh PostgreSQL database.
 //! - `serve [--nodes N] [--pg SERVER] -- PIER`: B5 on `pier serve`, N nodes on one store.
-//! - `claims [--pg SERVER]`: the claim rate alone, 16 concurrent claimers.
+//! - `claims [--keys N] [--pg SERVER]`: the claim rate alone, 16 concurrent claimers (with N concurrency keys).
 //! - `startup CMD…`: spawn → `initialize` answered → `session/new` answered.
 //! - `sessions CMD…`: opens sessions and reports the agent's RSS.
 //! - `stream --kind K CMD…`: B6, one answer of N tokens streamed by the fake model as fast as
@@ -588,9 +588,12 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
 /// The claim rate alone: `--claimers` threads claim the `--tasks` pending tasks of one run
 /// (each task offered to two claimers at once, so half the claims race and lose) and end
 /// each claimed attempt; the store is SQLite in a temporary file, or PostgreSQL with `--pg`.
+/// With `--keys N`, task `i` holds concurrency key `k{i % N}` (limit: the claimers, so no claim
+/// waits for one and the figure is what counting the holders costs).
 fn claims(args: &[String]) {
     let tasks = arg(args, "--tasks", 10_000);
     let claimers = arg(args, "--claimers", 16).max(2);
+    let keys = arg(args, "--keys", 0);
     let db = bench_db(args);
     let dir = std::env::temp_dir().join(format!("pier-bench-claims-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -598,7 +601,11 @@ fn claims(args: &[String]) {
     let store = pier_host::store::open(&spec).unwrap_or_else(|e| panic!("{e}"));
     let mut plan = String::new();
     for i in 0..tasks {
-        plan.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n\n"));
+        plan.push_str(&format!("[[tasks]]\nid = \"t{i}\"\nprompt = \"1\"\n"));
+        if keys > 0 {
+            plan.push_str(&format!("concurrency = [{{ key = \"k{}\", limit = {claimers} }}]\n", i % keys));
+        }
+        plan.push('\n');
     }
     let plan = pier_host::plan::parse(&plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
     store.create_run("bench", &plan, "bench").unwrap_or_else(|e| panic!("{e}"));
@@ -636,7 +643,7 @@ fn claims(args: &[String]) {
     let _ = std::fs::remove_dir_all(&dir);
     println!(
         "{}",
-        json!({"tasks": tasks, "claimers": claimers, "claimed": won, "seconds": seconds,
+        json!({"tasks": tasks, "claimers": claimers, "keys": keys, "claimed": won, "seconds": seconds,
                "store": if spec.starts_with("postgres") { "postgres" } else { "sqlite" },
                "claims_per_s": won as f64 / seconds})
     );
@@ -1054,7 +1061,7 @@ async fn main() {
         Some("delegate") => delegate::run(opts).await,
         Some("workers") => workers::run(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--keys N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),
     }
 }
