@@ -6,11 +6,10 @@
 //! rather than by every way an attempt can end.
 //!
 //! Claims of one key never count at once: on PostgreSQL each takes the key's advisory lock
-//! (not waited for: a key another node is claiming right now counts as full, and is tried at
-//! the next wake), and claims beside each other in one transaction (PostgreSQL's rounds run
-//! jobs statement by statement, interleaved) hold a place with one statement that counts and
-//! inserts together, after the task row moved; if that finds the key full, the claim fails
-//! with [`StoreError::KeyFull`] and its transaction undoes it.
+//! for its transaction (waited for, first come first served), and a keyed claim never runs
+//! beside other jobs in the rounds (`pg::tx`'s `alone`); `hold` still counts and inserts in one
+//! statement after the task row moved, and if that finds the key full the claim fails with
+//! [`StoreError::KeyFull`] and its transaction undoes it.
 
 use crate::StoreError;
 use crate::ops::{Arg, Tx};
@@ -22,7 +21,8 @@ pub(crate) const LIVE_HOLDERS: &str = "SELECT COUNT(*) FROM key_holders h JOIN t
     WHERE h.key = ?1 AND t.attempt = h.attempt AND t.state IN ('running', 'awaiting_input')
         AND t.lease_owner IS NOT NULL";
 
-/// Whether every one of `keys` has room for task `task` of run `run`: each locked, its stale
+/// Whether every one of `keys` has room for task `task` of run `run` (SQLite's claim; PostgreSQL's
+/// is `CLAIM_KEYED`): each locked, its stale
 /// holders dropped, its live ones counted. Writes nothing of the claim.
 pub(crate) fn free(tx: &mut dyn Tx, keys: &[ConcurrencyKey], run: &str, task: &str) -> Result<bool, StoreError> {
     for k in keys {

@@ -226,6 +226,31 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
          ON CONFLICT DO NOTHING)
      SELECT u.*, c.keyed FROM c LEFT JOIN u ON true";
 
+/// A claim of a task with concurrency keys (`?6`: its keys, as its spec holds them), once the
+/// keys are locked: in one statement the keys' stale holders dropped, the live ones counted, the
+/// task moved only if every key has room, its attempt's row and its holder rows added. The count
+/// sees every commit before the statement began, which is after the locks were taken.
+pub(super) const CLAIM_KEYED: &str = "WITH k AS (SELECT x.key, x.\"limit\" AS lim
+             FROM jsonb_to_recordset(?6::text::jsonb) AS x(key text, \"limit\" bigint)),
+     d AS (DELETE FROM key_holders h WHERE h.key IN (SELECT key FROM k) AND NOT (h.run_id = ?1 AND h.task_id = ?2)
+         AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = h.run_id AND t.id = h.task_id
+             AND t.attempt = h.attempt AND t.state IN ('running', 'awaiting_input') AND t.lease_owner IS NOT NULL)),
+     f AS (SELECT 1 FROM k WHERE (SELECT COUNT(*) FROM key_holders h JOIN tasks t
+             ON t.run_id = h.run_id AND t.id = h.task_id
+         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2) AND t.attempt = h.attempt
+             AND t.state IN ('running', 'awaiting_input') AND t.lease_owner IS NOT NULL) >= k.lim),
+     u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
+             lease_owner = ?3, lease_expires_at_ms = ?4
+         WHERE t.run_id = ?1 AND t.id = ?2 AND t.state = 'pending' AND t.not_before_ms <= ?5
+             AND NOT EXISTS (SELECT 1 FROM f)
+         RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
+             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
+     a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
+         ON CONFLICT DO NOTHING),
+     h AS (INSERT INTO key_holders (key, run_id, task_id, attempt) SELECT k.key, u.run_id, u.id, u.attempt
+         FROM k CROSS JOIN u ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = excluded.attempt)
+     SELECT * FROM u";
+
 /// An ending in one statement: the row locked by primary key, updated through its `ctid`
 /// only if the attempt holds it (same attempt and owner, live, lease not expired) and no
 /// cancel waits for it (then `ops` ends it cancelled), its state before returned beside the
@@ -252,6 +277,30 @@ pub(super) const END_KEEPING: &str = end_statement!(
     "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
      "
 );
+
+impl PgTx<'_> {
+    /// [`Tx::take`] of a task with concurrency keys, outside the rounds: its row (locked by the
+    /// claim that declined it) read for its keys, each key locked, then `CLAIM_KEYED`.
+    fn take_keyed(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
+        let ops::Claim { run, task, owner, until, now, .. } = *c;
+        let Some(raw) = self.task(run, task)? else { return Ok(None) };
+        let row = ops::decode(raw)?;
+        if row.state != TaskState::Pending || row.not_before_ms > now {
+            return Ok(None);
+        }
+        for k in &row.spec.concurrency {
+            if !self.lock_key(&k.key)? {
+                return Ok(None);
+            }
+        }
+        let keys = serde_json::to_string(&row.spec.concurrency)?;
+        let args =
+            [Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now), Arg::Text(&keys)];
+        let rows = self.rows(CLAIM_KEYED, &args)?;
+        let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
+        row.map(|r| ops::decode(r.raw_task()?)).transpose()
+    }
+}
 
 impl Tx for PgTx<'_> {
     fn exec(&mut self, sql: &'static str, a: &[Arg<'_>]) -> Result<u64, StoreError> {
@@ -364,18 +413,22 @@ impl Tx for PgTx<'_> {
                 self.alone = true;
                 Err(StoreError::Db("a claim of a task with concurrency keys runs after the rounds".into()))
             }
-            (_, Some(_)) if keyed => ops::take_by_statements(self, c),
+            (_, Some(_)) if keyed => self.take_keyed(c),
             _ => Ok(None),
         }
     }
 
     fn lock_key(&mut self, key: &str) -> Result<bool, StoreError> {
-        // The two-key form: its lock space is apart from the migrations' one-key lock.
-        let got = self.int(
-            "SELECT CASE WHEN pg_try_advisory_xact_lock(1885955442, hashtext(?1)) THEN 1::bigint ELSE 0::bigint END",
+        // Waited for, in PostgreSQL's queue: a claim that gave up when another node held the
+        // key could lose to that node's next claim again and again (a higher-priority task
+        // starved of its key). Another node's group holds it only until its commit; two groups
+        // locking two keys in opposite orders are a deadlock PostgreSQL breaks, and the group
+        // it aborts runs again. The two-key form: its lock space is apart from the migrations'.
+        self.int(
+            "SELECT 1::bigint FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(?1))) l",
             &[Arg::Text(key)],
         )?;
-        Ok(got == Some(1))
+        Ok(true)
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {
