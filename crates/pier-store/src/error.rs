@@ -50,11 +50,6 @@ pub enum StoreError {
     /// A task's inbox holds as many unsent messages as it takes: nothing was queued.
     #[error("{waiting} messages already wait for task `{task}`; send more once its agent has taken them")]
     InboxFull { task: String, waiting: i64 },
-    /// A claim found concurrency key `key` at its limit after it had moved the task (a claim
-    /// beside it in the same transaction took the last place): the caller's transaction undoes
-    /// it, and the task waits, pending.
-    #[error("concurrency key `{key}` is at its limit; the task waits for one of its holders to end")]
-    KeyFull { key: String },
 }
 
 impl StoreError {
@@ -74,13 +69,13 @@ impl StoreError {
             StoreError::Damaged { .. } => ErrorCode::StoreCorrupt,
             StoreError::Db(_) => ErrorCode::Store,
             StoreError::MessagesWaiting { .. } => ErrorCode::MessagesWaiting,
-            StoreError::InboxFull { .. } | StoreError::KeyFull { .. } => ErrorCode::TooManyRequests,
+            StoreError::InboxFull { .. } => ErrorCode::TooManyRequests,
         }
     }
 
     /// Whether the operation lost a race (another writer moved the task first): the caller
     /// re-reads and decides again; nothing is wrong with the store.
     pub fn is_race(&self) -> bool {
-        matches!(self, StoreError::IllegalTransition { .. } | StoreError::LeaseLost { .. } | StoreError::KeyFull { .. })
+        matches!(self, StoreError::IllegalTransition { .. } | StoreError::LeaseLost { .. })
     }
 }

@@ -33,10 +33,6 @@ pub(crate) struct Claim<'a> {
     pub owner: &'a str,
     pub until: i64,
     pub now: i64,
-    /// Whether a task with concurrency keys may be claimed: not by a claim that shares its
-    /// transaction's fate with other work (a report's next task), since a key found full after
-    /// the task moved undoes the whole transaction.
-    pub keyed: bool,
 }
 
 /// An ending of the attempt holding a task ([`Tx::end_held`]).
@@ -79,9 +75,6 @@ pub(crate) trait Tx {
     fn add_evidence(&mut self, a: &Attempt, effect: &Value) -> Result<(), StoreError>;
     /// The first column of every row, as text.
     fn strings(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<Vec<String>, StoreError>;
-    /// Locks concurrency key `key` until the transaction ends, if no other transaction holds
-    /// it (false then). A backend whose writers are one at a time needs no lock.
-    fn lock_key(&mut self, key: &str) -> Result<bool, StoreError>;
 }
 
 /// A task row's plain columns; the JSON ones are filled in by [`decode`].
@@ -243,13 +236,7 @@ pub(crate) fn claim(
     owner: &str,
     until: i64,
 ) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
-    claim_as(tx, &Claim { run, task, owner, until, now: now_ms(), keyed: true })
-}
-
-/// [`claim`], as `c` says.
-fn claim_as(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<(Option<(Attempt, TaskRow)>, i64), StoreError> {
-    let Claim { run, task, owner, .. } = *c;
-    let Some(claimed) = tx.take(c)? else { return Ok((None, 0)) };
+    let Some(claimed) = tx.take(&Claim { run, task, owner, until, now: now_ms() })? else { return Ok((None, 0)) };
     let attempt = Attempt { run: run.to_owned(), task: task.to_owned(), n: claimed.attempt, owner: owner.to_owned() };
     let reason = format!("attempt {} started", attempt.n);
     let before = Was { run, task, state: TaskState::Pending, version: claimed.version - 1 };
@@ -268,10 +255,10 @@ fn claim_as(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<(Option<(Attempt, TaskRow)
 /// fenced on the version read, the attempt's row, and the row as the update left it built
 /// rather than read back.
 pub(crate) fn take_by_statements(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
-    let Claim { run, task, owner, until, now, keyed } = *c;
+    let Claim { run, task, owner, until, now } = *c;
     let Some(raw) = tx.task(run, task)? else { return Ok(None) };
     let row = decode(raw)?;
-    if row.state != TaskState::Pending || row.not_before_ms > now || (!keyed && !row.spec.concurrency.is_empty()) {
+    if row.state != TaskState::Pending || row.not_before_ms > now {
         return Ok(None);
     }
     if !crate::keys::free(tx, &row.spec.concurrency, run, task)? {
@@ -636,10 +623,7 @@ pub(crate) fn report_and_claim(
             for c in next.map_or(&[][..], |n| &n.candidates) {
                 if ready(tx, c)? {
                     let owner = next.map_or("", |n| &n.owner);
-                    let until = next.map_or(0, |n| n.until);
-                    // A task with concurrency keys is left to the worker's own lease.
-                    let one = Claim { run: &c.run, task: &c.task, owner, until, now: now_ms(), keyed: false };
-                    (claimed, claimed_seq) = claim_as(tx, &one)?;
+                    (claimed, claimed_seq) = claim(tx, &c.run, &c.task, owner, next.map_or(0, |n| n.until))?;
                     if claimed.is_some() {
                         break;
                     }

@@ -558,12 +558,6 @@ impl rusqlite::ToSql for Arg<'_> {
 }
 
 impl Tx for SqliteTx<'_> {
-    /// SQLite's writers take turns (one connection per process, and `BEGIN IMMEDIATE` across
-    /// processes): the transaction that counts a key's holders is the only writer.
-    fn lock_key(&mut self, _key: &str) -> Result<bool, StoreError> {
-        Ok(true)
-    }
-
     fn exec(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
         Ok(self.0.prepare_cached(sql)?.execute(rusqlite::params_from_iter(args))? as u64)
     }

@@ -176,12 +176,7 @@ impl<B: Backend> TaskStore for Store<B> {
     ) -> Result<Option<(Attempt, TaskRow)>, StoreError> {
         let (r, t, owner) = (run.to_owned(), task.to_owned(), owner.to_owned());
         let work = move |tx: &mut dyn Tx| ops::claim(tx, &r, &t, &owner, lease_until_ms);
-        match self.db.write(Some((run, task)), Box::new(work)) {
-            Ok((answer, _)) => Ok(answer),
-            // A claim beside it took the key's last place: undone, the task waits.
-            Err(StoreError::KeyFull { .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+        self.db.write(Some((run, task)), Box::new(work)).map(|(answer, _)| answer)
     }
 
     fn heartbeat(&self, attempt: &Attempt, lease_until_ms: i64) -> Result<bool, StoreError> {

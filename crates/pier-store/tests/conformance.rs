@@ -1121,3 +1121,42 @@ fn a_concurrency_keys_limit_holds_across_claimers_and_frees_as_attempts_end() {
         assert_eq!(live, 2, "{name}: the key's holders");
     }
 }
+
+/// A worker's report claims a next task with concurrency keys as any claim does: not past the
+/// key's limit, and as a holder of it once claimed.
+#[test]
+fn a_reports_next_claim_holds_a_keys_limit() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let s = open(&fresh.spec);
+        let text: String = ["a", "b", "c"]
+            .iter()
+            .map(|id| {
+                format!("[[tasks]]\nid = \"{id}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n")
+            })
+            .chain(std::iter::once("[[tasks]]\nid = \"d\"\nprompt = \"x\"\n".to_owned()))
+            .collect();
+        s.create_run("r", &parse(&text, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}")), "test")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let candidate = |task: &str| pier_store::Candidate { run: "r".into(), task: task.into(), depends_on: vec![] };
+        let next = |tasks: &[&str]| pier_store::NextClaim {
+            candidates: tasks.iter().map(|t| candidate(t)).collect(),
+            owner: "wk".into(),
+            until: FAR,
+        };
+        let d = claim(&s, "d", "wk");
+        let b_holds = claim(&s, "b", "other");
+        // k is full (b holds it): the report passes c over.
+        let idem = Idem::worker_report(&d, "k1", &json!({"status": "completed", "next": {}}));
+        let reported = s.report_and_claim(&d, &done(), &idem, Some(&next(&["c"]))).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(reported.next, None, "{name}: claimed past the key's limit");
+        assert_eq!(state(&s, "c"), TaskState::Pending, "{name}");
+        // b ends; a's report claims c, which then holds k.
+        s.finish(&b_holds, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let a = claim(&s, "a", "wk");
+        let idem = Idem::worker_report(&a, "k2", &json!({"status": "completed", "next": {}}));
+        let reported = s.report_and_claim(&a, &done(), &idem, Some(&next(&["c"]))).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(reported.next.map(|t| t.id), Some("c".to_owned()), "{name}");
+        assert_eq!(s.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1, "{name}: c holds k");
+    }
+}

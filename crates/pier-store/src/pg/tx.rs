@@ -230,15 +230,17 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
 /// keys are locked: in one statement the keys' stale holders dropped, the live ones counted, the
 /// task moved only if every key has room, its attempt's row and its holder rows added. The count
 /// sees every commit before the statement began, which is after the locks were taken.
-pub(super) const CLAIM_KEYED: &str = "WITH k AS (SELECT x.key, x.\"limit\" AS lim
+pub(super) const CLAIM_KEYED: &str = concat!(
+    "WITH k AS (SELECT x.key, x.\"limit\" AS lim
              FROM jsonb_to_recordset(?6::text::jsonb) AS x(key text, \"limit\" bigint)),
      d AS (DELETE FROM key_holders h WHERE h.key IN (SELECT key FROM k) AND NOT (h.run_id = ?1 AND h.task_id = ?2)
-         AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.run_id = h.run_id AND t.id = h.task_id
-             AND t.attempt = h.attempt AND t.state IN ('running', 'awaiting_input') AND t.lease_owner IS NOT NULL)),
-     f AS (SELECT 1 FROM k WHERE (SELECT COUNT(*) FROM key_holders h JOIN tasks t
-             ON t.run_id = h.run_id AND t.id = h.task_id
-         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2) AND t.attempt = h.attempt
-             AND t.state IN ('running', 'awaiting_input') AND t.lease_owner IS NOT NULL) >= k.lim),
+         AND NOT EXISTS (SELECT 1 FROM tasks t WHERE ",
+    crate::holder_is_live!(),
+    ")),
+     f AS (SELECT 1 FROM k WHERE (SELECT COUNT(*) FROM key_holders h JOIN tasks t ON ",
+    crate::holder_is_live!(),
+    "
+         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2)) >= k.lim),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
              lease_owner = ?3, lease_expires_at_ms = ?4
          WHERE t.run_id = ?1 AND t.id = ?2 AND t.state = 'pending' AND t.not_before_ms <= ?5
@@ -249,7 +251,8 @@ pub(super) const CLAIM_KEYED: &str = "WITH k AS (SELECT x.key, x.\"limit\" AS li
          ON CONFLICT DO NOTHING),
      h AS (INSERT INTO key_holders (key, run_id, task_id, attempt) SELECT k.key, u.run_id, u.id, u.attempt
          FROM k CROSS JOIN u ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = excluded.attempt)
-     SELECT * FROM u";
+     SELECT * FROM u"
+);
 
 /// An ending in one statement: the row locked by primary key, updated through its `ctid`
 /// only if the attempt holds it (same attempt and owner, live, lease not expired) and no
@@ -279,6 +282,20 @@ pub(super) const END_KEEPING: &str = end_statement!(
 );
 
 impl PgTx<'_> {
+    /// Locks concurrency key `key` until the transaction ends.
+    fn lock_key(&mut self, key: &str) -> Result<(), StoreError> {
+        // Waited for, in PostgreSQL's queue: a claim that gave up when another node held the
+        // key could lose to that node's next claim again and again (a higher-priority task
+        // starved of its key). Another node's group holds it only until its commit; two groups
+        // locking two keys in opposite orders are a deadlock PostgreSQL breaks, and the group
+        // it aborts runs again. The two-key form: its lock space is apart from the migrations'.
+        self.int(
+            "SELECT 1::bigint FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(?1))) l",
+            &[Arg::Text(key)],
+        )?;
+        Ok(())
+    }
+
     /// [`Tx::take`] of a task with concurrency keys, outside the rounds: its row (locked by the
     /// claim that declined it) read for its keys, each key locked, then `CLAIM_KEYED`.
     fn take_keyed(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
@@ -289,9 +306,7 @@ impl PgTx<'_> {
             return Ok(None);
         }
         for k in &row.spec.concurrency {
-            if !self.lock_key(&k.key)? {
-                return Ok(None);
-            }
+            self.lock_key(&k.key)?;
         }
         let keys = serde_json::to_string(&row.spec.concurrency)?;
         let args =
@@ -400,7 +415,7 @@ impl Tx for PgTx<'_> {
     }
 
     fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
-        let ops::Claim { run, task, owner, until, now, keyed } = *c;
+        let ops::Claim { run, task, owner, until, now } = *c;
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
         let Some(mut row) = rows.first().map(cells).transpose().map_err(|e| self.failed(e))? else { return Ok(None) };
@@ -408,27 +423,14 @@ impl Tx for PgTx<'_> {
         match (taken, row.opt_int(14)?) {
             (true, _) => Ok(Some(ops::decode(row.raw_task()?)?)),
             // A task with concurrency keys: the claim that counts their holders, on the row `c` locked.
-            (_, Some(_)) if keyed && self.replay.is_some() => {
+            (_, Some(_)) if self.replay.is_some() => {
                 // Nothing written yet (the claim only locked the row): it runs again, alone.
                 self.alone = true;
                 Err(StoreError::Db("a claim of a task with concurrency keys runs after the rounds".into()))
             }
-            (_, Some(_)) if keyed => self.take_keyed(c),
+            (_, Some(_)) => self.take_keyed(c),
             _ => Ok(None),
         }
-    }
-
-    fn lock_key(&mut self, key: &str) -> Result<bool, StoreError> {
-        // Waited for, in PostgreSQL's queue: a claim that gave up when another node held the
-        // key could lose to that node's next claim again and again (a higher-priority task
-        // starved of its key). Another node's group holds it only until its commit; two groups
-        // locking two keys in opposite orders are a deadlock PostgreSQL breaks, and the group
-        // it aborts runs again. The two-key form: its lock space is apart from the migrations'.
-        self.int(
-            "SELECT 1::bigint FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(?1))) l",
-            &[Arg::Text(key)],
-        )?;
-        Ok(true)
     }
 
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError> {

@@ -370,23 +370,25 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
     parse_typed(text, &Shared::default(), agent_known)
 }
 
-/// The task types every plan may use (pier.toml's `[types]`); a plan's own of the same name win.
-#[derive(Debug, Clone, Default)]
+/// The task types every plan may use (pier.toml's `[types]`), their schemas compiled once; a
+/// plan's own of the same name win.
+#[derive(Clone, Default)]
 pub struct Shared {
-    types: BTreeMap<String, toml::Value>,
+    types: std::sync::Arc<BTreeMap<String, types::TaskType>>,
 }
 
 impl Shared {
     /// The `[types]` table of a configuration file, checked as a plan's would be.
-    pub fn new(types: BTreeMap<String, toml::Value>) -> Result<Shared, PlanError> {
+    pub fn new(table: BTreeMap<String, toml::Value>) -> Result<Shared, PlanError> {
         let mut problems = Vec::new();
-        types::parse_types(types.clone(), &|_| 0, &mut problems);
-        if problems.is_empty() { Ok(Shared { types }) } else { Err(PlanError(problems)) }
+        let types = types::parse_types(table, &|_| 0, &mut problems);
+        if problems.is_empty() { Ok(Shared { types: std::sync::Arc::new(types) }) } else { Err(PlanError(problems)) }
     }
+}
 
-    /// Whether type `name` is declared.
-    pub fn has(&self, name: &str) -> bool {
-        self.types.contains_key(name)
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared").field("types", &self.types.keys().collect::<Vec<_>>()).finish()
     }
 }
 
@@ -409,8 +411,9 @@ pub fn parse_typed(
             .find_map(|header| text.find(header.as_str()))
             .map_or(0, |at| index.of(at))
     };
-    let mut declared = types::parse_types(shared.types.clone(), &|_| 0, &mut problems);
-    declared.extend(types::parse_types(file.types, &type_line, &mut problems));
+    let own = types::parse_types(file.types, &type_line, &mut problems);
+    let declared: BTreeMap<&str, &types::TaskType> =
+        shared.types.iter().chain(&own).map(|(name, ty)| (name.as_str(), ty)).collect();
     let defaults_line = text.find("[defaults]").map_or(0, |at| index.of(at));
     for why in number_problems(d.timeout, d.max_time, d.max_attempts) {
         problems.push(Problem { line: defaults_line, message: format!("[defaults]: {why}") });
@@ -446,7 +449,7 @@ pub fn parse_typed(
 fn typed_spec(
     mut t: TaskDef,
     d: &Defaults,
-    declared: &BTreeMap<String, types::TaskType>,
+    declared: &BTreeMap<&str, &types::TaskType>,
     agent_known: &dyn Fn(&str) -> Result<(), String>,
     say: &mut dyn FnMut(String),
 ) -> TaskSpec {
@@ -455,7 +458,7 @@ fn typed_spec(
         None => None,
         Some((_, Some(ty))) => Some(ty),
         Some((name, None)) => {
-            let known: Vec<&str> = declared.keys().map(String::as_str).collect();
+            let known: Vec<&str> = declared.keys().copied().collect();
             let known = if known.is_empty() {
                 "none is declared".to_owned()
             } else {
