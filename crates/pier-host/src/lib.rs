@@ -6,6 +6,7 @@
 pub mod attempt;
 pub mod budget;
 mod caps;
+mod clock;
 mod config;
 mod converse;
 pub mod decide;
@@ -25,11 +26,11 @@ pub use pier_store::{
     AgentEvent, AgentRow, Attempt, AttemptRow, Budget, Ending, Entry, ErrorClass, ErrorCode, Event, Held, Idem, Last,
     LogCursor, LogEvent, ModelRequest, NodeRow, PgStore, Plan, PlanError, Question, QuestionRequest, Spend,
     SqliteStore, StoreError, TaskRow, TaskSpec, TaskState, TaskStore, Tokens, WorkerRow, code, offered_option,
-    option_kind, plan, requires, state,
+    option_kind, plan, requires, schedule, state,
 };
 pub use tasks::{
-    CANCEL_WAIT, CancelledRun, Delivered, Follow, Follower, Leased, RunSummary, RunView, Submission, Submitted,
-    TaskView, Tasks,
+    CANCEL_WAIT, CancelledRun, Delivered, Follow, Follower, Leased, RunSummary, RunView, ScheduleView, Submission,
+    Submitted, TaskView, Tasks,
 };
 
 /// The store below the host (`pier-store`), for the wiring that opens one.

@@ -21,12 +21,15 @@ pub fn status_of(code: ErrorCode) -> StatusCode {
     match code {
         ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
         ErrorCode::BadRequest | ErrorCode::BadPlan => StatusCode::BAD_REQUEST,
-        ErrorCode::NotFound | ErrorCode::UnknownRun | ErrorCode::UnknownTask => StatusCode::NOT_FOUND,
+        ErrorCode::NotFound | ErrorCode::UnknownRun | ErrorCode::UnknownTask | ErrorCode::UnknownSchedule => {
+            StatusCode::NOT_FOUND
+        }
         ErrorCode::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         ErrorCode::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         ErrorCode::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         ErrorCode::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::RunExists
+        | ErrorCode::ScheduleExists
         | ErrorCode::Duplicate
         | ErrorCode::BadTransition
         | ErrorCode::LeaseLost

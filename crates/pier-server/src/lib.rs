@@ -29,6 +29,7 @@
 mod dashboard;
 mod error;
 mod routes;
+mod schedules;
 mod sse;
 mod telemetry;
 mod throttle;
@@ -180,6 +181,10 @@ pub fn router(app: Shared) -> Router {
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/notice", post(v1::notice))
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/output", post(v1::output))
         .route("/v1/runs/{run}/tasks/{task}/attempts/{n}/end", post(v1::end))
+        .route("/schedules", get(schedules::list).post(schedules::add))
+        .route("/schedules/{id}", get(schedules::show).delete(schedules::delete))
+        .route("/schedules/{id}/pause", post(schedules::pause))
+        .route("/schedules/{id}/resume", post(schedules::resume))
         .route("/events", get(events))
         .route("/nodes", get(list_nodes))
         .route("/agents", get(list_agents))

@@ -80,6 +80,27 @@ pub trait TaskStore: Send + Sync + 'static {
     /// How many live attempts hold concurrency key `key` (anyone's, on every node and worker).
     fn key_holders(&self, key: &str) -> Result<i64, StoreError>;
 
+    /// Stores schedule `spec`, declared by `source`, its first occurrence `next`; another spec
+    /// under its id is replaced with `replace` (pier.toml at a node's start), else refused
+    /// (`schedule_exists`). The same spec again changes nothing.
+    fn put_schedule(
+        &self,
+        spec: &crate::schedule::ScheduleSpec,
+        source: &str,
+        next: Option<i64>,
+        replace: bool,
+    ) -> Result<crate::Put, StoreError>;
+    /// Moves a schedule on from the occurrence its caller read, creating the occurrence's run
+    /// in the same commit; false if another node (or a pause) moved it first.
+    fn advance_schedule(&self, advance: &crate::Advance) -> Result<bool, StoreError>;
+    /// Pauses or resumes (starting again at `next`) schedule `id`; `None` if there is none,
+    /// else whether it changed.
+    fn pause_schedule(&self, id: &str, paused: bool, by: &str, next: Option<i64>) -> Result<Option<bool>, StoreError>;
+    /// Deletes schedule `id` (its runs stay); whether there was one.
+    fn delete_schedule(&self, id: &str) -> Result<bool, StoreError>;
+    /// Every schedule (or `id` alone), by id, with its last run's state.
+    fn schedules(&self, id: Option<&str>) -> Result<Vec<crate::ScheduleRow>, StoreError>;
+
     /// A person's budgets: task `task`'s own (`budget`) and the run's (`run_budget`, on every
     /// task of the run); `None` limits keep what was. The tasks changed, as they are now.
     fn set_budget(

@@ -27,6 +27,9 @@ pub enum ErrorCode {
     UnknownTask,
     /// A run id that is taken (by another plan).
     RunExists,
+    UnknownSchedule,
+    /// A schedule id that is taken (by another spec).
+    ScheduleExists,
     Duplicate,
     /// The task is not in a state that allows the operation.
     BadTransition,
@@ -54,7 +57,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order the documentation lists them.
-    pub const ALL: [ErrorCode; 24] = [
+    pub const ALL: [ErrorCode; 26] = [
         ErrorCode::Unauthorized,
         ErrorCode::BadRequest,
         ErrorCode::BadPlan,
@@ -66,6 +69,8 @@ impl ErrorCode {
         ErrorCode::UnknownRun,
         ErrorCode::UnknownTask,
         ErrorCode::RunExists,
+        ErrorCode::UnknownSchedule,
+        ErrorCode::ScheduleExists,
         ErrorCode::Duplicate,
         ErrorCode::BadTransition,
         ErrorCode::LeaseLost,
@@ -94,6 +99,8 @@ impl ErrorCode {
             ErrorCode::UnknownRun => "unknown_run",
             ErrorCode::UnknownTask => "unknown_task",
             ErrorCode::RunExists => "run_exists",
+            ErrorCode::UnknownSchedule => "unknown_schedule",
+            ErrorCode::ScheduleExists => "schedule_exists",
             ErrorCode::Duplicate => "duplicate",
             ErrorCode::BadTransition => "bad_transition",
             ErrorCode::LeaseLost => "lease_lost",

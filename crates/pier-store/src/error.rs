@@ -21,6 +21,8 @@ pub enum StoreError {
     UnknownRun(String),
     #[error("run `{0}` already exists")]
     RunExists(String),
+    #[error("schedule `{0}` already exists with another spec; delete it first, or give this one another id")]
+    ScheduleExists(String),
     /// A row that must be unique was written twice (two writers racing to create it).
     #[error("the store refused a duplicate: {0}")]
     Duplicate(String),
@@ -63,6 +65,7 @@ impl StoreError {
             StoreError::UnknownTask(_) => ErrorCode::UnknownTask,
             StoreError::UnknownRun(_) => ErrorCode::UnknownRun,
             StoreError::RunExists(_) => ErrorCode::RunExists,
+            StoreError::ScheduleExists(_) => ErrorCode::ScheduleExists,
             StoreError::Duplicate(_) => ErrorCode::Duplicate,
             StoreError::Corrupt { .. } => ErrorCode::StoreCorrupt,
             StoreError::Full { .. } | StoreError::FullBeforeRun { .. } => ErrorCode::DiskFull,

@@ -22,6 +22,7 @@ mod log;
 mod ops;
 mod pg;
 mod rows;
+mod schedules;
 mod schema;
 mod spend;
 mod sqlite;
@@ -30,6 +31,7 @@ mod store;
 pub mod code;
 pub mod plan;
 pub mod requires;
+pub mod schedule;
 pub mod state;
 
 use std::sync::Arc;
@@ -46,6 +48,7 @@ pub use rows::{
     AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, Reported,
     TaskRow, WorkerRow, offered_option, option_kind,
 };
+pub use schedules::{Advance, Fire, Put, ScheduleRow};
 pub use spend::{MODEL_REQUEST, ModelRequest, Spend, Subtotal, Tokens};
 pub use sqlite::{Sqlite, checkpoint_open_stores};
 pub use store::Store;

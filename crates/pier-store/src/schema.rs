@@ -113,8 +113,15 @@ pub(crate) const TASKS_KEYED: &str = "ALTER TABLE tasks ADD COLUMN keyed {INT}";
 pub(crate) const KEY_HOLDERS: &str = "CREATE TABLE key_holders (key TEXT NOT NULL, run_id TEXT NOT NULL,
     task_id TEXT NOT NULL, attempt {INT} NOT NULL, PRIMARY KEY (key, run_id, task_id))";
 
+/// Schedules: the spec as written (JSON), who paused it (NULL: it runs), the next occurrence not
+/// yet handled (NULL: none comes), and the last one handled, with its run and what was done.
+/// Hosts move `next_at_ms` fenced on the value they read, in the commit that creates the run.
+pub(crate) const SCHEDULES: &str = "CREATE TABLE schedules (id TEXT PRIMARY KEY, spec TEXT NOT NULL,
+    source TEXT NOT NULL, paused_by TEXT, next_at_ms {INT}, last_at_ms {INT}, last_run TEXT, last_note TEXT,
+    created_at_ms {INT} NOT NULL, updated_at_ms {INT} NOT NULL)";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 10] = [
+pub(crate) const LATER: [Migration; 11] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -125,4 +132,5 @@ pub(crate) const LATER: [Migration; 10] = [
     &[TASKS_CANCEL_REQUESTED],
     &[RUNS_AGE],
     &[TASKS_KEYED, KEY_HOLDERS],
+    &[SCHEDULES],
 ];

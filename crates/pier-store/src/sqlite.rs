@@ -70,7 +70,7 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 14] = [
+const MIGRATIONS: [Migration; 15] = [
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
@@ -85,6 +85,7 @@ const MIGRATIONS: [Migration; 14] = [
     LATER[7],
     LATER[8],
     LATER[9],
+    LATER[10],
 ];
 
 /// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].

@@ -236,6 +236,40 @@ impl<B: Backend> TaskStore for Store<B> {
         rows.first_mut().map_or(Ok(0), |r| r.int(0))
     }
 
+    fn put_schedule(
+        &self,
+        spec: &crate::schedule::ScheduleSpec,
+        source: &str,
+        next: Option<i64>,
+        replace: bool,
+    ) -> Result<crate::Put, StoreError> {
+        let (spec, source) = (spec.clone(), source.to_owned());
+        self.op(move |tx| crate::schedules::put(tx, &spec, &source, next, replace))
+    }
+
+    fn advance_schedule(&self, advance: &crate::Advance) -> Result<bool, StoreError> {
+        let a = advance.clone();
+        match self.op(move |tx| crate::schedules::advance(tx, &a)) {
+            // Another writer created the run between the check and the insert: it moved first.
+            Err(StoreError::Duplicate(_) | StoreError::RunExists(_)) => Ok(false),
+            other => other,
+        }
+    }
+
+    fn pause_schedule(&self, id: &str, paused: bool, by: &str, next: Option<i64>) -> Result<Option<bool>, StoreError> {
+        let (id, by) = (id.to_owned(), by.to_owned());
+        self.op(move |tx| crate::schedules::pause(tx, &id, paused, &by, next))
+    }
+
+    fn delete_schedule(&self, id: &str) -> Result<bool, StoreError> {
+        let id = id.to_owned();
+        self.op(move |tx| crate::schedules::delete(tx, &id))
+    }
+
+    fn schedules(&self, id: Option<&str>) -> Result<Vec<crate::ScheduleRow>, StoreError> {
+        self.rows(crate::schedules::SCHEDULES, &[Arg::OptText(id)])?.into_iter().map(crate::schedules::row).collect()
+    }
+
     fn workers(&self) -> Result<Vec<crate::WorkerRow>, StoreError> {
         let rows = self.rows("SELECT name, capabilities, seen_at_ms FROM workers ORDER BY name", &[])?;
         let mut workers = rows

@@ -1160,3 +1160,90 @@ fn a_reports_next_claim_holds_a_keys_limit() {
         assert_eq!(s.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1, "{name}: c holds k");
     }
 }
+
+fn schedule_spec(id: &str, every: &str) -> pier_store::schedule::ScheduleSpec {
+    let spec = json!({"id": id, "every": every, "plan": "[[tasks]]\nid = \"a\"\nprompt = \"x\"\n"});
+    pier_store::schedule::ScheduleSpec::from_value(spec).unwrap_or_else(|e| panic!("{e:?}"))
+}
+
+fn advance(id: &str, from: i64, run: Option<&str>, exclusive: bool) -> pier_store::Advance {
+    let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    pier_store::Advance {
+        id: id.into(),
+        from,
+        next: Some(from + 1000),
+        fire: run.map(|r| pier_store::Fire { at: from, run: r.into(), plan, source: "test".into() }),
+        note: "n".into(),
+        exclusive,
+    }
+}
+
+fn schedule_row(s: &Arc<dyn TaskStore>, id: &str) -> pier_store::ScheduleRow {
+    s.schedules(Some(id)).unwrap_or_else(|e| panic!("{e}")).pop().unwrap_or_else(|| panic!("no schedule {id}"))
+}
+
+/// Issue #32: a schedule is declared once (the same spec again changes nothing, another is
+/// refused unless replacing), and of many nodes moving it on from one occurrence exactly one
+/// does, creating that occurrence's run in the same commit; a pause fences every move.
+#[test]
+fn a_schedules_occurrence_is_moved_on_and_run_by_exactly_one_of_many_nodes() {
+    use pier_store::Put;
+    for (name, make) in backends() {
+        let fresh = make();
+        let s = open(&fresh.spec);
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        let spec = schedule_spec("tick", "1s");
+        assert_eq!(s.put_schedule(&spec, "api", Some(1000), false).ok(), Some(Put::Created), "{name}");
+        assert_eq!(s.put_schedule(&spec, "api", Some(5000), false).ok(), Some(Put::Unchanged), "{name}");
+        let other = schedule_spec("tick", "2s");
+        let refused = s.put_schedule(&other, "api", Some(1000), false);
+        assert!(matches!(refused, Err(StoreError::ScheduleExists(_))), "{name}: {refused:?}");
+        assert_eq!(schedule_row(&s, "tick").next_at_ms, Some(1000), "{name}: nothing changed");
+
+        let racers: Vec<_> = (0..8)
+            .map(|_| {
+                let spec = fresh.spec.clone();
+                std::thread::spawn(move || open(&spec).advance_schedule(&advance("tick", 1000, Some("tick-1"), true)))
+            })
+            .collect();
+        let won: Vec<_> = racers.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
+        assert_eq!(won.iter().filter(|r| matches!(r, Ok(true))).count(), 1, "{name}: {won:?}");
+        assert!(won.iter().all(Result::is_ok), "{name}: {won:?}");
+        let row = schedule_row(&s, "tick");
+        assert_eq!((row.next_at_ms, row.last_run.as_deref(), row.last_open), (Some(2000), Some("tick-1"), true));
+        assert_eq!(s.tasks("tick-1").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}: the run, once");
+
+        // While its last run is open, an exclusive occurrence does not run; a skip moves on.
+        assert_eq!(s.advance_schedule(&advance("tick", 2000, Some("tick-2"), true)).ok(), Some(false), "{name}");
+        assert_eq!(s.advance_schedule(&advance("tick", 2000, None, false)).ok(), Some(true), "{name}");
+        assert_eq!(s.advance_schedule(&advance("tick", 3000, Some("tick-3"), false)).ok(), Some(true), "{name}");
+        s.cancel("tick-3", "a", "test").unwrap_or_else(|e| panic!("{e}"));
+        s.cancel("tick-1", "a", "test").unwrap_or_else(|e| panic!("{e}"));
+        assert!(!schedule_row(&s, "tick").last_open, "{name}");
+
+        // A pause fences every move; a resume starts at the occurrence it is given.
+        assert_eq!(s.pause_schedule("tick", true, "ann", None).ok(), Some(Some(true)), "{name}");
+        assert_eq!(s.pause_schedule("tick", true, "ann", None).ok(), Some(Some(false)), "{name}");
+        assert_eq!(s.advance_schedule(&advance("tick", 4000, Some("tick-4"), true)).ok(), Some(false), "{name}");
+        assert_eq!(schedule_row(&s, "tick").paused_by.as_deref(), Some("ann"), "{name}");
+        assert_eq!(s.pause_schedule("tick", false, "bob", Some(9000)).ok(), Some(Some(true)), "{name}");
+        let row = schedule_row(&s, "tick");
+        assert_eq!((row.paused_by, row.next_at_ms), (None, Some(9000)), "{name}");
+        assert_eq!(s.advance_schedule(&advance("tick", 9000, Some("tick-9"), true)).ok(), Some(true), "{name}");
+
+        // A run id taken by another run is noted, not run twice, and the schedule moves on.
+        assert_eq!(s.advance_schedule(&advance("tick", 10_000, Some("r"), false)).ok(), Some(true), "{name}");
+        let row = schedule_row(&s, "tick");
+        assert!(row.last_note.as_deref().is_some_and(|n| n.contains("was taken")), "{name}: {row:?}");
+        assert_eq!(row.last_run.as_deref(), Some("tick-9"), "{name}: the taken run is not the schedule's");
+
+        assert_eq!(s.put_schedule(&other, "pier.toml", Some(7), true).ok(), Some(Put::Replaced), "{name}");
+        assert_eq!(schedule_row(&s, "tick").next_at_ms, Some(7), "{name}");
+        assert_eq!(s.pause_schedule("nope", true, "ann", None).ok(), Some(None), "{name}");
+        assert_eq!(s.delete_schedule("tick").ok(), Some(true), "{name}");
+        assert_eq!(s.delete_schedule("tick").ok(), Some(false), "{name}");
+        assert!(s.schedules(None).unwrap_or_else(|e| panic!("{e}")).is_empty(), "{name}");
+        assert_eq!(s.tasks("tick-9").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}: runs stay");
+    }
+}

@@ -77,6 +77,9 @@ pub struct FileConfig {
     /// `[types.NAME]`: task types every plan (and `pier submit --type`) may use.
     #[serde(default)]
     pub types: BTreeMap<String, toml::Value>,
+    /// `[[schedules]]`: plans (or tasks of a type) `pier serve` submits on a clock.
+    #[serde(default)]
+    pub schedules: Vec<toml::Table>,
 }
 
 /// `[client]`.
@@ -155,6 +158,11 @@ impl FileConfig {
         self.run_budget = over.run_budget.or(self.run_budget);
         self.rate_limits.extend(over.rate_limits);
         self.types.extend(over.types);
+        // A later file's schedule of the same id replaces the earlier one's.
+        for schedule in over.schedules {
+            self.schedules.retain(|s| s.get("id") != schedule.get("id"));
+            self.schedules.push(schedule);
+        }
         self.tools.output_bytes = over.tools.output_bytes.or(self.tools.output_bytes);
         self.tools.command_timeout_ms = over.tools.command_timeout_ms.or(self.tools.command_timeout_ms);
         for (name, table) in over.providers {
@@ -328,6 +336,28 @@ pub fn load_files(env: &dyn Env, cwd: &Path) -> anyhow::Result<FileConfig> {
 /// The task types of pier.toml's `[types]`, checked as a plan's are.
 pub fn types(files: &FileConfig) -> anyhow::Result<pier_host::plan::Shared> {
     pier_host::plan::Shared::new(files.types.clone()).map_err(|e| anyhow::anyhow!("`[types]` in pier.toml: {e}"))
+}
+
+/// `[[schedules]]` tables as schedules: each table's `plan` names a plan file, read now
+/// (relative to `base`) and carried as its text, its path kept as `plan_file`.
+pub fn schedules(tables: &[toml::Table], base: &Path) -> anyhow::Result<Vec<pier_host::schedule::ScheduleSpec>> {
+    tables
+        .iter()
+        .enumerate()
+        .map(|(i, table)| {
+            let name = table.get("id").and_then(|v| v.as_str()).map_or(format!("#{}", i + 1), |id| format!("`{id}`"));
+            let mut value = serde_json::to_value(table).with_context(|| format!("schedule {name}"))?;
+            if let Some(file) = value.get("plan").and_then(|p| p.as_str()).map(str::to_owned) {
+                let path = base.join(&file);
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("schedule {name}: cannot read its plan {}", path.display()))?;
+                value["plan"] = text.into();
+                value["plan_file"] = file.into();
+            }
+            pier_host::schedule::ScheduleSpec::from_value(value)
+                .map_err(|p| anyhow::anyhow!("schedule {name}: {}", p.join("; ")))
+        })
+        .collect()
 }
 
 /// The model gateway of a host (`pier run`, `pier serve`), unless pier.toml turns it off:

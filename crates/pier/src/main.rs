@@ -14,6 +14,7 @@ mod person_cmd;
 mod render;
 mod retry_cmd;
 mod run_cmd;
+mod schedules_cmd;
 mod serve_cmd;
 mod show_cmd;
 mod store_cmd;
@@ -75,6 +76,8 @@ enum Command {
     Status(serve_cmd::StatusArgs),
     /// Cancel a run or a task on a running `pier serve`
     Cancel(serve_cmd::CancelArgs),
+    /// The schedules of a running `pier serve`: list (next and last occurrences), add, pause, resume, delete
+    Schedules(schedules_cmd::SchedulesArgs),
     /// Install or list embedded models
     #[command(subcommand)]
     Models(models_cmd::ModelsCmd),
@@ -180,6 +183,7 @@ fn main() {
             Command::Worker(args) => worker_cmd::run(args).await.map(|()| 0),
             Command::Status(args) => serve_cmd::status(args).await.map(|()| 0),
             Command::Cancel(args) => serve_cmd::cancel(args).await.map(|()| 0),
+            Command::Schedules(args) => schedules_cmd::run(args).await.map(|()| 0),
             Command::Models(cmd) => models_cmd::run(cmd).map(|()| 0),
             Command::Store(cmd) => store_cmd::run(cmd).await.map(|()| 0),
             Command::Demo => demo::run().await.map(|()| 0),

@@ -125,6 +125,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         eprintln!("pier serve: warning: {why} (loopback only, so it starts); {fix}");
     }
+    let schedules = config::schedules(&files.schedules, &here)?;
     let config = HostConfig {
         concurrency: args.concurrency.max(1),
         node: match &args.node_id {
@@ -140,6 +141,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ..HostConfig::new(std::env::current_exe()?, files.agents.clone(), here)
     };
     let tasks = crate::run_cmd::open_tasks_with(&args.store, &files, config)?;
+    tasks.install_schedules(schedules).await.context("`[[schedules]]` in pier.toml")?;
     let sse = pier_server::SseLimits {
         buffer: args.sse_buffer.max(1),
         patience: Duration::from_millis(args.sse_patience_ms),
@@ -194,6 +196,13 @@ pub struct ServerArgs {
     /// The server's base URL [env: PIER_SERVER]
     #[arg(long)]
     server: Option<String>,
+}
+
+impl ServerArgs {
+    /// The server's URL: `--server`, else `PIER_SERVER`.
+    pub fn url(&self) -> anyhow::Result<String> {
+        server_url(self)
+    }
 }
 
 fn server_url(args: &ServerArgs) -> anyhow::Result<String> {
@@ -358,6 +367,16 @@ pub async fn cancel(args: CancelArgs) -> anyhow::Result<()> {
 /// A GET of `path` on the server (`--server` or `PIER_SERVER`), its JSON answer.
 pub async fn get(server: Option<String>, path: &str) -> anyhow::Result<Value> {
     call(&ServerArgs { server }, reqwest::Method::GET, path, None).await
+}
+
+/// A `method` request of `path` on the server, with `body`, its JSON answer.
+pub async fn request(
+    server: Option<String>,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<Value> {
+    call(&ServerArgs { server }, method, path, body).await
 }
 
 /// A POST of `body` to `path` on the server, its JSON answer.

@@ -421,3 +421,33 @@ async fn the_nodes_page_lists_pull_workers() {
     let text = b.text(&row).await;
     assert!(text.contains("build, gpu"), "{text}");
 }
+
+/// Issue #32: the Schedules page lists a schedule with when it runs and its next occurrence,
+/// and pauses and resumes it from the page, naming who did.
+#[tokio::test]
+async fn the_schedules_page_shows_a_schedule_and_pauses_and_resumes_it() {
+    let s = server(None).await;
+    let body = json!({"id": "nightly", "cron": "0 2 * * *", "timezone": "Europe/Paris",
+                      "plan": "[[tasks]]\nid = \"a\"\nprompt = \"p\"\n"});
+    assert_eq!(s.call(reqwest::Method::POST, "/schedules", Some(body)).await.0, 201);
+    let b = Browser::start("schedules").await;
+    login(&b, &s.base).await;
+    b.goto(&format!("{}/ui/schedules", s.base)).await;
+    let row = "table.schedules tr[data-schedule=\"nightly\"]";
+    b.wait_for("the schedule", &format!("!!document.querySelector('{row}')"), LIMIT).await;
+    let text = b.text(&b.find(row).await.unwrap_or_else(|| panic!("no row"))).await;
+    assert!(text.contains("cron 0 2 * * * (Europe/Paris)") && text.contains("UTC") && text.contains("Pause"), "{text}");
+    let pause = b.find(&format!("{row} form button")).await.unwrap_or_else(|| panic!("no pause button"));
+    b.click(&pause).await;
+    b.wait_for("paused", "(document.querySelector('.notice') || {}).textContent?.includes('paused')", LIMIT).await;
+    let (_, v) = s.call(reqwest::Method::GET, "/schedules/nightly", None).await;
+    let by = v["schedule"]["paused_by"].as_str().unwrap_or_default().to_owned();
+    assert!(by.starts_with("dashboard:"), "{v}");
+    let text = b.text(&b.find(row).await.unwrap_or_else(|| panic!("no row"))).await;
+    assert!(text.contains(&format!("paused by {by}")) && text.contains("Resume"), "{text}");
+    let resume = b.find(&format!("{row} form button")).await.unwrap_or_else(|| panic!("no resume button"));
+    b.click(&resume).await;
+    b.wait_for("running", "(document.querySelector('.notice') || {}).textContent?.includes('runs')", LIMIT).await;
+    let (_, v) = s.call(reqwest::Method::GET, "/schedules/nightly", None).await;
+    assert_eq!(v["schedule"]["paused_by"], serde_json::Value::Null, "{v}");
+}

@@ -176,6 +176,22 @@ async fn paused_model(ms: u64) -> FakeModel {
     f
 }
 
+/// SIGKILLs one of `nodes`, picked by `rng`, and starts it again.
+async fn kill_one(
+    nodes: &mut [Node],
+    rng: &mut fastrand::Rng,
+    dir: &Path,
+    names: &[&str],
+    db: &str,
+    model: &str,
+    lease: u64,
+) {
+    let victim = rng.usize(..nodes.len());
+    nodes[victim].kill();
+    let _ = nodes[victim].child.wait().await;
+    nodes[victim] = node(dir, names[victim], db, model, lease).await;
+}
+
 /// A node of each of `names` on `db`.
 async fn three_nodes(dir: &Path, names: &[&str], db: &str, model: &str, lease: u64) -> Vec<Node> {
     let mut nodes = Vec::new();
@@ -910,10 +926,7 @@ async fn three_nodes_on_postgres_under_ten_kills_hold_a_keys_limit_and_put_prior
                 true,
             )
             .await;
-        let victim = rng.usize(..3);
-        nodes[victim].kill();
-        let _ = nodes[victim].child.wait().await;
-        nodes[victim] = node(dir.path(), names[victim], db.url(), &model, lease).await;
+        kill_one(&mut nodes, &mut rng, dir.path(), &names, db.url(), &model, lease).await;
     }
     nodes[1].submit(&keyed("urgent", 9), "urgent").await;
     let log = every_task_once(&nodes[2], &nodes[0], 121).await;
@@ -954,6 +967,102 @@ async fn three_nodes_on_postgres_under_ten_kills_hold_a_keys_limit_and_put_prior
     assert!(waiting >= 30, "only {waiting} low tasks still waited when the urgent one came; the test proves nothing");
     let before = starts(&log[created..began]).len();
     assert!(before <= 6, "{before} of the {waiting} waiting low-priority tasks started before the urgent one");
+    for node in nodes {
+        node.stop().await;
+    }
+}
+
+/// Issue #32: an `every = "2s"` schedule on three PostgreSQL nodes under ten SIGKILLs, over a
+/// minute: each occurrence creates exactly one run (no gap, no duplicate), under the id its
+/// time gives, whichever node fired it; and each of those runs' tasks completes once.
+#[tokio::test]
+async fn three_nodes_on_postgres_under_ten_kills_run_every_occurrence_of_a_schedule_once() {
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(echo);
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = database();
+    let (model, lease) = (f.base_url(), 1_000);
+    let names = ["a", "b", "c"];
+    let mut nodes = three_nodes(dir.path(), &names, db.url(), &model, lease).await;
+    let schedule = json!({"id": "tick", "every": "2s", "overlap": "allow",
+                          "plan": "[[tasks]]\nid = \"t\"\nprompt = \"tick\"\n"});
+    let http = reqwest::Client::new();
+    let post = |node: &Node, path: &str, body: Value| {
+        http.post(format!("{}{path}", node.base))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
+    let resp = must(post(&nodes[0], "/schedules", schedule).await, "declare");
+    assert_eq!(resp.status().as_u16(), 201, "{:?}", resp.text().await);
+    let created = |e: &Value| e["type"] == "run_created" && e["run"].as_str().is_some_and(|r| r.starts_with("tick-"));
+    let mut rng = fastrand::Rng::with_seed(322);
+    for round in 0..10 {
+        // Three occurrences (six seconds) per kill: ten kills over the minute.
+        let mut seen = 0;
+        nodes[(round + 1) % 3]
+            .events(
+                |e| {
+                    seen += usize::from(created(e));
+                    seen >= 3 * (round + 1)
+                },
+                true,
+            )
+            .await;
+        kill_one(&mut nodes, &mut rng, dir.path(), &names, db.url(), &model, lease).await;
+    }
+    let mut seen = 0;
+    nodes[0]
+        .events(
+            |e| {
+                seen += usize::from(created(e));
+                seen >= 31
+            },
+            true,
+        )
+        .await;
+    // Paused (fenced in the store), the number of runs is final: each must complete once.
+    let resp = must(post(&nodes[2], "/schedules/tick/pause", json!({})).await, "pause");
+    assert_eq!(resp.status().as_u16(), 200, "{:?}", resp.text().await);
+    let runs: Vec<String> = nodes[1]
+        .log()
+        .await
+        .iter()
+        .filter(|e| created(e))
+        .filter_map(|e| e["run"].as_str().map(str::to_owned))
+        .collect();
+    let unique: HashSet<&String> = runs.iter().collect();
+    assert_eq!(unique.len(), runs.len(), "a run was created twice: {runs:?}");
+    let mut times: Vec<i64> = runs
+        .iter()
+        .map(|r| {
+            let stamp = r.trim_start_matches("tick-").trim_end_matches('Z');
+            let t = must(jiff::fmt::strtime::parse("%Y%m%dT%H%M%S", stamp).and_then(|t| t.to_datetime()), "run id");
+            must(t.to_zoned(jiff::tz::TimeZone::UTC), "utc").timestamp().as_millisecond()
+        })
+        .collect();
+    times.sort_unstable();
+    assert!(times.len() >= 31, "{} occurrences in a minute: {runs:?}", times.len());
+    let gaps: Vec<i64> = times.windows(2).map(|w| w[1] - w[0]).filter(|d| *d != 2_000).collect();
+    assert!(gaps.is_empty(), "occurrences missed or doubled (gaps {gaps:?}): {runs:?}");
+    let mut done = 0;
+    nodes[0]
+        .events(
+            |e| {
+                done += usize::from(e["type"] == "transition" && e["to"] == "completed");
+                done >= runs.len()
+            },
+            true,
+        )
+        .await;
+    let log = nodes[1].log().await;
+    let mut per_run: HashMap<String, usize> = HashMap::new();
+    for e in log.iter().filter(|e| e["type"] == "transition" && e["to"] == "completed") {
+        *per_run.entry(e["run"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+    }
+    assert_eq!(per_run.len(), runs.len(), "every run's task completed: {per_run:?}");
+    assert!(per_run.values().all(|n| *n == 1), "a task completed twice: {per_run:?}");
     for node in nodes {
         node.stop().await;
     }

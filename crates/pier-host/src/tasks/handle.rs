@@ -19,6 +19,8 @@ pub struct Tasks {
     /// When each pull worker was last written as seen, and with what: a worker that asks
     /// for work many times a second is written once in a while, not every time.
     pub(super) seen: Arc<std::sync::Mutex<SeenWorkers>>,
+    /// Wakes this process's schedule clock when it changed a schedule.
+    pub(crate) schedules_changed: Arc<tokio::sync::Notify>,
 }
 
 /// Each worker's capabilities and when it was last written as seen.
@@ -27,7 +29,7 @@ pub(super) type SeenWorkers = std::collections::HashMap<String, (Vec<String>, st
 impl Tasks {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Tasks {
         let host = Arc::new(Host::new(store.clone(), config.clone()));
-        Tasks { store, config: Arc::new(config), host, seen: Default::default() }
+        Tasks { store, config: Arc::new(config), host, seen: Default::default(), schedules_changed: Default::default() }
     }
 
     /// Opens the store `spec` names (a PostgreSQL URL, `sqlite://PATH` or a path).
@@ -41,12 +43,22 @@ impl Tasks {
 
     /// Drives the tasks in `scope` until `stop` fires or, for one run, until none of its tasks
     /// can make progress ([`Host::drive`]).
+    /// Every node of `pier serve` (`Scope::All`) also runs the schedules' clock meanwhile.
     pub async fn drive(&self, scope: Scope, stop: CancellationToken) -> Result<Summary, StoreError> {
-        self.host.drive(scope, stop).await
+        if scope != Scope::All {
+            return self.host.drive(scope, stop).await;
+        }
+        let clock_stop = stop.child_token();
+        let clock = tokio::spawn(crate::clock::run(self.clone(), clock_stop.clone()));
+        let result = self.host.drive(scope, stop).await;
+        // The host may end on its own (a fatal store error): the clock ends with it.
+        clock_stop.cancel();
+        let _ = clock.await;
+        result
     }
 
     /// Runs `f` over the store on a blocking thread.
-    pub(super) async fn blocking<T: Send + 'static>(
+    pub(crate) async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&dyn TaskStore) -> Result<T, ActionError> + Send + 'static,
     ) -> Result<T, ActionError> {

@@ -55,7 +55,7 @@ pub fn one_task_plan(
 
 /// Refuses every task whose confinement this machine cannot give (a strict task where user
 /// namespaces are forbidden, a limit without its cgroup controller), with its line.
-fn check_sandbox(plan: &Plan, config: &crate::HostConfig) -> Result<(), PlanError> {
+pub(super) fn check_sandbox(plan: &Plan, config: &crate::HostConfig) -> Result<(), PlanError> {
     let problems: Vec<plan::Problem> = plan
         .tasks
         .iter()

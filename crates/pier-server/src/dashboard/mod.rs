@@ -11,6 +11,7 @@
 mod auth;
 mod graph;
 mod pages;
+mod schedules;
 mod transcript;
 
 use axum::Router;
@@ -37,6 +38,8 @@ pub fn router(app: Shared) -> Router {
         .route("/ui/", get(runs_page))
         .route("/ui/approvals", get(approvals_page))
         .route("/ui/nodes", get(nodes_page))
+        .route("/ui/schedules", get(schedules::list))
+        .route("/ui/schedules/{id}/{action}", post(schedules::act))
         .route("/ui/runs/{run}", get(run_page))
         .route("/ui/runs/{run}/cancel", post(cancel_run))
         .route("/ui/runs/{run}/tasks/{task}", get(task_page))

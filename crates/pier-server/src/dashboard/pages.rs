@@ -25,7 +25,7 @@ fn wire_name<T: serde::Serialize>(v: &T) -> String {
 
 pub use crate::segment as seg;
 
-fn time(ms: i64) -> String {
+pub(super) fn time(ms: i64) -> String {
     // humantime formats years up to 9999 only.
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.clamp(0, 253_402_300_799_999) as u64);
     humantime::format_rfc3339_seconds(t).to_string().replace('T', " ").replace('Z', " UTC")
@@ -87,7 +87,7 @@ fn spend_section(spend: &Spend) -> Markup {
 }
 
 /// The frame of every page. `live`: the `/events` query that keeps it current.
-fn layout(
+pub(super) fn layout(
     title: &str,
     session: Option<&Session>,
     live: Option<(String, i64)>,
@@ -116,6 +116,7 @@ fn layout(
                         nav aria-label="main" {
                             a href="/ui/" { "Runs" }
                             a href="/ui/approvals" { "Approvals" }
+                            a href="/ui/schedules" { "Schedules" }
                             a href="/ui/nodes" { "Nodes" }
                         }
                         form method="post" action="/ui/logout" class="logout" {

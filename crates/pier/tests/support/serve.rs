@@ -51,7 +51,16 @@ pub async fn server_configured(
     extra: &[&str],
     toml: Option<&str>,
 ) -> (Server, Option<String>) {
-    let dir = must(tempfile::tempdir(), "dir");
+    server_in(must(tempfile::tempdir(), "dir"), base_url, extra, toml).await
+}
+
+/// [`server_configured`] in `dir` (its store: `dir/data/pier.db`).
+pub async fn server_in(
+    dir: tempfile::TempDir,
+    base_url: Option<String>,
+    extra: &[&str],
+    toml: Option<&str>,
+) -> (Server, Option<String>) {
     if let Some(t) = toml {
         must(std::fs::write(dir.path().join("pier.toml"), t), "pier.toml");
     }
