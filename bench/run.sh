@@ -123,6 +123,11 @@ if wanted B5-pg; then
   for k in 1 10 100; do
     run "B5-pg-claims-keys-$k" "$bench" claims --tasks 10000 --claimers 16 --keys "$k" --pg "$pg"
   done
+  # B11: POST /runs → the warm agent's session/prompt, one-task runs at 100 and 1,000 a second.
+  for rate in 100 1000; do
+    run "B11-latency-sqlite-$rate" "$bench" latency --rate "$rate" --count "$((rate * 5))" -- "$pier"
+    run "B11-latency-pg-$rate"     "$bench" latency --rate "$rate" --count "$((rate * 5))" --pg "$pg" -- "$pier"
+  done
 fi
 run B5-log-appends         sh -c "rm -f '$work'/log.db*; '$bench' log --writers 8 --appends 40000 -- '$work/log.db'"
 if wanted B5-sse; then

@@ -29,6 +29,7 @@
 mod delegate;
 mod gateway;
 mod jail;
+mod latency;
 mod workers;
 
 use std::process::Stdio;
@@ -76,6 +77,17 @@ impl Handler for BenchAgent {
                 "_bench/ping" => Ok(json!({})),
                 "session/prompt" => {
                     let sid = params["sessionId"].as_str().unwrap_or("s").to_owned();
+                    // B11: a stamped prompt is answered with how long it took to come.
+                    if let Some(said) = params["prompt"][0]["text"].as_str().and_then(latency::answer) {
+                        let note = SessionNotification::new(
+                            sid,
+                            SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::Text(TextContent::new(
+                                said,
+                            )))),
+                        );
+                        let _ = cx.conn.notify("session/update", &note).await;
+                        return Ok(json!(PromptResponse::new(StopReason::EndTurn)));
+                    }
                     let count: u64 =
                         params["prompt"][0]["text"].as_str().and_then(|t| t.trim().parse().ok()).unwrap_or(1);
                     for _ in 0..count {
@@ -1060,8 +1072,9 @@ async fn main() {
         Some("stream") => stream(opts, cmd).await,
         Some("delegate") => delegate::run(opts).await,
         Some("workers") => workers::run(opts, cmd).await,
+        Some("latency") => latency::run(opts, cmd).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--keys N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | latency [--rate N] [--count N] [--concurrency N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--keys N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),
     }
 }

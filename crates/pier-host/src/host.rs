@@ -593,6 +593,21 @@ impl View {
         self.bad_endings += usize::from(newly_bad);
     }
 
+    /// Drops run `run` (read whole) from the view if every task of it has ended and none is this host's
+    /// any more (`pier serve` only: `pier run` watches its one run to the end). A served view
+    /// holds the runs still in progress, not every run since the host started; an ended run
+    /// moves again only by a person's retry, whose commit brings it back whole (`take`).
+    fn forget_if_ended(&mut self, run: &str) {
+        if self.scope != Scope::All {
+            return;
+        }
+        let ended = self.runs.get(run).is_some_and(|r| r.cursor >= r.rows.len() && r.busy.is_empty());
+        if ended {
+            self.runs.remove(run);
+            self.waiting_since.retain(|(r, _), _| r != run);
+        }
+    }
+
     fn get(&self, run: &str, task: &str) -> Option<&TaskRow> {
         self.runs.get(run)?.get(task)
     }
@@ -635,6 +650,9 @@ impl View {
                 r.busy.remove(task);
             }
         }
+        if !busy {
+            self.forget_if_ended(run);
+        }
     }
 
     /// Brings the view current with the commit watch showing `watched`; true if a task moved
@@ -668,6 +686,7 @@ impl View {
             for t in blocking(store, move |s| s.tasks(&r)).await? {
                 self.put(t);
             }
+            self.forget_if_ended(&run);
             moved = true;
         }
         Ok(moved)
@@ -685,7 +704,8 @@ impl View {
             return false;
         }
         if !self.runs.contains_key(&row.run_id) {
-            if !self.held.contains(&row.run_id) {
+            // (A row that ended is of a run this view forgot, or one ending elsewhere: no lease to ask for.)
+            if !self.held.contains(&row.run_id) && !row.state.is_terminal() {
                 self.unleased_run_seen = true;
             }
             new_runs.insert(row.run_id.clone());
@@ -699,7 +719,9 @@ impl View {
         if row.state == TaskState::Pending && !self.held.contains(&row.run_id) {
             self.unleased_run_seen = true;
         }
+        let run = row.run_id.clone();
         self.put(row);
+        self.forget_if_ended(&run);
         true
     }
 
@@ -821,6 +843,7 @@ impl View {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pier_store::TaskSpec;
 
     #[test]
     fn dead_owners_are_recognised() {
@@ -828,5 +851,68 @@ mod tests {
         assert!(!owner_dead(&format!("{}:{}:x", host.trim(), std::process::id())));
         assert!(owner_dead(&format!("{}:{}:x", host.trim(), u32::MAX - 7)));
         assert!(!owner_dead("other-host:1:x"));
+    }
+
+    fn row(run: &str, id: &str, state: TaskState, version: i64, depends_on: &[&str]) -> TaskRow {
+        let spec = TaskSpec {
+            id: id.into(),
+            depends_on: depends_on.iter().map(|d| d.to_string()).collect(),
+            ..TaskSpec::default()
+        };
+        TaskRow {
+            run_id: run.into(),
+            id: id.into(),
+            state,
+            version,
+            attempt: 0,
+            failures: 0,
+            lease_owner: None,
+            lease_expires_at_ms: None,
+            not_before_ms: 0,
+            result: None,
+            usage: None,
+            error: None,
+            spec,
+            cancel_requested: None,
+        }
+    }
+
+    fn view(scope: Scope) -> View {
+        View {
+            scope,
+            runs: BTreeMap::new(),
+            held: HashSet::new(),
+            unleased_run_seen: false,
+            seq: 0,
+            bad_endings: 0,
+            bad_endings_checked: 0,
+            waiting_since: HashMap::new(),
+        }
+    }
+
+    /// A served view holds the runs in progress, not every run since the host started: at
+    /// 1,000 one-task runs a second every pass walked them all (B11's p50 was 254 ms).
+    #[test]
+    fn a_served_view_forgets_a_run_once_it_has_ended_and_a_retry_brings_it_back() {
+        let mut v = view(Scope::All);
+        let mut new_runs = HashSet::new();
+        // Read whole: the ended first task does not drop the run its second needs.
+        v.put(row("r", "a", TaskState::Completed, 3, &[]));
+        v.put(row("r", "b", TaskState::Pending, 1, &["a"]));
+        v.forget_if_ended("r");
+        assert!(v.runs.get("r").is_some_and(|r| r.ready(&row("r", "b", TaskState::Pending, 1, &["a"]))));
+        v.set_busy(&("r".into(), "b".into()), true);
+        assert!(v.take(row("r", "b", TaskState::Completed, 3, &["a"]), &mut new_runs));
+        assert!(v.runs.contains_key("r"), "kept while this host's attempt of it is alive");
+        v.set_busy(&("r".into(), "b".into()), false);
+        assert!(v.runs.is_empty(), "an ended run is forgotten");
+        // A person's retry: the row of a run not in view brings it back, read whole.
+        assert!(!v.take(row("r", "b", TaskState::Pending, 4, &["a"]), &mut new_runs));
+        assert!(new_runs.contains("r") && v.unleased_run_seen);
+        // `pier run` keeps its one run to the end.
+        let mut own = view(Scope::Run("r".into()));
+        own.put(row("r", "a", TaskState::Completed, 3, &[]));
+        own.forget_if_ended("r");
+        assert!(own.runs.contains_key("r"));
     }
 }

@@ -22,26 +22,35 @@ pub(crate) struct SubmitBody {
     input: Option<Value>,
     priority: Option<u8>,
     task_id: Option<String>,
+    /// The text of the types file beside the plan (`types.toml`), whose types the plan may use.
+    types: Option<String>,
 }
 
 pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Result<Response, ApiError> {
     let config = app.tasks.config();
-    let text = match (body.plan, body.task_type) {
-        (Some(plan), None) if body.input.is_none() && body.priority.is_none() && body.task_id.is_none() => plan,
-        (None, Some(ty)) => {
+    let (text, whole) = match (body.plan, body.task_type) {
+        (Some(plan), None) if body.input.is_none() && body.task_id.is_none() => (plan, body.priority),
+        (None, Some(ty)) if body.types.is_none() => {
             let input = body.input.unwrap_or_else(|| json!({}));
-            pier_host::tasks::one_task_plan(&ty, &input, body.priority, body.task_id.as_deref())
-                .map_err(pier_host::ActionError::Plan)?
+            let text = pier_host::tasks::one_task_plan(&ty, &input, body.priority, body.task_id.as_deref())
+                .map_err(pier_host::ActionError::Plan)?;
+            (text, None)
         }
         _ => {
             return Err(pier_host::ActionError::bad_request(
-                "give either `plan` (a plan's text) or `type` with its `input` (and `priority`, `task_id` if you like)",
+                "give either `plan` (a plan's text, with `types` and `priority` if you like) or `type` with its \
+                 `input` (and `priority`, `task_id` if you like)",
             )
             .into());
         }
     };
-    let plan = pier_host::tasks::parse_plan(&text, &config.agents, &config.pier_exe, &config.types)
+    let types =
+        pier_host::tasks::plan_types(&config.types, body.types.as_deref()).map_err(pier_host::ActionError::Plan)?;
+    let mut plan = pier_host::tasks::parse_plan(&text, &config.agents, &config.pier_exe, &types)
         .map_err(pier_host::ActionError::Plan)?;
+    if let Some(p) = whole {
+        plan = plan.at_priority(p).map_err(pier_host::ActionError::Plan)?;
+    }
     let submission = Submission { plan, run: body.run_id, source: "http".into(), own: false };
     let submitted = app.tasks.submit(submission).await?;
     Ok((StatusCode::CREATED, Json(json!({"run": submitted.run}))).into_response())

@@ -20,7 +20,8 @@ pub trait TaskStore: Send + Sync + 'static {
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
     /// One task, or `None` if the run has no such task.
     fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
-    /// Every pending task of every run, oldest run first, in plan order.
+    /// Every pending task of every run: those with a priority first (highest first), then the
+    /// rest; within each, oldest run first, in plan order.
     fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
     /// A consistent copy of the whole store, taken while it is in use, written to the new file
     /// `to` (SQLite); a PostgreSQL store says to use `pg_dump`.

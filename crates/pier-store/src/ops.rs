@@ -143,9 +143,16 @@ pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) 
         let spec = serde_json::to_string(t)?;
         let keyed = Arg::OptInt((!t.concurrency.is_empty()).then_some(1));
         tx.exec(
-            "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed)
-             VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5)",
-            &[Arg::Text(run), Arg::Text(&t.id), Arg::Int(i as i64), Arg::Text(&spec), keyed],
+            "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority)
+             VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6)",
+            &[
+                Arg::Text(run),
+                Arg::Text(&t.id),
+                Arg::Int(i as i64),
+                Arg::Text(&spec),
+                keyed,
+                Arg::Int(t.priority.into()),
+            ],
         )?;
         let created = LogEvent::TaskCreated {
             depends_on: t.depends_on.clone(),

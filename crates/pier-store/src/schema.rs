@@ -120,8 +120,15 @@ pub(crate) const SCHEDULES: &str = "CREATE TABLE schedules (id TEXT PRIMARY KEY,
     source TEXT NOT NULL, paused_by TEXT, next_at_ms {INT}, last_at_ms {INT}, last_run TEXT, last_note TEXT,
     created_at_ms {INT} NOT NULL, updated_at_ms {INT} NOT NULL)";
 
+/// A task's stated priority (its spec's), beside it so the pending ones with a priority are found
+/// highest first from an index of those alone (a pull worker's lease visits them first).
+pub(crate) const TASKS_PRIORITY: &str = "ALTER TABLE tasks ADD COLUMN priority {INT} NOT NULL DEFAULT 0";
+
+pub(crate) const TASKS_URGENT: &str =
+    "CREATE INDEX tasks_urgent ON tasks(priority, run_id, ord) WHERE state = 'pending' AND priority > 0";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 11] = [
+pub(crate) const LATER: [Migration; 12] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -133,4 +140,5 @@ pub(crate) const LATER: [Migration; 11] = [
     &[RUNS_AGE],
     &[TASKS_KEYED, KEY_HOLDERS],
     &[SCHEDULES],
+    &[TASKS_PRIORITY, TASKS_URGENT],
 ];

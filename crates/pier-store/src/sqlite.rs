@@ -70,7 +70,7 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 15] = [
+const MIGRATIONS: [Migration; 16] = [
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
@@ -86,6 +86,7 @@ const MIGRATIONS: [Migration; 15] = [
     LATER[8],
     LATER[9],
     LATER[10],
+    LATER[11],
 ];
 
 /// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].

@@ -22,6 +22,15 @@ pub struct Store<B> {
 }
 
 const TASKS_OF_RUN: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 ORDER BY ord");
+/// A page (`?1` rows after the first `?2`) of the pending tasks with a priority: highest first,
+/// then oldest run first, in plan order.
+const URGENT: &str = concat!(
+    "SELECT ",
+    task_columns!(t),
+    " FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.state = 'pending' AND t.priority > 0 \
+     ORDER BY t.priority DESC, r.created_at_ms, r.id, t.ord LIMIT ?1 OFFSET ?2"
+);
+const URGENT_PAGE: i64 = 256;
 const TASK: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 AND id = ?2");
 
 /// An event row of `seq, run_id, task_id, type, at_ms, data`, its data still text.
@@ -129,7 +138,25 @@ impl<B: Backend> TaskStore for Store<B> {
     }
 
     fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError> {
-        // Run by run, oldest first, a page at a time (the first small): a lease usually takes
+        // Those with a priority first, from their own index, a page at a time; they are
+        // passed over below (a task stored before the column has it 0, and comes with the rest).
+        let (mut offset, mut seen) = (0, std::collections::HashSet::new());
+        loop {
+            let rows = self.rows(URGENT, &[Arg::Int(URGENT_PAGE), Arg::Int(offset)])?;
+            let full = rows.len() as i64 == URGENT_PAGE;
+            for r in rows {
+                let t = decode(r.raw_task()?)?;
+                seen.insert((t.run_id.clone(), t.id.clone()));
+                if visit(t)? {
+                    return Ok(());
+                }
+            }
+            if !full {
+                break;
+            }
+            offset += URGENT_PAGE;
+        }
+        // Then the rest: run by run, oldest first, a page at a time (the first small): a lease usually takes
         // one of the first tasks, and reading (let alone sorting) every pending task for it
         // made each lease cost as much as the queue was long.
         let mut runs = Vec::new();
@@ -145,7 +172,8 @@ impl<B: Backend> TaskStore for Store<B> {
                 let rows = self.rows(B::PENDING_OF_RUN, &[Arg::Text(&run), Arg::Int(page), Arg::Int(offset)])?;
                 let full = rows.len() as i64 == page;
                 for r in rows {
-                    if visit(decode(r.raw_task()?)?)? {
+                    let t = decode(r.raw_task()?)?;
+                    if (seen.is_empty() || !seen.contains(&(t.run_id.clone(), t.id.clone()))) && visit(t)? {
                         return Ok(());
                     }
                 }

@@ -1247,3 +1247,35 @@ fn a_schedules_occurrence_is_moved_on_and_run_by_exactly_one_of_many_nodes() {
         assert_eq!(s.tasks("tick-9").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}: runs stay");
     }
 }
+
+/// Issue #32: pending tasks are handed out (a pull worker's lease, a report's next claim)
+/// with a priority first, highest first and first come within one, then the rest in run
+/// order; each once.
+#[test]
+fn pending_tasks_come_highest_priority_first_then_in_run_order() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let s = open(&fresh.spec);
+        let plan = |tasks: &[(&str, u8)]| {
+            let text: String = tasks
+                .iter()
+                .map(|(id, p)| format!("[[tasks]]\nid = \"{id}\"\nprompt = \"x\"\npriority = {p}\n\n"))
+                .collect();
+            parse(&text, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"))
+        };
+        // Named in creation order: two runs created in one millisecond are ordered by id.
+        s.create_run("r1-old", &plan(&[("o1", 0), ("o2", 5), ("o3", 0)]), "test").unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("r2-new", &plan(&[("n1", 9), ("n2", 0), ("n3", 5)]), "test").unwrap_or_else(|e| panic!("{e}"));
+        let order: Vec<String> =
+            s.pending_tasks().unwrap_or_else(|e| panic!("{e}")).into_iter().map(|t| t.id).collect();
+        assert_eq!(order, ["n1", "o2", "n3", "o1", "o3", "n2"], "{name}");
+        claim_of(&s, "r2-new", "n1");
+        let order: Vec<String> =
+            s.pending_tasks().unwrap_or_else(|e| panic!("{e}")).into_iter().map(|t| t.id).collect();
+        assert_eq!(order, ["o2", "n3", "o1", "o3", "n2"], "{name}: a claimed task is no longer pending");
+    }
+}
+
+fn claim_of(s: &Arc<dyn TaskStore>, run: &str, task: &str) {
+    assert!(s.claim(run, task, "w", FAR).unwrap_or_else(|e| panic!("{e}")).is_some(), "claim {run}/{task}");
+}

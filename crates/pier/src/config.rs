@@ -338,6 +338,16 @@ pub fn types(files: &FileConfig) -> anyhow::Result<pier_host::plan::Shared> {
     pier_host::plan::Shared::new(files.types.clone()).map_err(|e| anyhow::anyhow!("`[types]` in pier.toml: {e}"))
 }
 
+/// The text of the types file beside plan file `plan` (`types.toml` in its directory), if there is one.
+pub fn types_beside(plan: &Path) -> anyhow::Result<Option<String>> {
+    let path = plan.parent().unwrap_or(Path::new(".")).join(pier_host::tasks::TYPES_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("cannot read {}", path.display()))),
+    }
+}
+
 /// `[[schedules]]` tables as schedules: each table's `plan` names a plan file, read now
 /// (relative to `base`) and carried as its text, its path kept as `plan_file`.
 pub fn schedules(tables: &[toml::Table], base: &Path) -> anyhow::Result<Vec<pier_host::schedule::ScheduleSpec>> {

@@ -36,6 +36,9 @@ pub struct RunArgs {
     /// Tasks run at once
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
+    /// 0..=9, every task of the plan's: it wins over what the plan says
+    #[arg(long, conflicts_with = "resume")]
+    priority: Option<u8>,
     /// Output: text progress lines, or NDJSON events and a summary line
     #[arg(long, value_enum, default_value = "text")]
     format: EventFormat,
@@ -111,7 +114,12 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
         (None, Some(plan_path)) => {
             let text =
                 std::fs::read_to_string(plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?;
-            let plan = pier_host::tasks::parse_plan(&text, &files.agents, &pier_exe, &config::types(&files)?)?;
+            let types =
+                pier_host::tasks::plan_types(&config::types(&files)?, config::types_beside(plan_path)?.as_deref())?;
+            let mut plan = pier_host::tasks::parse_plan(&text, &files.agents, &pier_exe, &types)?;
+            if let Some(p) = args.priority {
+                plan = plan.at_priority(p)?;
+            }
             let base = plan_path.canonicalize()?.parent().map(PathBuf::from).unwrap_or(here);
             (base, Some((plan, plan_path.display().to_string())))
         }

@@ -258,8 +258,8 @@ pub struct SubmitArgs {
     /// A field of the task's input: `KEY=VALUE` (VALUE read as JSON when it is, else as text)
     #[arg(long, value_name = "KEY=VALUE", requires = "task_type")]
     input: Vec<String>,
-    /// 0..=9; among ready tasks the higher goes first
-    #[arg(long, requires = "task_type")]
+    /// 0..=9, for every task of the plan (or the --type task); among ready tasks the higher goes first
+    #[arg(long)]
     priority: Option<u8>,
     /// The task's id [default: the type's name]
     #[arg(long, requires = "task_type")]
@@ -286,7 +286,8 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
     let body = match (&args.plan, &args.task_type) {
         (Some(path), _) => {
             let plan = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-            json!({"plan": plan, "run_id": args.run_id})
+            let types = config::types_beside(path)?;
+            json!({"plan": plan, "run_id": args.run_id, "priority": args.priority, "types": types})
         }
         (None, Some(ty)) => json!({"type": ty, "input": input_object(&args.input)?, "priority": args.priority,
                                    "task_id": args.task_id, "run_id": args.run_id}),

@@ -161,3 +161,35 @@ async fn a_task_waiting_for_a_full_key_says_so_and_workers_cannot_lease_past_it(
     let (_, task) = s.call(reqwest::Method::GET, "/runs/w/tasks/second", None).await;
     assert_eq!(task["keys"], json!([{"key": "repo:foo", "limit": 1, "running": 1}]), "{task}");
 }
+
+/// A plan uses the types of the `types.toml` beside it (submitted with it), and `--priority`
+/// at submit puts every task of the plan at that priority, over what the plan says.
+#[tokio::test]
+async fn a_plan_uses_the_types_beside_it_and_a_priority_given_at_submit() {
+    let (s, _) = server_configured(None, &[], None).await;
+    let dir = must(tempfile::tempdir(), "plans");
+    let types = "[types.note]\nprompt = \"Write {{input.what}}.\"\npriority = 2\n\
+                 input = { type = \"object\", required = [\"what\"] }\n";
+    must(std::fs::write(dir.path().join("types.toml"), types), "types");
+    let plan = "[[tasks]]\nid = \"a\"\ntype = \"note\"\ninput = { what = \"docs\" }\npriority = 4\nagent = \"worker\"\n\n\
+                [[tasks]]\nid = \"b\"\nprompt = \"plain\"\nagent = \"worker\"\n";
+    let path = dir.path().join("plan.toml");
+    must(std::fs::write(&path, plan), "plan");
+    let path = path.display().to_string();
+    let o = cli(&s, &["submit", &path, "--run-id", "beside", "--priority", "7"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    for task in ["a", "b"] {
+        let (_, v) = s.call(reqwest::Method::GET, &format!("/runs/beside/tasks/{task}"), None).await;
+        assert_eq!(v["task"]["spec"]["priority"], 7, "{v}");
+    }
+    let (_, v) = s.call(reqwest::Method::GET, "/runs/beside/tasks/a", None).await;
+    assert_eq!(v["task"]["spec"]["prompt"], "Write docs.", "{v}");
+
+    // A broken types file is named, with its line.
+    must(std::fs::write(dir.path().join("types.toml"), "[types.note]\nprompt = 3\n"), "types");
+    let o = cli(&s, &["submit", &path, "--run-id", "broken"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("types.toml: line"), "{}", text(&o));
+    let o = cli(&s, &["submit", &path, "--run-id", "high", "--priority", "12"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+}

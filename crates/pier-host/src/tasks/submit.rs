@@ -30,6 +30,19 @@ pub fn parse_plan(
     plan::parse_typed(text, types, &known)
 }
 
+/// The file of task types beside a plan file (`types.toml` in its directory).
+pub const TYPES_FILE: &str = "types.toml";
+
+/// The types a plan may use: `shared` (pier.toml's) and those of the types file beside the plan,
+/// `beside`, whose win on a name. Its problems are named as its own.
+pub fn plan_types(shared: &plan::Shared, beside: Option<&str>) -> Result<plan::Shared, PlanError> {
+    let Some(text) = beside else { return Ok(shared.clone()) };
+    let file = plan::Shared::parse_file(text).map_err(|e| {
+        PlanError(e.0.into_iter().map(|p| plan::Problem { line: 0, message: format!("{TYPES_FILE}: {p}") }).collect())
+    })?;
+    Ok(shared.with(&file))
+}
+
 /// An ad-hoc task of a declared type (`pier submit --type`, `POST /runs` with `type`): the
 /// text of a one-task plan, parsed and checked as any plan is. The task is `id`, else the type's name.
 pub fn one_task_plan(

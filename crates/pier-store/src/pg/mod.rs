@@ -58,7 +58,7 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 12] = [
+const MIGRATIONS: [Migration; 13] = [
     &[
         RUNS,
         TASKS,
@@ -84,6 +84,7 @@ const MIGRATIONS: [Migration; 12] = [
     LATER[8],
     LATER[9],
     LATER[10],
+    LATER[11],
 ];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.

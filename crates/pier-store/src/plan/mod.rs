@@ -19,6 +19,21 @@ pub struct Plan {
     pub lines: HashMap<String, usize>,
 }
 
+impl Plan {
+    /// Every task at `priority`: a priority given at submit, which wins over what the plan,
+    /// its types and defaults say. Refused outside 0..=9.
+    pub fn at_priority(mut self, priority: u8) -> Result<Plan, PlanError> {
+        if priority > 9 {
+            let message = format!("priority = {priority}: give 0 to 9");
+            return Err(PlanError(vec![Problem { line: 0, message }]));
+        }
+        for t in &mut self.tasks {
+            t.priority = priority;
+        }
+        Ok(self)
+    }
+}
+
 /// One task, with the defaults applied.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TaskSpec {
@@ -374,16 +389,54 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
 /// plan's own of the same name win.
 #[derive(Clone, Default)]
 pub struct Shared {
-    types: std::sync::Arc<BTreeMap<String, types::TaskType>>,
+    types: std::sync::Arc<BTreeMap<String, std::sync::Arc<types::TaskType>>>,
+}
+
+/// A types file: `[types.NAME]` tables and nothing else.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TypesFile {
+    #[serde(default)]
+    types: BTreeMap<String, toml::Value>,
 }
 
 impl Shared {
     /// The `[types]` table of a configuration file, checked as a plan's would be.
     pub fn new(table: BTreeMap<String, toml::Value>) -> Result<Shared, PlanError> {
+        Shared::checked(table, &|_| 0)
+    }
+
+    fn checked(table: BTreeMap<String, toml::Value>, line: &dyn Fn(&str) -> usize) -> Result<Shared, PlanError> {
         let mut problems = Vec::new();
-        let types = types::parse_types(table, &|_| 0, &mut problems);
+        let types = types::parse_types(table, line, &mut problems);
+        let types = types.into_iter().map(|(name, ty)| (name, std::sync::Arc::new(ty))).collect();
         if problems.is_empty() { Ok(Shared { types: std::sync::Arc::new(types) }) } else { Err(PlanError(problems)) }
     }
+
+    /// The types of a types file (`types.toml` beside a plan), each problem with its line.
+    pub fn parse_file(text: &str) -> Result<Shared, PlanError> {
+        let file: TypesFile = toml::from_str(text).map_err(|e| {
+            let line = e.span().map_or(0, |s| Lines::new(text).of(s.start));
+            PlanError(vec![Problem { line, message: e.message().to_owned() }])
+        })?;
+        let index = Lines::new(text);
+        Shared::checked(file.types, &|name| type_line(text, &index, name))
+    }
+
+    /// These types with `over`'s beside them, `over`'s winning on a name.
+    pub fn with(&self, over: &Shared) -> Shared {
+        let mut types = (*self.types).clone();
+        types.extend(over.types.iter().map(|(name, ty)| (name.clone(), ty.clone())));
+        Shared { types: std::sync::Arc::new(types) }
+    }
+}
+
+/// The line of type `name`'s header in `text`, or 0.
+fn type_line(text: &str, index: &Lines, name: &str) -> usize {
+    [format!("[types.{name}]"), format!("[types.\"{name}\"]")]
+        .iter()
+        .find_map(|header| text.find(header.as_str()))
+        .map_or(0, |at| index.of(at))
 }
 
 impl std::fmt::Debug for Shared {
@@ -405,15 +458,13 @@ pub fn parse_typed(
     let d = file.defaults;
     let index = Lines::new(text);
     let mut problems = Vec::new();
-    let type_line = |name: &str| {
-        [format!("[types.{name}]"), format!("[types.\"{name}\"]")]
-            .iter()
-            .find_map(|header| text.find(header.as_str()))
-            .map_or(0, |at| index.of(at))
-    };
-    let own = types::parse_types(file.types, &type_line, &mut problems);
-    let declared: BTreeMap<&str, &types::TaskType> =
-        shared.types.iter().chain(&own).map(|(name, ty)| (name.as_str(), ty)).collect();
+    let own = types::parse_types(file.types, &|name| type_line(text, &index, name), &mut problems);
+    let declared: BTreeMap<&str, &types::TaskType> = shared
+        .types
+        .iter()
+        .map(|(name, ty)| (name.as_str(), ty.as_ref()))
+        .chain(own.iter().map(|(name, ty)| (name.as_str(), ty)))
+        .collect();
     let defaults_line = text.find("[defaults]").map_or(0, |at| index.of(at));
     for why in number_problems(d.timeout, d.max_time, d.max_attempts) {
         problems.push(Problem { line: defaults_line, message: format!("[defaults]: {why}") });
