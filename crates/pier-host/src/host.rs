@@ -247,8 +247,9 @@ impl Host {
         if watched > p.view.seq {
             p.dirty |= p.view.refresh(&self.store, own, watched).await?;
         }
-        if tokio::time::Instant::now() >= p.next_lease || p.view.unleased_run_seen {
-            self.renew_leases(scope, p).await?;
+        let due = tokio::time::Instant::now() >= p.next_lease;
+        if due || p.view.unleased_run_seen {
+            self.renew_leases(scope, p, due).await?;
         }
         // An attempt whose task a person cancelled (or that ended under it) stops now, through
         // the cancel handshake, and ends the task with its output.
@@ -285,13 +286,19 @@ impl Host {
         Ok(Step::Wait)
     }
 
-    /// Renews this host's run leases: `pier serve` takes its fair share of every run;
-    /// `pier run` only its own run, so it never schedules a run a server node drives (or
-    /// another `pier run`).
-    async fn renew_leases(&self, scope: &Scope, p: &mut Pass) -> Result<(), StoreError> {
+    /// Renews this host's run leases when `due` (else a run appeared: only takes free ones
+    /// up to its share): `pier serve` takes its fair share of every run; `pier run` only its
+    /// own run, so it never schedules a run a server node drives (or another `pier run`).
+    async fn renew_leases(&self, scope: &Scope, p: &mut Pass, due: bool) -> Result<(), StoreError> {
         let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
         let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
         let held = match scope {
+            Scope::All if !due => {
+                let taken = blocking(&self.store, move |s| s.take_runs(&node, until)).await?;
+                let held = p.view.held.iter().cloned().chain(taken).collect();
+                p.dirty |= p.view.set_held(held);
+                return Ok(());
+            }
             Scope::All => blocking(&self.store, move |s| s.lease_runs(&node, until)).await?,
             Scope::Run(run) => {
                 let r = run.clone();

@@ -965,34 +965,68 @@ pub(crate) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
         &[Arg::Text(node)],
     )?;
     tx.exec("UPDATE run_leases SET expires_at_ms = ?2 WHERE owner = ?1", &[Arg::Text(node), Arg::Int(until)])?;
-    let live = tx.int("SELECT COUNT(*) FROM nodes WHERE expires_at_ms >= ?1", &[Arg::Int(now)])?.unwrap_or(1).max(1);
-    let active = tx
-        .int("SELECT COUNT(DISTINCT run_id) FROM tasks WHERE state IN ('pending', 'running', 'awaiting_input')", &[])?
-        .unwrap_or(0);
-    let share = ((active + live - 1) / live) as usize;
+    let share = fair_share(tx, now)?;
     let mine = tx.strings("SELECT run_id FROM run_leases WHERE owner = ?1 ORDER BY run_id", &[Arg::Text(node)])?;
     // Beyond its share: the newest runs go back, for a node that joined to take.
     for run in mine.iter().skip(share) {
         tx.exec("DELETE FROM run_leases WHERE owner = ?1 AND run_id = ?2", &[Arg::Text(node), Arg::Text(run)])?;
     }
-    if mine.len() < share {
-        let free = tx.strings(
-            "SELECT DISTINCT t.run_id FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
-             WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)
-             ORDER BY t.run_id LIMIT ?2",
-            &[Arg::Int(now), Arg::Int((share - mine.len()) as i64)],
-        )?;
-        for run in &free {
-            // Fenced on the expiry: of two nodes taking one run, one gets it.
-            tx.exec(
-                "INSERT INTO run_leases (run_id, owner, expires_at_ms) VALUES (?1, ?2, ?3)
-                 ON CONFLICT (run_id) DO UPDATE SET owner = ?2, expires_at_ms = ?3 WHERE run_leases.expires_at_ms < ?4",
-                &[Arg::Text(run), Arg::Text(node), Arg::Int(until), Arg::Int(now)],
-            )?;
-        }
-    }
+    take_free(tx, node, now, until, share.saturating_sub(mine.len()))?;
     let held = tx.strings("SELECT run_id FROM run_leases WHERE owner = ?1 ORDER BY run_id", &[Arg::Text(node)])?;
     Ok((held, 0))
+}
+
+/// Node `node` takes its part of the unfinished runs whose lease is free or expired (of `n`
+/// such runs and `live` nodes, `n / live` rounded up), between two renewals: a run appeared.
+/// Its leases are neither renewed nor swept, so a new run costs a few reads, not a rewrite of
+/// every lease the node holds (which, in PostgreSQL, left a dead row version of each behind on
+/// every pass); the next renewal evens the shares out. Returns the runs it took.
+pub(crate) fn take_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
+    let now = now_ms();
+    let live = tx.int("SELECT COUNT(*) FROM nodes WHERE expires_at_ms >= ?1", &[Arg::Int(now)])?.unwrap_or(1).max(1);
+    let free = tx
+        .int(
+            "SELECT COUNT(DISTINCT t.run_id) FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
+             WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)",
+            &[Arg::Int(now)],
+        )?
+        .unwrap_or(0);
+    Ok((take_free(tx, node, now, until, ((free + live - 1) / live) as usize)?, 0))
+}
+
+/// A node's fair share of runs at `now`: the unfinished runs over the live nodes, rounded up.
+fn fair_share(tx: &mut dyn Tx, now: i64) -> Result<usize, StoreError> {
+    let live = tx.int("SELECT COUNT(*) FROM nodes WHERE expires_at_ms >= ?1", &[Arg::Int(now)])?.unwrap_or(1).max(1);
+    let active = tx
+        .int("SELECT COUNT(DISTINCT run_id) FROM tasks WHERE state IN ('pending', 'running', 'awaiting_input')", &[])?
+        .unwrap_or(0);
+    Ok(((active + live - 1) / live) as usize)
+}
+
+/// Node `node` takes up to `room` unfinished runs whose lease is free or expired; those it took.
+fn take_free(tx: &mut dyn Tx, node: &str, now: i64, until: i64, room: usize) -> Result<Vec<String>, StoreError> {
+    if room == 0 {
+        return Ok(Vec::new());
+    }
+    let free = tx.strings(
+        "SELECT DISTINCT t.run_id FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
+         WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)
+         ORDER BY t.run_id LIMIT ?2",
+        &[Arg::Int(now), Arg::Int(room as i64)],
+    )?;
+    let mut taken = Vec::new();
+    for run in free {
+        // Fenced on the expiry: of two nodes taking one run, one gets it.
+        let took = tx.exec(
+            "INSERT INTO run_leases (run_id, owner, expires_at_ms) VALUES (?1, ?2, ?3)
+             ON CONFLICT (run_id) DO UPDATE SET owner = ?2, expires_at_ms = ?3 WHERE run_leases.expires_at_ms < ?4",
+            &[Arg::Text(&run), Arg::Text(node), Arg::Int(until), Arg::Int(now)],
+        )?;
+        if took > 0 {
+            taken.push(run);
+        }
+    }
+    Ok(taken)
 }
 
 /// An attempt's ending with what it writes last ([`crate::Last`]): its events first, then

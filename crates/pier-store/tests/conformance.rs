@@ -1279,3 +1279,34 @@ fn pending_tasks_come_highest_priority_first_then_in_run_order() {
 fn claim_of(s: &Arc<dyn TaskStore>, run: &str, task: &str) {
     assert!(s.claim(run, task, "w", FAR).unwrap_or_else(|e| panic!("{e}")).is_some(), "claim {run}/{task}");
 }
+
+/// Between renewals a node takes the new runs (its part of those free, over the live nodes)
+/// without renewing or sweeping the leases it holds, and never a run a live node holds.
+#[test]
+fn between_renewals_a_node_takes_its_part_of_new_runs_and_renews_nothing() {
+    each(|name, s| {
+        let now = pier_store::now_ms();
+        assert_eq!(s.lease_runs("one", now + 60_000).unwrap_or_default(), ["r"], "{name}");
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        for run in ["n1", "n2", "n3", "n4"] {
+            s.create_run(run, &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        }
+        let expiry = |s: &Arc<dyn TaskStore>, run: &str| {
+            s.nodes().unwrap_or_default().iter().find(|n| n.runs.iter().any(|r| r == run)).map(|n| n.expires_at_ms)
+        };
+        let before = expiry(s, "r");
+        // Alone: every free run.
+        let taken = s.take_runs("one", now + 90_000).unwrap_or_default();
+        assert_eq!(taken, ["n1", "n2", "n3", "n4"], "{name}");
+        assert_eq!(expiry(s, "r"), before, "{name}: the node's presence and leases were not renewed");
+        assert_eq!(s.take_runs("one", now + 90_000).unwrap_or_default(), Vec::<String>::new(), "{name}: none left");
+        // Two live nodes, two new runs: each takes its half at most, none of one's held runs.
+        assert!(s.lease_runs("two", now + 60_000).is_ok(), "{name}");
+        for run in ["m1", "m2"] {
+            s.create_run(run, &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(s.take_runs("two", now + 90_000).unwrap_or_default(), ["m1"], "{name}");
+        assert_eq!(s.take_runs("one", now + 90_000).unwrap_or_default(), ["m2"], "{name}");
+        assert_eq!(s.take_runs("two", now + 90_000).unwrap_or_default(), Vec::<String>::new(), "{name}");
+    });
+}
