@@ -53,7 +53,9 @@ pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBod
     }
     let submission = Submission { plan, run: body.run_id, source: "http".into(), own: false };
     let submitted = app.tasks.submit(submission).await?;
-    Ok((StatusCode::CREATED, Json(json!({"run": submitted.run}))).into_response())
+    // A repeated submission (same id, same plan) is answered as it was, with nothing run again.
+    let status = if submitted.created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(json!({"run": submitted.run, "created": submitted.created}))).into_response())
 }
 
 pub(crate) async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {

@@ -294,7 +294,11 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("give a plan file or --type NAME"),
     };
     let v = call(&args.server, reqwest::Method::POST, "/runs", Some(body)).await?;
-    println!("{}", v["run"].as_str().unwrap_or(""));
+    let run = v["run"].as_str().unwrap_or("");
+    if v["created"] == false {
+        eprintln!("pier submit: run {run} was submitted with this plan already; nothing runs again");
+    }
+    println!("{run}");
     Ok(())
 }
 

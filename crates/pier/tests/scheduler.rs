@@ -193,3 +193,28 @@ async fn a_plan_uses_the_types_beside_it_and_a_priority_given_at_submit() {
     let o = cli(&s, &["submit", &path, "--run-id", "high", "--priority", "12"]).await;
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
 }
+
+/// Issue #34: the same plan submitted again under the same run id is accepted (exit 0, 200)
+/// and runs nothing again; another plan under that id is still refused (`run_exists`).
+#[tokio::test]
+async fn an_identical_resubmission_is_accepted_and_runs_nothing_again() {
+    let (s, _) = server_configured(None, &[], None).await;
+    let plan = "[[tasks]]\nid = \"a\"\nprompt = \"p\"\nagent = \"worker\"\n";
+    let body = json!({"plan": plan, "run_id": "again"});
+    let (code, v) = s.call(reqwest::Method::POST, "/runs", Some(body.clone())).await;
+    assert_eq!((code, &v["created"]), (201, &json!(true)), "{v}");
+    let (code, v) = s.call(reqwest::Method::POST, "/runs", Some(body)).await;
+    assert_eq!((code, &v["run"], &v["created"]), (200, &json!("again"), &json!(false)), "{v}");
+    let (_, run) = s.call(reqwest::Method::GET, "/runs/again", None).await;
+    assert_eq!(run["tasks"].as_array().map(Vec::len), Some(1), "{run}");
+    let dir = must(tempfile::tempdir(), "plans");
+    let path = dir.path().join("plan.toml");
+    must(std::fs::write(&path, plan), "plan");
+    let o = cli(&s, &["submit", &path.display().to_string(), "--run-id", "again"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("submitted with this plan already"), "{}", text(&o));
+    let other = json!({"plan": "[[tasks]]\nid = \"b\"\nprompt = \"q\"\nagent = \"worker\"\n", "run_id": "again"});
+    let (code, v) = s.call(reqwest::Method::POST, "/runs", Some(other)).await;
+    assert_eq!((code, &v["error"]["code"]), (409, &json!("run_exists")), "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("another run id")), "{v}");
+}

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use pier_client::AgentDef;
 use pier_store::plan::{self, Plan, PlanError};
-use pier_store::{ErrorCode, TaskSpec};
+use pier_store::{ErrorCode, StoreError, TaskSpec};
 
 use super::handle::Tasks;
 use crate::person::ActionError;
@@ -90,9 +90,10 @@ pub struct Submission {
     pub run: Option<String>,
     /// Where the plan came from (its file, `http`), kept with the run.
     pub source: String,
-    /// The run is this process's alone (`pier run`): its lease is taken before it is created,
-    /// and an existing run of the same id and plan is joined (another plan is refused). A
-    /// shared run (`pier serve`) is driven by whichever node leases it; an existing id is refused.
+    /// The run is this process's alone (`pier run`): its lease is taken before it is created.
+    /// A shared run (`pier serve`) is driven by whichever node leases it. Either way an
+    /// existing run of the same id and plan is joined (a resubmission runs nothing again);
+    /// another plan under that id is refused.
     pub own: bool,
 }
 
@@ -100,7 +101,7 @@ pub struct Submission {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Submitted {
     pub run: String,
-    /// False when an own run of the same plan was joined.
+    /// False when a run of the same id and plan was there already (nothing runs again).
     pub created: bool,
 }
 
@@ -111,27 +112,35 @@ impl Tasks {
             plan::check_run_id(id).map_err(|why| ActionError::bad_request(format!("the run id: {why}")))?;
         }
         let run = s.run.clone().unwrap_or_else(new_run_id);
-        if s.own && self.joins(&run, &s.plan.tasks).await? {
+        if s.run.is_some() && self.joins(&run, &s.plan.tasks, s.own).await? {
             return Ok(Submitted { run, created: false });
         }
         check_sandbox(&s.plan, &self.config).map_err(ActionError::Plan)?;
         crate::caps::check(&s.plan, &self.store, &self.config).await.map_err(ActionError::Plan)?;
-        let (r, config) = (run.clone(), self.config.clone());
-        self.blocking(move |store| {
-            if s.own {
-                crate::host::create_own_run(store, &config, &r, &s.plan, &s.source)?;
-            } else {
-                store.create_run(&r, &s.plan, &s.source)?;
+        let (r, config, tasks, own) = (run.clone(), self.config.clone(), s.plan.tasks.clone(), s.own);
+        let created = self
+            .blocking(move |store| {
+                let created = if s.own {
+                    crate::host::create_own_run(store, &config, &r, &s.plan, &s.source)
+                } else {
+                    store.create_run(&r, &s.plan, &s.source)
+                };
+                Ok(created?)
+            })
+            .await;
+        match created {
+            Ok(()) => Ok(Submitted { run, created: true }),
+            // The same submission twice at once: the second joins what the first created.
+            Err(ActionError::Store(StoreError::RunExists(_))) if self.joins(&run, &tasks, own).await? => {
+                Ok(Submitted { run, created: false })
             }
-            Ok(())
-        })
-        .await?;
-        Ok(Submitted { run, created: true })
+            Err(e) => Err(e),
+        }
     }
 
-    /// Whether run `run` exists with these tasks (a second host joining it); another plan
-    /// under an existing id is refused, never silently ignored.
-    async fn joins(&self, run: &str, tasks: &[TaskSpec]) -> Result<bool, ActionError> {
+    /// Whether run `run` exists with these tasks (a second host joining it, a submission
+    /// repeated); another plan under an existing id is refused, never silently ignored.
+    async fn joins(&self, run: &str, tasks: &[TaskSpec], own: bool) -> Result<bool, ActionError> {
         let (run, tasks) = (run.to_owned(), tasks.to_vec());
         self.blocking(move |s| {
             if !s.run_exists(&run)? {
@@ -139,11 +148,11 @@ impl Tasks {
             }
             let stored: Vec<TaskSpec> = s.tasks(&run)?.into_iter().map(|t| t.spec).collect();
             if stored != tasks {
+                let fix = if own { format!("resume it with `pier run --resume {run}`, or ") } else { String::new() };
                 return Err(ActionError::Refused {
                     code: ErrorCode::RunExists,
                     message: format!(
-                        "run `{run}` already exists with another plan; resume it with `pier run --resume {run}`, or \
-                         give this plan another --run-id"
+                        "run `{run}` already exists with another plan; {fix}give this plan another run id (--run-id)"
                     ),
                 });
             }
