@@ -150,19 +150,15 @@ pub(crate) fn answer_input_to(
 ) -> Result<Value, ActionError> {
     let row = task_of(store, run, task)?;
     let refused = |message: String| ActionError::Refused { code: ErrorCode::BadRequest, message };
-    let question = store.open_question(run, task)?.filter(|q| q.request.elicitation().is_some()).ok_or_else(|| {
-        ActionError::Refused {
-            code: ErrorCode::BadTransition,
-            message: format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str()),
-        }
-    })?;
+    let Some(question) = store.open_question(run, task)?.filter(|q| q.request.elicitation().is_some()) else {
+        let why = format!("task `{task}` of run `{run}` is {} and asks no question", row.state.as_str());
+        return Err(too_late(store, run, task, why));
+    };
     if expect.is_some_and(|n| n != question.n) {
-        return Err(ActionError::Refused {
-            code: ErrorCode::BadTransition,
-            message: format!(
-                "task `{task}` no longer waits on what you answered (someone answered it already, or it was withdrawn); nothing was applied"
-            ),
-        });
+        let why = format!(
+            "task `{task}` no longer waits on what you answered (someone answered it already, or it was withdrawn); nothing was applied"
+        );
+        return Err(too_late(store, run, task, why));
     }
     let Some(request) = question.request.elicitation() else {
         return Err(refused("the question is not a form".into()));
@@ -181,12 +177,33 @@ pub(crate) fn answer_input_to(
         }
     };
     if !store.answer(run, task, &question, &answer.to_string(), by)? {
-        return Err(ActionError::Refused {
-            code: ErrorCode::BadTransition,
-            message: "the question was answered already".into(),
-        });
+        return Err(too_late(store, run, task, "the question was answered already".into()));
     }
     Ok(answer)
+}
+
+/// `already answered: OPTION by WHO at TIME`, of the task's last answered question, if any: what
+/// a person who answers again is told instead of a bare refusal.
+fn answered_before(store: &dyn TaskStore, run: &str, task: &str) -> Result<Option<String>, ActionError> {
+    let Some(e) = store.events_of_kind(run, Some(task), "answer")?.pop() else { return Ok(None) };
+    let option = e.data["option"].as_str().unwrap_or("?");
+    // A form's answer is its JSON: its action says what was done.
+    let said = serde_json::from_str::<serde_json::Value>(option)
+        .ok()
+        .and_then(|v| v["action"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| option.to_owned());
+    let by = e.data["by"].as_str().unwrap_or("someone");
+    Ok(Some(format!("already answered: {said} by {by} at {}", pier_store::schedule::rfc3339(e.at_ms))))
+}
+
+/// The refusal of an answer that came too late: what was answered, by whom and when, if the
+/// task's last question was answered; else `otherwise`.
+fn too_late(store: &dyn TaskStore, run: &str, task: &str, otherwise: String) -> ActionError {
+    let message = match answered_before(store, run, task) {
+        Ok(Some(said)) => format!("task `{task}` of run `{run}` was {said}; nothing was applied"),
+        _ => otherwise,
+    };
+    ActionError::Refused { code: ErrorCode::BadTransition, message }
 }
 
 /// What an answer did.
@@ -213,21 +230,17 @@ pub(crate) fn answer_to(
 ) -> Result<Answered, ActionError> {
     let row = task_of(store, run, task)?;
     if row.state != TaskState::AwaitingInput {
-        return Err(ActionError::Refused {
-            code: ErrorCode::BadTransition,
-            message: format!("task `{task}` of run `{run}` is {}, not awaiting_input", row.state.as_str()),
-        });
+        let why = format!("task `{task}` of run `{run}` is {}, not awaiting_input", row.state.as_str());
+        return Err(too_late(store, run, task, why));
     }
     let open = store.open_question(run, task)?;
     if let Some(n) = expect
         && open.as_ref().map_or(0, |q| q.n) != n
     {
-        return Err(ActionError::Refused {
-            code: ErrorCode::BadTransition,
-            message: format!(
-                "task `{task}` no longer waits on what you answered (someone answered it already, or it was withdrawn); nothing was applied"
-            ),
-        });
+        let why = format!(
+            "task `{task}` no longer waits on what you answered (someone answered it already, or it was withdrawn); nothing was applied"
+        );
+        return Err(too_late(store, run, task, why));
     }
     match open {
         Some(Question { request: QuestionRequest::Elicitation(_), .. }) => Err(ActionError::Refused {
@@ -258,10 +271,7 @@ pub(crate) fn answer_to(
                 )));
             }
             if !store.answer(run, task, &question, &chosen, by)? {
-                return Err(ActionError::Refused {
-                    code: ErrorCode::BadTransition,
-                    message: "the question was answered already".into(),
-                });
+                return Err(too_late(store, run, task, "the question was answered already".into()));
             }
             Ok(Answered::Option(chosen))
         }

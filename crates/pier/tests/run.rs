@@ -606,6 +606,12 @@ async fn answer_while_waiting(verb: &str, expect: &str) {
     let runs = must(pier_host::TaskStore::runs_with_task(&h.store(), "cfg"), "runs");
     let t = &h.store().tasks(&runs[0])[0];
     assert!(t.result.as_deref().is_some_and(|r| r.contains(expect)), "{t:?}");
+    // Issue #34: answering again says what was answered, by whom and when.
+    let again = h.run(&[verb, "cfg"]).await;
+    assert_eq!(again.status.code(), Some(1), "{}", stderr(&again));
+    let said = stderr(&again);
+    let chosen = if verb == "approve" { "already answered: allow" } else { "already answered: reject" };
+    assert!(said.contains(chosen) && said.contains(" by cli:") && said.contains(" at 20"), "{said}");
 }
 
 #[tokio::test]
