@@ -87,6 +87,7 @@ async fn visit(tasks: &Tasks, compiled: &mut Compiled, row: ScheduleRow) -> Opti
     let advance = |next, fire: Option<Fire>, note| Advance {
         id: row.spec.id.clone(),
         from,
+        spec: serde_json::to_string(&row.spec).unwrap_or_default(),
         next,
         exclusive: fire.is_some() && schedule.spec.overlap != Overlap::Allow,
         fire,

@@ -294,7 +294,9 @@ impl Host {
         let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
         let held = match scope {
             Scope::All if !due => {
-                let taken = blocking(&self.store, move |s| s.take_runs(&node, until)).await?;
+                // The view holds the runs in progress: those it drives are its share in use.
+                let driving = p.view.driven().count();
+                let taken = blocking(&self.store, move |s| s.take_runs(&node, until, driving)).await?;
                 let held = p.view.held.iter().cloned().chain(taken).collect();
                 p.dirty |= p.view.set_held(held);
                 return Ok(());
@@ -344,6 +346,7 @@ impl Host {
             // keep what we saw, so the next wake is at the renewed expiry (no spinning).
             let Some(fresh) = blocking(&self.store, move |s| s.task(&r, &id)).await? else { continue };
             view.put(fresh.clone());
+            view.forget_if_ended(&fresh.run_id);
             let (Some(why), Some(held)) = (lost_by(&fresh, now), fresh.held()) else { continue };
             let (r, id, n) = (fresh.run_id.clone(), fresh.id.clone(), fresh.attempt);
             let evidence = blocking(&self.store, move |s| s.evidence(&r, &id, n)).await?;
@@ -570,8 +573,13 @@ impl View {
             waiting_since: HashMap::new(),
         };
         for tasks in runs {
+            let run = tasks.first().map(|t| t.run_id.clone());
             for t in tasks {
                 view.put(t);
+            }
+            // Read whole; it may have ended between the two reads.
+            if let Some(run) = run {
+                view.forget_if_ended(&run);
             }
         }
         Ok(view)

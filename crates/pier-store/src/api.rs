@@ -181,10 +181,11 @@ pub trait TaskStore: Send + Sync + 'static {
     /// beyond its fair share and takes free or expired ones up to it; the runs it drives.
     /// Exactly one live node holds a run's lease at a time.
     fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError>;
-    /// Node `node` takes its part of the runs whose lease is free or expired (of `n` and `live`
-    /// nodes, `n / live` rounded up) between two renewals (a run appeared), renewing nothing;
-    /// the runs it took (it holds those besides the ones it held).
-    fn take_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError>;
+    /// Node `node`, driving `driving` unfinished runs as it sees them, takes free or expired
+    /// runs between two renewals (a run appeared): up to its fair share less those, and at
+    /// least its part of the free ones; it renews nothing. The runs it took (it holds those
+    /// besides the ones it held).
+    fn take_runs(&self, node: &str, until_ms: i64, driving: usize) -> Result<Vec<String>, StoreError>;
     /// Node `node` drives run `run` alone (`pier run`): renews its presence and takes or
     /// renews that run's lease (never another node's live one); whether it holds it.
     fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError>;

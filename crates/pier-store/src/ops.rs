@@ -976,12 +976,19 @@ pub(crate) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
     Ok((held, 0))
 }
 
-/// Node `node` takes its part of the unfinished runs whose lease is free or expired (of `n`
-/// such runs and `live` nodes, `n / live` rounded up), between two renewals: a run appeared.
-/// Its leases are neither renewed nor swept, so a new run costs a few reads, not a rewrite of
-/// every lease the node holds (which, in PostgreSQL, left a dead row version of each behind on
-/// every pass); the next renewal evens the shares out. Returns the runs it took.
-pub(crate) fn take_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<String>, i64), StoreError> {
+/// Node `node`, driving `driving` unfinished runs as it sees them, takes free or expired runs
+/// between two renewals (a run appeared): up to its fair share less those, and at least its part
+/// of the free ones (of `n` and `live` nodes, `n / live` rounded up: a node whose view counts a
+/// run that just ended still takes new ones). Its leases are neither renewed nor swept, so a new
+/// run costs a few reads, not a rewrite of every lease the node holds (which, in PostgreSQL, left
+/// a dead row version of each behind on every pass); the next renewal evens the shares out.
+/// Returns the runs it took.
+pub(crate) fn take_runs(
+    tx: &mut dyn Tx,
+    node: &str,
+    until: i64,
+    driving: usize,
+) -> Result<(Vec<String>, i64), StoreError> {
     let now = now_ms();
     let live = tx.int("SELECT COUNT(*) FROM nodes WHERE expires_at_ms >= ?1", &[Arg::Int(now)])?.unwrap_or(1).max(1);
     let free = tx
@@ -991,7 +998,9 @@ pub(crate) fn take_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec<
             &[Arg::Int(now)],
         )?
         .unwrap_or(0);
-    Ok((take_free(tx, node, now, until, ((free + live - 1) / live) as usize)?, 0))
+    let part = ((free + live - 1) / live) as usize;
+    let room = fair_share(tx, now)?.saturating_sub(driving).max(part);
+    Ok((take_free(tx, node, now, until, room)?, 0))
 }
 
 /// A node's fair share of runs at `now`: the unfinished runs over the live nodes, rounded up.
@@ -1008,14 +1017,19 @@ fn take_free(tx: &mut dyn Tx, node: &str, now: i64, until: i64, room: usize) -> 
     if room == 0 {
         return Ok(Vec::new());
     }
+    // Every candidate, not `room` of them: a node racing this one takes some of the first
+    // (its insert wins, this one's then changes nothing), and this one goes on past them.
     let free = tx.strings(
         "SELECT DISTINCT t.run_id FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
          WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)
-         ORDER BY t.run_id LIMIT ?2",
-        &[Arg::Int(now), Arg::Int(room as i64)],
+         ORDER BY t.run_id",
+        &[Arg::Int(now)],
     )?;
     let mut taken = Vec::new();
     for run in free {
+        if taken.len() == room {
+            break;
+        }
         // Fenced on the expiry: of two nodes taking one run, one gets it.
         let took = tx.exec(
             "INSERT INTO run_leases (run_id, owner, expires_at_ms) VALUES (?1, ?2, ?3)

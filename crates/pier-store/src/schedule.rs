@@ -54,6 +54,9 @@ pub struct ScheduleSpec {
     /// Where `plan` was read from, when it was a file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_file: Option<String>,
+    /// The text of the types file beside the plan (`types.toml`), whose types it may use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub types: Option<String>,
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
     pub task_type: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -88,6 +91,9 @@ pub enum Timing {
 pub const DEFAULT_GRACE_MS: i64 = 60_000;
 /// The longest schedule id: it is the start of every run id it makes.
 pub const MAX_ID: usize = 64;
+/// How much later than a previous run's end a host may see it (the clock reads the schedules
+/// at least once a second, and the read takes time): a queued occurrence is not missed for that.
+pub const QUEUE_SLACK_MS: i64 = 2_000;
 /// Missed occurrences counted one by one at most (a cron schedule down for years is "more than").
 const MAX_COUNTED: u64 = 10_000;
 
@@ -208,7 +214,8 @@ impl ScheduleSpec {
 /// Why a schedule id is unusable, if it is: it starts every run id the schedule makes.
 pub fn check_id(id: &str) -> Result<(), String> {
     let fits = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
-    if id.is_empty() || id.len() > MAX_ID || !id.chars().all(fits) {
+    // A path segment of dots alone (`.`, `..`) is not one a URL can name.
+    if id.is_empty() || id.len() > MAX_ID || !id.chars().all(fits) || id.chars().all(|c| c == '.') {
         Err(format!("the schedule id {id:?}: give 1 to {MAX_ID} letters, digits, `-`, `_` or `.`"))
     } else {
         Ok(())
@@ -341,9 +348,10 @@ impl Schedule {
         if queue && last_open {
             return Tick::Hold;
         }
-        // Occurrences at or before `cutoff` are missed.
+        // Occurrences at or before `cutoff` are missed. A queued one waited on its previous run,
+        // whose end a host sees up to a poll later (`QUEUE_SLACK_MS`): not missed for that.
         let cutoff = now - self.grace_ms;
-        let missed = due <= cutoff && !(queue && last_ended.is_some_and(|e| e > cutoff));
+        let missed = due <= cutoff && !(queue && last_ended.is_some_and(|e| e + QUEUE_SLACK_MS > cutoff));
         let (at, missed_before) = if missed {
             let latest = self.timing.at_or_before(cutoff).unwrap_or(due).max(due);
             let n = self.timing.count(due, latest);
@@ -409,6 +417,7 @@ mod tests {
 
     #[test]
     fn every_problem_is_named_at_once() {
+        assert!(check_id("..").is_err() && check_id(".").is_err() && check_id("a.b").is_ok());
         let e = compile(json!({"id": "a b", "cron": "61 * * * *", "every": "1s", "timezone": "Mars/Base"}))
             .err()
             .unwrap_or_default();
@@ -456,5 +465,7 @@ mod tests {
         assert!(matches!(queue.tick(Some(10_000), 30_000, false, Some(29_000)), Tick::Fire { at: 10_000, .. }));
         // It ended long ago (no host was up since): missed as any other.
         assert!(matches!(queue.tick(Some(10_000), 30_000, false, Some(11_000)), Tick::Fire { at: 20_000, .. }));
+        // It ended just past the grace, seen a poll late: still the queued occurrence.
+        assert!(matches!(queue.tick(Some(10_000), 30_000, false, Some(24_500)), Tick::Fire { at: 10_000, .. }));
     }
 }

@@ -50,6 +50,9 @@ pub enum Put {
 pub struct Advance {
     pub id: String,
     pub from: i64,
+    /// The schedule's spec as read (its stored JSON): a schedule replaced since (perhaps with
+    /// the same next occurrence) is not moved by what was decided on the old one.
+    pub spec: String,
     pub next: Option<i64>,
     pub fire: Option<Fire>,
     pub note: String,
@@ -102,16 +105,24 @@ pub(crate) fn put(
 ) -> Result<(Put, i64), StoreError> {
     let text = serde_json::to_string(spec)?;
     let now = now_ms();
+    // Inserted unless there: two nodes starting with one new pier.toml schedule both get here.
+    let inserted = tx.exec(
+        "INSERT INTO schedules (id, spec, source, next_at_ms, created_at_ms, updated_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?5) ON CONFLICT (id) DO NOTHING",
+        &[Arg::Text(&spec.id), Arg::Text(&text), Arg::Text(source), Arg::OptInt(next), Arg::Int(now)],
+    )?;
+    if inserted > 0 {
+        return Ok((Put::Created, 0));
+    }
     let was = tx.texts("SELECT spec FROM schedules WHERE id = ?1", &[Arg::Text(&spec.id)])?;
     let was = was.and_then(|cols| cols.into_iter().next().flatten());
     let put = match was {
+        // Deleted between the two statements (by another node): the caller may declare it again.
         None => {
-            tx.exec(
-                "INSERT INTO schedules (id, spec, source, next_at_ms, created_at_ms, updated_at_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?5)",
-                &[Arg::Text(&spec.id), Arg::Text(&text), Arg::Text(source), Arg::OptInt(next), Arg::Int(now)],
-            )?;
-            Put::Created
+            return Err(StoreError::Db(format!(
+                "schedule `{}` was deleted as it was declared; declare it again",
+                spec.id
+            )));
         }
         Some(was) if serde_json::from_str::<ScheduleSpec>(&was).is_ok_and(|w| &w == spec) => Put::Unchanged,
         Some(_) if replace => {
@@ -142,7 +153,8 @@ pub(crate) fn advance(tx: &mut dyn Tx, a: &Advance) -> Result<(bool, i64), Store
     let moved = tx.exec(
         "UPDATE schedules SET next_at_ms = ?2, last_at_ms = COALESCE(?3, last_at_ms), last_run = COALESCE(?4, last_run),
              last_note = ?5, updated_at_ms = ?6
-         WHERE id = ?1 AND next_at_ms = ?7 AND paused_by IS NULL AND (CAST(?8 AS BIGINT) = 0 OR last_run IS NULL OR NOT EXISTS
+         WHERE id = ?1 AND next_at_ms = ?7 AND spec = ?9 AND paused_by IS NULL
+             AND (CAST(?8 AS BIGINT) = 0 OR last_run IS NULL OR NOT EXISTS
              (SELECT 1 FROM tasks t WHERE t.run_id = schedules.last_run
               AND t.state IN ('pending', 'running', 'awaiting_input')))",
         &[
@@ -154,6 +166,7 @@ pub(crate) fn advance(tx: &mut dyn Tx, a: &Advance) -> Result<(bool, i64), Store
             Arg::Int(now_ms()),
             Arg::Int(a.from),
             Arg::Int(i64::from(a.exclusive)),
+            Arg::Text(&a.spec),
         ],
     )?;
     if moved == 0 {

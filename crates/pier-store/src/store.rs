@@ -525,9 +525,9 @@ impl<B: Backend> TaskStore for Store<B> {
         self.op(move |tx| ops::lease_runs(tx, &node, until_ms))
     }
 
-    fn take_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
+    fn take_runs(&self, node: &str, until_ms: i64, driving: usize) -> Result<Vec<String>, StoreError> {
         let node = node.to_owned();
-        self.op(move |tx| ops::take_runs(tx, &node, until_ms))
+        self.op(move |tx| ops::take_runs(tx, &node, until_ms, driving))
     }
 
     fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError> {

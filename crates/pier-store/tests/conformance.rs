@@ -1166,11 +1166,13 @@ fn schedule_spec(id: &str, every: &str) -> pier_store::schedule::ScheduleSpec {
     pier_store::schedule::ScheduleSpec::from_value(spec).unwrap_or_else(|e| panic!("{e:?}"))
 }
 
-fn advance(id: &str, from: i64, run: Option<&str>, exclusive: bool) -> pier_store::Advance {
+/// The move of schedule `id` from occurrence `from`, decided on the schedule as `s` holds it now.
+fn advance(s: &Arc<dyn TaskStore>, id: &str, from: i64, run: Option<&str>, exclusive: bool) -> pier_store::Advance {
     let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
     pier_store::Advance {
         id: id.into(),
         from,
+        spec: serde_json::to_string(&schedule_row(s, id).spec).unwrap_or_default(),
         next: Some(from + 1000),
         fire: run.map(|r| pier_store::Fire { at: from, run: r.into(), plan, source: "test".into() }),
         note: "n".into(),
@@ -1201,10 +1203,11 @@ fn a_schedules_occurrence_is_moved_on_and_run_by_exactly_one_of_many_nodes() {
         assert!(matches!(refused, Err(StoreError::ScheduleExists(_))), "{name}: {refused:?}");
         assert_eq!(schedule_row(&s, "tick").next_at_ms, Some(1000), "{name}: nothing changed");
 
+        let first = advance(&s, "tick", 1000, Some("tick-1"), true);
         let racers: Vec<_> = (0..8)
             .map(|_| {
-                let spec = fresh.spec.clone();
-                std::thread::spawn(move || open(&spec).advance_schedule(&advance("tick", 1000, Some("tick-1"), true)))
+                let (spec, first) = (fresh.spec.clone(), first.clone());
+                std::thread::spawn(move || open(&spec).advance_schedule(&first))
             })
             .collect();
         let won: Vec<_> = racers.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
@@ -1215,9 +1218,9 @@ fn a_schedules_occurrence_is_moved_on_and_run_by_exactly_one_of_many_nodes() {
         assert_eq!(s.tasks("tick-1").unwrap_or_else(|e| panic!("{e}")).len(), 1, "{name}: the run, once");
 
         // While its last run is open, an exclusive occurrence does not run; a skip moves on.
-        assert_eq!(s.advance_schedule(&advance("tick", 2000, Some("tick-2"), true)).ok(), Some(false), "{name}");
-        assert_eq!(s.advance_schedule(&advance("tick", 2000, None, false)).ok(), Some(true), "{name}");
-        assert_eq!(s.advance_schedule(&advance("tick", 3000, Some("tick-3"), false)).ok(), Some(true), "{name}");
+        assert_eq!(s.advance_schedule(&advance(&s, "tick", 2000, Some("tick-2"), true)).ok(), Some(false), "{name}");
+        assert_eq!(s.advance_schedule(&advance(&s, "tick", 2000, None, false)).ok(), Some(true), "{name}");
+        assert_eq!(s.advance_schedule(&advance(&s, "tick", 3000, Some("tick-3"), false)).ok(), Some(true), "{name}");
         s.cancel("tick-3", "a", "test").unwrap_or_else(|e| panic!("{e}"));
         s.cancel("tick-1", "a", "test").unwrap_or_else(|e| panic!("{e}"));
         assert!(!schedule_row(&s, "tick").last_open, "{name}");
@@ -1225,21 +1228,24 @@ fn a_schedules_occurrence_is_moved_on_and_run_by_exactly_one_of_many_nodes() {
         // A pause fences every move; a resume starts at the occurrence it is given.
         assert_eq!(s.pause_schedule("tick", true, "ann", None).ok(), Some(Some(true)), "{name}");
         assert_eq!(s.pause_schedule("tick", true, "ann", None).ok(), Some(Some(false)), "{name}");
-        assert_eq!(s.advance_schedule(&advance("tick", 4000, Some("tick-4"), true)).ok(), Some(false), "{name}");
+        assert_eq!(s.advance_schedule(&advance(&s, "tick", 4000, Some("tick-4"), true)).ok(), Some(false), "{name}");
         assert_eq!(schedule_row(&s, "tick").paused_by.as_deref(), Some("ann"), "{name}");
         assert_eq!(s.pause_schedule("tick", false, "bob", Some(9000)).ok(), Some(Some(true)), "{name}");
         let row = schedule_row(&s, "tick");
         assert_eq!((row.paused_by, row.next_at_ms), (None, Some(9000)), "{name}");
-        assert_eq!(s.advance_schedule(&advance("tick", 9000, Some("tick-9"), true)).ok(), Some(true), "{name}");
+        assert_eq!(s.advance_schedule(&advance(&s, "tick", 9000, Some("tick-9"), true)).ok(), Some(true), "{name}");
 
         // A run id taken by another run is noted, not run twice, and the schedule moves on.
-        assert_eq!(s.advance_schedule(&advance("tick", 10_000, Some("r"), false)).ok(), Some(true), "{name}");
+        assert_eq!(s.advance_schedule(&advance(&s, "tick", 10_000, Some("r"), false)).ok(), Some(true), "{name}");
         let row = schedule_row(&s, "tick");
         assert!(row.last_note.as_deref().is_some_and(|n| n.contains("was taken")), "{name}: {row:?}");
         assert_eq!(row.last_run.as_deref(), Some("tick-9"), "{name}: the taken run is not the schedule's");
 
-        assert_eq!(s.put_schedule(&other, "pier.toml", Some(7), true).ok(), Some(Put::Replaced), "{name}");
-        assert_eq!(schedule_row(&s, "tick").next_at_ms, Some(7), "{name}");
+        // A move decided on the schedule before pier.toml replaced it does not apply to the new one.
+        let stale = advance(&s, "tick", 11_000, Some("tick-old"), false);
+        assert_eq!(s.put_schedule(&other, "pier.toml", Some(11_000), true).ok(), Some(Put::Replaced), "{name}");
+        assert_eq!(s.advance_schedule(&stale).ok(), Some(false), "{name}: decided on the old spec");
+        assert_eq!(schedule_row(&s, "tick").next_at_ms, Some(11_000), "{name}");
         assert_eq!(s.pause_schedule("nope", true, "ann", None).ok(), Some(None), "{name}");
         assert_eq!(s.delete_schedule("tick").ok(), Some(true), "{name}");
         assert_eq!(s.delete_schedule("tick").ok(), Some(false), "{name}");
@@ -1296,17 +1302,72 @@ fn between_renewals_a_node_takes_its_part_of_new_runs_and_renews_nothing() {
         };
         let before = expiry(s, "r");
         // Alone: every free run.
-        let taken = s.take_runs("one", now + 90_000).unwrap_or_default();
+        let taken = s.take_runs("one", now + 90_000, 1).unwrap_or_default();
         assert_eq!(taken, ["n1", "n2", "n3", "n4"], "{name}");
         assert_eq!(expiry(s, "r"), before, "{name}: the node's presence and leases were not renewed");
-        assert_eq!(s.take_runs("one", now + 90_000).unwrap_or_default(), Vec::<String>::new(), "{name}: none left");
-        // Two live nodes, two new runs: each takes its half at most, none of one's held runs.
+        assert_eq!(s.take_runs("one", now + 90_000, 1).unwrap_or_default(), Vec::<String>::new(), "{name}: none left");
+        // Two live nodes, two new runs, none of one's held runs taken by two.
         assert!(s.lease_runs("two", now + 60_000).is_ok(), "{name}");
         for run in ["m1", "m2"] {
             s.create_run(run, &plan, "test").unwrap_or_else(|e| panic!("{e}"));
         }
-        assert_eq!(s.take_runs("two", now + 90_000).unwrap_or_default(), ["m1"], "{name}");
-        assert_eq!(s.take_runs("one", now + 90_000).unwrap_or_default(), ["m2"], "{name}");
-        assert_eq!(s.take_runs("two", now + 90_000).unwrap_or_default(), Vec::<String>::new(), "{name}");
+        // One, past its share (it drives five), still takes its part of the free ones; two, with
+        // none, takes up to its share.
+        assert_eq!(s.take_runs("one", now + 90_000, 5).unwrap_or_default(), ["m1"], "{name}");
+        assert_eq!(s.take_runs("two", now + 90_000, 0).unwrap_or_default(), ["m2"], "{name}");
+        assert_eq!(s.take_runs("two", now + 90_000, 1).unwrap_or_default(), Vec::<String>::new(), "{name}");
     });
+}
+
+/// Nodes starting together with one new pier.toml schedule all declare it: one creates it, the
+/// others find it there (no duplicate-key failure stops a node's start).
+#[test]
+fn nodes_declaring_one_new_schedule_at_once_all_succeed() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let racers: Vec<_> = (0..6)
+            .map(|_| {
+                let spec = fresh.spec.clone();
+                std::thread::spawn(move || {
+                    open(&spec).put_schedule(&schedule_spec("boot", "1m"), "pier.toml", Some(60_000), true)
+                })
+            })
+            .collect();
+        let puts: Vec<_> = racers.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("panicked"))).collect();
+        assert!(puts.iter().all(Result::is_ok), "{name}: {puts:?}");
+        let created = puts.iter().filter(|p| matches!(p, Ok(pier_store::Put::Created))).count();
+        assert_eq!(created, 1, "{name}: {puts:?}");
+    }
+}
+
+/// Two nodes taking new runs at once take them all between them, none twice, though both
+/// start from the same candidates.
+#[test]
+fn two_nodes_taking_new_runs_at_once_take_every_one_once() {
+    for (name, make) in backends() {
+        let fresh = make();
+        let s = open(&fresh.spec);
+        let now = pier_store::now_ms();
+        for node in ["one", "two"] {
+            assert!(s.lease_runs(node, now + 60_000).is_ok(), "{name}");
+        }
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        let runs: Vec<String> = (0..10).map(|i| format!("n{i:02}")).collect();
+        for run in &runs {
+            s.create_run(run, &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+        }
+        let takers: Vec<_> = ["one", "two"]
+            .map(|node| {
+                let spec = fresh.spec.clone();
+                std::thread::spawn(move || open(&spec).take_runs(node, now + 60_000, 0))
+            })
+            .into_iter()
+            .collect();
+        let mut taken: Vec<String> = takers
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|_| panic!("panicked")).unwrap_or_else(|e| panic!("{e}")))
+            .collect();
+        taken.sort();
+        assert_eq!(taken, runs, "{name}: each new run taken once");
+    }
 }

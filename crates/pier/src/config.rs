@@ -349,7 +349,8 @@ pub fn types_beside(plan: &Path) -> anyhow::Result<Option<String>> {
 }
 
 /// `[[schedules]]` tables as schedules: each table's `plan` names a plan file, read now
-/// (relative to `base`) and carried as its text, its path kept as `plan_file`.
+/// (relative to `base`) and carried as its text, its path kept as `plan_file`, with the
+/// `types.toml` beside it if there is one.
 pub fn schedules(tables: &[toml::Table], base: &Path) -> anyhow::Result<Vec<pier_host::schedule::ScheduleSpec>> {
     tables
         .iter()
@@ -363,6 +364,9 @@ pub fn schedules(tables: &[toml::Table], base: &Path) -> anyhow::Result<Vec<pier
                     .with_context(|| format!("schedule {name}: cannot read its plan {}", path.display()))?;
                 value["plan"] = text.into();
                 value["plan_file"] = file.into();
+                if let Some(types) = types_beside(&path)? {
+                    value["types"] = types.into();
+                }
             }
             pier_host::schedule::ScheduleSpec::from_value(value)
                 .map_err(|p| anyhow::anyhow!("schedule {name}: {}", p.join("; ")))

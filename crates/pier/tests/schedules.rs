@@ -235,3 +235,21 @@ async fn a_node_back_from_down_drops_every_missed_occurrence_under_skip() {
     assert!(v["schedule"]["next_at_ms"].as_i64() > Some(pier_host::store::now_ms() - 1_000), "{v}");
     assert!(runs_of(&s, "hourly").await.is_empty(), "a missed occurrence ran");
 }
+
+/// A pier.toml schedule's plan uses the types of the `types.toml` beside it, as `pier run` and
+/// `pier submit` do.
+#[tokio::test]
+async fn a_scheduled_plan_uses_the_types_beside_it() {
+    let dir = must(tempfile::tempdir(), "dir");
+    must(std::fs::create_dir_all(dir.path().join("plans")), "plans");
+    let types = "[types.note]\nprompt = \"Write {{input.what}}.\"\ninput = { type = \"object\" }\n";
+    must(std::fs::write(dir.path().join("plans/types.toml"), types), "types");
+    let plan = "[[tasks]]\nid = \"a\"\ntype = \"note\"\ninput = { what = \"docs\" }\n";
+    must(std::fs::write(dir.path().join("plans/nightly.toml"), plan), "plan");
+    let toml = "[[schedules]]\nid = \"nightly\"\ncron = \"0 3 * * *\"\nplan = \"plans/nightly.toml\"\n";
+    let (s, _) = server_in(dir, None, &[], Some(toml)).await;
+    let (code, v) = schedule(&s, "nightly").await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["schedule"]["spec"]["plan_file"], "plans/nightly.toml", "{v}");
+    assert!(v["schedule"]["spec"]["types"].as_str().is_some_and(|t| t.contains("[types.note]")), "{v}");
+}

@@ -64,7 +64,8 @@ impl Tasks {
                 return Err(PlanError(vec![Problem { line: 0, message: "the schedule says nothing to run".into() }]));
             }
         };
-        super::parse_plan(&text, &c.agents, &c.pier_exe, &c.types)
+        let types = super::plan_types(&c.types, schedule.spec.types.as_deref())?;
+        super::parse_plan(&text, &c.agents, &c.pier_exe, &types)
     }
 
     /// Checks `spec` whole (its timing, its plan, what its tasks need of this machine).
