@@ -196,12 +196,12 @@ fn answered_before(store: &dyn TaskStore, run: &str, task: &str) -> Result<Optio
     Ok(Some(format!("already answered: {said} by {by} at {}", pier_store::schedule::rfc3339(e.at_ms))))
 }
 
-/// The refusal of an answer that came too late: what was answered, by whom and when, if the
-/// task's last question was answered; else `otherwise`.
-fn too_late(store: &dyn TaskStore, run: &str, task: &str, otherwise: String) -> ActionError {
+/// The refusal `why` of an answer that came too late, with what was answered, by whom and
+/// when, if the task's last question was answered.
+fn too_late(store: &dyn TaskStore, run: &str, task: &str, why: String) -> ActionError {
     let message = match answered_before(store, run, task) {
-        Ok(Some(said)) => format!("task `{task}` of run `{run}` was {said}; nothing was applied"),
-        _ => otherwise,
+        Ok(Some(said)) => format!("{why} — {said}"),
+        _ => why,
     };
     ActionError::Refused { code: ErrorCode::BadTransition, message }
 }

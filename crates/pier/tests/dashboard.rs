@@ -177,7 +177,7 @@ async fn an_approval_shows_the_diff_is_answered_with_its_button_and_a_repeat_is_
     .await;
     b.wait_for(
         "the repeat refused",
-        "/refused: task `edit` of run `\\S+` was already answered: \\S+ by \\S+ at \\d{4}-\\d\\d-\\d\\dT/.test((document.querySelector('.notice.refused') || {}).textContent || '')",
+        "/refused: task `edit` .*already answered: \\S+ by \\S+ at \\d{4}-\\d\\d-\\d\\dT/.test((document.querySelector('.notice.refused') || {}).textContent || '')",
         LIMIT,
     )
     .await;

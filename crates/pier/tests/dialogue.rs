@@ -452,4 +452,5 @@ async fn an_interrupting_message_withdraws_the_open_question() {
     let late = h.run(&["answer", "q", "name=Late"]).await;
     assert_ne!(late.status.code(), Some(0), "a withdrawn question took an answer");
     assert!(stderr(&late).contains("asks no question"), "{}", stderr(&late));
+    assert!(stderr(&late).contains("already answered: accept by cli:"), "who answered, and when: {}", stderr(&late));
 }
