@@ -58,16 +58,27 @@ pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBod
     Ok((status, Json(json!({"run": submitted.run, "created": submitted.created}))).into_response())
 }
 
-pub(crate) async fn list_runs(State(app): State<Shared>) -> Result<Json<Value>, ApiError> {
-    let runs = app.tasks.runs().await?;
-    let runs: Vec<Value> = runs
+/// `GET /runs?state=&limit=`: newest first.
+#[derive(Deserialize)]
+pub(crate) struct RunsQuery {
+    state: Option<String>,
+    limit: Option<usize>,
+}
+
+pub(crate) async fn list_runs(
+    State(app): State<Shared>,
+    axum::extract::Query(q): axum::extract::Query<RunsQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let list = app.tasks.list_runs(&pier_host::tasks::RunFilter { state: q.state, limit: q.limit }).await?;
+    let runs: Vec<Value> = list
+        .runs
         .iter()
         .map(|r| {
             json!({"run": r.run, "counts": r.counts, "state": r.state(), "created_at_ms": r.created_at_ms,
                    "updated_at_ms": r.updated_at_ms, "attempts": r.attempts, "spend": r.spend.to_json()})
         })
         .collect();
-    Ok(Json(json!({"runs": runs})))
+    Ok(Json(json!({"runs": runs, "more": list.more})))
 }
 
 /// The live `pier serve` nodes on this store, each with the runs it drives and its last heartbeat.

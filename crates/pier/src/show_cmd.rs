@@ -39,6 +39,12 @@ impl Source {
 
 #[derive(Debug, clap::Args)]
 pub struct RunsArgs {
+    /// Only runs in this state: running, waiting (on a person), completed or failed
+    #[arg(long)]
+    state: Option<String>,
+    /// The newest N runs (0: all)
+    #[arg(long, default_value_t = 50)]
+    limit: usize,
     /// text for a person, json for scripts
     #[arg(long, value_enum, default_value_t = EventFormat::Text)]
     format: EventFormat,
@@ -48,47 +54,97 @@ pub struct RunsArgs {
 
 impl RunsArgs {
     pub fn new(format: EventFormat, source: Source) -> RunsArgs {
-        RunsArgs { format, source }
+        RunsArgs { state: None, limit: 50, format, source }
     }
 }
 
-/// `pier runs`: every run with its tasks' states, newest first.
+/// `pier runs`: the runs, newest first (the order of `GET /runs`), with their state, times
+/// and tasks' states, under a header.
 #[allow(clippy::print_stdout)]
 pub async fn runs(args: RunsArgs) -> anyhow::Result<()> {
-    // Each: {run, counts}.
-    let mut runs: Vec<Value> = match args.source.server() {
+    let limit = (args.limit > 0).then_some(args.limit);
+    // Each as `GET /runs` shows it.
+    let (runs, more): (Vec<Value>, u64) = match args.source.server() {
         Some(server) => {
-            let v = crate::serve_cmd::get(Some(server), "/runs").await?;
-            v["runs"].as_array().cloned().unwrap_or_default()
+            let mut path = String::from("/runs?");
+            if let Some(state) = &args.state {
+                path.push_str(&format!("state={}&", crate::serve_cmd::segment(state)));
+            }
+            if let Some(l) = limit {
+                path.push_str(&format!("limit={l}"));
+            }
+            let v = crate::serve_cmd::get(Some(server), &path).await?;
+            (v["runs"].as_array().cloned().unwrap_or_default(), v["more"].as_u64().unwrap_or(0))
         }
         None => {
-            let runs = open_tasks(&args.source.store)?.runs().await?;
-            runs.iter().map(|r| json!({"run": r.run, "counts": r.counts, "spend": r.spend.to_json()})).collect()
+            let filter = pier_host::tasks::RunFilter { state: args.state.clone(), limit };
+            let list = open_tasks(&args.source.store)?.list_runs(&filter).await?;
+            let runs = list.runs.iter().map(|r| {
+                json!({"run": r.run, "counts": r.counts, "state": r.state(), "created_at_ms": r.created_at_ms,
+                       "updated_at_ms": r.updated_at_ms, "attempts": r.attempts, "spend": r.spend.to_json()})
+            });
+            (runs.collect(), list.more as u64)
         }
     };
-    runs.reverse();
-    for r in &runs {
-        let counts = r["counts"].as_object().cloned().unwrap_or_default();
-        let total: u64 = counts.values().filter_map(Value::as_u64).sum();
-        match args.format {
-            EventFormat::Json => {
-                println!("{}", json!({"run": r["run"], "tasks": total, "counts": counts, "spend": r["spend"]}))
-            }
-            EventFormat::Text => {
-                let counts: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
-                println!(
-                    "{:<28} {total:>5} tasks  {}  [{}]",
-                    r["run"].as_str().unwrap_or("?"),
-                    counts.join(", "),
-                    short_spend(&r["spend"])
-                );
-            }
+    if args.format == EventFormat::Json {
+        for r in &runs {
+            let counts = r["counts"].as_object().cloned().unwrap_or_default();
+            let total: u64 = counts.values().filter_map(Value::as_u64).sum();
+            let mut line = r.clone();
+            line["tasks"] = total.into();
+            println!("{line}");
         }
+        return Ok(());
     }
-    if runs.is_empty() && args.format == EventFormat::Text {
-        eprintln!("pier: no runs yet; `pier run PLAN` starts one");
+    if runs.is_empty() {
+        match &args.state {
+            Some(state) => eprintln!("pier: no {state} runs"),
+            None => eprintln!("pier: no runs yet; `pier run PLAN` starts one"),
+        }
+        return Ok(());
+    }
+    let now = pier_host::store::now_ms();
+    let rows: Vec<[String; 5]> = runs
+        .iter()
+        .map(|r| {
+            let counts = r["counts"].as_object().cloned().unwrap_or_default();
+            let total: u64 = counts.values().filter_map(Value::as_u64).sum();
+            let said: Vec<String> = counts.iter().map(|(k, v)| format!("{v} {k}")).collect();
+            let state = r["state"].as_str().unwrap_or("?").to_owned();
+            let created = r["created_at_ms"].as_i64().unwrap_or(0);
+            // A run in progress has taken until now so far; an ended one until its last event.
+            let until = if state == "running" { now } else { r["updated_at_ms"].as_i64().unwrap_or(created) };
+            [
+                r["run"].as_str().unwrap_or("?").to_owned(),
+                state,
+                pier_host::schedule::rfc3339(created).replace('T', " ").replace('Z', ""),
+                took(until - created),
+                format!("{total} tasks  {}  [{}]", said.join(", "), short_spend(&r["spend"])),
+            ]
+        })
+        .collect();
+    let header = ["RUN", "STATE", "CREATED (UTC)", "TOOK", "TASKS"].map(String::from);
+    let widths: Vec<usize> =
+        (0..4).map(|i| rows.iter().chain([&header]).map(|r| r[i].chars().count()).max().unwrap_or(0)).collect();
+    for row in [&header].into_iter().chain(&rows) {
+        let cells: Vec<String> = row[..4].iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}  {}", cells.join("  "), row[4]);
+    }
+    if more > 0 {
+        eprintln!("pier: {more} older run(s) not shown (--limit 0 shows all)");
     }
     Ok(())
+}
+
+/// A duration for a person: `0.4s`, `12s`, `3m 4s`, `2h 5m`.
+fn took(ms: i64) -> String {
+    let ms = ms.max(0);
+    match ms / 1000 {
+        0..10 => format!("{:.1}s", ms as f64 / 1000.0),
+        s @ 10..60 => format!("{s}s"),
+        s @ 60..3600 => format!("{}m {}s", s / 60, s % 60),
+        s => format!("{}h {}m", s / 3600, (s % 3600) / 60),
+    }
 }
 
 #[derive(Debug, clap::Args)]

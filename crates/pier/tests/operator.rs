@@ -18,10 +18,25 @@ async fn runs_are_listed_and_a_run_id_names_one_plan() {
     assert_eq!(h.run(&["run", p, "--run-id", "second"]).await.status.code(), Some(0));
     let listed = String::from_utf8_lossy(&h.run(&["runs"]).await.stdout).into_owned();
     let order: Vec<&str> = listed.lines().filter_map(|l| l.split_whitespace().next()).collect();
-    assert_eq!(order, vec!["second", "first"], "newest first: {listed}");
-    assert!(listed.lines().all(|l| l.contains("2 tasks") && l.contains("2 completed")), "{listed}");
+    assert_eq!(order, vec!["RUN", "second", "first"], "a header, then newest first: {listed}");
+    assert!(listed.lines().next().is_some_and(|l| l.contains("STATE") && l.contains("CREATED") && l.contains("TOOK")));
+    for l in listed.lines().skip(1) {
+        assert!(l.contains("completed") && l.contains("2 tasks") && l.contains("2 completed"), "{listed}");
+        assert!(l.contains(&pier_host::schedule::rfc3339(pier_host::store::now_ms())[..10]), "its date: {listed}");
+    }
     let json = lines(&h.run(&["runs", "--format", "json"]).await);
-    assert_eq!(json[0]["counts"]["completed"], 2);
+    assert_eq!((json[0]["run"].as_str(), &json[0]["counts"]["completed"]), (Some("second"), &serde_json::json!(2)));
+    assert!(json[0]["created_at_ms"].as_i64() <= json[0]["updated_at_ms"].as_i64(), "{:?}", json[0]);
+    // Issue #34: filtered by state, limited, each saying what it left out.
+    let one = h.run(&["runs", "--limit", "1"]).await;
+    let shown = String::from_utf8_lossy(&one.stdout).into_owned();
+    assert_eq!(shown.lines().count(), 2, "{shown}");
+    assert!(stderr(&one).contains("1 older run(s) not shown"), "{}", stderr(&one));
+    let failed = h.run(&["runs", "--state", "failed"]).await;
+    assert!(failed.stdout.is_empty() && stderr(&failed).contains("no failed runs"), "{}", stderr(&failed));
+    let bad = h.run(&["runs", "--state", "done"]).await;
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(stderr(&bad).contains("running, waiting, completed, failed"), "{}", stderr(&bad));
     // Another plan under an existing id is refused, naming the run and what to do.
     let other = h.write("other.toml", "[[tasks]]\nid = \"c\"\nprompt = \"z\"\n");
     let o = h.run(&["run", other.to_str().unwrap_or_default(), "--run-id", "first"]).await;

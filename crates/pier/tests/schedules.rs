@@ -76,6 +76,12 @@ async fn a_pier_toml_schedule_runs_each_occurrence_once_and_is_paused_resumed_an
     let last = runs.last().map(|(_, r)| r.clone()).unwrap_or_default();
     assert!(v["schedule"]["next_at_ms"].as_i64() > v["schedule"]["last_at_ms"].as_i64(), "{v}");
     assert_eq!(v["schedule"]["source"], "pier.toml", "{v}");
+    // Issue #34: `GET /runs` lists newest first, limited, saying how many more there are.
+    let (_, listed) = s.call(reqwest::Method::GET, "/runs?limit=2&state=completed", None).await;
+    let ids: Vec<&str> = listed["runs"].as_array().into_iter().flatten().filter_map(|r| r["run"].as_str()).collect();
+    assert!(ids.len() <= 2 && ids.windows(2).all(|w| w[0] > w[1]), "newest first: {listed}");
+    let (code, v) = s.call(reqwest::Method::GET, "/runs?state=done", None).await;
+    assert_eq!((code, &v["error"]["code"]), (400, &json!("bad_request")), "{v}");
     let (_, run) = s.call(reqwest::Method::GET, &format!("/runs/{}", runs[0].1), None).await;
     assert_eq!(run["tasks"][0]["spec"]["prompt"], "Say hello to clock.", "{run}");
 

@@ -238,7 +238,9 @@ async fn submit_status_events_and_cancel_talk_to_the_server() {
     // For a person by default, the same views as `pier runs` and `pier show`; JSON on request.
     let text = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).into_owned();
     let o = cli(&s, &["status"]).await;
-    assert!(text(&o).starts_with("cli-run") && text(&o).contains("1 tasks  1 completed"), "{}", text(&o));
+    let listed = text(&o);
+    assert!(listed.starts_with("RUN ") && listed.lines().nth(1).is_some_and(|l| l.starts_with("cli-run")), "{listed}");
+    assert!(listed.contains("completed") && listed.contains("1 tasks  1 completed"), "{listed}");
     assert_eq!(text(&o), text(&cli(&s, &["runs"]).await), "pier runs reads the server PIER_SERVER names");
     let o = cli(&s, &["status", "cli-run"]).await;
     assert!(text(&o).lines().any(|l| l.starts_with("only") && l.contains("completed")), "{}", text(&o));

@@ -57,6 +57,30 @@ impl RunSummary {
     pub fn waiting(&self) -> usize {
         self.counts.get(TaskState::AwaitingInput.as_str()).copied().unwrap_or(0)
     }
+
+    /// Whether the run is in state `state` as a list filters it: `running`, `completed` or
+    /// `failed` (its [`RunSummary::state`]), or `waiting` (a task waits on a person).
+    pub fn is(&self, state: &str) -> bool {
+        if state == "waiting" { self.waiting() > 0 } else { self.state() == state }
+    }
+}
+
+/// The states a list of runs filters on.
+pub const RUN_STATES: [&str; 4] = ["running", "waiting", "completed", "failed"];
+
+/// Which runs a list shows (`pier runs`, `GET /runs`): newest first, of one state if given,
+/// at most `limit` if given.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    pub state: Option<String>,
+    pub limit: Option<usize>,
+}
+
+/// A list of runs, and how many more matched beyond its limit.
+#[derive(Debug, Clone)]
+pub struct RunList {
+    pub runs: Vec<RunSummary>,
+    pub more: usize,
 }
 
 /// A run's tasks in plan order, each waiting task with the question it waits on.
@@ -163,6 +187,24 @@ impl Tasks {
             Ok(out)
         })
         .await
+    }
+
+    /// The runs `filter` names, newest first: the one order of `pier runs` and `GET /runs`.
+    pub async fn list_runs(&self, filter: &RunFilter) -> Result<RunList, ActionError> {
+        if let Some(state) = filter.state.as_deref().filter(|s| !RUN_STATES.contains(s)) {
+            return Err(ActionError::bad_request(format!(
+                "no run state `{state}`; give one of {}",
+                RUN_STATES.join(", ")
+            )));
+        }
+        let mut runs = self.runs().await?;
+        runs.reverse();
+        if let Some(state) = &filter.state {
+            runs.retain(|r| r.is(state));
+        }
+        let more = filter.limit.map_or(0, |l| runs.len().saturating_sub(l));
+        runs.truncate(runs.len() - more);
+        Ok(RunList { runs, more })
     }
 
     pub async fn run(&self, run: &str) -> Result<RunView, ActionError> {
