@@ -79,16 +79,7 @@ pub async fn run(args: &[String], cmd: &[String]) {
     let count = arg(args, "--count", 1_000);
     let concurrency = arg(args, "--concurrency", 16);
     let Some(pier) = cmd.first() else { panic!("give the pier binary after --") };
-    let dir = std::env::temp_dir().join(format!("pier-bench-latency-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    if let Err(e) = std::fs::create_dir_all(&dir) {
-        panic!("{}: {e}", dir.display());
-    }
-    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
-    let toml = format!("[agents.bench]\ncommand = {:?}\nargs = [\"agent\"]\n", exe.display().to_string());
-    if let Err(e) = std::fs::write(dir.join("pier.toml"), toml) {
-        panic!("pier.toml: {e}");
-    }
+    let dir = crate::workers::scratch("latency");
     let db = bench_db(args);
     let store = db.as_ref().map_or_else(|| dir.join("home0/pier.db").display().to_string(), |d| d.url().to_owned());
     let (mut servers, bases) = start_servers(pier, &dir, &store, 1, concurrency).await;

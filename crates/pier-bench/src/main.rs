@@ -546,16 +546,7 @@ async fn serve_runs(args: &[String], cmd: &[String]) {
     let tasks = arg(args, "--tasks", 1_000);
     let concurrency = arg(args, "--concurrency", 8);
     let Some(pier) = cmd.first() else { panic!("give the pier binary after --") };
-    let dir = std::env::temp_dir().join(format!("pier-bench-serve-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    if let Err(e) = std::fs::create_dir_all(&dir) {
-        panic!("{}: {e}", dir.display());
-    }
-    let exe = std::env::current_exe().unwrap_or_else(|_| "pier-bench".into());
-    let toml = format!("[agents.bench]\ncommand = {:?}\nargs = [\"agent\"]\n", exe.display().to_string());
-    if let Err(e) = std::fs::write(dir.join("pier.toml"), toml) {
-        panic!("pier.toml: {e}");
-    }
+    let dir = workers::scratch("serve");
     let nodes = arg(args, "--nodes", 1).max(1);
     let db = bench_db(args);
     let store = db.as_ref().map_or_else(|| dir.join("home/pier.db").display().to_string(), |d| d.url().to_owned());

@@ -29,7 +29,8 @@ pub async fn run(args: &[String], cmd: &[String]) {
     );
 }
 
-fn scratch(name: &str) -> std::path::PathBuf {
+/// A fresh directory for one bench, with a pier.toml naming the bench agent (`bench`).
+pub(crate) fn scratch(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("pier-bench-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));

@@ -617,9 +617,9 @@ impl View {
             return;
         }
         let ended = self.runs.get(run).is_some_and(|r| r.cursor >= r.rows.len() && r.busy.is_empty());
+        // (`waiting_since` needs nothing here: `pick` keeps only the tasks ready at its pass.)
         if ended {
             self.runs.remove(run);
-            self.waiting_since.retain(|(r, _), _| r != run);
         }
     }
 

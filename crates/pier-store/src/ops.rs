@@ -971,7 +971,10 @@ pub(crate) fn lease_runs(tx: &mut dyn Tx, node: &str, until: i64) -> Result<(Vec
     for run in mine.iter().skip(share) {
         tx.exec("DELETE FROM run_leases WHERE owner = ?1 AND run_id = ?2", &[Arg::Text(node), Arg::Text(run)])?;
     }
-    take_free(tx, node, now, until, share.saturating_sub(mine.len()))?;
+    if mine.len() < share {
+        let free = free_runs(tx, now)?;
+        take(tx, node, now, until, free, share - mine.len())?;
+    }
     let held = tx.strings("SELECT run_id FROM run_leases WHERE owner = ?1 ORDER BY run_id", &[Arg::Text(node)])?;
     Ok((held, 0))
 }
@@ -991,16 +994,10 @@ pub(crate) fn take_runs(
 ) -> Result<(Vec<String>, i64), StoreError> {
     let now = now_ms();
     let live = tx.int("SELECT COUNT(*) FROM nodes WHERE expires_at_ms >= ?1", &[Arg::Int(now)])?.unwrap_or(1).max(1);
-    let free = tx
-        .int(
-            "SELECT COUNT(DISTINCT t.run_id) FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
-             WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)",
-            &[Arg::Int(now)],
-        )?
-        .unwrap_or(0);
-    let part = ((free + live - 1) / live) as usize;
+    let free = free_runs(tx, now)?;
+    let part = free.len().div_ceil(live as usize);
     let room = fair_share(tx, now)?.saturating_sub(driving).max(part);
-    Ok((take_free(tx, node, now, until, room)?, 0))
+    Ok((take(tx, node, now, until, free, room)?, 0))
 }
 
 /// A node's fair share of runs at `now`: the unfinished runs over the live nodes, rounded up.
@@ -1012,19 +1009,27 @@ fn fair_share(tx: &mut dyn Tx, now: i64) -> Result<usize, StoreError> {
     Ok(((active + live - 1) / live) as usize)
 }
 
-/// Node `node` takes up to `room` unfinished runs whose lease is free or expired; those it took.
-fn take_free(tx: &mut dyn Tx, node: &str, now: i64, until: i64, room: usize) -> Result<Vec<String>, StoreError> {
-    if room == 0 {
-        return Ok(Vec::new());
-    }
-    // Every candidate, not `room` of them: a node racing this one takes some of the first
-    // (its insert wins, this one's then changes nothing), and this one goes on past them.
-    let free = tx.strings(
+/// The unfinished runs whose lease is free or expired at `now`, by id.
+fn free_runs(tx: &mut dyn Tx, now: i64) -> Result<Vec<String>, StoreError> {
+    tx.strings(
         "SELECT DISTINCT t.run_id FROM tasks t LEFT JOIN run_leases l ON l.run_id = t.run_id
          WHERE t.state IN ('pending', 'running', 'awaiting_input') AND (l.run_id IS NULL OR l.expires_at_ms < ?1)
          ORDER BY t.run_id",
         &[Arg::Int(now)],
-    )?;
+    )
+}
+
+/// Node `node` takes up to `room` of the runs `free` (read as free at `now`); those it took.
+/// Every candidate is tried, not only the first `room`: a node racing this one takes some of
+/// them (its insert wins, this one's then changes nothing), and this one goes on past them.
+fn take(
+    tx: &mut dyn Tx,
+    node: &str,
+    now: i64,
+    until: i64,
+    free: Vec<String>,
+    room: usize,
+) -> Result<Vec<String>, StoreError> {
     let mut taken = Vec::new();
     for run in free {
         if taken.len() == room {

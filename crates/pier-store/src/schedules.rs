@@ -11,7 +11,7 @@ use crate::schedule::ScheduleSpec;
 use crate::{StoreError, now_ms};
 
 /// A schedule as stored, with its last run's state.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ScheduleRow {
     pub spec: ScheduleSpec,
     /// Where it was declared: `pier.toml`, or `api by NAME`.

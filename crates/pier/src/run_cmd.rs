@@ -109,13 +109,14 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
     if let Some(Err(why)) = args.run_id.as_deref().map(pier_host::plan::check_run_id) {
         anyhow::bail!("--run-id: {why}");
     }
+    // pier.toml's types, every JSON Schema compiled once.
+    let shared = config::types(&files)?;
     let (base_dir, plan) = match (&args.resume, &args.plan) {
         (Some(_), _) => (here, None),
         (None, Some(plan_path)) => {
             let text =
                 std::fs::read_to_string(plan_path).with_context(|| format!("cannot read {}", plan_path.display()))?;
-            let types =
-                pier_host::tasks::plan_types(&config::types(&files)?, config::types_beside(plan_path)?.as_deref())?;
+            let types = pier_host::tasks::plan_types(&shared, config::types_beside(plan_path)?.as_deref())?;
             let mut plan = pier_host::tasks::parse_plan(&text, &files.agents, &pier_exe, &types)?;
             if let Some(p) = args.priority {
                 plan = plan.at_priority(p)?;
@@ -131,7 +132,7 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(HostConfig, config::FileConfig, Op
         retry_base: Duration::from_millis(args.retry_base_ms),
         cancel_grace: Duration::from_millis(args.cancel_grace_ms),
         gateway: config::gateway(&files, &ProcessEnv)?,
-        types: config::types(&files)?,
+        types: shared,
         ..HostConfig::new(pier_exe, files.agents.clone(), base_dir)
     };
     Ok((config, files, plan))

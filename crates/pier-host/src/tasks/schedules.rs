@@ -10,23 +10,15 @@ use serde::Serialize;
 use super::handle::Tasks;
 use crate::person::ActionError;
 
-/// A schedule as `pier schedules` and `GET /schedules` show it.
+/// A schedule as `pier schedules` and `GET /schedules` show it: the stored row, its id, and
+/// its next and last occurrences in RFC 3339 (UTC).
 #[derive(Debug, Clone, Serialize)]
 pub struct ScheduleView {
     pub id: String,
-    pub spec: ScheduleSpec,
-    pub source: String,
-    /// Who paused it; `None` while it runs.
-    pub paused_by: Option<String>,
-    pub next_at_ms: Option<i64>,
-    /// `next_at_ms` in RFC 3339 (UTC).
+    #[serde(flatten)]
+    pub row: ScheduleRow,
     pub next_at: Option<String>,
-    pub last_at_ms: Option<i64>,
     pub last_at: Option<String>,
-    pub last_run: Option<String>,
-    /// The last run has a task that has not ended.
-    pub last_open: bool,
-    pub last_note: Option<String>,
 }
 
 impl ScheduleView {
@@ -35,14 +27,7 @@ impl ScheduleView {
             id: row.spec.id.clone(),
             next_at: row.next_at_ms.map(rfc3339),
             last_at: row.last_at_ms.map(rfc3339),
-            spec: row.spec,
-            source: row.source,
-            paused_by: row.paused_by,
-            next_at_ms: row.next_at_ms,
-            last_at_ms: row.last_at_ms,
-            last_run: row.last_run,
-            last_open: row.last_open,
-            last_note: row.last_note,
+            row,
         }
     }
 }
@@ -130,7 +115,7 @@ impl Tasks {
     /// next occurrence from now: what came due while it was paused does not run.
     pub async fn pause_schedule(&self, id: &str, paused: bool, by: &str) -> Result<ScheduleView, ActionError> {
         let view = self.schedule(id).await?;
-        let next = view.spec.clone().compile().ok().and_then(|s| s.first_after(now_ms()));
+        let next = view.row.spec.clone().compile().ok().and_then(|s| s.first_after(now_ms()));
         let (i, by) = (id.to_owned(), by.to_owned());
         self.blocking(move |s| Ok(s.pause_schedule(&i, paused, &by, next)?)).await?.ok_or_else(|| unknown(id))?;
         self.schedules_changed.notify_one();

@@ -34,7 +34,7 @@ pub(super) async fn act(
     let by = format!("dashboard:{}", s.short());
     let notice = match a.action.as_str() {
         "pause" | "resume" => match app.tasks.pause_schedule(&a.id, a.action == "pause", &by).await {
-            Ok(v) if v.paused_by.is_some() => format!("schedule {} paused", a.id),
+            Ok(v) if v.row.paused_by.is_some() => format!("schedule {} paused", a.id),
             Ok(_) => format!("schedule {} runs", a.id),
             Err(e) => format!("refused: {e}"),
         },
@@ -44,15 +44,15 @@ pub(super) async fn act(
 }
 
 fn when(v: &ScheduleView) -> String {
-    match (&v.spec.cron, &v.spec.every) {
-        (Some(c), _) => format!("cron {c} ({})", v.spec.timezone.as_deref().unwrap_or("UTC")),
+    match (&v.row.spec.cron, &v.row.spec.every) {
+        (Some(c), _) => format!("cron {c} ({})", v.row.spec.timezone.as_deref().unwrap_or("UTC")),
         (_, Some(e)) => format!("every {e}"),
         _ => "?".into(),
     }
 }
 
 fn what(v: &ScheduleView) -> String {
-    match (&v.spec.task_type, &v.spec.plan_file) {
+    match (&v.row.spec.task_type, &v.row.spec.plan_file) {
         (Some(t), _) => format!("a task of type {t}"),
         (_, Some(f)) => format!("plan {f}"),
         _ => "a plan".into(),
@@ -73,17 +73,17 @@ fn view(s: &Session, schedules: &[ScheduleView], notice: Option<&str>) -> Markup
                             td data-label="schedule" { (v.id) }
                             td data-label="when" { (when(v)) }
                             td data-label="runs" { (what(v)) }
-                            td data-label="next" { @if let Some(at) = v.next_at_ms { (time(at)) } @else { "never" } }
+                            td data-label="next" { @if let Some(at) = v.row.next_at_ms { (time(at)) } @else { "never" } }
                             td data-label="last run" {
-                                @if let Some(run) = &v.last_run {
+                                @if let Some(run) = &v.row.last_run {
                                     a href={ "/ui/runs/" (seg(run)) } { (run) }
-                                    @if v.last_open { " (running)" }
+                                    @if v.row.last_open { " (running)" }
                                 } @else { "—" }
-                                @if let Some(note) = &v.last_note { br; small { (note) } }
+                                @if let Some(note) = &v.row.last_note { br; small { (note) } }
                             }
                             td data-label="state" {
-                                @let (label, action) = match &v.paused_by { Some(_) => ("Resume", "resume"), None => ("Pause", "pause") };
-                                @if let Some(by) = &v.paused_by { "paused by " (by) " " } @else { "on " }
+                                @let (label, action) = match &v.row.paused_by { Some(_) => ("Resume", "resume"), None => ("Pause", "pause") };
+                                @if let Some(by) = &v.row.paused_by { "paused by " (by) " " } @else { "on " }
                                 form method="post" action={ "/ui/schedules/" (seg(&v.id)) "/" (action) } class="inline" {
                                     input type="hidden" name="csrf" value=(s.csrf);
                                     button type="submit" { (label) }
