@@ -238,11 +238,10 @@ pub(super) fn run_group(c: &mut Conn, jobs: Vec<Box<dyn Job>>, careful: bool, ri
     let mut again = Vec::new();
     // Jobs of different tasks first, side by side in rounds (`rounds`); the rest after them,
     // one by one.
-    let (together, mut rest) = if careful { (Vec::new(), jobs) } else { super::rounds::side_by_side(jobs) };
+    let (together, rest) = if careful { (Vec::new(), jobs) } else { super::rounds::side_by_side(jobs) };
     if !together.is_empty() {
         match super::rounds::run(&mut t, together) {
-            Rounds::Ended(ended, alone, rounds) => {
-                rest = alone.into_iter().chain(rest).collect();
+            Rounds::Ended(ended, rounds) => {
                 tracing::trace!(rounds, jobs = ended.len(), "jobs of a group ran side by side");
                 for (mut job, ended) in ended {
                     match ended {

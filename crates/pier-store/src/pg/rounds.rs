@@ -16,6 +16,15 @@
 //! the rounds (an operation touches its own task's rows only: the task, its attempts,
 //! questions and messages); jobs without a task (a run's creation, leases, a retry that moves
 //! dependents) and a second job of the same task run one by one after the rounds, as before.
+//!
+//! A claim of a task with concurrency keys (which locks its keys in the statement that finds
+//! it keyed) reads rows other tasks' jobs change: the keys' holders, which only endings change,
+//! and only from live to stale. Run side by side, it sees some of the group's endings and not
+//! others, so its events go after every other job's of the rounds (`PgTx::late`): in the log a
+//! key's claims then never come before an ending they counted on, and a claim that missed an
+//! ending only declined a place it could have had (the host tries again on that ending's
+//! event). Claims of one key in one round are statements PostgreSQL runs one after another in
+//! the transaction, each counting the holders of those before it.
 //! A statement that fails aborts the transaction: the group is rolled back and run job by
 //! job in savepoints, which finds the job it belongs to.
 
@@ -39,10 +48,10 @@ pub(crate) type Ending = Result<Vec<Pending>, (StoreError, bool)>;
 /// How the rounds went.
 pub(crate) enum Rounds {
     /// Every job ended: those that succeeded with their events, in order; those that failed
-    /// (having changed nothing) with their error and whether it may pass on another try. With
-    /// the jobs that are to run alone after the rounds (having changed nothing), and the
-    /// number of rounds sent (the round trips).
-    Ended(Vec<(Box<dyn Job>, Ending)>, Jobs, usize),
+    /// (having changed nothing) with their error and whether it may pass on another try; the
+    /// claims of tasks with concurrency keys last. With the number of rounds sent (the round
+    /// trips).
+    Ended(Vec<(Box<dyn Job>, Ending)>, usize),
     /// The group is to be run job by job: a statement failed, a job that changed something
     /// failed, or a job diverged. The transaction (if begun) is left for the caller to roll back.
     Redo(Jobs),
@@ -74,24 +83,21 @@ struct Slot {
     job: Box<dyn Job>,
     replay: Replay,
     ended: Option<Ending>,
-    /// The job stopped to run alone after the rounds (`PgTx::alone`).
-    alone: bool,
+    /// The job's events go after the others' (`PgTx::late`).
+    late: bool,
 }
 
 /// Runs `jobs` in rounds in `t`'s transaction (its pending `BEGIN` rides with the first).
 pub(crate) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
     let mut slots: Vec<Slot> =
-        jobs.into_iter().map(|job| Slot { job, replay: Replay::default(), ended: None, alone: false }).collect();
+        jobs.into_iter().map(|job| Slot { job, replay: Replay::default(), ended: None, late: false }).collect();
     let every = |slots: Vec<Slot>| slots.into_iter().map(|s| s.job).collect::<Vec<_>>();
     let mut sent = 0;
     loop {
         let mut round: Vec<(usize, Vec<Want>)> = Vec::new();
-        for (i, slot) in slots.iter_mut().enumerate().filter(|(_, s)| s.ended.is_none() && !s.alone) {
+        for (i, slot) in slots.iter_mut().enumerate().filter(|(_, s)| s.ended.is_none()) {
             let (outcome, mut replay, events) = t.replaying(std::mem::take(&mut slot.replay), |t| slot.job.run(t));
-            if std::mem::take(&mut t.alone) {
-                slot.alone = true;
-                continue;
-            }
+            slot.late = t.late;
             if replay.diverged {
                 tracing::debug!("a job asked for other statements when run again; the group runs job by job");
                 return Rounds::Redo(every(slots));
@@ -125,9 +131,9 @@ pub(crate) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
             Err(Sent::Failed) => return Rounds::Redo(every(slots)),
         }
     }
-    let (alone, slots): (Vec<Slot>, Vec<Slot>) = slots.into_iter().partition(|s| s.alone);
-    let ended = slots.into_iter().filter_map(|s| s.ended.map(|ended| (s.job, ended))).collect();
-    Rounds::Ended(ended, alone.into_iter().map(|s| s.job).collect(), sent)
+    let (late, early): (Vec<Slot>, Vec<Slot>) = slots.into_iter().partition(|s| s.late);
+    let ended = early.into_iter().chain(late).filter_map(|s| s.ended.map(|ended| (s.job, ended))).collect();
+    Rounds::Ended(ended, sent)
 }
 
 enum Sent {

@@ -18,13 +18,17 @@ type Reply = std::sync::mpsc::Receiver<Result<(String, i64), StoreError>>;
 
 /// A store with run `r` of `tasks` (no dependencies), and a connection of the test's own.
 fn store(tasks: &[&str]) -> (PgStore, Conn, ScratchDatabase) {
+    store_of(&tasks.iter().map(|t| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\n\n")).collect::<String>())
+}
+
+/// A store with run `r` of the plan `toml`, and a connection of the test's own.
+fn store_of(toml: &str) -> (PgStore, Conn, ScratchDatabase) {
     let server = std::env::var("PIER_TEST_PG").unwrap_or_else(|_| {
         panic!("PIER_TEST_PG is not set: the PostgreSQL tests need a server (scripts/test starts one)")
     });
     let db = ScratchDatabase::create(&server, "pier_rounds").unwrap_or_else(|e| panic!("{e}"));
     let store = PgStore::open(db.url()).unwrap_or_else(|e| panic!("{e}"));
-    let toml: String = tasks.iter().map(|t| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\n\n")).collect();
-    let plan = crate::plan::parse(&toml, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    let plan = crate::plan::parse(toml, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
     store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
     let conn = store.db.pool.connect().unwrap_or_else(|e| panic!("{e}"));
     (store, conn, db)
@@ -80,7 +84,7 @@ fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
     let (store, mut conn, _db) = store(&["a", "b", "c", "d"]);
     let (jobs, replies): (Vec<_>, Vec<_>) = ["a", "b", "c", "d"].into_iter().map(claim).unzip();
     let mut t = PgTx::begin(&mut conn, false);
-    let Rounds::Ended(ended, _, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
+    let Rounds::Ended(ended, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
     // One statement each, all four in one round trip.
     assert_eq!(rounds, 1);
     let mut done = Vec::new();
@@ -196,4 +200,42 @@ fn only_the_first_job_of_a_task_goes_side_by_side() {
     let (a, _r5) = claim("a");
     let (together, rest) = rounds::side_by_side(vec![a]);
     assert_eq!((together.len(), rest.len()), (0, 1));
+}
+
+#[test]
+fn keyed_claims_side_by_side_keep_the_limit_and_come_after_the_endings_they_counted_on() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
+    let toml = format!("{}{}{}[[tasks]]\nid = \"p\"\nprompt = \"x\"\n", keyed("x"), keyed("y"), keyed("z"));
+    let (store, mut conn, _db) = store_of(&toml);
+    let (j, r) = claim("x");
+    commit_group(&mut conn, vec![j]);
+    assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+    // In one group: a claim of the key before the ending of its holder (in queue order), a
+    // second claim of the key, and a claim without keys.
+    let (take_y, took_y) = claim("y");
+    let ending = Ending::Completed { result: "fine".into(), usage: None };
+    let (end, ended) = job(Some("x"), move |tx| {
+        ops::finish(tx, &attempt("x"), &ending, None).map(|(r, s)| (r.state.as_str().to_owned(), s))
+    });
+    let (take_z, took_z) = claim("z");
+    let (take_p, took_p) = claim("p");
+    assert!(!commit_group(&mut conn, vec![take_y, end, take_z, take_p]), "the group was sent back");
+    let got = answers(&[took_y, ended, took_z, took_p]);
+    assert_eq!(got[1..], [Ok("completed".to_owned()), Ok("None".to_owned()), Ok("Some((1, Running))".to_owned())]);
+    // The key's claims counted the ending (one place), and the log shows them after it.
+    assert_eq!(got[0], Ok("Some((1, Running))".to_owned()));
+    let events = store.events_after(Some("r"), 0, 1000).unwrap_or_else(|e| panic!("{e}"));
+    let mut running = 0;
+    let mut most = 0;
+    for e in events.iter().filter(|e| e.kind == "transition" && e.task.as_deref() != Some("p")) {
+        match (e.data["from"].as_str(), e.data["to"].as_str()) {
+            (Some("pending"), Some("running")) => running += 1,
+            (Some("running"), Some(_)) => running -= 1,
+            _ => {}
+        }
+        most = most.max(running);
+    }
+    assert_eq!(most, 1, "the log shows the key held by more than its limit: {events:#?}");
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
 }

@@ -47,10 +47,10 @@ pub(crate) struct PgTx<'c> {
     pub(crate) aborted: bool,
     /// In rounds (`rounds`): the current job's answers so far, and where it stops.
     pub(super) replay: Option<Replay>,
-    /// The current job is to run alone, after the rounds: a claim of a task with concurrency
-    /// keys, which reads what other jobs' endings change (the keys' holders), so it must come
-    /// after them in the transaction as its events come after theirs in the log.
-    pub(super) alone: bool,
+    /// In rounds, the current job claimed a task with concurrency keys: it read what other
+    /// jobs' endings change (the keys' holders), so its events go after theirs in the log (see
+    /// `rounds`).
+    pub(super) late: bool,
 }
 
 /// Opens a group's transaction; `BEGIN_CAREFUL` with the first job's savepoint.
@@ -79,7 +79,7 @@ impl PgTx<'_> {
             wrote: false,
             aborted: false,
             replay: None,
-            alone: false,
+            late: false,
         }
     }
 
@@ -110,7 +110,7 @@ impl PgTx<'_> {
         job: impl FnOnce(&mut Self) -> Result<(), StoreError>,
     ) -> (Result<(), StoreError>, Replay, Vec<Pending>) {
         self.replay = Some(replay);
-        (self.retry, self.wrote, self.aborted) = (false, false, false);
+        (self.retry, self.wrote, self.aborted, self.late) = (false, false, false, false);
         let outcome = job(self);
         let replay = self.replay.take().unwrap_or_default();
         (outcome, replay, std::mem::take(&mut self.events))
@@ -211,10 +211,20 @@ pub(super) const TASK_FOR_UPDATE: &str =
      not_before_ms, result, usage, error, spec, cancel_requested FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
 /// A claim in one statement: the row locked by primary key, skipped if another claimer holds
 /// it; updated through its `ctid` only if pending and due; the attempt's row added; the row
-/// as the claim left it. The state is tested on the locked row, never in the lookup: with
-/// `state = 'pending'` there the generic plan of the prepared statement walked the
-/// `tasks_pending` partial index over the run's pending tasks (0.5 ms per claim at 10,000 of
-/// them, against 0.01 ms).
+/// as the claim left it, and whether a pending, due task was left for its concurrency keys,
+/// whose locks it then takes (`l`) for the claim that counts their holders (`CLAIM_KEYED`, a
+/// later statement, so its snapshot is taken with the locks held). The state is tested on the
+/// locked row, never in the lookup: with `state = 'pending'` there the generic plan of the
+/// prepared statement walked the `tasks_pending` partial index over the run's pending tasks
+/// (0.5 ms per claim at 10,000 of them, against 0.01 ms).
+///
+/// The keys' locks are waited for, in PostgreSQL's queue: a claim that gave up when another
+/// node held the key could lose to that node's next claim again and again (a higher-priority
+/// task starved of its key). Another node's group holds them only until its commit. Taken in
+/// the keys' order: two groups then never wait for each other in a cycle over their keys (a
+/// deadlock that remains, such as one key's hash meeting another's, is broken by PostgreSQL and
+/// the group it aborts runs again). The two-key form: its lock space is apart from the
+/// migrations'.
 pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, keyed FROM tasks
          WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
@@ -223,27 +233,34 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
              t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
      a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
-         ON CONFLICT DO NOTHING)
-     SELECT u.*, c.keyed FROM c LEFT JOIN u ON true";
+         ON CONFLICT DO NOTHING),
+     l AS (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
+             FROM c JOIN tasks s ON s.ctid = c.ctid, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
+             WHERE c.keyed IS NOT NULL AND c.state = 'pending' AND c.not_before_ms <= ?5 ORDER BY x.key) k)
+     SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END, (SELECT COUNT(*) FROM l)
+     FROM c LEFT JOIN u ON true";
 
-/// A claim of a task with concurrency keys (`?6`: its keys, as its spec holds them), once the
-/// keys are locked: in one statement the keys' stale holders dropped, the live ones counted, the
+/// A claim of a task with concurrency keys (its spec's `concurrency`), once the keys are
+/// locked: in one statement the keys' stale holders dropped, the live ones counted, the
 /// task moved only if every key has room, its attempt's row and its holder rows added. The count
-/// sees every commit before the statement began, which is after the locks were taken.
+/// sees every commit before the statement began, which is after the locks were taken. As in
+/// `CLAIM`, the task is found (and locked) by primary key and its state tested on the row found.
 pub(super) const CLAIM_KEYED: &str = concat!(
-    "WITH k AS (SELECT x.key, x.\"limit\" AS lim
-             FROM jsonb_to_recordset(?6::text::jsonb) AS x(key text, \"limit\" bigint)),
+    "WITH k AS (SELECT x.key, x.\"limit\" AS lim FROM tasks s,
+             jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text, \"limit\" bigint)
+             WHERE s.run_id = ?1 AND s.id = ?2),
      d AS (DELETE FROM key_holders h WHERE h.key IN (SELECT key FROM k) AND NOT (h.run_id = ?1 AND h.task_id = ?2)
-         AND NOT EXISTS (SELECT 1 FROM tasks t WHERE ",
+         AND NOT ",
     crate::holder_is_live!(),
-    ")),
-     f AS (SELECT 1 FROM k WHERE (SELECT COUNT(*) FROM key_holders h JOIN tasks t ON ",
+    "),
+     f AS (SELECT 1 FROM k WHERE (SELECT COUNT(*) FROM key_holders h
+         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2) AND ",
     crate::holder_is_live!(),
-    "
-         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2)) >= k.lim),
+    ") >= k.lim),
+     c AS (SELECT ctid, state, not_before_ms FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
              lease_owner = ?3, lease_expires_at_ms = ?4
-         WHERE t.run_id = ?1 AND t.id = ?2 AND t.state = 'pending' AND t.not_before_ms <= ?5
+         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
              AND NOT EXISTS (SELECT 1 FROM f)
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
              t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
@@ -282,35 +299,11 @@ pub(super) const END_KEEPING: &str = end_statement!(
 );
 
 impl PgTx<'_> {
-    /// Locks concurrency key `key` until the transaction ends.
-    fn lock_key(&mut self, key: &str) -> Result<(), StoreError> {
-        // Waited for, in PostgreSQL's queue: a claim that gave up when another node held the
-        // key could lose to that node's next claim again and again (a higher-priority task
-        // starved of its key). Another node's group holds it only until its commit; two groups
-        // locking two keys in opposite orders are a deadlock PostgreSQL breaks, and the group
-        // it aborts runs again. The two-key form: its lock space is apart from the migrations'.
-        self.int(
-            "SELECT 1::bigint FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(?1))) l",
-            &[Arg::Text(key)],
-        )?;
-        Ok(())
-    }
-
-    /// [`Tx::take`] of a task with concurrency keys, outside the rounds: its row (locked by the
-    /// claim that declined it) read for its keys, each key locked, then `CLAIM_KEYED`.
+    /// [`Tx::take`] of a task with concurrency keys, its row and its keys locked by the claim
+    /// that declined it: `CLAIM_KEYED`, the next statement.
     fn take_keyed(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
         let ops::Claim { run, task, owner, until, now, .. } = *c;
-        let Some(raw) = self.task(run, task)? else { return Ok(None) };
-        let row = ops::decode(raw)?;
-        if row.state != TaskState::Pending || row.not_before_ms > now {
-            return Ok(None);
-        }
-        for k in &row.spec.concurrency {
-            self.lock_key(&k.key)?;
-        }
-        let keys = serde_json::to_string(&row.spec.concurrency)?;
-        let args =
-            [Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now), Arg::Text(&keys)];
+        let args = [Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)];
         let rows = self.rows(CLAIM_KEYED, &args)?;
         let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
         row.map(|r| ops::decode(r.raw_task()?)).transpose()
@@ -422,13 +415,12 @@ impl Tx for PgTx<'_> {
         let taken = matches!(row.0.first(), Some(Cell::Text(_)));
         match (taken, row.opt_int(14)?) {
             (true, _) => Ok(Some(ops::decode(row.raw_task()?)?)),
-            // A task with concurrency keys: the claim that counts their holders, on the row `c` locked.
-            (_, Some(_)) if self.replay.is_some() => {
-                // Nothing written yet (the claim only locked the row): it runs again, alone.
-                self.alone = true;
-                Err(StoreError::Db("a claim of a task with concurrency keys runs after the rounds".into()))
+            // A task with concurrency keys: the claim that counts their holders, on the row and
+            // keys `CLAIM` locked.
+            (_, Some(_)) => {
+                self.late = self.replay.is_some();
+                self.take_keyed(c)
             }
-            (_, Some(_)) => self.take_keyed(c),
             _ => Ok(None),
         }
     }
