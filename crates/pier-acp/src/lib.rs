@@ -24,3 +24,10 @@ pub use error::RequestError;
 /// of `_meta` keys). pier's host sends it with `session/new` and `session/prompt`; pier's
 /// agent reads it.
 pub const TASK_META_KEY: &str = "pier.dev/task";
+
+/// The `_meta` key (value `true`, with `session/new`, `session/load` or `session/resume`) by
+/// which a client that answers form questions asks pier's agent to offer its model `ask_user`
+/// in the automation profile, which offers no human-facing questions of its own (seed 003).
+/// pier's host sends it: it parks the task until a person answers. The editor profile offers
+/// `ask_user` to any client that answers form questions.
+pub const ASK_META_KEY: &str = "pier.dev/askPerson";

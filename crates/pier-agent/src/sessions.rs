@@ -78,7 +78,7 @@ impl AcpAgent {
         if self.options.task_context {
             options.note = task_note(req.meta.as_ref());
         }
-        let ask_cell = self.offer_ask(&mut options, &cx.conn);
+        let ask_cell = self.offer_ask(&mut options, &cx.conn, req.meta.as_ref());
         let session = match self.engine.create(options).await {
             Ok(s) => s,
             Err(e) => {
@@ -107,7 +107,8 @@ impl AcpAgent {
 
     pub(crate) async fn load_session(self: Arc<Self>, cx: RequestCx, req: LoadSessionRequest) -> Result<Value, Error> {
         let id = req.session_id.0.to_string();
-        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, &cx.conn, true).await?;
+        let asked = Reopening { cwd: req.cwd, additional: req.additional_directories, meta: req.meta.as_ref() };
+        let entry = self.reopen(&id, asked, &req.mcp_servers, &cx.conn, true).await?;
         let response = LoadSessionResponse::new().modes(self.modes(&entry)).config_options(self.config_options(&entry));
         to_value(&response)
     }
@@ -118,7 +119,8 @@ impl AcpAgent {
         req: ResumeSessionRequest,
     ) -> Result<Value, Error> {
         let id = req.session_id.0.to_string();
-        let entry = self.reopen(&id, req.cwd, req.additional_directories, &req.mcp_servers, &cx.conn, false).await?;
+        let asked = Reopening { cwd: req.cwd, additional: req.additional_directories, meta: req.meta.as_ref() };
+        let entry = self.reopen(&id, asked, &req.mcp_servers, &cx.conn, false).await?;
         let response =
             ResumeSessionResponse::new().modes(self.modes(&entry)).config_options(self.config_options(&entry));
         to_value(&response)
@@ -130,12 +132,12 @@ impl AcpAgent {
     async fn reopen(
         &self,
         id: &str,
-        cwd: PathBuf,
-        additional: Vec<PathBuf>,
+        asked: Reopening<'_>,
         servers: &[McpServer],
         conn: &pier_acp::Connection,
         replay: bool,
     ) -> Result<Arc<SessionEntry>, Error> {
+        let Reopening { cwd, additional, meta } = asked;
         self.require_initialized()?;
         if !self.engine.store().exists(id) {
             return Err(engine_error(&EngineError::UnknownSession(id.to_owned())));
@@ -149,7 +151,7 @@ impl AcpAgent {
             self.dispose(&live).await;
         }
         let Setup { mut options, mcp } = self.setup(cwd, additional, servers).await?;
-        if let Some(cell) = self.offer_ask(&mut options, conn) {
+        if let Some(cell) = self.offer_ask(&mut options, conn, meta) {
             let _ = cell.set(id.to_owned());
         }
         let reopened = match self.engine.open(id, options).await {
@@ -247,15 +249,28 @@ async fn stop(mcp: Option<mcp::Servers>) {
     }
 }
 
+/// What a `session/load` or `session/resume` asks of the session it reopens.
+struct Reopening<'a> {
+    cwd: PathBuf,
+    additional: Vec<PathBuf>,
+    meta: Option<&'a agent_client_protocol_schema::v1::Meta>,
+}
+
 impl AcpAgent {
-    /// Offers the session `ask_user` when its client answers form questions; the cell takes
-    /// the session's id once it has one.
+    /// Offers the session `ask_user` when its client answers form questions, and either the
+    /// profile is the editor's or the client asked for it (`ASK_META_KEY` in the request's
+    /// `_meta`): the automation profile asks nobody of its own accord (seed 003). The cell
+    /// takes the session's id once it has one.
     fn offer_ask(
         &self,
         options: &mut SessionOptions,
         conn: &pier_acp::Connection,
+        meta: Option<&agent_client_protocol_schema::v1::Meta>,
     ) -> Option<Arc<std::sync::OnceLock<String>>> {
-        if !self.client_elicitation.load(std::sync::atomic::Ordering::SeqCst) {
+        let asked = meta.and_then(|m| m.get(pier_acp::ASK_META_KEY)).and_then(Value::as_bool) == Some(true);
+        if !self.client_elicitation.load(std::sync::atomic::Ordering::SeqCst)
+            || !(self.profile == Profile::Editor || asked)
+        {
             return None;
         }
         let (tool, cell) = crate::ask::AskUser::new(conn.clone());

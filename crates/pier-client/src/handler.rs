@@ -47,6 +47,12 @@ pub trait Asker: Send + Sync + 'static {
     fn elicit(&self, _request: &CreateElicitationRequest) -> BoxFuture<'static, ElicitAnswer> {
         Box::pin(async { ElicitAnswer::Decline })
     }
+    /// Whether [`Asker::elicit`] reaches a person: only then does the client advertise form
+    /// questions, so that an agent never asks what would only be declined (a subagent's
+    /// parent answers its permission requests, never its questions).
+    fn answers_questions(&self) -> bool {
+        false
+    }
 }
 
 /// What the client serves, shared by the handler and the driver.

@@ -430,11 +430,15 @@ impl LiveAgent {
         deadline: Deadline,
         interrupts: &mut Interrupts,
     ) -> Result<(), Stopped> {
-        // Form questions are answered by the host's person, or declined when nobody is there.
-        let caps = ClientCapabilities::new()
+        // Form questions are answered by the host's person, at the terminal, or declined at
+        // once when nobody is there; an asker that answers none (a subagent's parent) does not
+        // advertise them.
+        let mut caps = ClientCapabilities::new()
             .fs(FileSystemCapabilities::new().read_text_file(opts.fs).write_text_file(opts.fs))
-            .terminal(opts.terminal)
-            .elicitation(ElicitationCapabilities::new().form(ElicitationFormCapabilities::new()));
+            .terminal(opts.terminal);
+        if opts.asker.as_ref().is_none_or(|a| a.answers_questions()) {
+            caps = caps.elicitation(ElicitationCapabilities::new().form(ElicitationFormCapabilities::new()));
+        }
         let init = InitializeRequest::new(ProtocolVersion::V1)
             .client_capabilities(caps)
             .client_info(Implementation::new("pier", env!("CARGO_PKG_VERSION")));

@@ -281,7 +281,7 @@ impl Run {
     fn options(&self) -> Result<RunOptions, String> {
         let mut opts = attempt_options(&self.row.spec, &self.config)?;
         opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone() }));
-        opts.meta = Some(task_meta(&self.attempt, &self.row.spec));
+        opts.meta = Some(task_meta(&self.attempt.run, &self.attempt.task, self.attempt.n, &self.row.spec));
         Ok(opts)
     }
 }
@@ -347,21 +347,23 @@ impl Channel for Local<'_> {
     }
 }
 
-/// The task's identity and metadata, for the agent. The idempotency key is the same for
-/// every attempt of the task, so an agent can recognise work a lost attempt already did.
-pub fn task_meta(attempt: &Attempt, spec: &TaskSpec) -> agent_client_protocol_schema::v1::Meta {
+/// The task's identity and metadata, for the agent, and the ask for `ask_user` (the host
+/// parks a question until a person answers it). The idempotency key is the same for every
+/// attempt of the task, so an agent can recognise work a lost attempt already did.
+pub fn task_meta(run: &str, task: &str, attempt: i64, spec: &TaskSpec) -> agent_client_protocol_schema::v1::Meta {
     let mut meta = agent_client_protocol_schema::v1::Meta::new();
     meta.insert(
         pier_acp::TASK_META_KEY.to_owned(),
         serde_json::json!({
-            "run": attempt.run,
-            "task": attempt.task,
-            "attempt": attempt.n,
-            "idempotencyKey": format!("pier:{}:{}", attempt.run, attempt.task),
+            "run": run,
+            "task": task,
+            "attempt": attempt,
+            "idempotencyKey": format!("pier:{run}:{task}"),
             "dependsOn": spec.depends_on,
             "metadata": spec.metadata,
         }),
     );
+    meta.insert(pier_acp::ASK_META_KEY.to_owned(), serde_json::Value::Bool(true));
     meta
 }
 
@@ -531,6 +533,10 @@ impl pier_client::handler::Asker for HostAsker {
                 None => AskAnswer::Withdrawn,
             }
         })
+    }
+
+    fn answers_questions(&self) -> bool {
+        true
     }
 
     /// A question for the person: the task waits in `awaiting_input` with the message and

@@ -320,6 +320,7 @@ async fn attempt(
         Ok(mut opts) => {
             let base = at(&run, &task, n, "questions");
             opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone() }));
+            opts.meta = Some(crate::attempt::task_meta(&run, &task, n, &spec));
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
             let stopping = {
                 let (lost, stop, cancelled) = (lost.clone(), stop.clone(), cancelled.clone());
@@ -885,6 +886,10 @@ impl pier_client::handler::Asker for RemoteAsker {
                 None => AskAnswer::Withdrawn,
             }
         })
+    }
+
+    fn answers_questions(&self) -> bool {
+        true
     }
 
     fn elicit(

@@ -385,6 +385,34 @@ async fn ask_user_is_not_offered_to_a_client_that_cannot_answer() {
     assert!(!names.contains(&"ask_user".to_owned()) && names.contains(&"read_file".to_owned()), "{names:?}");
 }
 
+/// The automation profile asks nobody of its own accord (seed 003, S3-14): under a client that
+/// answers form questions it offers `ask_user` only when the session's `_meta` asks for it; the
+/// editor profile offers it to such a client.
+#[tokio::test]
+async fn ask_user_is_offered_in_automation_only_when_the_client_asks_for_it() {
+    let offered = |profile: &'static str, meta: Value| async move {
+        let f = must(FakeModel::start().await, "fake");
+        f.set_fallback(|_| Reply::text("ok"));
+        let mut p =
+            support::PierProcess::spawn(support::Options::model(f.base_url()).arg("--profile").arg(profile)).await;
+        let init = p
+            .call("initialize", json!({"protocolVersion": 1, "clientCapabilities": {"elicitation": {"form": {}}}}))
+            .await;
+        assert!(init.get("result").is_some(), "{init}");
+        let cwd = p.cwd();
+        let new = p.call("session/new", json!({"cwd": cwd, "mcpServers": [], "_meta": meta})).await;
+        let sid = new.pointer("/result/sessionId").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let id = p.prompt(&sid, "hello").await;
+        let (_, resp) = p.read_until_response(id).await;
+        assert_eq!(support::stop_reason(&resp), "end_turn", "{resp}");
+        tool_names(&f.requests()[0].body).contains(&"ask_user".to_owned())
+    };
+    assert!(!offered("automation", json!({})).await, "automation offered ask_user unasked");
+    assert!(offered("automation", json!({"pier.dev/askPerson": true})).await, "not offered when asked for");
+    assert!(!offered("automation", json!({"pier.dev/askPerson": "yes"})).await, "only `true` asks for it");
+    assert!(offered("editor", json!({})).await, "the editor profile offers it");
+}
+
 /// `pier exec` on a terminal (a pty from `script`) asks field by field, re-asking a bad answer.
 #[tokio::test]
 async fn pier_exec_on_a_terminal_asks_the_person_field_by_field() {

@@ -417,6 +417,35 @@ async fn a_grandchild_is_not_offered_delegate_at_the_default_depth() {
     none_left_in(&workdir(&p), p.pid).await;
 }
 
+/// A child whose parent cannot answer its questions is not told it may ask (S3-14): even an
+/// editor-profile child, which offers `ask_user` to any client that answers form questions, is
+/// not offered it under a delegation.
+#[tokio::test]
+async fn a_delegated_child_is_never_offered_questions_its_parent_must_decline() {
+    let f = fake().await;
+    let child = format!("{} agent --profile editor", support::pier_exe());
+    f.set_fallback(move |body| match (first_user(body).as_str(), tool_results(body).pop()) {
+        ("top", None) => delegate_calls(&[("d1", json!({"prompt": "child: hello", "agent": child}))]),
+        (_, Some(result)) => Reply::text(&result),
+        (_, None) => Reply::text("hi"),
+    });
+    // The parent's client answers form questions.
+    let mut p = PierProcess::spawn(parent(&f)).await;
+    let init =
+        p.call("initialize", json!({"protocolVersion": 1, "clientCapabilities": {"elicitation": {"form": {}}}})).await;
+    assert!(init.get("result").is_some(), "{init}");
+    let sid = p.new_session().await;
+    let id = p.prompt(&sid, "top").await;
+    let (_, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}\n{}", p.stderr());
+    let bodies: Vec<Value> = f.requests().into_iter().map(|r| r.body).collect();
+    let child: Vec<&Value> = bodies.iter().filter(|b| first_user(b) == "child: hello").collect();
+    assert_eq!(child.len(), 1, "one child request\n{}", p.stderr());
+    assert!(!tool_names(child[0]).contains(&"ask_user".to_owned()), "{:?}", tool_names(child[0]));
+    assert!(tool_names(child[0]).contains(&"read_file".to_owned()), "{:?}", tool_names(child[0]));
+    none_left_in(&workdir(&p), p.pid).await;
+}
+
 /// A parent whose turn delegated twice, both children waiting on the model for good.
 async fn fanned_out(f: &FakeModel) -> (PierProcess, String, i64) {
     f.set_fallback(|body| match first_user(body).as_str() {
