@@ -25,14 +25,23 @@ pub struct Accepts {
 /// The prompt as the engine takes it, or the -32602 error that explains what is wrong with it.
 pub fn user_prompt(blocks: &[ContentBlock], accepts: Accepts) -> Result<UserPrompt, Error> {
     let mut parts = Vec::with_capacity(blocks.len());
+    // What a person wrote or sent, without the wrapper an embedded resource gets.
+    let mut visible = Vec::with_capacity(blocks.len());
     let mut images = Vec::new();
     for (i, block) in blocks.iter().enumerate() {
         match block {
-            ContentBlock::Text(t) => parts.push(t.text.clone()),
-            ContentBlock::ResourceLink(link) => parts.push(flatten_resource_link(&link.name, &link.uri)),
+            ContentBlock::Text(t) => {
+                parts.push(t.text.clone());
+                visible.push(t.text.clone());
+            }
+            ContentBlock::ResourceLink(link) => {
+                parts.push(flatten_resource_link(&link.name, &link.uri));
+                visible.push(link.name.clone());
+            }
             ContentBlock::Resource(r) if accepts.embedded_context => match &r.resource {
                 EmbeddedResourceResource::TextResourceContents(t) => {
                     parts.push(format!("<resource uri=\"{}\">\n{}\n</resource>", t.uri, t.text));
+                    visible.push(t.text.clone());
                 }
                 EmbeddedResourceResource::BlobResourceContents(b) => {
                     return Err(invalid_params(format!(
@@ -55,7 +64,7 @@ pub fn user_prompt(blocks: &[ContentBlock], accepts: Accepts) -> Result<UserProm
     if text.trim().is_empty() && images.is_empty() {
         return Err(invalid_params("the prompt is empty; send at least one text or resource_link block with content"));
     }
-    Ok(UserPrompt { text, images })
+    Ok(UserPrompt { text, images, title_text: Some(visible.join("\n")) })
 }
 
 fn refused(index: usize, kind: &str, accepts: Accepts) -> Error {

@@ -316,7 +316,7 @@ fn last_setting<'a>(records: &'a [(u64, LogRecord)], key: &str) -> Option<&'a st
 }
 
 /// The conversation as an editor shows it: prompts, thoughts, answers, each tool
-/// call once in its final state where it first appeared, and plans.
+/// call once in its final state where it first appeared (but a plan's), and plans.
 pub(crate) fn replay_updates(records: &[(u64, LogRecord)]) -> Vec<SessionUpdate> {
     let mut last: HashMap<&str, &ToolCallRecord> = HashMap::new();
     for (_, r) in records {
@@ -333,7 +333,7 @@ pub(crate) fn replay_updates(records: &[(u64, LogRecord)]) -> Vec<SessionUpdate>
             LogRecord::Message { text } | LogRecord::Refusal { text } if !text.is_empty() => {
                 out.push(profile::agent_text(text))
             }
-            LogRecord::ToolCall { call } if shown.insert(call.id.as_str()) => {
+            LogRecord::ToolCall { call } if !call.plan && shown.insert(call.id.as_str()) => {
                 let mut fin = last.get(call.id.as_str()).copied().unwrap_or(call).clone();
                 // A past turn's subagents are gone with their processes: no reference to them.
                 fin.content.retain(|c| !matches!(c, pier_tools::ToolContent::Session { .. }));

@@ -101,11 +101,14 @@ pub struct TurnContext {
 pub struct UserPrompt {
     pub text: String,
     pub images: Vec<pier_model::Image>,
+    /// What a first prompt titles its session from, when not `text` itself (a file's text
+    /// rather than the wrapper that gives the model its URI).
+    pub title_text: Option<String>,
 }
 
 impl From<String> for UserPrompt {
     fn from(text: String) -> Self {
-        UserPrompt { text, images: Vec::new() }
+        UserPrompt { text, images: Vec::new(), title_text: None }
     }
 }
 
@@ -317,14 +320,14 @@ impl TurnPermit {
     /// stopped, and the turn ends [`StopReason::Cancelled`] whatever the aborted
     /// work does (R090, R091). An error leaves the conversation as it was before.
     pub async fn run(mut self, prompt: impl Into<UserPrompt>, cx: TurnContext) -> Result<StopReason, EngineError> {
-        let UserPrompt { text: prompt, images } = prompt.into();
+        let UserPrompt { text: prompt, images, title_text } = prompt.into();
         self.state.turns += 1;
         let n = self.state.turns;
         let before = self.state.history.len();
         let new_title = {
             let mut title = lock(&self.shared.title);
             if title.is_none() {
-                *title = title_of(&prompt);
+                *title = title_text.as_deref().and_then(title_of).or_else(|| title_of(&prompt));
                 title.clone()
             } else {
                 None
@@ -530,11 +533,23 @@ impl Turn<'_> {
         }
     }
 
-    /// Publishes a tool call's current state: to the profile and to the log.
+    /// Publishes a tool call's current state: to the log, and to the profile unless the call
+    /// shows as the plan it makes.
     async fn publish(&self, record: &ToolCallRecord, first: bool) {
         self.log(LogRecord::ToolCall { call: Box::new(record.clone()) });
         let event = if first { EventMsg::ToolCall(record.clone()) } else { EventMsg::ToolCallUpdate(record.clone()) };
-        self.emit(event).await;
+        self.emit_call(event).await;
+    }
+
+    /// Hands the profile an event of a tool call, unless the call shows as the plan it makes.
+    async fn emit_call(&self, event: EventMsg) {
+        let plan = match &event {
+            EventMsg::ToolCall(r) | EventMsg::ToolCallUpdate(r) | EventMsg::ToolCallRestated(r) => r.plan,
+            _ => false,
+        };
+        if !plan {
+            self.emit(event).await;
+        }
     }
 
     /// Fails `record` with `reason`, publishes it, and returns what the model reads.
@@ -625,6 +640,7 @@ impl Turn<'_> {
         if let Some(t) = &tool {
             record.kind = t.kind();
             record.title = t.name().to_owned();
+            record.plan = t.shows_as_plan();
             if let Ok(args) = &parsed {
                 let p = t.preview(args, &self.permit.workspace);
                 record.title = p.title;
@@ -725,7 +741,7 @@ impl Turn<'_> {
                 Some(asked) = judgments.next(), if !judgments.is_empty() => {
                     // The question showed the action on this call: show the call as itself again.
                     if asked.is_some() {
-                        self.emit(EventMsg::ToolCallRestated(record.clone())).await;
+                        self.emit_call(EventMsg::ToolCallRestated(record.clone())).await;
                     }
                 }
             }
@@ -761,7 +777,7 @@ impl Turn<'_> {
     /// state is logged when it ends).
     async fn show(&self, record: &mut ToolCallRecord, content: Vec<pier_tools::ToolContent>) {
         record.content = content;
-        self.emit(EventMsg::ToolCallUpdate(record.clone())).await;
+        self.emit_call(EventMsg::ToolCallUpdate(record.clone())).await;
     }
 
     /// Judges one action and answers the tool, unless the tool stops waiting first (its

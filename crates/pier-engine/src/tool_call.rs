@@ -63,6 +63,10 @@ pub struct ToolCallRecord {
     /// Why it failed, in the words the model reads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Its tool's calls are the session's plan (`Tool::shows_as_plan`): logged, and shown to
+    /// a client as the plan they make, never as a tool call.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub plan: bool,
 }
 
 impl ToolCallRecord {
@@ -79,6 +83,7 @@ impl ToolCallRecord {
             content: Vec::new(),
             locations: Vec::new(),
             error: None,
+            plan: false,
         }
     }
 

@@ -304,6 +304,11 @@ pub trait Tool: Send + Sync + 'static {
     fn concurrency(&self) -> usize {
         1
     }
+    /// Its calls are the session's plan (R099): a client is shown the plan they make, not the
+    /// calls themselves (the session log keeps both).
+    fn shows_as_plan(&self) -> bool {
+        false
+    }
 }
 
 /// Parses a tool's arguments, with a message the model can act on.

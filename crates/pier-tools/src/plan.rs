@@ -65,6 +65,9 @@ fn update_plan_parameters() -> Value {
 
 impl Tool for UpdatePlan {
     crate::tool_spec!("update_plan", ToolKind::Think, UPDATE_PLAN_DESCRIPTION, update_plan_parameters);
+    fn shows_as_plan(&self) -> bool {
+        true
+    }
     fn preview(&self, args: &Value, _ws: &Workspace) -> Preview {
         let n = args.get("entries").and_then(Value::as_array).map_or(0, Vec::len);
         Preview { title: format!("Update plan ({n} steps)"), locations: Vec::new(), content: Vec::new() }

@@ -339,6 +339,27 @@ async fn modes_decide_without_asking_and_both_views_follow() {
     assert!(p.cwd().join("x.txt").exists());
 }
 
+/// A session opened with a file (`pier exec -f FILE`: an embedded resource) is titled from the
+/// file's first line, not from the wrapper that gives the model its URI.
+#[tokio::test]
+async fn a_file_prompt_titles_the_session_with_its_first_line() {
+    let f = fake().await;
+    f.push(Reply::text("ok"));
+    let (mut p, sid) = start(&f).await;
+    let file =
+        json!({"type": "resource", "resource": {"uri": "file:///w/notes.md", "text": "\n# Release notes\nmore"}});
+    let id = p.request("session/prompt", json!({"sessionId": sid, "prompt": [file]})).await;
+    let (frames, resp, _) = run_turn(&mut p, id, |_| "allow-once").await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    let info = updates(&frames, "session_info_update");
+    assert_eq!(info.len(), 1, "{info:?}");
+    assert_eq!(info[0]["title"], "# Release notes");
+    assert!(
+        f.requests()[0].body.to_string().contains("<resource uri=\\\"file:///w/notes.md\\\">"),
+        "the model still reads the URI"
+    );
+}
+
 #[tokio::test]
 async fn each_plan_update_replaces_the_whole_plan() {
     let f = fake().await;
@@ -362,6 +383,10 @@ async fn each_plan_update_replaces_the_whole_plan() {
     };
     assert_eq!(statuses(plans[0]), ["in_progress", "pending"]);
     assert_eq!(statuses(plans[1]), ["completed", "in_progress"]);
+    // One plan, not two: the calls that made it are not shown as tool calls as well.
+    let calls: Vec<&Value> =
+        updates(&frames, "tool_call").into_iter().chain(updates(&frames, "tool_call_update")).collect();
+    assert!(calls.is_empty(), "{calls:#?}");
 }
 
 #[tokio::test]
