@@ -47,7 +47,11 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
             }
         })
         .collect();
-    if let Some(error) = &call.error {
+    // Why it failed, unless the call's content already says it (a failed command's output is
+    // both its content and the words the model reads): a client shows each once.
+    if let Some(error) = &call.error
+        && !call.content.iter().any(|c| matches!(c, ToolContent::Text { text } if text == error))
+    {
         content.push(ToolCallContent::Content(Content::new(ContentBlock::Text(TextContent::new(error.clone())))));
     }
     let locations: Vec<ToolCallLocation> =

@@ -65,9 +65,11 @@ impl Tool for ReadFile {
             let ws = cx.workspace.clone();
             let (text, end, total) = blocking(move || read_page(&ws, &path, &shown, start, limit, budget)).await?;
             let mut out = ToolOutput::ok(
-                text,
+                text.clone(),
                 json!({"path": file, "first_line": start, "last_line": end, "total_lines": total}),
             );
+            // An editor shows what was read inside the call, as the model reads it.
+            out.content = vec![crate::ToolContent::Text { text }];
             out.locations = vec![Location { path: file, line: Some(start as u32) }];
             Ok(out)
         })

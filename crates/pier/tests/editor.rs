@@ -191,6 +191,7 @@ async fn tool_calls_carry_kinds_locations_diffs_and_output() {
     f.push(Reply::tool_call("e1", "edit_file", r#"{"path": "a.txt", "old_text": "two", "new_text": "TWO"}"#));
     f.push(Reply::tool_call("w1", "write_file", r#"{"path": "new.txt", "content": "fresh\n"}"#));
     f.push(Reply::tool_call("c1", "run_command", r#"{"command": "echo hello-from-command"}"#));
+    f.push(Reply::tool_call("c2", "run_command", r#"{"command": "echo oops-from-command; exit 3"}"#));
     f.push(Reply::text("done"));
     let (frames, resp, asked) = turn(&mut p, &sid, "work").await;
     assert_eq!(stop_reason(&resp), "end_turn");
@@ -205,6 +206,9 @@ async fn tool_calls_carry_kinds_locations_diffs_and_output() {
     assert_eq!(r1[0]["rawInput"], json!({"path": "a.txt", "line": 2}));
     assert_eq!(r1[1], &json!({"sessionUpdate": "tool_call_update", "toolCallId": "r1", "status": "in_progress"}));
     assert_eq!(last_status(&frames, "r1").as_deref(), Some("completed"));
+    // What was read is the call's content, not only its rawOutput.
+    let read = r1.last().copied().unwrap_or(&Value::Null);
+    assert!(read["content"][0]["content"]["text"].as_str().is_some_and(|t| t.contains("two")), "{read}");
 
     // edit: asked with the diff in the request; the whole file before and after.
     let edit_ask = asked.iter().find(|a| a["params"]["toolCall"]["toolCallId"] == "e1");
@@ -244,6 +248,12 @@ async fn tool_calls_carry_kinds_locations_diffs_and_output() {
     assert!(frames.iter().all(|f| !f["method"].as_str().unwrap_or("").starts_with("terminal/")));
     // Updates after the first carry only what changed: no title again on in_progress.
     assert!(c1[1].get("title").is_none() && c1[1].get("rawInput").is_none(), "{}", c1[1]);
+    // A failed command: its output once, not again as the reason it failed.
+    let c2 = call_updates(&frames, "c2");
+    let failed = c2.last().copied().unwrap_or(&Value::Null);
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert_eq!(failed["content"].to_string().matches("oops-from-command").count(), 1, "{failed}");
+    assert!(failed["content"].to_string().contains("exit code 3"), "{failed}");
 }
 
 #[tokio::test]
