@@ -85,6 +85,10 @@ pub struct ClientState {
     /// Answers *ask* when set, instead of the terminal or the non-interactive rule.
     /// Per turn: an agent that serves several turns answers each turn's asker.
     asker: Mutex<Option<Arc<dyn Asker>>>,
+    /// The session whose turn this client serves (set as its prompt is sent): a permission
+    /// request for another session, or outside a turn, is refused, never answered by this
+    /// turn's policy or person (S3-19).
+    session: Mutex<Option<String>>,
     /// How many questions wait for a person right now (the host's asker or the terminal).
     /// Waiting for a person is not idleness: the turn's idle timer stops while this is
     /// above zero and starts afresh when it drops to zero.
@@ -216,6 +220,7 @@ impl ClientState {
             kinds: Mutex::new(HashMap::new()),
             granted: Mutex::new(HashMap::new()),
             asker: Mutex::new(None),
+            session: Mutex::new(None),
             asking: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -232,6 +237,12 @@ impl ClientState {
         drop(cancelling);
         self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         lock(&self.granted).clear();
+        *lock(&self.session) = None;
+    }
+
+    /// The turn being served is session `id`'s.
+    pub fn serve_session(&self, id: &str) {
+        *lock(&self.session) = Some(id.to_owned());
     }
 
     /// Fires once the current turn is being cancelled: every permission request is then
@@ -269,6 +280,16 @@ impl ClientState {
         gone: CancellationToken,
     ) -> Result<Value, Error> {
         let id = req.tool_call.tool_call_id.0.to_string();
+        let serving = lock(&self.session).clone();
+        if serving.as_deref() != Some(&*req.session_id.0) {
+            tracing::warn!(session = %req.session_id.0, serving = ?serving, tool_call = %id, "refused a permission request for a session whose turn this client does not serve");
+            return Err(pier_acp::error::invalid_params(match serving {
+                Some(s) => {
+                    format!("session `{}` is not the session whose turn this client serves (`{s}`)", req.session_id.0)
+                }
+                None => format!("no turn of session `{}` is being served", req.session_id.0),
+            }));
+        }
         let kind = match &req.tool_call.fields.kind {
             Some(k) => kind_of(Some(k)),
             None => lock(&self.kinds).get(&id).copied().unwrap_or(ToolKind::Other),

@@ -542,6 +542,7 @@ impl LiveAgent {
         mut outcome: RunOutcome,
     ) -> RunOutcome {
         outcome.session_id = Some(session_id.clone());
+        self.state.serve_session(&session_id);
         let prompt = fit_prompt(prompt, &self.init);
         let mut turn = Turn::new(opts, session_id, started);
         let answer = turn.drive(self, prompt, events, interrupts).await;

@@ -37,6 +37,8 @@ fn setup_with(policy: ClientPolicy, fs: bool, terminal: bool) -> Setup {
     let sandbox = Sandbox::new(&cwd, &[extra.path().to_owned()]).unwrap_or_else(|e| panic!("{e}"));
     let (tx, events) = event_channel();
     let state = Arc::new(ClientState::new(sandbox, cwd, fs, terminal, policy, false, tx));
+    // The agent's requests are all for session `s`, whose turn is served.
+    state.serve_session("s");
     let (a, b) = tokio::io::duplex(1 << 20);
     let (ar, aw) = tokio::io::split(a);
     let (br, bw) = tokio::io::split(b);
@@ -251,6 +253,7 @@ async fn writes_and_edit_permissions_are_fenced_to_the_writable_paths() {
     let mut policy = ClientPolicy::default();
     policy.approve_all();
     let state = Arc::new(ClientState::new(sandbox, cwd.clone(), true, true, policy, false, tx));
+    state.serve_session("s");
     let (a, b) = tokio::io::duplex(1 << 20);
     let (ar, aw) = tokio::io::split(a);
     let (br, bw) = tokio::io::split(b);
@@ -322,6 +325,7 @@ async fn a_client_method_that_asks_is_served_while_a_granted_call_of_its_kind_ru
     let s = setup();
     let (asked_tx, mut asked) = tokio::sync::mpsc::unbounded_channel();
     s.state.begin_turn(Some(Arc::new(Person { asked: asked_tx })));
+    s.state.serve_session("s");
     let create = json!({"sessionId": "s", "command": "true"});
     let r = s.call("session/request_permission", permission_request("t1", "execute")).await.unwrap_or_default();
     assert_eq!(r["outcome"]["optionId"], "yes");
@@ -353,6 +357,7 @@ async fn a_question_pending_with_the_host_is_answered_cancelled_once_cancelling_
     let s = setup();
     let (asked_tx, mut asked) = tokio::sync::mpsc::unbounded_channel();
     s.state.begin_turn(Some(Arc::new(Person { asked: asked_tx })));
+    s.state.serve_session("s");
     // A client method's question is never answered by `Person`: use its id for a tool call.
     let agent = s.agent.clone();
     let request = permission_request("client-method-pending", "edit");
@@ -369,4 +374,23 @@ async fn must_join<T>(task: tokio::task::JoinHandle<T>) -> T {
         Ok(Err(e)) => panic!("{e}"),
         Err(_) => panic!("no answer"),
     }
+}
+
+/// A permission request answers only for the session whose turn the client serves (S3-19):
+/// another session's, or one outside any turn, is refused and nobody is asked.
+#[tokio::test]
+async fn a_permission_request_for_another_session_is_refused() {
+    let s = setup();
+    let (asked_tx, mut asked) = tokio::sync::mpsc::unbounded_channel();
+    s.state.begin_turn(Some(Arc::new(Person { asked: asked_tx })));
+    let outside = s.call("session/request_permission", permission_request("t0", "execute")).await;
+    assert!(outside.is_err_and(|e| i32::from(e.code) == -32602 && e.message.contains("no turn")));
+    s.state.serve_session("s");
+    let mut other = permission_request("t1", "execute");
+    other["sessionId"] = json!("someone-else");
+    let refused = s.call("session/request_permission", other).await;
+    assert!(refused.is_err_and(|e| i32::from(e.code) == -32602 && e.message.contains("someone-else")));
+    assert!(asked.try_recv().is_err(), "nobody was asked");
+    let r = s.call("session/request_permission", permission_request("t2", "execute")).await.unwrap_or_default();
+    assert_eq!(r["outcome"]["optionId"], "yes");
 }
