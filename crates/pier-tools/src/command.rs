@@ -107,13 +107,31 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
         child.stderr.take().map(|r| tokio::spawn(capture(r, stderr.clone()))),
     ];
 
-    let ending = tokio::select! {
-        status = child.wait() => match status {
-            Ok(s) => Ending::Exited(s),
-            Err(e) => return Err(ToolError::new(format!("waiting for the command failed: {e}"))),
-        },
-        _ = tokio::time::sleep(timeout) => Ending::TimedOut,
-        _ = cx.cancel.cancelled() => Ending::Cancelled,
+    // While it runs, its output so far is shown on the call, at most every
+    // `PROGRESS_EVERY` and only when it grew (the head and tail kept, as at the end).
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    let mut tick = tokio::time::interval(PROGRESS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut shown = 0;
+    let ending = loop {
+        tokio::select! {
+            status = child.wait() => break match status {
+                Ok(s) => Ending::Exited(s),
+                Err(e) => return Err(ToolError::new(format!("waiting for the command failed: {e}"))),
+            },
+            _ = &mut deadline => break Ending::TimedOut,
+            _ = cx.cancel.cancelled() => break Ending::Cancelled,
+            _ = tick.tick() => {
+                let (out, err) = (lock(&stdout), lock(&stderr));
+                let total = out.total() + err.total();
+                if total != shown {
+                    shown = total;
+                    let text = streams(String::from("running"), &out, &err);
+                    cx.link.progress(vec![crate::ToolContent::Text { text }]);
+                }
+            }
+        }
     };
     // Whatever happened, nothing the command started may outlive the call.
     if let Some(mut c) = contained.take() {
@@ -135,7 +153,7 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
         Some(s) => (s.code(), s.signal()),
         None => (None, None),
     };
-    let mut text = match ending {
+    let text = match ending {
         Ending::TimedOut => {
             format!("timed out after {} ms; the command's processes were killed", timeout.as_millis())
         }
@@ -146,11 +164,7 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
             (None, None) => "ended without an exit code".to_owned(),
         },
     };
-    for (name, stream) in [("stdout", &*out), ("stderr", &*err)] {
-        if stream.total() > 0 {
-            text.push_str(&format!("\n{name}:\n{}", stream.render()));
-        }
-    }
+    let text = streams(text, &out, &err);
     let success = matches!(ending, Ending::Exited(_)) && code == Some(0);
     let raw = json!({
         "command": command,
@@ -166,6 +180,19 @@ async fn run(command: &str, timeout: Duration, cx: &ToolContext) -> Result<ToolO
     output.content = vec![crate::ToolContent::Text { text }];
     output.success = success;
     Ok(output)
+}
+
+/// How often, at most, a running command's output is shown on its call.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// `head` followed by each stream that said something, under its name.
+fn streams(mut head: String, out: &HeadTail, err: &HeadTail) -> String {
+    for (name, stream) in [("stdout", out), ("stderr", err)] {
+        if stream.total() > 0 {
+            head.push_str(&format!("\n{name}:\n{}", stream.render()));
+        }
+    }
+    head
 }
 
 fn lock(m: &Mutex<HeadTail>) -> std::sync::MutexGuard<'_, HeadTail> {

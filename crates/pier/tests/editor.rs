@@ -370,6 +370,48 @@ async fn a_file_prompt_titles_the_session_with_its_first_line() {
     );
 }
 
+/// A running command's output shows on its call before the command ends (as
+/// `tool_call_update` content, the client not having advertised `terminal`).
+#[tokio::test]
+async fn a_commands_output_shows_on_its_call_while_it_runs() {
+    let f = fake().await;
+    let (mut p, sid) = start(&f).await;
+    let gate = canonical(&p.cwd()).join("gate");
+    let made = std::process::Command::new("mkfifo").arg(&gate).status();
+    assert!(must(made, "mkfifo").success());
+    // The command prints, then waits on the fifo until the test has seen the print.
+    f.push(Reply::tool_call(
+        "c1",
+        "run_command",
+        r#"{"command": "echo first-part; read word < gate; echo then-$word"}"#,
+    ));
+    f.push(Reply::text("done"));
+    let id = p.prompt(&sid, "work").await;
+    loop {
+        let frame = p.next_frame().await;
+        assert!(frame["id"] != id, "the turn ended before the output showed: {frame}");
+        if frame["method"] == "session/request_permission" {
+            answer(&mut p, &frame, "allow-once").await;
+            continue;
+        }
+        let update = &frame["params"]["update"];
+        if update["toolCallId"] == "c1" && update["content"].to_string().contains("first-part") {
+            assert!(update.get("status").is_none_or(|s| s == "in_progress"), "{update}");
+            assert!(!update["content"].to_string().contains("then-"), "{update}");
+            break;
+        }
+    }
+    let open = tokio::task::spawn_blocking(move || std::fs::write(gate, "go\n"));
+    must(must(tokio::time::timeout(LIMIT, open).await, "release the command"), "join")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (frames, resp, _) = run_turn(&mut p, id, |_| "allow-once").await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    let c1 = call_updates(&frames, "c1");
+    let done = c1.last().copied().unwrap_or(&Value::Null);
+    assert_eq!(done["status"], "completed", "{done}");
+    assert!(done["content"].to_string().contains("then-go"), "{done}");
+}
+
 #[tokio::test]
 async fn each_plan_update_replaces_the_whole_plan() {
     let f = fake().await;
