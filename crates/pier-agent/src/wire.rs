@@ -45,12 +45,18 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
             ToolContent::Session { session_id, .. } => {
                 ToolCallContent::Session(SessionReference::new(session_id.clone()))
             }
+            // ACP's content blocks are MCP's: one that does not read as ACP's is described.
+            ToolContent::Block { block } => ToolCallContent::Content(Content::new(
+                serde_json::from_value::<ContentBlock>(block.clone()).unwrap_or_else(|e| {
+                    ContentBlock::Text(TextContent::new(format!("[a content block pier cannot pass on: {e}]")))
+                }),
+            )),
         })
         .collect();
     // Why it failed, unless the call's content already says it (a failed command's output is
     // both its content and the words the model reads): a client shows each once.
     if let Some(error) = &call.error
-        && !call.content.iter().any(|c| matches!(c, ToolContent::Text { text } if text == error))
+        && !call.content.iter().any(|c| says(c, error))
     {
         content.push(ToolCallContent::Content(Content::new(ContentBlock::Text(TextContent::new(error.clone())))));
     }
@@ -70,6 +76,15 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
         fields = fields.raw_output(raw.clone());
     }
     fields
+}
+
+/// Whether content `c` is text `text` (a tool's own words, or an MCP text block).
+fn says(c: &ToolContent, text: &str) -> bool {
+    match c {
+        ToolContent::Text { text: t } => t == text,
+        ToolContent::Block { block } => block["type"] == "text" && block["text"] == text,
+        _ => false,
+    }
 }
 
 /// Only the fields of `after` that differ from `before` (P08: an update carries what changed).

@@ -113,7 +113,15 @@ async fn call(server: &Server, tool: String, args: Value, cx: ToolContext) -> Re
         }
     };
     let raw = serde_json::to_value(&result).unwrap_or(Value::Null);
-    let mut output = ToolOutput::ok(render(&raw), raw);
+    let mut output = ToolOutput::ok(render(&raw), raw.clone());
+    // A client is shown the blocks themselves (an image as an image), not the model's text.
+    output.content = raw
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|block| pier_tools::ToolContent::Block { block: block.clone() })
+        .collect();
     output.success = result.is_error != Some(true);
     Ok(output)
 }

@@ -192,6 +192,11 @@ pub enum ToolContent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stop_reason: Option<String>,
     },
+    /// A content block as MCP and ACP both shape it (text, image, audio, resource, resource
+    /// link), passed on unchanged: an MCP tool's result.
+    Block {
+        block: Value,
+    },
 }
 
 /// The result of a tool that ran.

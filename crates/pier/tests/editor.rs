@@ -814,6 +814,25 @@ async fn an_mcp_server_s_tools_are_called_in_a_turn_and_the_server_stops_with_it
         .filter_map(|m| m["content"].as_str().map(str::to_owned))
         .collect();
     assert!(results.iter().any(|r| r.contains("hello mcp")), "{results:?}");
+    // The editor sees the server's content blocks themselves, unchanged.
+    let echoed = call_updates(&frames, "m1").last().map(|u| u["content"].clone()).unwrap_or_default();
+    assert_eq!(echoed, json!([{"type": "content", "content": {"type": "text", "text": "hello mcp"}}]));
+    f.push(Reply::tool_call("m3", "notes__mixed", "{}"));
+    f.push(Reply::text("seen"));
+    let (frames, resp, _) = turn(&mut p, &sid, "show me everything").await;
+    assert_eq!(stop_reason(&resp), "end_turn");
+    let mixed = call_updates(&frames, "m3").last().map(|u| u["content"].clone()).unwrap_or_default();
+    let blocks: Vec<&Value> = mixed.as_array().into_iter().flatten().map(|c| &c["content"]).collect();
+    assert_eq!(
+        blocks,
+        [
+            &json!({"type": "text", "text": "first"}),
+            &json!({"type": "image", "data": "AAAA", "mimeType": "image/png"}),
+            &json!({"type": "resource", "resource": {"uri": "file:///note.txt", "text": "embedded text"}}),
+            &json!({"type": "resource_link", "uri": "file:///other.txt", "name": "other"}),
+        ],
+        "{mixed}"
+    );
 
     // Closing the session stops its server.
     let r = p.call("session/close", json!({"sessionId": sid})).await;
