@@ -31,14 +31,26 @@ struct Setup {
 }
 
 impl AcpAgent {
-    async fn setup(&self, cwd: PathBuf, additional: Vec<PathBuf>, servers: &[McpServer]) -> Result<Setup, Error> {
+    /// A session's options. In the automation profile, MCP servers come only from a task host
+    /// (`meta` names the task, `pier_acp::TASK_META_KEY`): the automation contract refuses
+    /// servers from its client, not the tools a host gives the task it runs.
+    async fn setup(
+        &self,
+        cwd: PathBuf,
+        additional: Vec<PathBuf>,
+        servers: &[McpServer],
+        meta: Option<&agent_client_protocol_schema::v1::Meta>,
+    ) -> Result<Setup, Error> {
         self.require_initialized()?;
         if !cwd.is_absolute() {
             return Err(invalid_params(format!("cwd must be an absolute path, got `{}`", cwd.display())));
         }
         if self.profile == Profile::Automation {
-            if !servers.is_empty() {
-                return Err(invalid_params("the automation profile takes no MCP servers; send `mcpServers: []`"));
+            let from_host = meta.is_some_and(|m| m.contains_key(pier_acp::TASK_META_KEY));
+            if !servers.is_empty() && !from_host {
+                return Err(invalid_params(
+                    "the automation profile takes MCP servers only from a task host (a `_meta` naming the task); send `mcpServers: []`",
+                ));
             }
             if !additional.is_empty() {
                 return Err(invalid_params(
@@ -74,7 +86,8 @@ impl AcpAgent {
 
     pub(crate) async fn new_session(self: Arc<Self>, cx: RequestCx, req: NewSessionRequest) -> Result<Value, Error> {
         let cancel = cx.cancel.clone();
-        let Setup { mut options, mcp } = self.setup(req.cwd, req.additional_directories, &req.mcp_servers).await?;
+        let Setup { mut options, mcp } =
+            self.setup(req.cwd, req.additional_directories, &req.mcp_servers, req.meta.as_ref()).await?;
         if self.options.task_context {
             options.note = task_note(req.meta.as_ref());
         }
@@ -150,7 +163,7 @@ impl AcpAgent {
             lock(&self.sessions).remove(id);
             self.dispose(&live).await;
         }
-        let Setup { mut options, mcp } = self.setup(cwd, additional, servers).await?;
+        let Setup { mut options, mcp } = self.setup(cwd, additional, servers, meta).await?;
         if let Some(cell) = self.offer_ask(&mut options, conn, meta) {
             let _ = cell.set(id.to_owned());
         }

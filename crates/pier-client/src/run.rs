@@ -75,6 +75,9 @@ pub struct RunOptions {
     pub session_ids: Option<mpsc::UnboundedSender<String>>,
     /// `_meta` sent with `session/new` and `session/prompt` (the host's `pier.dev/task`).
     pub meta: Option<agent_client_protocol_schema::v1::Meta>,
+    /// MCP servers for the agent's session (a task's `mcp_servers`); an agent that cannot take
+    /// one (an HTTP server without `mcpCapabilities.http`) fails the run, saying so.
+    pub mcp_servers: Vec<agent_client_protocol_schema::v1::McpServer>,
 }
 
 impl std::fmt::Debug for dyn crate::handler::Asker {
@@ -628,7 +631,19 @@ impl LiveAgent {
                 return Err(Stopped::failed(self.cannot_continue()));
             }
             SessionTarget::New | SessionTarget::NewContinuable => {
-                let mut request = NewSessionRequest::new(opts.cwd.clone()).meta(opts.meta.clone());
+                let http = self.init["agentCapabilities"]["mcpCapabilities"]["http"] == true;
+                if let Some(server) = opts.mcp_servers.iter().find_map(|s| match s {
+                    agent_client_protocol_schema::v1::McpServer::Http(h) if !http => Some(h.name.clone()),
+                    _ => None,
+                }) {
+                    return Err(Stopped::failed(agent_error(
+                        &mut self.process,
+                        format!("it does not take HTTP MCP servers (no mcpCapabilities.http), and `{server}` is one"),
+                    )));
+                }
+                let mut request = NewSessionRequest::new(opts.cwd.clone())
+                    .meta(opts.meta.clone())
+                    .mcp_servers(opts.mcp_servers.clone());
                 // The directories besides cwd this run may use, told to an agent that confines
                 // itself to its session's roots; sent only when it advertises
                 // `sessionCapabilities.additionalDirectories` (ACP v1, session/new). The

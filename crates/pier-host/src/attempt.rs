@@ -462,7 +462,37 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         jail,
         session_ids: None,
         meta: None,
+        mcp_servers: mcp_servers(spec)?,
     })
+}
+
+/// The task's MCP servers as `session/new` carries them; an HTTP server's headers read from
+/// the host's environment now (a variable that is not set fails the attempt, naming it).
+fn mcp_servers(spec: &TaskSpec) -> Result<Vec<agent_client_protocol_schema::v1::McpServer>, String> {
+    use agent_client_protocol_schema::v1::{EnvVariable, HttpHeader, McpServer, McpServerHttp, McpServerStdio};
+    let mut out = Vec::with_capacity(spec.mcp_servers.len());
+    for s in &spec.mcp_servers {
+        let server = match (&s.command, &s.url) {
+            (Some(command), None) => McpServer::Stdio(
+                McpServerStdio::new(s.name.clone(), command.clone())
+                    .args(s.args.clone())
+                    .env(s.env.iter().map(|(k, v)| EnvVariable::new(k.clone(), v.clone())).collect()),
+            ),
+            (None, Some(url)) => {
+                let mut headers = Vec::with_capacity(s.headers_env.len());
+                for (header, var) in &s.headers_env {
+                    let value = std::env::var(var).map_err(|_| {
+                        format!("MCP server `{}`: header `{header}` is read from ${var}, which is not set here", s.name)
+                    })?;
+                    headers.push(HttpHeader::new(header.clone(), value));
+                }
+                McpServer::Http(McpServerHttp::new(s.name.clone(), url.clone()).headers(headers))
+            }
+            _ => return Err(format!("MCP server `{}` needs exactly one of `command` and `url`", s.name)),
+        };
+        out.push(server);
+    }
+    Ok(out)
 }
 
 /// The jail of an attempt of `spec`: its level, paths, hosts and limits over the host's.

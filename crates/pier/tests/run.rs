@@ -1054,3 +1054,36 @@ async fn two_hosts_driving_one_run_never_run_one_attempt_twice() {
     let twice: Vec<_> = per_prompt.iter().filter(|(_, n)| **n != 1).collect();
     assert!(twice.is_empty(), "prompts that reached the model more than once: {twice:?}");
 }
+
+/// A plan's MCP server reaches the task's agent: pier's own agent (automation profile, under
+/// the host and its sandbox) offers its tools to the model and runs them; a server the plan
+/// describes wrongly is refused at submit, naming it.
+#[tokio::test]
+async fn a_plans_mcp_server_is_used_by_the_tasks_agent() {
+    use pier_fake_model::body::{tool_names, tool_results};
+    use pier_host::TaskStore;
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|body| match tool_results(body).pop() {
+        None => Reply::tool_call("m1", "notes__echo", r#"{"text": "from the plan's server"}"#),
+        Some(result) => Reply::text(&format!("got: {result}")),
+    });
+    let h = Host::new(Some(f.base_url()));
+    // Inside the task's directory: the strict sandbox shows the agent (and the servers it
+    // starts) that directory, not this repository.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../pier-mcp/tests/fixtures/mcp_server.py");
+    let script = h.write("mcp_server.py", &must(std::fs::read_to_string(fixture), "read the MCP fixture"));
+    let server = format!("{{ name = \"notes\", command = \"python3\", args = [\"{}\"] }}", script.display());
+    let plan = h.write("plan.toml", &format!("[[tasks]]\nid = \"t\"\nprompt = \"use it\"\nmcp_servers = [{server}]\n"));
+    let o = h.run(&["run", plan.to_str().unwrap_or_default(), "--run-id", "m"]).await;
+    let shown = h.run(&["show", "m", "t"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}\n{}", stderr(&o), String::from_utf8_lossy(&shown.stdout));
+    let t = must(h.store().task("m", "t"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.result.as_deref(), Some("got: from the plan's server"), "{}", stderr(&o));
+    assert!(tool_names(&f.requests()[0].body).contains(&"notes__echo".to_owned()));
+
+    let bad = "[[tasks]]\nid = \"b\"\nprompt = \"x\"\nmcp_servers = [{ name = \"both\", command = \"x\", url = \"http://127.0.0.1:1/mcp\" }]\n";
+    let bad = h.write("bad.toml", bad);
+    let o = h.run(&["run", bad.to_str().unwrap_or_default(), "--run-id", "b"]).await;
+    assert_ne!(o.status.code(), Some(0));
+    assert!(stderr(&o).contains("MCP server `both` gives both `command` and `url`"), "{}", stderr(&o));
+}

@@ -7,7 +7,9 @@ pub use pier_jail::{Level, Limits};
 use pier_tools::{Rule, ToolKind};
 use serde::{Deserialize, Serialize};
 
+mod mcp;
 mod types;
+pub use mcp::McpServerSpec;
 pub use types::{ConcurrencyKey, MAX_PRIORITY};
 
 /// A validated plan.
@@ -93,6 +95,9 @@ pub struct TaskSpec {
     /// The caps this task counts against while it runs, keys rendered.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub concurrency: Vec<ConcurrencyKey>,
+    /// MCP servers passed to the task's agent (`mcp_servers` on the task, its type or `[defaults]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_servers: Vec<McpServerSpec>,
 }
 
 fn is_zero(n: &u8) -> bool {
@@ -181,6 +186,8 @@ struct Defaults {
     priority: Option<u8>,
     #[serde(default)]
     concurrency: Vec<ConcurrencyKey>,
+    #[serde(default)]
+    mcp_servers: Vec<McpServerSpec>,
 }
 
 impl Defaults {
@@ -213,6 +220,7 @@ impl Defaults {
             budget: self.budget.or(plan.budget),
             priority: self.priority.or(plan.priority),
             concurrency,
+            mcp_servers: mcp::merged(&plan.mcp_servers, self.mcp_servers),
         }
     }
 }
@@ -252,6 +260,8 @@ struct TaskDef {
     #[serde(default)]
     limits: Limits,
     budget: Option<Budget>,
+    #[serde(default)]
+    mcp_servers: Vec<McpServerSpec>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -638,6 +648,10 @@ fn task_spec(
     if let Some(Err(why)) = budget.map(|b| b.check()) {
         say(format!("task `{}`: {why}", t.id));
     }
+    let mcp_servers = mcp::merged(&d.mcp_servers, t.mcp_servers);
+    for why in mcp::problems(&mcp_servers) {
+        say(format!("task `{}`: {why}", t.id));
+    }
     TaskSpec {
         id: t.id,
         prompt,
@@ -660,6 +674,7 @@ fn task_spec(
         limits,
         budget,
         run_budget: None,
+        mcp_servers,
         ..TaskSpec::default()
     }
 }
