@@ -80,6 +80,9 @@ pub struct FileConfig {
     /// `[[schedules]]`: plans (or tasks of a type) `pier serve` submits on a clock.
     #[serde(default)]
     pub schedules: Vec<toml::Table>,
+    /// `[[mcp_servers]]`: MCP servers every task's agent of `pier run` and `pier serve` is given.
+    #[serde(default)]
+    pub mcp_servers: Vec<pier_host::plan::McpServerSpec>,
 }
 
 /// `[client]`.
@@ -158,6 +161,11 @@ impl FileConfig {
         self.run_budget = over.run_budget.or(self.run_budget);
         self.rate_limits.extend(over.rate_limits);
         self.types.extend(over.types);
+        // A later file's server of the same name replaces the earlier one's.
+        for server in over.mcp_servers {
+            self.mcp_servers.retain(|s| s.name != server.name);
+            self.mcp_servers.push(server);
+        }
         // A later file's schedule of the same id replaces the earlier one's.
         for schedule in over.schedules {
             self.schedules.retain(|s| s.get("id") != schedule.get("id"));
@@ -333,9 +341,13 @@ pub fn load_files(env: &dyn Env, cwd: &Path) -> anyhow::Result<FileConfig> {
     Ok(config)
 }
 
-/// The task types of pier.toml's `[types]`, checked as a plan's are.
+/// The task types of pier.toml's `[types]` and its `[[mcp_servers]]`, checked as a plan's are.
 pub fn types(files: &FileConfig) -> anyhow::Result<pier_host::plan::Shared> {
-    pier_host::plan::Shared::new(files.types.clone()).map_err(|e| anyhow::anyhow!("`[types]` in pier.toml: {e}"))
+    let shared = pier_host::plan::Shared::new(files.types.clone())
+        .map_err(|e| anyhow::anyhow!("`[types]` in pier.toml: {e}"))?;
+    shared
+        .with_mcp_servers(files.mcp_servers.clone())
+        .map_err(|e| anyhow::anyhow!("`[[mcp_servers]]` in pier.toml: {e}"))
 }
 
 /// The text of the types file beside plan file `plan` (`types.toml` in its directory), if there is one.

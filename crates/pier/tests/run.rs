@@ -1081,6 +1081,18 @@ async fn a_plans_mcp_server_is_used_by_the_tasks_agent() {
     assert_eq!(t.result.as_deref(), Some("got: from the plan's server"), "{}", stderr(&o));
     assert!(tool_names(&f.requests()[0].body).contains(&"notes__echo".to_owned()));
 
+    // The same server from pier.toml, for every task of the host.
+    h.write(
+        "pier.toml",
+        &format!("[[mcp_servers]]\nname = \"notes\"\ncommand = \"python3\"\nargs = [\"{}\"]\n", script.display()),
+    );
+    let plain = h.write("plain.toml", "[[tasks]]\nid = \"t\"\nprompt = \"use it\"\n");
+    let o = h.run(&["run", plain.to_str().unwrap_or_default(), "--run-id", "m2"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t = must(h.store().task("m2", "t"), "task").unwrap_or_else(|| panic!("no task"));
+    assert_eq!(t.result.as_deref(), Some("got: from the plan's server"), "{}", stderr(&o));
+    std::fs::remove_file(h.path("pier.toml")).unwrap_or_else(|e| panic!("{e}"));
+
     let bad = "[[tasks]]\nid = \"b\"\nprompt = \"x\"\nmcp_servers = [{ name = \"both\", command = \"x\", url = \"http://127.0.0.1:1/mcp\" }]\n";
     let bad = h.write("bad.toml", bad);
     let o = h.run(&["run", bad.to_str().unwrap_or_default(), "--run-id", "b"]).await;

@@ -396,10 +396,12 @@ pub fn parse(text: &str, agent_known: &dyn Fn(&str) -> Result<(), String>) -> Re
 }
 
 /// The task types every plan may use (pier.toml's `[types]`), their schemas compiled once; a
-/// plan's own of the same name win.
+/// plan's own of the same name win. With the MCP servers every task's agent is given
+/// (pier.toml's `[[mcp_servers]]`), beneath a plan's `[defaults]`.
 #[derive(Clone, Default)]
 pub struct Shared {
     types: std::sync::Arc<BTreeMap<String, std::sync::Arc<types::TaskType>>>,
+    mcp_servers: std::sync::Arc<Vec<McpServerSpec>>,
 }
 
 /// A types file: `[types.NAME]` tables and nothing else.
@@ -420,7 +422,21 @@ impl Shared {
         let mut problems = Vec::new();
         let types = types::parse_types(table, line, &mut problems);
         let types = types.into_iter().map(|(name, ty)| (name, std::sync::Arc::new(ty))).collect();
-        if problems.is_empty() { Ok(Shared { types: std::sync::Arc::new(types) }) } else { Err(PlanError(problems)) }
+        if problems.is_empty() {
+            Ok(Shared { types: std::sync::Arc::new(types), mcp_servers: Default::default() })
+        } else {
+            Err(PlanError(problems))
+        }
+    }
+
+    /// These types with `servers` given to every task's agent, checked.
+    pub fn with_mcp_servers(self, servers: Vec<McpServerSpec>) -> Result<Shared, PlanError> {
+        let problems: Vec<Problem> =
+            mcp::problems(&servers).into_iter().map(|message| Problem { line: 0, message }).collect();
+        if !problems.is_empty() {
+            return Err(PlanError(problems));
+        }
+        Ok(Shared { mcp_servers: std::sync::Arc::new(servers), ..self })
     }
 
     /// The types of a types file (`types.toml` beside a plan), each problem with its line.
@@ -437,7 +453,7 @@ impl Shared {
     pub fn with(&self, over: &Shared) -> Shared {
         let mut types = (*self.types).clone();
         types.extend(over.types.iter().map(|(name, ty)| (name.clone(), ty.clone())));
-        Shared { types: std::sync::Arc::new(types) }
+        Shared { types: std::sync::Arc::new(types), mcp_servers: self.mcp_servers.clone() }
     }
 }
 
@@ -465,7 +481,8 @@ pub fn parse_typed(
         let line = e.span().map_or(0, |s| Lines::new(text).of(s.start));
         PlanError(vec![Problem { line, message: e.message().to_owned() }])
     })?;
-    let d = file.defaults;
+    let mut d = file.defaults;
+    d.mcp_servers = mcp::merged(&shared.mcp_servers, std::mem::take(&mut d.mcp_servers));
     let index = Lines::new(text);
     let mut problems = Vec::new();
     let own = types::parse_types(file.types, &|name| type_line(text, &index, name), &mut problems);
