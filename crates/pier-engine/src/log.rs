@@ -67,6 +67,18 @@ pub enum LogRecord {
     Plan {
         entries: Vec<pier_tools::PlanEntry>,
     },
+    /// The session's title, from its first prompt.
+    Title {
+        title: String,
+    },
+    /// Model request `n` failed before any answer came and is sent again: try `attempt`, after
+    /// `delay_ms`.
+    Retry {
+        n: u32,
+        attempt: u32,
+        delay_ms: u64,
+        error: String,
+    },
     TurnEnded {
         stop_reason: String,
     },

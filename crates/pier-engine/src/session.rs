@@ -333,10 +333,11 @@ impl TurnPermit {
                 None
             }
         };
+        self.log.append(n, &LogRecord::Prompt { text: prompt.clone() });
         if let Some(title) = new_title {
+            self.log.append(n, &LogRecord::Title { title: title.clone() });
             let _ = cx.events.send(EventMsg::Title(title)).await;
         }
-        self.log.append(n, &LogRecord::Prompt { text: prompt.clone() });
         let mut message = ChatMessage::new(Role::User, prompt);
         message.images = images;
         self.state.history.push(message);
@@ -457,6 +458,9 @@ impl Turn<'_> {
                 Some(Ok(ModelEvent::RefusalDelta(t))) => refusal.push_str(&t),
                 Some(Ok(ModelEvent::ToolCallDelta { .. })) => {}
                 Some(Ok(ModelEvent::Usage(u))) => usage = Some(u),
+                Some(Ok(ModelEvent::Retrying { attempt, delay_ms, error })) => {
+                    self.log(LogRecord::Retry { n: k, attempt, delay_ms, error });
+                }
                 Some(Ok(ModelEvent::Finish { reason, tool_calls })) => break (reason, tool_calls),
                 Some(Err(e)) => {
                     if self.cx.cancel.is_cancelled() {

@@ -124,6 +124,13 @@ pub enum ModelEvent {
         arguments: String,
     },
     Usage(Usage),
+    /// The request failed before anything of an answer came (`error`) and is sent again, try
+    /// `attempt` (2 for the first retry), after `delay_ms`: a retry marker for the session log.
+    Retrying {
+        attempt: u32,
+        delay_ms: u64,
+        error: String,
+    },
     /// The last event: the finish reason and the tool calls assembled by index.
     Finish {
         reason: FinishReason,

@@ -124,6 +124,11 @@ impl ModelProvider for OpenAiProvider {
                 if !started && failure.is_retryable() && attempt <= inner.config.max_retries {
                     let delay = backoff(inner.config.retry_base_delay, attempt, retry_after);
                     tracing::warn!(attempt, ?delay, error = %failure, "model request failed; retrying");
+                    yield Ok(ModelEvent::Retrying {
+                        attempt: attempt + 1,
+                        delay_ms: delay.as_millis().try_into().unwrap_or(u64::MAX),
+                        error: failure.to_string(),
+                    });
                     tokio::time::sleep(delay).await;
                     continue 'attempts;
                 }

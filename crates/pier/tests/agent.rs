@@ -102,6 +102,7 @@ async fn a_turn_commits_whole_messages_and_ends_end_turn() {
         [
             "session_started",
             "prompt",
+            "title",
             "model_request",
             "model_response",
             "reasoning",
@@ -110,9 +111,10 @@ async fn a_turn_commits_whole_messages_and_ends_end_turn() {
             "turn_ended"
         ]
     );
-    assert_eq!(log[3]["usage"]["total_tokens"], 7);
-    assert_eq!(log[4]["text"], "let me think");
-    assert_eq!(log[7]["stop_reason"], "end_turn");
+    assert_eq!(log[2]["title"], "Say hello");
+    assert_eq!(log[4]["usage"]["total_tokens"], 7);
+    assert_eq!(log[5]["text"], "let me think");
+    assert_eq!(log[8]["stop_reason"], "end_turn");
 
     // The next turn carries the history.
     f.push(Reply::text("again"));
@@ -613,4 +615,26 @@ async fn sessions_hold_no_descriptor_while_idle_so_a_low_limit_serves_many() {
         let (_, resp) = p.read_until_response(id).await;
         assert_eq!(stop_reason(&resp), "end_turn", "session {i}: {resp}");
     }
+}
+
+/// The session log keeps a retry marker for a model request sent again (S3-13), between the
+/// request and its answer.
+#[tokio::test]
+async fn a_retried_model_request_leaves_a_retry_marker_in_the_session_log() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::Status { code: 503, message: "overloaded".into(), retry_after_secs: None });
+    f.push(Reply::text("made it"));
+    let opts = Options { pier_toml: Some(fast_toml(&f.base_url(), 5_000, 2)), ..Options::default() };
+    let (mut p, sid) = PierProcess::start(opts).await;
+    let id = p.prompt(&sid, "try").await;
+    let (notes, resp) = p.read_until_response(id).await;
+    assert_eq!(stop_reason(&resp), "end_turn", "{resp}");
+    assert_eq!(agent_texts(&notes, &sid), vec!["made it"]);
+    let log = read_log(&p.data_dir(), &sid);
+    let types: Vec<&str> = log.iter().filter_map(|r| r["type"].as_str()).collect();
+    let at = |t: &str| types.iter().position(|x| *x == t).unwrap_or_else(|| panic!("no {t} in {types:?}"));
+    assert!(at("model_request") < at("retry") && at("retry") < at("model_response"), "{types:?}");
+    let retry = &log[at("retry")];
+    assert_eq!((retry["n"].as_u64(), retry["attempt"].as_u64()), (Some(1), Some(2)), "{retry}");
+    assert!(retry["error"].as_str().is_some_and(|e| e.contains("overloaded")), "{retry}");
 }
