@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use agent_client_protocol_schema::v1::{
-    AgentRequest, CreateElicitationRequest, Error, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SelectedPermissionOutcome, SessionNotification, SessionUpdate, ToolCallStatus,
+    AgentRequest, Content, ContentBlock, CreateElicitationRequest, Error, RequestPermissionOutcome,
+    RequestPermissionRequest, RequestPermissionResponse, SelectedPermissionOutcome, SessionNotification, SessionUpdate,
+    TextContent, ToolCallContent, ToolCallStatus,
 };
 use futures::future::BoxFuture;
 use pier_acp::error::internal;
@@ -238,6 +239,45 @@ impl ClientState {
         self.kinds.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         lock(&self.granted).clear();
         *lock(&self.session) = None;
+    }
+
+    /// `notification` with each terminal a tool call embeds followed by what it has printed so
+    /// far (this client runs the terminals): the text view, the host's transcript and the
+    /// dashboard show a terminal's output from any agent, not a bare terminal id.
+    pub fn with_terminal_output(&self, mut notification: SessionNotification) -> SessionNotification {
+        let content = match &mut notification.update {
+            SessionUpdate::ToolCall(call) => Some(&mut call.content),
+            SessionUpdate::ToolCallUpdate(update) => update.fields.content.as_mut(),
+            _ => None,
+        };
+        let Some(content) = content else { return notification };
+        if !content.iter().any(|c| matches!(c, ToolCallContent::Terminal(_))) {
+            return notification;
+        }
+        let mut shown = Vec::with_capacity(content.len() + 1);
+        for item in content.drain(..) {
+            let output = match &item {
+                ToolCallContent::Terminal(t) => self.terminals.shown(&t.terminal_id.0),
+                _ => None,
+            };
+            shown.push(item);
+            if let Some(output) = output {
+                let mut text = output.output;
+                if output.truncated {
+                    text.insert_str(0, "[the start was cut]\n");
+                }
+                if let Some(exit) = output.exit_status {
+                    match (exit.exit_code, exit.signal) {
+                        (Some(code), _) => text.push_str(&format!("\n[exit code {code}]")),
+                        (None, Some(signal)) => text.push_str(&format!("\n[killed by {signal}]")),
+                        (None, None) => {}
+                    }
+                }
+                shown.push(ToolCallContent::Content(Content::new(ContentBlock::Text(TextContent::new(text)))));
+            }
+        }
+        *content = shown;
+        notification
     }
 
     /// The turn being served is session `id`'s.
@@ -673,6 +713,7 @@ impl Handler for ClientHandler {
         if self.0.replaying.load(Ordering::SeqCst) {
             return;
         }
+        let notification = self.0.with_terminal_output(notification);
         self.0.emit(ClientEvent::Update(Box::new(notification)));
     }
 

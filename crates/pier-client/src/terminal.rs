@@ -63,7 +63,13 @@ impl Terminal {
 pub struct Terminals {
     next: AtomicU64,
     live: Mutex<HashMap<String, Arc<Terminal>>>,
+    /// The last output of the most recently released terminals (at most [`KEPT_RELEASED`]), so
+    /// that a tool call embedding one still shows what it printed after the agent let it go.
+    released: Mutex<std::collections::VecDeque<(String, TerminalOutputResponse)>>,
 }
+
+/// Released terminals whose last output is kept for showing.
+const KEPT_RELEASED: usize = 32;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -201,9 +207,24 @@ impl Terminals {
     }
 
     pub fn release(&self, id: &str) -> Result<(), Error> {
+        let last = self.output(id).ok();
         let t = lock(&self.live).remove(id).ok_or_else(|| invalid_params(format!("no terminal `{id}`")))?;
         t.kill();
+        if let Some(last) = last {
+            let mut released = lock(&self.released);
+            if released.len() == KEPT_RELEASED {
+                released.pop_front();
+            }
+            released.push_back((id.to_owned(), last));
+        }
         Ok(())
+    }
+
+    /// What terminal `id` has printed so far (and how it ended), live or recently released.
+    pub fn shown(&self, id: &str) -> Option<TerminalOutputResponse> {
+        self.output(id)
+            .ok()
+            .or_else(|| lock(&self.released).iter().rev().find(|(r, _)| r == id).map(|(_, o)| o.clone()))
     }
 
     /// Kills every terminal; called at shutdown.

@@ -394,3 +394,37 @@ async fn a_permission_request_for_another_session_is_refused() {
     let r = s.call("session/request_permission", permission_request("t2", "execute")).await.unwrap_or_default();
     assert_eq!(r["outcome"]["optionId"], "yes");
 }
+
+/// A tool call that embeds one of this client's terminals is shown with what the terminal
+/// printed and how it ended, live and after the agent released it (the text view, the host's
+/// transcript and the dashboard all read these events).
+#[tokio::test]
+async fn a_tool_calls_terminal_is_shown_with_its_output() {
+    let mut s = approving();
+    let create = json!({"sessionId": "s", "command": "sh", "args": ["-c", "echo from-the-terminal; exit 4"]});
+    let id = s.call("terminal/create", create).await.unwrap_or_default()["terminalId"].clone();
+    s.call("terminal/wait_for_exit", json!({"sessionId": "s", "terminalId": id})).await.ok();
+    let embed = |status: &str| {
+        json!({"sessionId": "s", "update": {"sessionUpdate": "tool_call_update", "toolCallId": "t1", "status": status,
+            "content": [{"type": "terminal", "terminalId": id}]}})
+    };
+    s.agent.notify("session/update", &embed("in_progress")).await.unwrap_or_else(|e| panic!("{e}"));
+    s.call("terminal/release", json!({"sessionId": "s", "terminalId": id})).await.ok();
+    s.agent.notify("session/update", &embed("completed")).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut shown = Vec::new();
+    while shown.len() < 2 {
+        let event = tokio::time::timeout(Duration::from_secs(20), s.events.recv()).await;
+        let event = event.unwrap_or_else(|_| panic!("the updates were not shown; shown so far: {shown:?}"));
+        let Some(event) = event else { panic!("the client's events ended; shown so far: {shown:?}") };
+        let ClientEvent::Update(n) = event else { continue };
+        let update = serde_json::to_value(&n.update).unwrap_or_default();
+        if update["toolCallId"] == "t1" {
+            shown.push(update["content"].clone());
+        }
+    }
+    for content in shown {
+        assert_eq!(content[0], json!({"type": "terminal", "terminalId": id}), "{content}");
+        let text = content[1]["content"]["text"].as_str().unwrap_or_default();
+        assert!(text.contains("from-the-terminal") && text.ends_with("[exit code 4]"), "{content}");
+    }
+}
