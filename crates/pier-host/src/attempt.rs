@@ -46,6 +46,54 @@ pub(crate) struct Run {
     pub billing: std::sync::Mutex<Option<Settler>>,
     /// Cancelled when a provider's rate limit stops the attempt (its task waits for the reset).
     pub parked: CancellationToken,
+    /// A person's denial that stops the attempt (`on_deny = "fail"`).
+    pub denial: Denial,
+}
+
+/// A person's denial of a tool call, in a task whose `on_deny` is `fail`: what was denied (set
+/// by the asker as it passes the denial on to the agent), and the stop it fires: the attempt
+/// cancels the turn, and its ending is the denial's.
+#[derive(Clone, Default)]
+pub(crate) struct Denial {
+    why: Arc<std::sync::Mutex<Option<String>>>,
+    stop: CancellationToken,
+}
+
+impl Denial {
+    pub(crate) fn deny(&self, why: String) {
+        self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(why);
+        self.stop.cancel();
+    }
+
+    pub(crate) fn why(&self) -> Option<String> {
+        self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    pub(crate) fn stopped(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.stop.cancelled()
+    }
+}
+
+/// Stops the attempt at `denial` when the option `chosen` of `request` denies the tool call.
+pub(crate) fn note_denial(
+    denial: &Denial,
+    request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
+    chosen: &str,
+) {
+    if denies(request, chosen) {
+        let call = &request.tool_call;
+        let what = call.fields.title.clone().unwrap_or_else(|| call.tool_call_id.0.to_string());
+        denial.deny(format!("a person denied the tool call `{what}` ({chosen}); on_deny = \"fail\""));
+    }
+}
+
+/// Whether the option `chosen` of a permission request denies the tool call.
+fn denies(request: &agent_client_protocol_schema::v1::RequestPermissionRequest, chosen: &str) -> bool {
+    use agent_client_protocol_schema::v1::PermissionOptionKind;
+    request.options.iter().any(|o| {
+        *o.option_id.0 == *chosen
+            && matches!(o.kind, PermissionOptionKind::RejectOnce | PermissionOptionKind::RejectAlways)
+    })
 }
 
 impl Run {
@@ -94,6 +142,7 @@ impl Run {
                         _ = stop.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                         _ = lease_lost.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                         _ = self.parked.cancelled(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
+                        _ = self.denial.stopped(), if !interrupted => { interrupted = true; let _ = int_tx.send(()); }
                     }
                 };
                 (outcome_of(&outcome), ended)
@@ -131,6 +180,15 @@ impl Run {
             over_budget = s.exhausted();
             limited = s.rate_limited();
         }
+        // A person's denial stopped the attempt (`on_deny = "fail"`): however the turn ended.
+        let denied_outcome;
+        let outcome = match self.denial.why() {
+            Some(why) if !matches!(outcome, Outcome::Unusable { .. }) => {
+                denied_outcome = Outcome::Denied { why };
+                &denied_outcome
+            }
+            _ => outcome,
+        };
         // A budget stopped the agent's requests: however the agent ended its turn after that
         // (an answer about the error, a failure), the task waits for a person.
         let budget_outcome;
@@ -280,7 +338,8 @@ impl Run {
 
     fn options(&self) -> Result<RunOptions, String> {
         let mut opts = attempt_options(&self.row.spec, &self.config)?;
-        opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone() }));
+        let denial = (self.row.spec.on_deny == pier_store::plan::OnDeny::Fail).then(|| self.denial.clone());
+        opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone(), denial }));
         opts.meta = Some(task_meta(&self.attempt.run, &self.attempt.task, self.attempt.n, &self.row.spec));
         Ok(opts)
     }
@@ -543,9 +602,12 @@ fn own_agent_policy(spec: &TaskSpec) -> Vec<String> {
 /// (`running → awaiting_input`), waits for `pier approve`/`pier deny` (or the HTTP
 /// API) to answer it, and resumes (`awaiting_input → running`). It waits on the store's
 /// commit watch, which also carries other processes' commits.
+#[derive(Clone)]
 struct HostAsker {
     store: Arc<dyn TaskStore>,
     attempt: Attempt,
+    /// Set when the task's `on_deny` is `fail`: a denial stops the attempt.
+    denial: Option<Denial>,
 }
 
 impl pier_client::handler::Asker for HostAsker {
@@ -554,11 +616,18 @@ impl pier_client::handler::Asker for HostAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
-        let asker = HostAsker { store: self.store.clone(), attempt: self.attempt.clone() };
+        let asker = self.clone();
+        let asked = request.clone();
         let request = QuestionRequest::Permission(Box::new(request.clone()));
         Box::pin(async move {
             match asker.put(request).await {
-                Some(option) => AskAnswer::Option(option),
+                Some(option) => {
+                    if let Some(denial) = &asker.denial {
+                        note_denial(denial, &asked, &option);
+                    }
+                    // The agent hears the answer either way; the attempt then cancels its turn.
+                    AskAnswer::Option(option)
+                }
                 // Voided (the task was cancelled or the attempt ended), or the store failed.
                 None => AskAnswer::Withdrawn,
             }
@@ -576,7 +645,7 @@ impl pier_client::handler::Asker for HostAsker {
         request: &agent_client_protocol_schema::v1::CreateElicitationRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::elicit::ElicitAnswer> {
         use pier_client::elicit::ElicitAnswer;
-        let asker = HostAsker { store: self.store.clone(), attempt: self.attempt.clone() };
+        let asker = self.clone();
         let request = QuestionRequest::Elicitation(Box::new(request.clone()));
         Box::pin(async move {
             let Some(answer) = asker.put(request).await else { return ElicitAnswer::Cancel };

@@ -34,6 +34,9 @@ pub enum Outcome {
     /// A provider's rate limit outlasted what the gateway may hold a request: the attempt was
     /// stopped, and the task runs again at `until_ms` without losing an attempt.
     RateLimited { why: String, until_ms: i64 },
+    /// A person denied one of the agent's tool calls and the task's `on_deny` is `fail`: the
+    /// turn was cancelled.
+    Denied { why: String },
 }
 
 /// What the decision needs besides the outcome.
@@ -110,6 +113,15 @@ pub fn decide(outcome: &Outcome, cx: &Context<'_>) -> Ending {
             failure: true,
         },
         Outcome::Interrupted { why } => rerun(why, None, false, cx),
+        Outcome::Denied { why } => Ending::Failed {
+            error: why.clone(),
+            class: ErrorClass::Business,
+            reason: format!(
+                "attempt {} stopped at a person's denial; on_deny = \"fail\" fails the task and it is not retried",
+                cx.attempt
+            ),
+            failure: true,
+        },
         Outcome::Unusable { error } => Ending::Failed {
             error: error.clone(),
             class: ErrorClass::Protocol,

@@ -423,6 +423,7 @@ impl Host {
                     results,
                     billing: Default::default(),
                     parked: Default::default(),
+                    denial: Default::default(),
                 };
                 match run.run(token).await {
                     Err(e @ (StoreError::Full { .. } | StoreError::Corrupt { .. })) => (key, Some(e)),

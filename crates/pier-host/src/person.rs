@@ -474,12 +474,15 @@ pub(crate) fn report(
             Some(Outcome::Answered { stop_reason, text, usage: None })
         }
         "interrupted" => Some(Outcome::Interrupted { why: format!("worker {} stopped the attempt", report.worker) }),
+        "denied" => Some(Outcome::Denied {
+            why: report.error.clone().unwrap_or_else(|| "a person denied a tool call; on_deny = \"fail\"".into()),
+        }),
         "cancelled" => None,
         other => {
             return Err(ActionError::Refused {
                 code: ErrorCode::BadTransition,
                 message: format!(
-                    "a worker reports completed, stopped, failed, interrupted or cancelled, not `{other}`"
+                    "a worker reports completed, stopped, failed, denied, interrupted or cancelled, not `{other}`"
                 ),
             });
         }

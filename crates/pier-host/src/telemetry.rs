@@ -24,6 +24,7 @@ pub fn attempt_ended(outcome: &Outcome, ending: &Ending) {
             Outcome::Unusable { .. } => "unusable",
             Outcome::OverBudget { .. } => "budget",
             Outcome::RateLimited { .. } => "rate_limited",
+            Outcome::Denied { .. } => "denied",
         };
         metrics::counter!("pier_retries_total", "class" => class).increment(1);
     }

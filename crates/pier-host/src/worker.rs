@@ -313,20 +313,24 @@ async fn attempt(
         reports: Default::default(),
         next,
         stop,
+        denial: Default::default(),
     };
     let mut spent = Vec::new();
     let mut ended = None;
     let outcome = match attempt_options(&spec, &config.host) {
         Ok(mut opts) => {
             let base = at(&run, &task, n, "questions");
-            opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone() }));
+            let denial = (spec.on_deny == pier_store::plan::OnDeny::Fail).then(|| closer.denial.clone());
+            opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone(), denial }));
             opts.meta = Some(crate::attempt::task_meta(&run, &task, n, &spec));
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
             let stopping = {
                 let (lost, stop, cancelled) = (lost.clone(), stop.clone(), cancelled.clone());
+                let denial = closer.denial.clone();
                 tokio::spawn(async move {
                     tokio::select! {
                         () = lost.cancelled() => {}
+                        () = denial.stopped() => {}
                         () = stop.cancelled() => {}
                         () = cancelled.cancelled() => {}
                     }
@@ -454,10 +458,21 @@ struct Closer<'a> {
     /// The next task for the slot, asked for with the ending (unless the worker stops).
     next: Next,
     stop: &'a CancellationToken,
+    /// A person's denial that stops the attempt (`on_deny = "fail"`): its ending, however the
+    /// turn ended.
+    denial: crate::attempt::Denial,
 }
 
 impl Closer<'_> {
     async fn end(&self, outcome: &Outcome, spent: &[crate::ModelRequest], unless_messages: bool) -> Ended {
+        let denied;
+        let outcome = match self.denial.why() {
+            Some(why) if !matches!(outcome, Outcome::Unusable { .. }) => {
+                denied = Outcome::Denied { why };
+                &denied
+            }
+            _ => outcome,
+        };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let ((partial, effects), batch) = match self.pump.send(ToPump::Take(tx)) {
             Ok(()) => rx.await.unwrap_or_default(),
@@ -489,6 +504,7 @@ impl Closer<'_> {
             }
             Outcome::Failed { error, class } => json!({"status": "failed", "error": error, "class": class}),
             Outcome::Unusable { error } => json!({"status": "failed", "error": error, "class": "protocol"}),
+            Outcome::Denied { why } => json!({"status": "denied", "error": why}),
             Outcome::Interrupted { .. } | Outcome::OverBudget { .. } | Outcome::RateLimited { .. } => {
                 json!({"status": "interrupted"})
             }
@@ -836,6 +852,8 @@ struct RemoteAsker {
     /// `…/attempts/{n}/questions`.
     base: String,
     pump: mpsc::UnboundedSender<ToPump>,
+    /// Set when the task's `on_deny` is `fail`: a denial stops the attempt.
+    denial: Option<crate::attempt::Denial>,
 }
 
 impl RemoteAsker {
@@ -879,10 +897,16 @@ impl pier_client::handler::Asker for RemoteAsker {
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
         let (link, base, pump) = (self.link.clone(), self.base.clone(), self.pump.clone());
+        let (denial, asked) = (self.denial.clone(), request.clone());
         let request = serde_json::to_value(request).unwrap_or(Value::Null);
         Box::pin(async move {
             match RemoteAsker::put(link, base, pump, request).await {
-                Some(option) => AskAnswer::Option(option),
+                Some(option) => {
+                    if let Some(denial) = &denial {
+                        crate::attempt::note_denial(denial, &asked, &option);
+                    }
+                    AskAnswer::Option(option)
+                }
                 None => AskAnswer::Withdrawn,
             }
         })

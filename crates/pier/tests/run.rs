@@ -575,8 +575,11 @@ async fn tasks_run_on_the_typescript_sdk_example_agent_under_host_side_policy() 
 async fn answer_while_waiting(verb: &str, expect: &str) {
     let h = Host::new(None);
     let agent = sdk_agent();
-    let plan =
-        h.write("p.toml", &format!("[[tasks]]\nid = \"cfg\"\nagent = \"{agent}\"\nprompt = \"fix the config\"\n"));
+    // A denial under `on_deny = "continue"`: the agent hears it and its turn goes on.
+    let plan = h.write(
+        "p.toml",
+        &format!("[[tasks]]\nid = \"cfg\"\nagent = \"{agent}\"\nprompt = \"fix the config\"\non_deny = \"continue\"\n"),
+    );
     let mut child = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json"]).spawn(), "spawn");
     let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
     let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
@@ -612,6 +615,51 @@ async fn answer_while_waiting(verb: &str, expect: &str) {
     let said = stderr(&again);
     let chosen = if verb == "approve" { "already answered: allow" } else { "already answered: reject" };
     assert!(said.contains(chosen) && said.contains(" by cli:") && said.contains(" at 20"), "{said}");
+}
+
+/// Under the host a denial fails the task by default (`on_deny = "fail"`): its turn is
+/// cancelled, the task fails with what was denied, and its dependents are cancelled.
+#[tokio::test]
+async fn a_denial_fails_the_task_and_cancels_its_dependents_by_default() {
+    let h = Host::new(None);
+    let agent = sdk_agent();
+    let plan = h.write(
+        "p.toml",
+        &format!(
+            "[[tasks]]\nid = \"cfg\"\nagent = \"{agent}\"\nprompt = \"fix the config\"\n\n\
+             [[tasks]]\nid = \"after\"\nagent = \"{agent}\"\nprompt = \"x\"\ndepends_on = [\"cfg\"]\n"
+        ),
+    );
+    let mut child = must(
+        h.command(&["run", plan.to_str().unwrap_or_default(), "--format", "json", "--run-id", "d"]).spawn(),
+        "spawn",
+    );
+    let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, reader.next_line()).await, "events in time");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier run ended before asking"));
+        let v: Value = must(serde_json::from_str(&line), "json");
+        if v["type"] == "question" {
+            break;
+        }
+    }
+    let denied = h.run(&["deny", "cfg"]).await;
+    assert_eq!(denied.status.code(), Some(0), "{}", stderr(&denied));
+    let mut rest = Vec::new();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
+        rest.push(line);
+    }
+    let status = must(must(tokio::time::timeout(LIMIT, child.wait()).await, "exit in time"), "wait");
+    assert_ne!(status.code(), Some(0), "{rest:#?}");
+    let tasks = h.store().tasks("d");
+    let state = |id: &str| tasks.iter().find(|t| t.id == id).map(|t| (t.state, t.error.clone()));
+    let (cfg, error) = state("cfg").unwrap_or_else(|| panic!("no cfg"));
+    assert_eq!(cfg, pier_host::TaskState::Failed, "{rest:#?}");
+    assert!(error.as_deref().is_some_and(|e| e.contains("a person denied") && e.contains("on_deny")), "{error:?}");
+    assert_eq!(state("after").map(|s| s.0), Some(pier_host::TaskState::Cancelled), "{rest:#?}");
+    // One attempt: a denial is not retried.
+    assert_eq!(tasks.iter().find(|t| t.id == "cfg").map(|t| t.attempt), Some(1));
 }
 
 #[tokio::test]

@@ -98,6 +98,38 @@ pub struct TaskSpec {
     /// MCP servers passed to the task's agent (`mcp_servers` on the task, its type or `[defaults]`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mcp_servers: Vec<McpServerSpec>,
+    /// What a person's denial of one of the agent's tool calls does to the task.
+    #[serde(default, skip_serializing_if = "OnDeny::is_fail")]
+    pub on_deny: OnDeny,
+}
+
+/// `on_deny`: what a person's denial of a tool call does to the task under the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnDeny {
+    /// The task fails at once (its turn is cancelled) and its dependents are cancelled: the
+    /// person said the work must not go on as the agent meant to do it.
+    #[default]
+    Fail,
+    /// The agent is told and its turn goes on; the task may still complete.
+    Continue,
+}
+
+impl OnDeny {
+    fn is_fail(&self) -> bool {
+        *self == OnDeny::Fail
+    }
+}
+
+impl std::str::FromStr for OnDeny {
+    type Err = String;
+    fn from_str(s: &str) -> Result<OnDeny, String> {
+        match s {
+            "fail" => Ok(OnDeny::Fail),
+            "continue" => Ok(OnDeny::Continue),
+            other => Err(format!("on_deny = \"{other}\" is not one of \"fail\", \"continue\"")),
+        }
+    }
 }
 
 fn is_zero(n: &u8) -> bool {
@@ -188,6 +220,7 @@ struct Defaults {
     concurrency: Vec<ConcurrencyKey>,
     #[serde(default)]
     mcp_servers: Vec<McpServerSpec>,
+    on_deny: Option<String>,
 }
 
 impl Defaults {
@@ -221,6 +254,7 @@ impl Defaults {
             priority: self.priority.or(plan.priority),
             concurrency,
             mcp_servers: mcp::merged(&plan.mcp_servers, self.mcp_servers),
+            on_deny: self.on_deny.or_else(|| plan.on_deny.clone()),
         }
     }
 }
@@ -262,6 +296,7 @@ struct TaskDef {
     budget: Option<Budget>,
     #[serde(default)]
     mcp_servers: Vec<McpServerSpec>,
+    on_deny: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -665,6 +700,13 @@ fn task_spec(
     if let Some(Err(why)) = budget.map(|b| b.check()) {
         say(format!("task `{}`: {why}", t.id));
     }
+    let on_deny = match t.on_deny.as_deref().or(d.on_deny.as_deref()).map(str::parse::<OnDeny>).transpose() {
+        Ok(on_deny) => on_deny.unwrap_or_default(),
+        Err(why) => {
+            say(format!("task `{}`: {why}", t.id));
+            OnDeny::default()
+        }
+    };
     let mcp_servers = mcp::merged(&d.mcp_servers, t.mcp_servers);
     for why in mcp::problems(&mcp_servers) {
         say(format!("task `{}`: {why}", t.id));
@@ -692,6 +734,7 @@ fn task_spec(
         budget,
         run_budget: None,
         mcp_servers,
+        on_deny,
         ..TaskSpec::default()
     }
 }
