@@ -65,8 +65,11 @@ impl Denial {
         self.stop.cancel();
     }
 
-    pub(crate) fn why(&self) -> Option<String> {
-        self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    /// The ending a denial gives an attempt whose turn ended as `outcome`, if there was one:
+    /// the denial's, however the turn ended (but a task that could not start).
+    pub(crate) fn outcome(&self, outcome: &Outcome) -> Option<Outcome> {
+        let why = self.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()?;
+        (!matches!(outcome, Outcome::Unusable { .. })).then_some(Outcome::Denied { why })
     }
 
     pub(crate) fn stopped(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
@@ -180,15 +183,9 @@ impl Run {
             over_budget = s.exhausted();
             limited = s.rate_limited();
         }
-        // A person's denial stopped the attempt (`on_deny = "fail"`): however the turn ended.
-        let denied_outcome;
-        let outcome = match self.denial.why() {
-            Some(why) if !matches!(outcome, Outcome::Unusable { .. }) => {
-                denied_outcome = Outcome::Denied { why };
-                &denied_outcome
-            }
-            _ => outcome,
-        };
+        // A person's denial stopped the attempt (`on_deny = "fail"`).
+        let denied = self.denial.outcome(outcome);
+        let outcome = denied.as_ref().unwrap_or(outcome);
         // A budget stopped the agent's requests: however the agent ended its turn after that
         // (an answer about the error, a failure), the task waits for a person.
         let budget_outcome;

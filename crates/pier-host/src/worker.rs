@@ -465,14 +465,8 @@ struct Closer<'a> {
 
 impl Closer<'_> {
     async fn end(&self, outcome: &Outcome, spent: &[crate::ModelRequest], unless_messages: bool) -> Ended {
-        let denied;
-        let outcome = match self.denial.why() {
-            Some(why) if !matches!(outcome, Outcome::Unusable { .. }) => {
-                denied = Outcome::Denied { why };
-                &denied
-            }
-            _ => outcome,
-        };
+        let denied = self.denial.outcome(outcome);
+        let outcome = denied.as_ref().unwrap_or(outcome);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let ((partial, effects), batch) = match self.pump.send(ToPump::Take(tx)) {
             Ok(()) => rx.await.unwrap_or_default(),

@@ -599,11 +599,7 @@ async fn answer_while_waiting(verb: &str, expect: &str) {
     assert!(saw_waiting, "the task showed awaiting_input before the question");
     let answered = h.run(&[verb, "cfg"]).await;
     assert_eq!(answered.status.code(), Some(0), "{}", stderr(&answered));
-    let mut rest = Vec::new();
-    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
-        rest.push(line);
-    }
-    let status = must(must(tokio::time::timeout(LIMIT, child.wait()).await, "exit in time"), "wait");
+    let (rest, status) = the_rest(&mut reader, &mut child).await;
     assert_eq!(status.code(), Some(0), "{rest:#?}");
     assert!(rest.iter().any(|l| l.contains("\"to\":\"running\"") && l.contains("a person answered")), "{rest:#?}");
     let runs = must(pier_host::TaskStore::runs_with_task(&h.store(), "cfg"), "runs");
@@ -615,6 +611,31 @@ async fn answer_while_waiting(verb: &str, expect: &str) {
     let said = stderr(&again);
     let chosen = if verb == "approve" { "already answered: allow" } else { "already answered: reject" };
     assert!(said.contains(chosen) && said.contains(" by cli:") && said.contains(" at 20"), "{said}");
+}
+
+/// Reads `pier run --format json` events up to the first question.
+async fn until_question(reader: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>) {
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, reader.next_line()).await, "events in time");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier run ended before asking"));
+        let v: Value = must(serde_json::from_str(&line), "json");
+        if v["type"] == "question" {
+            return;
+        }
+    }
+}
+
+/// The rest of `pier run`'s events and how it exited.
+async fn the_rest(
+    reader: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    child: &mut tokio::process::Child,
+) -> (Vec<String>, std::process::ExitStatus) {
+    let mut rest = Vec::new();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
+        rest.push(line);
+    }
+    let status = must(must(tokio::time::timeout(LIMIT, child.wait()).await, "exit in time"), "wait");
+    (rest, status)
 }
 
 /// Under the host a denial fails the task by default (`on_deny = "fail"`): its turn is
@@ -636,21 +657,10 @@ async fn a_denial_fails_the_task_and_cancels_its_dependents_by_default() {
     );
     let stdout = child.stdout.take().unwrap_or_else(|| panic!("stdout"));
     let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-    loop {
-        let line = must(tokio::time::timeout(LIMIT, reader.next_line()).await, "events in time");
-        let line = must(line, "read").unwrap_or_else(|| panic!("pier run ended before asking"));
-        let v: Value = must(serde_json::from_str(&line), "json");
-        if v["type"] == "question" {
-            break;
-        }
-    }
+    until_question(&mut reader).await;
     let denied = h.run(&["deny", "cfg"]).await;
     assert_eq!(denied.status.code(), Some(0), "{}", stderr(&denied));
-    let mut rest = Vec::new();
-    while let Ok(Ok(Some(line))) = tokio::time::timeout(LIMIT, reader.next_line()).await {
-        rest.push(line);
-    }
-    let status = must(must(tokio::time::timeout(LIMIT, child.wait()).await, "exit in time"), "wait");
+    let (rest, status) = the_rest(&mut reader, &mut child).await;
     assert_ne!(status.code(), Some(0), "{rest:#?}");
     let tasks = h.store().tasks("d");
     let state = |id: &str| tasks.iter().find(|t| t.id == id).map(|t| (t.state, t.error.clone()));
