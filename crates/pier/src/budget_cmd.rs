@@ -39,7 +39,7 @@ pub async fn budget(args: BudgetArgs) -> anyhow::Result<()> {
         }
         None => {
             let tasks = open_tasks(&args.source.store)?;
-            let by = crate::person_cmd::person();
+            let by = crate::person_cmd::person(None)?;
             let (own, run) = match &args.task {
                 Some(_) => (Some(budget), None),
                 None => (None, Some(budget)),

@@ -25,6 +25,9 @@ pub struct TaskTarget {
     /// The store [env: PIER_STORE; default: $PIER_HOME/pier.db]
     #[arg(long)]
     store: Option<String>,
+    /// Who answers, for the audit trail [default: the OS user]
+    #[arg(long = "as", value_name = "NAME")]
+    as_: Option<String>,
 }
 
 impl TaskTarget {
@@ -39,9 +42,22 @@ impl TaskTarget {
     }
 }
 
-/// Who a person at this command line is, for the record.
-pub fn person() -> String {
-    format!("cli:{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()))
+/// Who a person at this command line is, for the record: `cli:` and the name given with
+/// `--as`, else the OS user (`$USER`, else the name of the process's user id).
+pub fn person(named: Option<&str>) -> anyhow::Result<String> {
+    if let Some(name) = named {
+        let name = name.trim();
+        if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+            anyhow::bail!("--as takes a name of 1 to 64 characters, without control characters");
+        }
+        return Ok(format!("cli:{name}"));
+    }
+    let from_env = std::env::var("USER").ok().filter(|u| !u.trim().is_empty());
+    let uid = nix::unistd::getuid();
+    let name = from_env
+        .or_else(|| nix::unistd::User::from_uid(uid).ok().flatten().map(|u| u.name))
+        .unwrap_or_else(|| format!("uid {uid}"));
+    Ok(format!("cli:{name}"))
 }
 
 #[derive(Debug, clap::Args)]
@@ -75,7 +91,7 @@ pub async fn answer_input(args: InputArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         Input::Pairs(pairs)
     };
-    let answer = tasks.answer_input(&run, task, None, input, &person()).await?;
+    let answer = tasks.answer_input(&run, task, None, input, &person(args.target.as_.as_deref())?).await?;
     println!("answered task `{task}` of run `{run}`: {answer}");
     Ok(())
 }
@@ -96,7 +112,7 @@ pub struct SayArgs {
 pub async fn say(args: SayArgs) -> anyhow::Result<()> {
     let (tasks, run) = args.target.open().await?;
     let task = &args.target.task;
-    let n = tasks.say(&run, task, &args.text, args.interrupt, &person()).await?;
+    let n = tasks.say(&run, task, &args.text, args.interrupt, &person(args.target.as_.as_deref())?).await?;
     let when = if args.interrupt { "now, after its current turn is cancelled" } else { "when its current turn ends" };
     println!("message {n} for task `{task}` of run `{run}`: it goes to the agent {when}");
     Ok(())
@@ -107,7 +123,7 @@ pub async fn say(args: SayArgs) -> anyhow::Result<()> {
 pub async fn answer(args: AnswerArgs, allow: bool) -> anyhow::Result<()> {
     let (tasks, run) = args.target.open().await?;
     let task = &args.target.task;
-    match tasks.answer(&run, task, None, allow, args.option.as_deref(), &person()).await? {
+    match tasks.answer(&run, task, None, allow, args.option.as_deref(), &person(args.target.as_.as_deref())?).await? {
         Answered::Option(chosen) => println!("answered `{chosen}` for task `{task}` of run `{run}`"),
         Answered::Rerun(row) => println!(
             "task `{task}` of run `{run}` is now {}; resume the run with `pier run --resume {run}`",

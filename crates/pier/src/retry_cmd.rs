@@ -35,7 +35,7 @@ pub async fn retry(args: RetryArgs) -> anyhow::Result<()> {
         }
         None => {
             let tasks = open_tasks(&args.source.store)?;
-            let by = crate::person_cmd::person();
+            let by = crate::person_cmd::person(None)?;
             let rows = tasks.retry(&args.run, &args.task, args.with_dependents, &by).await?;
             rows.iter().map(|r| json!(r)).collect()
         }

@@ -597,7 +597,9 @@ async fn answer_while_waiting(verb: &str, expect: &str) {
         }
     }
     assert!(saw_waiting, "the task showed awaiting_input before the question");
-    let answered = h.run(&[verb, "cfg"]).await;
+    // Who answers: the name given with --as, else the OS user (issue #34).
+    let answered =
+        if verb == "approve" { h.run(&[verb, "cfg", "--as", "alice"]).await } else { h.run(&[verb, "cfg"]).await };
     assert_eq!(answered.status.code(), Some(0), "{}", stderr(&answered));
     let (rest, status) = the_rest(&mut reader, &mut child).await;
     assert_eq!(status.code(), Some(0), "{rest:#?}");
@@ -611,6 +613,10 @@ async fn answer_while_waiting(verb: &str, expect: &str) {
     let said = stderr(&again);
     let chosen = if verb == "approve" { "already answered: allow" } else { "already answered: reject" };
     assert!(said.contains(chosen) && said.contains(" by cli:") && said.contains(" at 20"), "{said}");
+    let os_user = nix_user();
+    let who = if verb == "approve" { "by cli:alice at".to_owned() } else { format!("by cli:{os_user} at") };
+    assert!(said.contains(&who), "{said} (expected `{who}`)");
+    assert!(!said.contains("cli:unknown"), "{said}");
 }
 
 /// Reads `pier run --format json` events up to the first question.
@@ -1156,4 +1162,10 @@ async fn a_plans_mcp_server_is_used_by_the_tasks_agent() {
     let o = h.run(&["run", bad.to_str().unwrap_or_default(), "--run-id", "b"]).await;
     assert_ne!(o.status.code(), Some(0));
     assert!(stderr(&o).contains("MCP server `both` gives both `command` and `url`"), "{}", stderr(&o));
+}
+
+/// The name of this process's user, as `id -un` prints it (the tests run with no `$USER`).
+fn nix_user() -> String {
+    let out = std::process::Command::new("id").arg("-un").output();
+    String::from_utf8_lossy(&must(out, "id -un").stdout).trim().to_owned()
 }
