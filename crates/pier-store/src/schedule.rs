@@ -328,6 +328,12 @@ pub fn rfc3339(at: i64) -> String {
     stamp(at, "%Y-%m-%dT%H:%M:%SZ")
 }
 
+/// An RFC 3339 time (`2026-12-07T10:00:00Z`, or with an offset), in ms since the epoch.
+pub fn parse_rfc3339(text: &str) -> Result<i64, String> {
+    let at: jiff::Timestamp = text.trim().parse().map_err(|e| format!("{text:?} is not an RFC 3339 time ({e})"))?;
+    Ok(at.as_millisecond())
+}
+
 fn stamp(at: i64, format: &str) -> String {
     jiff::Timestamp::from_millisecond(at).map_or_else(|_| at.to_string(), |t| t.strftime(format).to_string())
 }

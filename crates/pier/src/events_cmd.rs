@@ -29,6 +29,48 @@ pub struct EventsArgs {
     /// Read from a running `pier serve` instead of the local store [env: PIER_SERVER]
     #[arg(long)]
     server: Option<String>,
+    /// Only this task's events
+    #[arg(long)]
+    task: Option<String>,
+    /// Only events of these types (comma-separated: transition, question, answer, session_update, …)
+    #[arg(long = "type", value_name = "TYPE[,TYPE…]", value_delimiter = ',')]
+    types: Vec<String>,
+    /// Only events from this long ago (30s, 5m, 2h, 1d) or since this time (2026-12-07T10:00:00Z)
+    #[arg(long, value_name = "DURATION|TIME")]
+    since: Option<String>,
+}
+
+/// Which events `pier events` prints.
+struct Filter {
+    task: Option<String>,
+    types: Vec<String>,
+    since_ms: Option<i64>,
+}
+
+impl Filter {
+    fn of(args: &EventsArgs) -> anyhow::Result<Filter> {
+        let since_ms = match args.since.as_deref() {
+            None => None,
+            Some(text) => Some(since(text)?),
+        };
+        Ok(Filter { task: args.task.clone(), types: args.types.clone(), since_ms })
+    }
+
+    fn keeps(&self, e: &Event) -> bool {
+        self.task.as_ref().is_none_or(|t| e.task.as_ref() == Some(t))
+            && (self.types.is_empty() || self.types.contains(&e.kind))
+            && self.since_ms.is_none_or(|at| e.at_ms >= at)
+    }
+}
+
+/// The moment `--since` names, in ms since the epoch: a duration back from now or a time.
+fn since(text: &str) -> anyhow::Result<i64> {
+    if let Ok(ago) = pier_host::schedule::parse_duration(text) {
+        return Ok(pier_host::store::now_ms() - ago);
+    }
+    pier_host::schedule::parse_rfc3339(text).map_err(|_| {
+        anyhow::anyhow!("--since {text:?} is neither a duration (30s, 5m, 2h, 1d) nor a time (2026-12-07T10:00:00Z)")
+    })
 }
 
 /// A transition's line: from, to, why, its error's first line.
@@ -205,9 +247,12 @@ pub fn print_event(e: &Event, format: EventFormat) {
 
 /// `pier events`.
 pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
+    let filter = Filter::of(&args)?;
     if args.server.is_some() || std::env::var("PIER_SERVER").is_ok_and(|s| !s.is_empty()) {
         return crate::serve_cmd::events(args.server.clone(), args.run.clone(), args.after, args.follow, |e| {
-            print_event(e, args.format)
+            if filter.keeps(e) {
+                print_event(e, args.format)
+            }
         })
         .await;
     }
@@ -218,7 +263,7 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
     // The store's watch carries the commits of the process that runs the tasks.
     let mut follower = tasks.follow(Follow { run: args.run.clone(), after: args.after, live: args.follow });
     while let Some(batch) = follower.next_batch().await {
-        for e in &batch? {
+        for e in batch?.iter().filter(|e| filter.keeps(e)) {
             print_event(e, args.format);
         }
     }

@@ -196,6 +196,37 @@ async fn a_failed_task_is_retried_with_the_tasks_cancelled_below_it() {
     assert_eq!(got, [("a", "completed", 2), ("b", "completed", 1)]);
     let events = String::from_utf8_lossy(&h.run(&["events", "--run", "r"]).await.stdout).into_owned();
     assert!(events.lines().any(|l| l.contains("a: failed -> pending (a person retried it (cli:")), "{events}");
+    // Filters return what they name (issue #34): a task, types, a time.
+    let json = |args: &[&str]| {
+        let mut all = vec!["events", "--run", "r", "--format", "json"];
+        all.extend_from_slice(args);
+        all.iter().map(|a| (*a).to_owned()).collect::<Vec<String>>()
+    };
+    let run = |args: Vec<String>| {
+        let h = &h;
+        async move {
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            let o = h.run(&refs).await;
+            assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(|l| must(serde_json::from_str::<serde_json::Value>(l), "json"))
+                .collect::<Vec<_>>()
+        }
+    };
+    let every = run(json(&[])).await;
+    let of_b = run(json(&["--task", "b"])).await;
+    assert!(!of_b.is_empty() && of_b.iter().all(|e| e["task"] == "b"), "{of_b:#?}");
+    assert!(of_b.len() < every.len());
+    let transitions = run(json(&["--type", "transition,run_created"])).await;
+    assert!(transitions.iter().all(|e| e["type"] == "transition" || e["type"] == "run_created"), "{transitions:#?}");
+    assert!(transitions.iter().any(|e| e["type"] == "run_created"));
+    let both = run(json(&["--task", "a", "--type", "transition"])).await;
+    assert!(!both.is_empty() && both.iter().all(|e| e["task"] == "a" && e["type"] == "transition"), "{both:#?}");
+    assert_eq!(run(json(&["--since", "1h"])).await.len(), every.len(), "everything is from the last hour");
+    assert!(run(json(&["--since", "2999-01-01T00:00:00Z"])).await.is_empty(), "nothing is from the future");
+    let bad = h.run(&["events", "--since", "yesterday"]).await;
+    assert!(stderr(&bad).contains("--since \"yesterday\" is neither a duration"), "{}", stderr(&bad));
     let o = h.run(&["retry", "r", "a"]).await;
     assert!(stderr(&o).contains("is completed; only a failed or cancelled task can be retried"), "{}", stderr(&o));
 }
