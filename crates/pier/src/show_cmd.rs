@@ -158,32 +158,82 @@ pub struct ShowArgs {
     format: EventFormat,
     #[command(flatten)]
     source: Source,
+    /// Show it again at every change until the task (or every task of the run) has ended
+    #[arg(long)]
+    watch: bool,
 }
 
 impl ShowArgs {
     pub fn new(run: String, format: EventFormat, source: Source) -> ShowArgs {
-        ShowArgs { run, task: None, format, source }
+        ShowArgs { run, task: None, format, source, watch: false }
     }
 }
 
+/// How often `--watch` asks a `pier serve` again (a local store wakes it at each commit).
+const SERVER_WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[allow(clippy::print_stdout)]
 pub async fn show(args: ShowArgs) -> anyhow::Result<()> {
-    let shown = match args.source.server() {
-        Some(server) => remote(server, &args.run, args.task.as_deref()).await?,
-        None => local(&args.source.store, &args.run, args.task.as_deref()).await?,
+    let server = args.source.server();
+    let tasks = match &server {
+        Some(_) => None,
+        None => Some(open_tasks(&args.source.store)?),
     };
-    match args.format {
-        EventFormat::Json => println!("{shown}"),
-        EventFormat::Text if args.task.is_some() => print!("{}", task_text(&args.run, &shown)),
-        EventFormat::Text => print!("{}", run_text(&args.run, &shown)),
+    // Subscribed before the first read: a change between the read and the wait is not missed.
+    let mut changes = match (&tasks, args.watch) {
+        (Some(t), true) => {
+            let after = t.position().await?;
+            Some(t.follow(pier_host::Follow { run: Some(args.run.clone()), after, live: true }))
+        }
+        _ => None,
+    };
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    loop {
+        let shown = match (&server, &tasks) {
+            (Some(server), _) => remote(server.clone(), &args.run, args.task.as_deref()).await?,
+            (None, Some(tasks)) => local(tasks, &args.run, args.task.as_deref()).await?,
+            (None, None) => anyhow::bail!("neither a store nor a server to read from"),
+        };
+        if args.watch && tty && args.format == EventFormat::Text {
+            // The screen shows the task as it is now, not a scroll of how it was.
+            print!("\x1b[H\x1b[2J");
+        }
+        match args.format {
+            EventFormat::Json => println!("{shown}"),
+            EventFormat::Text if args.task.is_some() => print!("{}", task_text(&args.run, &shown)),
+            EventFormat::Text => print!("{}", run_text(&args.run, &shown)),
+        }
+        if !args.watch || ended(&shown, args.task.is_some()) {
+            return Ok(());
+        }
+        if args.format == EventFormat::Text && !tty {
+            println!();
+        }
+        std::io::Write::flush(&mut std::io::stdout())?;
+        match &mut changes {
+            Some(follower) => match follower.next_batch().await {
+                Some(batch) => drop(batch?),
+                None => return Ok(()),
+            },
+            None => tokio::time::sleep(SERVER_WATCH_EVERY).await,
+        }
     }
-    Ok(())
+}
+
+/// Whether what `show` read has ended: the task, or every task of the run.
+fn ended(shown: &Value, one_task: bool) -> bool {
+    let over = |state: &Value| {
+        state.as_str().and_then(pier_host::TaskState::parse).is_some_and(pier_host::TaskState::is_terminal)
+    };
+    if one_task {
+        return over(&shown["task"]["state"]);
+    }
+    shown["tasks"].as_array().is_some_and(|tasks| tasks.iter().all(|t| over(&t["state"])))
 }
 
 /// A run (`{run, tasks: [{id, state, attempts, agent, result, error, asks?}]}`) or one task
 /// whole (as `GET …/tasks/{task}` has it), from the local store.
-async fn local(store: &Option<String>, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
-    let tasks = open_tasks(store)?;
+async fn local(tasks: &pier_host::Tasks, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
     if let Some(id) = task {
         return Ok(pier_server::task_json(&tasks.task(run, id).await?));
     }

@@ -1169,3 +1169,48 @@ fn nix_user() -> String {
     let out = std::process::Command::new("id").arg("-un").output();
     String::from_utf8_lossy(&must(out, "id -un").stdout).trim().to_owned()
 }
+
+/// `pier show RUN TASK --watch` shows the task again at each change and ends when it ends
+/// (issue #34).
+#[tokio::test]
+async fn pier_show_watch_follows_the_task_and_ends_with_it() {
+    use tokio::io::AsyncBufReadExt;
+    let f = must(FakeModel::start().await, "fake");
+    let gate = pier_fake_model::Gate::new();
+    let held = gate.clone();
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let Reply::Stream(steps) = &mut reply {
+            steps.insert(0, Step::Gate(held.clone()));
+        }
+        reply
+    });
+    let h = Host::new(Some(f.base_url()));
+    let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n");
+    let runner = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", "w"]).spawn(), "pier run");
+    tokio::time::timeout(LIMIT, f.wait_for_requests(1)).await.unwrap_or_else(|_| panic!("the task never started"));
+    let mut watch = h.command(&["show", "w", "t", "--watch"]);
+    watch.stdout(std::process::Stdio::piped());
+    let mut watch = must(watch.spawn(), "pier show --watch");
+    let stdout = watch.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut seen = Vec::new();
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, lines.next_line()).await, "a render in time");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier show ended while the task ran: {seen:#?}"));
+        let running = line.starts_with("task t of run w: running");
+        seen.push(line);
+        if running {
+            break;
+        }
+    }
+    gate.open();
+    while let Some(line) = must(must(tokio::time::timeout(LIMIT, lines.next_line()).await, "in time"), "read") {
+        seen.push(line);
+    }
+    let status = must(must(tokio::time::timeout(LIMIT, watch.wait()).await, "pier show ends"), "wait");
+    assert_eq!(status.code(), Some(0), "{seen:#?}");
+    assert!(seen.iter().any(|l| l.starts_with("task t of run w: completed")), "{seen:#?}");
+    let o = must(must(tokio::time::timeout(LIMIT, runner.wait_with_output()).await, "pier run ends"), "wait");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
