@@ -854,16 +854,7 @@ fn cpu_ms(pid: u32) -> u64 {
 
 #[tokio::test]
 async fn a_host_waiting_on_a_lease_held_elsewhere_uses_no_cpu() {
-    let f = must(FakeModel::start().await, "fake");
-    let gate = pier_fake_model::Gate::new();
-    let held = gate.clone();
-    f.set_fallback(move |body| {
-        let mut reply = echo(body);
-        if let Reply::Stream(steps) = &mut reply {
-            steps.insert(0, Step::Gate(held.clone()));
-        }
-        reply
-    });
+    let (f, gate) = gated_echo().await;
     let h = Host::new(Some(f.base_url()));
     let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n");
     // Leases of one second, renewed by the live host that holds the task every third of it:
@@ -1175,16 +1166,7 @@ fn nix_user() -> String {
 #[tokio::test]
 async fn pier_show_watch_follows_the_task_and_ends_with_it() {
     use tokio::io::AsyncBufReadExt;
-    let f = must(FakeModel::start().await, "fake");
-    let gate = pier_fake_model::Gate::new();
-    let held = gate.clone();
-    f.set_fallback(move |body| {
-        let mut reply = echo(body);
-        if let Reply::Stream(steps) = &mut reply {
-            steps.insert(0, Step::Gate(held.clone()));
-        }
-        reply
-    });
+    let (f, gate) = gated_echo().await;
     let h = Host::new(Some(f.base_url()));
     let plan = h.write("p.toml", "[[tasks]]\nid = \"t\"\nprompt = \"hi\"\n");
     let runner = must(h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", "w"]).spawn(), "pier run");
@@ -1213,4 +1195,19 @@ async fn pier_show_watch_follows_the_task_and_ends_with_it() {
     assert!(seen.iter().any(|l| l.starts_with("task t of run w: completed")), "{seen:#?}");
     let o = must(must(tokio::time::timeout(LIMIT, runner.wait_with_output()).await, "pier run ends"), "wait");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// A fake model that echoes, each answer held until `gate` opens once for it.
+async fn gated_echo() -> (FakeModel, pier_fake_model::Gate) {
+    let f = must(FakeModel::start().await, "fake");
+    let gate = pier_fake_model::Gate::new();
+    let held = gate.clone();
+    f.set_fallback(move |body| {
+        let mut reply = echo(body);
+        if let Reply::Stream(steps) = &mut reply {
+            steps.insert(0, Step::Gate(held.clone()));
+        }
+        reply
+    });
+    (f, gate)
 }
