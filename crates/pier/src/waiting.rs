@@ -14,9 +14,10 @@ pub fn waiting_for(run: &str, task: &str, request: Option<&QuestionRequest>) -> 
         Some(QuestionRequest::Elicitation(q)) => {
             let fields = pier_client::elicit::form_schema(q).map(pier_client::elicit::fields).unwrap_or_default();
             format!(
-                "asks: {} — answer with `pier answer --run {run} {task} {}` or `--decline`",
+                "asks: {} — answer with `pier answer --run {run} {task} {}` or `--decline`; fields: {}",
                 q.message,
-                fields.iter().map(|f| format!("{}=…", f.name)).collect::<Vec<_>>().join(" ")
+                fields.iter().map(|f| format!("{}=…", f.name)).collect::<Vec<_>>().join(" "),
+                fields.iter().map(field).collect::<Vec<_>>().join(", ")
             )
         }
         Some(QuestionRequest::Permission(p)) => {
@@ -35,4 +36,18 @@ pub fn waiting_for(run: &str, task: &str, request: Option<&QuestionRequest>) -> 
             )
         }
     }
+}
+
+/// A question's field as a person needs it: its name, its type or choices, whether required.
+fn field(f: &pier_client::elicit::Field<'_>) -> String {
+    use pier_client::elicit::Input;
+    let kind = match &f.input {
+        Input::Boolean => "true or false".to_owned(),
+        Input::Number => "a number".to_owned(),
+        Input::Integer => "a whole number".to_owned(),
+        Input::Choice(choices) => format!("one of {}", choices.join(" | ")),
+        Input::Text => "text".to_owned(),
+    };
+    let required = if f.required { ", required" } else { "" };
+    format!("{} ({kind}{required})", f.name)
 }

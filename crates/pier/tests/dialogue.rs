@@ -272,6 +272,8 @@ async fn an_agents_question_parks_the_task_until_pier_answer() {
         "{shown}"
     );
     assert!(shown.contains("agent: ask (elicit 1; offers: none of the requirement words)"), "{shown}");
+    // Each field with its type and whether it is required (issue #34).
+    assert!(shown.contains("fields: count (a whole number), name (text, required)"), "{shown}");
     // An answer that does not fit the fields is refused, and nothing is answered.
     let bad = h.run(&["answer", "q", "name=Ada", "count=eleven"]).await;
     assert_ne!(bad.status.code(), Some(0));
