@@ -185,8 +185,16 @@ async fn retries_give_up_with_the_last_provider_message() -> std::io::Result<()>
         fake.push(Reply::status(500, "boom"));
     }
     let events = collect(&provider(&fake), "q").await;
+    // A retry marker before each retry (tries 2 and 3), then the last provider message.
     match events.as_slice() {
-        [Err(ModelError::Http { status: 500, message })] => assert_eq!(message, "boom"),
+        [
+            Ok(ModelEvent::Retrying { attempt: 2, error: first, .. }),
+            Ok(ModelEvent::Retrying { attempt: 3, .. }),
+            Err(ModelError::Http { status: 500, message }),
+        ] => {
+            assert_eq!(message, "boom");
+            assert!(first.contains("boom"), "{first}");
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(fake.requests().len(), 3, "one attempt and two retries");
@@ -219,7 +227,10 @@ async fn a_server_that_never_answers_times_out() -> std::io::Result<()> {
     config.retry_base_delay = Duration::from_millis(5);
     let p = OpenAiProvider::new(config).map_err(std::io::Error::other)?;
     let events = collect(&p, "q").await;
-    assert!(matches!(events.as_slice(), [Err(ModelError::IdleTimeout(_))]), "{events:?}");
+    assert!(
+        matches!(events.as_slice(), [Ok(ModelEvent::Retrying { attempt: 2, .. }), Err(ModelError::IdleTimeout(_))]),
+        "{events:?}"
+    );
     assert_eq!(fake.requests().len(), 2);
     Ok(())
 }
