@@ -116,7 +116,8 @@ pub(crate) async fn list_agents(State(app): State<Shared>) -> Result<Json<Value>
 pub fn task_json(v: &TaskView) -> Value {
     // `evidence`: the current attempt's, as before `attempts` was added.
     json!({"task": v.row, "evidence": v.evidence(), "attempts": v.attempts, "question": v.question,
-           "agent": v.agent, "prompt": v.prompt, "sandbox": v.sandbox, "spend": v.spend.to_json(), "keys": v.keys})
+           "agent": v.agent, "prompt": v.prompt, "sandbox": v.sandbox, "spend": v.spend.to_json(), "keys": v.keys,
+           "times": v.times})
 }
 
 pub(crate) async fn show_task(

@@ -404,7 +404,9 @@ fn task_text(run: &str, v: &Value) -> String {
     }
     for a in v["attempts"].as_array().into_iter().flatten() {
         let effects = a["evidence"].as_array().map_or(0, Vec::len);
-        out.push_str(&format!("attempt {}: {effects} side effect(s)\n", a["attempt"]));
+        let times = v["times"].as_array().into_iter().flatten().find(|t| t["attempt"] == a["attempt"]);
+        let when = times.map(attempt_when).unwrap_or_default();
+        out.push_str(&format!("attempt {}: {when}{effects} side effect(s)\n", a["attempt"]));
         for call in a["output"]["toolCalls"].as_array().into_iter().flatten() {
             let mark = match call["status"].as_str() {
                 Some("completed") => "✓",
@@ -418,6 +420,20 @@ fn task_text(run: &str, v: &Value) -> String {
         }
     }
     out
+}
+
+/// When an attempt ran: `started 2026-12-07 08:36:27 UTC, took 3.2 s, completed; ` (or `running
+/// for 3.2 s; ` while it runs).
+fn attempt_when(t: &Value) -> String {
+    let Some(started) = t["started_at_ms"].as_i64() else { return String::new() };
+    let at = pier_host::schedule::rfc3339(started).replace('T', " ").replace('Z', " UTC");
+    match (t["ended_at_ms"].as_i64(), t["ended"].as_str()) {
+        (Some(ended), Some(how)) => format!("started {at}, took {:.1} s, {how}; ", (ended - started) as f64 / 1000.0),
+        _ => {
+            let on = (pier_host::store::now_ms() - started).max(0) as f64 / 1000.0;
+            format!("started {at}, running for {on:.1} s; ")
+        }
+    }
 }
 
 /// The agent's own name and what it offers, from its last `initialize` answer.

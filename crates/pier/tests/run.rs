@@ -1195,6 +1195,14 @@ async fn pier_show_watch_follows_the_task_and_ends_with_it() {
     assert!(seen.iter().any(|l| l.starts_with("task t of run w: completed")), "{seen:#?}");
     let o = must(must(tokio::time::timeout(LIMIT, runner.wait_with_output()).await, "pier run ends"), "wait");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Each attempt's times (issue #34): when it started, how long it took, how it ended.
+    let shown = String::from_utf8_lossy(&h.run(&["show", "w", "t"]).await.stdout).into_owned();
+    assert!(shown.lines().any(|l| l.starts_with("attempt 1: started 20") && l.contains(" s, completed; ")), "{shown}");
+    let json: Value =
+        must(serde_json::from_slice(&h.run(&["show", "w", "t", "--format", "json"]).await.stdout), "json");
+    let t = &json["times"][0];
+    let (started, ended) = (t["started_at_ms"].as_i64().unwrap_or(0), t["ended_at_ms"].as_i64().unwrap_or(0));
+    assert!(started > 0 && ended >= started && t["ended"] == "completed" && t["attempt"] == 1, "{json}");
 }
 
 /// A fake model that echoes, each answer held until `gate` opens once for it.

@@ -120,6 +120,45 @@ pub struct TaskView {
     pub spend: Spend,
     /// Its concurrency keys, each with its limit and the live attempts holding it now.
     pub keys: Vec<KeyLoad>,
+    /// When each attempt started and ended, from its transitions in the log.
+    pub times: Vec<AttemptTime>,
+}
+
+/// When an attempt started (claimed: `pending → running`) and ended (left `running` and
+/// `awaiting_input`), and the state it ended in; an attempt still on has no end.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AttemptTime {
+    pub attempt: i64,
+    pub started_at_ms: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
+}
+
+impl AttemptTime {
+    /// Each attempt's times, from a task's `transition` events in log order.
+    pub fn from_transitions(events: &[Event]) -> Vec<AttemptTime> {
+        let mut times: Vec<AttemptTime> = Vec::new();
+        for e in events {
+            let (Some(from), Some(to), Some(attempt)) =
+                (e.data["from"].as_str(), e.data["to"].as_str(), e.data["attempt"].as_i64())
+            else {
+                continue;
+            };
+            let on = |s: &str| s == "running" || s == "awaiting_input";
+            if from == "pending" && to == "running" {
+                times.push(AttemptTime { attempt, started_at_ms: e.at_ms, ended_at_ms: None, ended: None });
+            } else if on(from)
+                && !on(to)
+                && let Some(t) = times.iter_mut().rev().find(|t| t.attempt == attempt && t.ended_at_ms.is_none())
+            {
+                t.ended_at_ms = Some(e.at_ms);
+                t.ended = Some(to.to_owned());
+            }
+        }
+        times
+    }
 }
 
 /// A concurrency key of a task, as it stands.
@@ -226,6 +265,7 @@ impl Tasks {
                 .collect::<Result<_, StoreError>>()?;
             Ok(TaskView {
                 keys,
+                times: AttemptTime::from_transitions(&s.events_of_kind(&run, Some(&task), "transition")?),
                 spend: Spend::from_events(&s.events_of_kind(&run, Some(&task), MODEL_REQUEST)?),
                 sandbox: config.sandbox.describe_task(&row.spec),
                 attempts: s.attempts(&run, &task)?,
@@ -270,5 +310,41 @@ impl Tasks {
     /// The store's counts by state and its last sequence (`/metrics`): one aggregate query.
     pub async fn counts(&self) -> Result<StoreCounts, ActionError> {
         self.blocking(|s| Ok(StoreCounts { tasks: s.task_counts()?, last_seq: s.last_seq()? })).await
+    }
+}
+
+#[cfg(test)]
+mod times_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn moved(at_ms: i64, from: &str, to: &str, attempt: i64) -> Event {
+        Event {
+            seq: at_ms,
+            run: "r".into(),
+            task: Some("t".into()),
+            kind: "transition".into(),
+            at_ms,
+            data: json!({"from": from, "to": to, "attempt": attempt}),
+        }
+    }
+
+    #[test]
+    fn an_attempt_runs_from_its_claim_to_its_end_waiting_on_a_person_included() {
+        let events = [
+            moved(10, "pending", "running", 1),
+            moved(20, "running", "awaiting_input", 1),
+            moved(30, "awaiting_input", "running", 1),
+            moved(40, "running", "pending", 1),
+            moved(50, "pending", "running", 2),
+        ];
+        let times = AttemptTime::from_transitions(&events);
+        assert_eq!(
+            times,
+            [
+                AttemptTime { attempt: 1, started_at_ms: 10, ended_at_ms: Some(40), ended: Some("pending".into()) },
+                AttemptTime { attempt: 2, started_at_ms: 50, ended_at_ms: None, ended: None },
+            ]
+        );
     }
 }
