@@ -388,6 +388,15 @@ async fn spend_shows_per_task_and_run_with_a_row_per_model_and_in_metrics() {
     assert!(summary.contains("1,500,000 tokens") && summary.contains("over 1 request"), "{summary}");
     let line = b.text(&b.find("section.attempt p.model-request").await.unwrap_or_else(|| panic!("no request"))).await;
     assert!(line.contains("fake-model") && line.contains("1500000 tokens") && line.contains("cost 2.0000"), "{line}");
+    // The attempt's times (issue #34): when it started, how long it took, how it ended.
+    let when = b.text(&b.find("section.attempt p.when").await.unwrap_or_else(|| panic!("no times"))).await;
+    assert!(
+        when.starts_with("started 20") && when.contains(" UTC, took ") && when.ends_with(" s, completed"),
+        "{when}"
+    );
+    let at =
+        b.script("return document.querySelector('section.attempt p.when time').getAttribute('datetime')", vec![]).await;
+    assert!(at.as_str().is_some_and(|t| t.starts_with("20") && t.ends_with('Z')), "{at}");
 
     let url = metrics.unwrap_or_else(|| panic!("no metrics address"));
     let text = must(must(tokio::time::timeout(LIMIT, s.http.get(url).send()).await, "in time"), "send");

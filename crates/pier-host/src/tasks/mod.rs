@@ -24,5 +24,7 @@ pub use handle::Tasks;
 pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};
 pub use schedules::ScheduleView;
 pub use submit::{Submission, Submitted, TYPES_FILE, one_task_plan, parse_plan, plan_types};
-pub use views::{KeyLoad, RUN_STATES, RunFilter, RunList, RunSummary, RunView, StoreCounts, TaskView, counts};
+pub use views::{
+    AttemptTime, KeyLoad, RUN_STATES, RunFilter, RunList, RunSummary, RunView, StoreCounts, TaskView, counts,
+};
 pub use workers::Leased;

@@ -439,6 +439,7 @@ pub fn task(
             @if *n > 0 {
                 section class="attempt" aria-label={ "attempt " (n) } {
                     h2 { "Attempt " (n) }
+                    @if let Some(t) = v.times.iter().find(|t| t.attempt == *n) { (attempt_time(t)) }
                     @if let Some(a) = v.attempts.iter().find(|a| a.attempt == *n) {
                         @if !a.evidence.is_empty() { p class="evidence" { (a.evidence.len()) " side effect(s) reported" } }
                     }
@@ -448,6 +449,24 @@ pub fn task(
         }
     };
     layout(&format!("Task {}", t.id), Some(s), Some((format!("run={}", seg(run)), seq)), notice, body)
+}
+
+/// When an attempt started, how long it took and how it ended (its `<time>`s in UTC, for a
+/// script or the browser to read).
+fn attempt_time(t: &pier_host::AttemptTime) -> Markup {
+    let at = |ms: i64| pier_host::schedule::rfc3339(ms);
+    html! {
+        p class="when" {
+            "started " time datetime=(at(t.started_at_ms)) { (at(t.started_at_ms).replace('T', " ").replace('Z', " UTC")) }
+            @match (t.ended_at_ms, &t.ended) {
+                (Some(end), Some(how)) => {
+                    ", took " span class="took" { (format!("{:.1} s", (end - t.started_at_ms) as f64 / 1000.0)) }
+                    ", " (how)
+                }
+                _ => { ", still on" }
+            }
+        }
+    }
 }
 
 fn item_markup(item: &Item) -> Markup {
