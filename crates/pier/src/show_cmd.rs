@@ -415,8 +415,11 @@ fn task_text(run: &str, v: &Value) -> String {
             };
             out.push_str(&format!("  {mark} {}\n", call["title"].as_str().unwrap_or("?")));
         }
-        if let Some(text) = a["output"]["text"].as_str().filter(|t| !t.is_empty()) {
-            out.push_str(&format!("  said:\n{}\n", indent(&indent(text))));
+        match a["output"]["text"].as_str().filter(|t| !t.is_empty()) {
+            // The answer that became the result is shown once, as the result.
+            Some(text) if t["result"].as_str() == Some(text) => out.push_str("  said: the result above\n"),
+            Some(text) => out.push_str(&format!("  said:\n{}\n", indent(&indent(text)))),
+            None => {}
         }
     }
     out

@@ -1200,6 +1200,10 @@ async fn pier_show_watch_follows_the_task_and_ends_with_it() {
     assert!(shown.lines().any(|l| l.starts_with("attempt 1: started 20") && l.contains(" s, completed; ")), "{shown}");
     let json: Value =
         must(serde_json::from_slice(&h.run(&["show", "w", "t", "--format", "json"]).await.stdout), "json");
+    // The result is shown once, not again as what the attempt said.
+    let result = json["task"]["result"].as_str().unwrap_or_default().to_owned();
+    assert!(!result.is_empty() && shown.matches(result.as_str()).count() == 1, "{shown}");
+    assert!(shown.contains("said: the result above"), "{shown}");
     let t = &json["times"][0];
     let (started, ended) = (t["started_at_ms"].as_i64().unwrap_or(0), t["ended_at_ms"].as_i64().unwrap_or(0));
     assert!(started > 0 && ended >= started && t["ended"] == "completed" && t["attempt"] == 1, "{json}");
