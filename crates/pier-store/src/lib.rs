@@ -40,7 +40,7 @@ pub use api::TaskStore;
 pub use code::ErrorCode;
 pub use entry::{AgentEvent, Entry, is_agent_event};
 pub use error::StoreError;
-pub use log::{Event, LogCursor, LogEvent, OwnCommit, RawEvent, own_following};
+pub use log::{Event, LogCursor, LogEvent, OwnCommit, RawEvent, TRANSITION, own_following};
 pub use ops::{Candidate, NextClaim};
 pub use pg::{Pg, ScratchDatabase, redacted};
 pub use plan::{Budget, Plan, PlanError, TaskSpec};

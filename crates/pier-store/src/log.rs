@@ -209,6 +209,9 @@ impl Event {
     }
 }
 
+/// The type of the events that move a task from one state to another (`LogEvent::Transition`).
+pub const TRANSITION: &str = "transition";
+
 /// What the host itself writes to the event log (the agents' events are `ClientEvent`s,
 /// recorded as they serialize). One type, so the log's shape is checked by the compiler:
 /// `type` is the event's name, the other fields its data.

@@ -328,6 +328,11 @@ pub fn rfc3339(at: i64) -> String {
     stamp(at, "%Y-%m-%dT%H:%M:%SZ")
 }
 
+/// `at` as a person reads it: `2026-12-07 10:00:00 UTC`.
+pub fn human(at: i64) -> String {
+    stamp(at, "%Y-%m-%d %H:%M:%S UTC")
+}
+
 /// An RFC 3339 time (`2026-12-07T10:00:00Z`, or with an offset), in ms since the epoch.
 pub fn parse_rfc3339(text: &str) -> Result<i64, String> {
     let at: jiff::Timestamp = text.trim().parse().map_err(|e| format!("{text:?} is not an RFC 3339 time ({e})"))?;

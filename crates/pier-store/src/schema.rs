@@ -127,8 +127,13 @@ pub(crate) const TASKS_PRIORITY: &str = "ALTER TABLE tasks ADD COLUMN priority {
 pub(crate) const TASKS_URGENT: &str =
     "CREATE INDEX tasks_urgent ON tasks(priority, run_id, ord) WHERE state = 'pending' AND priority > 0";
 
+/// A task's transitions (its attempts' times), found without reading the rest of its run's log
+/// (the query names the type as this literal, so both planners use the index).
+pub(crate) const EVENTS_TRANSITIONS: &str =
+    "CREATE INDEX events_transitions ON events(run_id, task_id, seq) WHERE type = 'transition'";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 12] = [
+pub(crate) const LATER: [Migration; 13] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -141,4 +146,5 @@ pub(crate) const LATER: [Migration; 12] = [
     &[TASKS_KEYED, KEY_HOLDERS],
     &[SCHEDULES],
     &[TASKS_PRIORITY, TASKS_URGENT],
+    &[EVENTS_TRANSITIONS],
 ];

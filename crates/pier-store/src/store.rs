@@ -481,10 +481,15 @@ impl<B: Backend> TaskStore for Store<B> {
     }
 
     fn events_of_kind(&self, run: &str, task: Option<&str>, kind: &str) -> Result<Vec<Event>, StoreError> {
-        // Model requests have an index of their own, which a planner uses only for the literal.
+        // Model requests and transitions have indexes of their own, which a planner uses only
+        // for the literal.
         let sql = if kind == crate::MODEL_REQUEST {
             "SELECT seq, run_id, task_id, type, at_ms, data FROM events
              WHERE type = 'model_request' AND run_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR task_id = ?2) AND type = ?3
+             ORDER BY seq"
+        } else if kind == crate::TRANSITION {
+            "SELECT seq, run_id, task_id, type, at_ms, data FROM events
+             WHERE type = 'transition' AND run_id = ?1 AND (CAST(?2 AS TEXT) IS NULL OR task_id = ?2) AND type = ?3
              ORDER BY seq"
         } else {
             "SELECT seq, run_id, task_id, type, at_ms, data FROM events

@@ -135,3 +135,19 @@ input = { type = "object", required = ["who"] }
     let bad: toml::Table = toml::from_str("[x]\ninput = { type = 5 }\n").unwrap_or_else(|e| panic!("{e}"));
     assert!(Shared::new(bad.into_iter().collect()).is_err(), "a shared type whose schema does not compile is refused");
 }
+
+/// A server given wrong in `[defaults]` or a type is refused once, where it is given, not once
+/// per task that would get it; a task's own are refused under the task.
+#[test]
+fn a_wrong_mcp_server_is_refused_once_where_it_is_given() {
+    let plan = "[defaults]\nmcp_servers = [{ name = \"d\" }]\n\n\
+                [types.t]\nprompt = \"x\"\nmcp_servers = [{ name = \"ty\", url = \"ftp://x\" }]\n\n\
+                [[tasks]]\nid = \"a\"\ntype = \"t\"\ninput = {}\n\n[[tasks]]\nid = \"b\"\ntype = \"t\"\ninput = {}\n\n\
+                [[tasks]]\nid = \"c\"\nprompt = \"x\"\nmcp_servers = [{ name = \"own\", command = \"x\", url = \"http://y\" }]\n";
+    let Err(e) = parse(plan, &|_| Ok(())) else { panic!("a plan with wrong servers was accepted") };
+    let messages: Vec<&str> = e.0.iter().map(|p| p.message.as_str()).collect();
+    let count = |needle: &str| messages.iter().filter(|m| m.contains(needle)).count();
+    assert_eq!(count("MCP server `d` gives neither"), 1, "{messages:#?}");
+    assert_eq!(count("url `ftp://x`"), 1, "{messages:#?}");
+    assert_eq!(count("task `c`: MCP server `own` gives both"), 1, "{messages:#?}");
+}

@@ -429,7 +429,7 @@ fn task_text(run: &str, v: &Value) -> String {
 /// for 3.2 s; ` while it runs).
 fn attempt_when(t: &Value) -> String {
     let Some(started) = t["started_at_ms"].as_i64() else { return String::new() };
-    let at = pier_host::schedule::rfc3339(started).replace('T', " ").replace('Z', " UTC");
+    let at = pier_host::schedule::human(started);
     match (t["ended_at_ms"].as_i64(), t["ended"].as_str()) {
         (Some(ended), Some(how)) => format!("started {at}, took {:.1} s, {how}; ", (ended - started) as f64 / 1000.0),
         _ => {

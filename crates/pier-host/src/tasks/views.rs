@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use pier_store::{
-    AgentRow, AttemptRow, Event, MODEL_REQUEST, NodeRow, Question, Spend, StoreError, TaskRow, TaskState, TaskStore,
+    AgentRow, AttemptRow, Entry, Event, LogEvent, MODEL_REQUEST, NodeRow, Question, Spend, StoreError, TRANSITION,
+    TaskRow, TaskState, TaskStore,
 };
 use serde::Serialize;
 
@@ -133,31 +134,32 @@ pub struct AttemptTime {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ended_at_ms: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub ended: Option<String>,
+    pub ended: Option<TaskState>,
 }
 
 impl AttemptTime {
-    /// Each attempt's times, from a task's `transition` events in log order.
+    /// Each attempt's times, from a task's transition events in log order.
     pub fn from_transitions(events: &[Event]) -> Vec<AttemptTime> {
+        let on = |s: TaskState| matches!(s, TaskState::Running | TaskState::AwaitingInput);
         let mut times: Vec<AttemptTime> = Vec::new();
         for e in events {
-            let (Some(from), Some(to), Some(attempt)) =
-                (e.data["from"].as_str(), e.data["to"].as_str(), e.data["attempt"].as_i64())
-            else {
-                continue;
-            };
-            let on = |s: &str| s == "running" || s == "awaiting_input";
-            if from == "pending" && to == "running" {
+            let Entry::Host(LogEvent::Transition { from, to, attempt, .. }) = e.entry() else { continue };
+            if from == TaskState::Pending && to == TaskState::Running {
                 times.push(AttemptTime { attempt, started_at_ms: e.at_ms, ended_at_ms: None, ended: None });
             } else if on(from)
                 && !on(to)
                 && let Some(t) = times.iter_mut().rev().find(|t| t.attempt == attempt && t.ended_at_ms.is_none())
             {
                 t.ended_at_ms = Some(e.at_ms);
-                t.ended = Some(to.to_owned());
+                t.ended = Some(to);
             }
         }
         times
+    }
+
+    /// How long it took, once it has ended.
+    pub fn took_ms(&self) -> Option<i64> {
+        self.ended_at_ms.map(|end| end - self.started_at_ms)
     }
 }
 
@@ -265,7 +267,7 @@ impl Tasks {
                 .collect::<Result<_, StoreError>>()?;
             Ok(TaskView {
                 keys,
-                times: AttemptTime::from_transitions(&s.events_of_kind(&run, Some(&task), "transition")?),
+                times: AttemptTime::from_transitions(&s.events_of_kind(&run, Some(&task), TRANSITION)?),
                 spend: Spend::from_events(&s.events_of_kind(&run, Some(&task), MODEL_REQUEST)?),
                 sandbox: config.sandbox.describe_task(&row.spec),
                 attempts: s.attempts(&run, &task)?,
@@ -323,9 +325,9 @@ mod times_tests {
             seq: at_ms,
             run: "r".into(),
             task: Some("t".into()),
-            kind: "transition".into(),
+            kind: TRANSITION.into(),
             at_ms,
-            data: json!({"from": from, "to": to, "attempt": attempt}),
+            data: json!({"from": from, "to": to, "attempt": attempt, "reason": "", "version": 1}),
         }
     }
 
@@ -342,7 +344,7 @@ mod times_tests {
         assert_eq!(
             times,
             [
-                AttemptTime { attempt: 1, started_at_ms: 10, ended_at_ms: Some(40), ended: Some("pending".into()) },
+                AttemptTime { attempt: 1, started_at_ms: 10, ended_at_ms: Some(40), ended: Some(TaskState::Pending) },
                 AttemptTime { attempt: 2, started_at_ms: 50, ended_at_ms: None, ended: None },
             ]
         );

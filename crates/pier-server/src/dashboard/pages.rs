@@ -26,9 +26,7 @@ fn wire_name<T: serde::Serialize>(v: &T) -> String {
 pub use crate::segment as seg;
 
 pub(super) fn time(ms: i64) -> String {
-    // humantime formats years up to 9999 only.
-    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.clamp(0, 253_402_300_799_999) as u64);
-    humantime::format_rfc3339_seconds(t).to_string().replace('T', " ").replace('Z', " UTC")
+    pier_host::schedule::human(ms.max(0))
 }
 
 fn duration(ms: i64) -> String {
@@ -454,14 +452,13 @@ pub fn task(
 /// When an attempt started, how long it took and how it ended (its `<time>`s in UTC, for a
 /// script or the browser to read).
 fn attempt_time(t: &pier_host::AttemptTime) -> Markup {
-    let at = |ms: i64| pier_host::schedule::rfc3339(ms);
     html! {
         p class="when" {
-            "started " time datetime=(at(t.started_at_ms)) { (at(t.started_at_ms).replace('T', " ").replace('Z', " UTC")) }
-            @match (t.ended_at_ms, &t.ended) {
-                (Some(end), Some(how)) => {
-                    ", took " span class="took" { (format!("{:.1} s", (end - t.started_at_ms) as f64 / 1000.0)) }
-                    ", " (how)
+            "started " time datetime=(pier_host::schedule::rfc3339(t.started_at_ms)) { (time(t.started_at_ms)) }
+            @match (t.took_ms(), t.ended) {
+                (Some(took), Some(how)) => {
+                    ", took " span class="took" { (format!("{:.1} s", took as f64 / 1000.0)) }
+                    ", " (how.as_str())
                 }
                 _ => { ", still on" }
             }

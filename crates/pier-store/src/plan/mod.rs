@@ -517,7 +517,6 @@ pub fn parse_typed(
         PlanError(vec![Problem { line, message: e.message().to_owned() }])
     })?;
     let mut d = file.defaults;
-    d.mcp_servers = mcp::merged(&shared.mcp_servers, std::mem::take(&mut d.mcp_servers));
     let index = Lines::new(text);
     let mut problems = Vec::new();
     let own = types::parse_types(file.types, &|name| type_line(text, &index, name), &mut problems);
@@ -528,9 +527,11 @@ pub fn parse_typed(
         .chain(own.iter().map(|(name, ty)| (name.as_str(), ty)))
         .collect();
     let defaults_line = text.find("[defaults]").map_or(0, |at| index.of(at));
-    for why in number_problems(d.timeout, d.max_time, d.max_attempts) {
+    for why in number_problems(d.timeout, d.max_time, d.max_attempts).into_iter().chain(mcp::problems(&d.mcp_servers)) {
         problems.push(Problem { line: defaults_line, message: format!("[defaults]: {why}") });
     }
+    // pier.toml's servers beneath the plan's (checked where pier.toml is read).
+    d.mcp_servers = mcp::merged(&shared.mcp_servers, std::mem::take(&mut d.mcp_servers));
     let mut tasks = Vec::new();
     let mut lines = HashMap::new();
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -707,10 +708,11 @@ fn task_spec(
             OnDeny::default()
         }
     };
-    let mcp_servers = mcp::merged(&d.mcp_servers, t.mcp_servers);
-    for why in mcp::problems(&mcp_servers) {
+    // The task's own servers: `[defaults]`' and a type's are checked once, where they are given.
+    for why in mcp::problems(&t.mcp_servers) {
         say(format!("task `{}`: {why}", t.id));
     }
+    let mcp_servers = mcp::merged(&d.mcp_servers, t.mcp_servers);
     TaskSpec {
         id: t.id,
         prompt,

@@ -64,6 +64,9 @@ pub(super) fn parse_types(
                 Defaults::default()
             }
         };
+        for why in super::mcp::problems(&defaults.mcp_servers) {
+            say(why);
+        }
         let validator = match schema.as_ref().map(jsonschema::validator_for).transpose() {
             Ok(v) => v,
             Err(e) => {
