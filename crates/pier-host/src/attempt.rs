@@ -382,11 +382,11 @@ impl Channel for Local<'_> {
             };
             tokio::time::sleep_until(due).await;
             let (run, task) = (self.run.attempt.run.clone(), self.run.attempt.task.clone());
-            let waiting = blocking(&self.run.store, move |s| s.interrupt_waiting(&run, &task)).await;
+            let waiting = blocking(&self.run.store, move |s| s.waiting(&run, &task)).await;
             // Only now: a look dropped halfway is taken again at the next call.
             self.due = None;
             self.last_look = tokio::time::Instant::now();
-            if matches!(waiting, Ok(true)) {
+            if waiting.is_ok_and(|w| w.interrupt) {
                 return;
             }
         }

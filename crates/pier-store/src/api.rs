@@ -9,7 +9,7 @@ use crate::StoreError;
 use crate::log::{Event, OwnCommit};
 use crate::plan::Plan;
 use crate::rows::{
-    AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
+    AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow, Waiting,
 };
 
 /// What the host needs from a store. Every backend passes the conformance suite
@@ -149,10 +149,8 @@ pub trait TaskStore: Send + Sync + 'static {
     /// The messages not sent yet, oldest first, taken by the attempt holding the task (they
     /// are marked sent by it); fenced on the attempt.
     fn take_messages(&self, attempt: &Attempt) -> Result<Vec<(i64, String)>, StoreError>;
-    /// Whether a message asking to interrupt waits for the task.
-    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
-    /// Whether any message waits for the task.
-    fn messages_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError>;
+    /// Which messages wait for the task, both read at one instant.
+    fn waiting(&self, run: &str, task: &str) -> Result<Waiting, StoreError>;
     /// Keeps the `initialize` answer of a process of agent spec `spec` (the latest wins).
     fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError>;
     /// The last `initialize` answer recorded for `spec`.

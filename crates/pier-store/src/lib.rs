@@ -46,7 +46,7 @@ pub use pg::{Pg, ScratchDatabase, redacted};
 pub use plan::{Budget, Plan, PlanError, TaskSpec};
 pub use rows::{
     AgentRow, Attempt, AttemptRow, Ending, ErrorClass, Held, Idem, Last, NodeRow, Question, QuestionRequest, Reported,
-    TaskRow, WorkerRow, offered_option, option_kind,
+    TaskRow, Waiting, WorkerRow, offered_option, option_kind,
 };
 pub use schedules::{Advance, Fire, Put, ScheduleRow};
 pub use spend::{MODEL_REQUEST, ModelRequest, Spend, Subtotal, Tokens};

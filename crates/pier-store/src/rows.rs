@@ -271,6 +271,15 @@ impl AgentRow {
     }
 }
 
+/// The people's messages that wait for a running task, as one look saw them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Waiting {
+    /// Some message waits.
+    pub messages: bool,
+    /// One of them asks to interrupt the turn (so `messages` too).
+    pub interrupt: bool,
+}
+
 /// One attempt of a task as stored: its side effects and what it showed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AttemptRow {

@@ -12,7 +12,7 @@ use crate::log::{Event, OwnCommit, RawEvent};
 use crate::ops::{self, Arg, Tx, decode};
 use crate::plan::Plan;
 use crate::rows::{
-    AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow,
+    AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow, Waiting,
 };
 use crate::{StoreError, TaskStore, task_columns};
 
@@ -432,21 +432,16 @@ impl<B: Backend> TaskStore for Store<B> {
         self.op_on(attempt, move |tx| ops::take_messages(tx, &a))
     }
 
-    fn interrupt_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
+    fn waiting(&self, run: &str, task: &str) -> Result<Waiting, StoreError> {
+        // One statement, so the two answers come from one snapshot: read apart, a message said
+        // between them showed as waiting but not as interrupting.
         let rows = self.rows(
-            "SELECT COUNT(*) FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL
-             AND interrupt = 1",
+            "SELECT COUNT(*), COALESCE(MAX(interrupt), 0) FROM messages
+             WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL",
             &[Arg::Text(run), Arg::Text(task)],
         )?;
-        Ok(count(rows)? > 0)
-    }
-
-    fn messages_waiting(&self, run: &str, task: &str) -> Result<bool, StoreError> {
-        let rows = self.rows(
-            "SELECT COUNT(*) FROM messages WHERE run_id = ?1 AND task_id = ?2 AND sent_attempt IS NULL",
-            &[Arg::Text(run), Arg::Text(task)],
-        )?;
-        Ok(count(rows)? > 0)
+        let Some(mut row) = rows.into_iter().next() else { return Ok(Waiting::default()) };
+        Ok(Waiting { messages: row.int(0)? > 0, interrupt: row.int(1)? > 0 })
     }
 
     fn record_agent(&self, spec: &str, init: &Value) -> Result<(), StoreError> {

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use pier_store::plan::parse;
-use pier_store::{Attempt, Ending, ErrorClass, Idem, Last, StoreError, TaskState, TaskStore};
+use pier_store::{Attempt, Ending, ErrorClass, Idem, Last, StoreError, TaskState, TaskStore, Waiting};
 use serde_json::json;
 
 /// A permission request offering `options`, as an agent would send it.
@@ -802,14 +802,15 @@ fn messages_go_to_running_tasks_and_are_taken_once_by_the_holder() {
         assert_eq!(ok(s.say("r", "a", "too early", false, "me")), None, "{name}: a pending task takes none");
         let a = claim(s, "a", "owner-1");
         assert_eq!(ok(s.say("r", "a", "first", false, "me")), Some(1), "{name}");
-        assert!(!s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+        let waiting = || s.waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(waiting(), Waiting { messages: true, interrupt: false }, "{name}");
         assert_eq!(ok(s.say("r", "a", "second", true, "me")), Some(2), "{name}");
-        assert!(s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+        assert_eq!(waiting(), Waiting { messages: true, interrupt: true }, "{name}");
         let foreign = Attempt { owner: "owner-2".into(), ..a.clone() };
         assert!(s.take_messages(&foreign).is_err(), "{name}: fenced on the holder");
         let taken = s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(taken, vec![(1, "first".to_owned()), (2, "second".to_owned())], "{name}");
-        assert!(!s.interrupt_waiting("r", "a").unwrap_or_else(|e| panic!("{name}: {e}")), "{name}");
+        assert_eq!(waiting(), Waiting::default(), "{name}");
         assert!(s.take_messages(&a).unwrap_or_else(|e| panic!("{name}: {e}")).is_empty(), "{name}: taken once");
     });
 }

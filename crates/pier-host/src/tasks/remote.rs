@@ -208,8 +208,8 @@ impl Tasks {
                         && row.lease_expires_at_ms.is_some_and(|e| e >= pier_store::now_ms());
                     let cancel = if held { row.cancel_requested } else { None };
                     let open = held && cancel.is_none();
-                    let interrupt = open && s.interrupt_waiting(&a.run, &a.task)?;
-                    let messages = open && (interrupt || s.messages_waiting(&a.run, &a.task)?);
+                    let waiting = if open { s.waiting(&a.run, &a.task)? } else { Default::default() };
+                    let (messages, interrupt) = (waiting.messages, waiting.interrupt);
                     let answered = match question {
                         Some(n) if open => s.answer_of(&a, n)?.filter(|x| !x.is_empty()).map(|_| n),
                         _ => None,
