@@ -20,6 +20,7 @@ pub struct ApiError {
 pub fn status_of(code: ErrorCode) -> StatusCode {
     match code {
         ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+        ErrorCode::Forbidden => StatusCode::FORBIDDEN,
         ErrorCode::BadRequest | ErrorCode::BadPlan => StatusCode::BAD_REQUEST,
         ErrorCode::NotFound | ErrorCode::UnknownRun | ErrorCode::UnknownTask | ErrorCode::UnknownSchedule => {
             StatusCode::NOT_FOUND
@@ -54,6 +55,7 @@ impl ApiError {
     pub(crate) fn of_status(status: StatusCode, text: &str) -> ApiError {
         let code = match status {
             StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+            StatusCode::FORBIDDEN => ErrorCode::Forbidden,
             StatusCode::NOT_FOUND => ErrorCode::NotFound,
             StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
             StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,

@@ -26,6 +26,7 @@
 //! The server decides nothing itself: every route is one call of the host's API
 //! ([`pier_host::Tasks`]), the same calls the CLI makes, and its one host drives every run.
 
+pub mod access;
 mod dashboard;
 mod error;
 mod routes;
@@ -60,6 +61,8 @@ pub struct App {
     /// The host's API; its host drives every run of the store once [`App::start`]ed.
     tasks: Tasks,
     token: String,
+    /// The people with tokens of their own (`--users`), if any.
+    users: Option<access::Users>,
     shutdown: CancellationToken,
     /// The store error that stopped a scheduler and makes serving pointless (a full
     /// disk, a corrupt row), once there is one; `failed` fires with it.
@@ -94,6 +97,7 @@ impl App {
         Arc::new(App {
             tasks,
             token,
+            users: None,
             shutdown: CancellationToken::new(),
             fatal: Mutex::new(None),
             failed: CancellationToken::new(),
@@ -103,13 +107,23 @@ impl App {
         })
     }
 
-    /// `new` with the limits of each `/events` client.
-    pub fn with_sse_limits(tasks: Tasks, token: String, sse: SseLimits) -> Shared {
+    /// `new` with the limits of each `/events` client and the users file's people.
+    pub fn configured(tasks: Tasks, token: String, sse: SseLimits, users: Option<access::Users>) -> Shared {
         let mut app = App::new(tasks, token);
         if let Some(a) = Arc::get_mut(&mut app) {
             a.sse = sse;
+            a.users = users;
         }
         app
+    }
+
+    /// Who holds `token`: the server's own token is its owner, an admin; a users file's
+    /// token is that person, with their role.
+    fn caller(&self, token: &str) -> Option<access::Caller> {
+        if same(token.as_bytes(), self.token.as_bytes()) {
+            return Some(access::Caller::owner());
+        }
+        self.users.as_ref()?.caller(token)
     }
 
     /// Resolves with the store error that stopped the service's work, once one does:
@@ -235,16 +249,23 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn auth(State(app): State<Shared>, req: Request, next: Next) -> Response {
+async fn auth(State(app): State<Shared>, mut req: Request, next: Next) -> Response {
     let client = throttle::client(&req);
     if let Err(wait) = app.throttle.check(client) {
         return throttle::refusal(wait);
     }
     let presented = req.headers().get("authorization");
     let given = presented.and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        Some(t) if same(t.as_bytes(), app.token.as_bytes()) => next.run(req).await,
-        _ => {
+    match given.and_then(|t| app.caller(t)) {
+        Some(caller) => {
+            let needed = access::needs(req.method(), req.uri().path());
+            if caller.role < needed {
+                return forbidden(&caller, needed);
+            }
+            req.extensions_mut().insert(caller);
+            next.run(req).await
+        }
+        None => {
             // A guess is a credential that is wrong; a request without one guesses nothing.
             if presented.is_some() {
                 app.throttle.failed(client);
@@ -253,6 +274,20 @@ async fn auth(State(app): State<Shared>, req: Request, next: Next) -> Response {
                 .into_response()
         }
     }
+}
+
+/// A caller whose role is short of what the route needs.
+fn forbidden(caller: &access::Caller, needed: access::Role) -> Response {
+    ApiError::new(
+        ErrorCode::Forbidden,
+        format!(
+            "{} is a {}: this needs the {} role (the users file gives roles)",
+            caller.name.as_deref().unwrap_or("this token"),
+            caller.role.as_str(),
+            needed.as_str()
+        ),
+    )
+    .into_response()
 }
 
 /// Reads the token file, or creates it (mode 0600) and says so once. A token file

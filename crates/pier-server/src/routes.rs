@@ -2,7 +2,7 @@
 //! turns the answer into JSON. No rule of a task's life is written here.
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use pier_host::{Answered, ErrorCode, Input, Submission, TaskView};
@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::Shared;
+use crate::access::Caller;
 use crate::error::{ApiError, Body};
 
 /// A plan, or one task of a declared type (`type`, `input`, and `priority`, `task_id` if given).
@@ -26,7 +27,11 @@ pub(crate) struct SubmitBody {
     types: Option<String>,
 }
 
-pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBody>) -> Result<Response, ApiError> {
+pub(crate) async fn submit(
+    State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    Body(body): Body<SubmitBody>,
+) -> Result<Response, ApiError> {
     let config = app.tasks.config();
     let (text, whole) = match (body.plan, body.task_type) {
         (Some(plan), None) if body.input.is_none() && body.task_id.is_none() => (plan, body.priority),
@@ -51,7 +56,7 @@ pub(crate) async fn submit(State(app): State<Shared>, Body(body): Body<SubmitBod
     if let Some(p) = whole {
         plan = plan.at_priority(p).map_err(pier_host::ActionError::Plan)?;
     }
-    let submission = Submission { plan, run: body.run_id, source: "http".into(), own: false };
+    let submission = Submission { plan, run: body.run_id, source: caller.by("http"), own: false };
     let submitted = app.tasks.submit(submission).await?;
     // A repeated submission (same id, same plan) is answered as it was, with nothing run again.
     let status = if submitted.created { StatusCode::CREATED } else { StatusCode::OK };
@@ -130,20 +135,22 @@ pub(crate) async fn show_task(
 /// A run's new budget: on every task of it; those a budget stopped run again.
 pub(crate) async fn run_budget(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path(run): Path<String>,
     Body(body): Body<pier_host::Budget>,
 ) -> Result<Json<Value>, ApiError> {
-    let rows = app.tasks.set_budget(&run, None, None, Some(body), "http").await?;
+    let rows = app.tasks.set_budget(&run, None, None, Some(body), &caller.by("http")).await?;
     Ok(Json(json!({"tasks": rows})))
 }
 
 /// A task's new budget; if a budget stopped it, it runs again.
 pub(crate) async fn task_budget(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path((run, task)): Path<(String, String)>,
     Body(body): Body<pier_host::Budget>,
 ) -> Result<Json<Value>, ApiError> {
-    let rows = app.tasks.set_budget(&run, Some(&task), Some(body), None, "http").await?;
+    let rows = app.tasks.set_budget(&run, Some(&task), Some(body), None, &caller.by("http")).await?;
     Ok(Json(json!({"tasks": rows})))
 }
 
@@ -168,11 +175,12 @@ fn cancel_wait(raw: &[u8]) -> Result<std::time::Duration, ApiError> {
 /// output), or when `wait_ms` is over with the task still stopping (`cancel_requested`).
 pub(crate) async fn cancel_task(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path((run, task)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let wait = cancel_wait(&raw)?;
-    let row = app.tasks.cancel_task(&run, &task, "cancelled over HTTP", wait).await?;
+    let row = app.tasks.cancel_task(&run, &task, &format!("cancelled over HTTP{}", caller.by_whom()), wait).await?;
     Ok(Json(json!({"task": row})))
 }
 
@@ -186,6 +194,7 @@ struct RetryBody {
 /// back to `pending`; the host drives it like any other pending task.
 pub(crate) async fn retry_task(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path((run, task)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
@@ -195,17 +204,18 @@ pub(crate) async fn retry_task(
     } else {
         serde_json::from_slice(&raw).map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("the body: {e}")))?
     };
-    let rows = app.tasks.retry(&run, &task, body.with_dependents, "http").await?;
+    let rows = app.tasks.retry(&run, &task, body.with_dependents, &caller.by("http")).await?;
     Ok(Json(json!({"run": run, "tasks": rows})))
 }
 
 pub(crate) async fn cancel_run(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path(run): Path<String>,
     raw: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let wait = cancel_wait(&raw)?;
-    let c = app.tasks.cancel_run(&run, "run cancelled over HTTP", wait).await?;
+    let c = app.tasks.cancel_run(&run, &format!("run cancelled over HTTP{}", caller.by_whom()), wait).await?;
     Ok(Json(json!({"run": run, "cancelled": c.cancelled, "stopping": c.stopping})))
 }
 
@@ -224,6 +234,7 @@ pub(crate) struct AnswerBody {
 
 pub(crate) async fn answer(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path((run, task)): Path<(String, String)>,
     Body(body): Body<AnswerBody>,
 ) -> Result<Json<Value>, ApiError> {
@@ -234,10 +245,10 @@ pub(crate) async fn answer(
         (None, false) => None,
     };
     if let Some(input) = input {
-        let answer = app.tasks.answer_input(&run, &task, None, input, "http").await?;
+        let answer = app.tasks.answer_input(&run, &task, None, input, &caller.by("http")).await?;
         return Ok(Json(json!({"answered": answer})));
     }
-    let answered = app.tasks.answer(&run, &task, None, body.allow, body.option.as_deref(), "http").await?;
+    let answered = app.tasks.answer(&run, &task, None, body.allow, body.option.as_deref(), &caller.by("http")).await?;
     Ok(Json(match answered {
         Answered::Option(chosen) => json!({"answered": chosen}),
         Answered::Rerun(row) => json!({"task": row}),
@@ -254,10 +265,11 @@ pub(crate) struct SayBody {
 /// A person's message to a running task: queued for its next prompt, or at once.
 pub(crate) async fn say(
     State(app): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path((run, task)): Path<(String, String)>,
     Body(body): Body<SayBody>,
 ) -> Result<Response, ApiError> {
-    let n = app.tasks.say(&run, &task, &body.text, body.interrupt, "http").await?;
+    let n = app.tasks.say(&run, &task, &body.text, body.interrupt, &caller.by("http")).await?;
     Ok((StatusCode::CREATED, Json(json!({"message": n}))).into_response())
 }
 

@@ -9,6 +9,8 @@ use std::fmt;
 pub enum ErrorCode {
     /// No bearer token, or the wrong one.
     Unauthorized,
+    /// A token whose user's role does not allow the route.
+    Forbidden,
     /// A body, query or path that is malformed or not the right shape.
     BadRequest,
     /// A plan refused before anything was stored, with every problem and its line.
@@ -57,8 +59,9 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in the order the documentation lists them.
-    pub const ALL: [ErrorCode; 26] = [
+    pub const ALL: [ErrorCode; 27] = [
         ErrorCode::Unauthorized,
+        ErrorCode::Forbidden,
         ErrorCode::BadRequest,
         ErrorCode::BadPlan,
         ErrorCode::NotFound,
@@ -89,6 +92,7 @@ impl ErrorCode {
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Forbidden => "forbidden",
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::BadPlan => "bad_plan",
             ErrorCode::NotFound => "not_found",

@@ -21,6 +21,10 @@ pub struct ServeArgs {
     /// The bearer token [env: PIER_TOKEN; default: created once in $PIER_HOME/serve.token]
     #[arg(long)]
     token: Option<String>,
+    /// People with tokens of their own, each with a role (viewer, operator, admin): a TOML
+    /// file of `[[user]] name, role, token_sha256`. The server's token stays an admin's
+    #[arg(long, value_name = "FILE")]
+    users: Option<PathBuf>,
     /// Tasks run at once by this node, across every run it drives
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
@@ -125,6 +129,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         eprintln!("pier serve: warning: {why} (loopback only, so it starts); {fix}");
     }
+    let users = args.users.as_deref().map(pier_server::access::Users::load).transpose()?;
     let schedules = config::schedules(&files.schedules, &here)?;
     let config = HostConfig {
         concurrency: args.concurrency.max(1),
@@ -146,7 +151,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         buffer: args.sse_buffer.max(1),
         patience: Duration::from_millis(args.sse_patience_ms),
     };
-    let app = App::with_sse_limits(tasks, token, sse);
+    let app = App::configured(tasks, token, sse, users);
     // Runs left unfinished by an earlier host go on, with every run submitted later.
     let host = app.start();
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -11,10 +11,12 @@ use support::browser::Browser;
 use support::serve::{TOKEN, server};
 use support::{LIMIT, echo, must};
 
-/// Logs the browser in: the login form, the token, the runs page.
+/// Logs the browser in as `pat`: the login form, a name, the server's token, the runs page.
 async fn login(b: &Browser, base: &str) {
     b.goto(&format!("{base}/ui/")).await;
     b.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
+    let name = b.find("#name").await.unwrap_or_else(|| panic!("no name field"));
+    b.type_into(&name, "pat").await;
     let field = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
     b.type_into(&field, TOKEN).await;
     let submit = b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"));
@@ -53,6 +55,8 @@ async fn a_person_logs_in_watches_a_run_change_state_live_and_logs_out() {
     b.goto(&format!("{}/ui/runs/live", s.base)).await;
     b.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
     // A wrong token: the login page again, saying so (a page, not the API's JSON).
+    let name = b.find("#name").await.unwrap_or_else(|| panic!("no name field"));
+    b.type_into(&name, "pat").await;
     let field = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
     b.type_into(&field, "not-the-token").await;
     let submit = b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"));
@@ -244,7 +248,33 @@ async fn the_pages_read_at_a_phone_s_width() {
             .script("return document.documentElement.scrollWidth - document.documentElement.clientWidth", vec![])
             .await;
         assert!(overflow.as_i64().is_some_and(|o| o <= 0), "{path} at {width}px scrolls sideways by {overflow}");
+        if width == 390 {
+            // Every cell of every table is shown, whole, inside the screen: a card per row.
+            let hidden = b
+                .script(
+                    "return [...document.querySelectorAll('table.cards td')].filter(td =>                      td.getClientRects().length === 0 || td.getBoundingClientRect().right > innerWidth + 1                      || td.scrollWidth > td.clientWidth + 1).map(td => td.dataset.label)",
+                    vec![],
+                )
+                .await;
+            assert_eq!(hidden, json!([]), "{path} at {width}px hides or cuts these cells");
+            let cells = b.script("return document.querySelectorAll('table.cards td').length", vec![]).await;
+            assert!(cells.as_u64().is_some_and(|n| n >= 7), "{path}: {cells} cells");
+            b.keep_screenshot(&format!("{}-390", if path == "/ui/" { "runs" } else { "run" })).await;
+        }
     }
+    // Dark mode follows the system's preference, text light on dark.
+    b.prefer_dark().await;
+    b.set_window_size(390, 900).await;
+    b.goto(&format!("{}/ui/runs/narrow", s.base)).await;
+    b.wait_for("the page", "document.readyState === 'complete'", LIMIT).await;
+    let colours = b
+        .script(
+            "const s = getComputedStyle(document.body); const t = getComputedStyle(document.querySelector('h1'));              return [s.backgroundColor, t.color]",
+            vec![],
+        )
+        .await;
+    assert_eq!(colours, json!(["rgb(13, 17, 23)", "rgb(230, 237, 243)"]), "dark mode");
+    b.keep_screenshot("run-390-dark").await;
 }
 
 #[tokio::test]
@@ -451,7 +481,7 @@ async fn the_schedules_page_shows_a_schedule_and_pauses_and_resumes_it() {
     b.wait_for("paused", "(document.querySelector('.notice') || {}).textContent?.includes('paused')", LIMIT).await;
     let (_, v) = s.call(reqwest::Method::GET, "/schedules/nightly", None).await;
     let by = v["schedule"]["paused_by"].as_str().unwrap_or_default().to_owned();
-    assert!(by.starts_with("dashboard:"), "{v}");
+    assert_eq!(by, "dashboard:pat", "the name given at login: {v}");
     let text = b.text(&b.find(row).await.unwrap_or_else(|| panic!("no row"))).await;
     assert!(text.contains(&format!("paused by {by}")) && text.contains("Resume"), "{text}");
     let resume = b.find(&format!("{row} form button")).await.unwrap_or_else(|| panic!("no resume button"));

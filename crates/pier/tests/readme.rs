@@ -79,6 +79,11 @@ async fn every_toml_example_is_a_configuration_or_a_plan_pier_accepts_and_every_
                 assert!(parsed.is_ok(), "{file}: the example plan is refused: {:?}\n{text}", parsed.err());
                 checked += 1;
             }
+            "toml" if text.contains("[[user]]") => {
+                let parsed = pier_server::access::Users::parse(&text);
+                assert!(parsed.is_ok(), "{file}: the example users file is refused: {:?}\n{text}", parsed.err());
+                checked += 1;
+            }
             "toml" => {
                 must(std::fs::write(dir.path().join("pier.toml"), &text), "pier.toml");
                 let o = pier(dir.path(), &vars, &["config"], support::LIMIT).await;

@@ -16,6 +16,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::Shared;
+use crate::access::{self, Role};
 
 const COOKIE: &str = "pier_session";
 /// How long a session lasts after login.
@@ -28,8 +29,9 @@ const MAX: usize = 4096;
 struct Held {
     csrf: String,
     until: Instant,
-    /// A name for the record of who answered, unrelated to the secret id.
-    label: String,
+    /// Who logged in: the users file's name for their token, or the name given at login.
+    name: String,
+    role: Role,
     /// Cancelled when the session is closed: its event streams end.
     ends: CancellationToken,
 }
@@ -46,7 +48,7 @@ impl Sessions {
 
     /// A new session's id. A table full of live sessions gives up its oldest: a login always
     /// gets in, and no one can lock the owner out by logging in again and again.
-    fn open(&self) -> String {
+    fn open(&self, name: String, role: Role) -> String {
         let mut map = self.lock();
         let now = Instant::now();
         map.retain(|_, h| {
@@ -63,8 +65,7 @@ impl Sessions {
             }
         }
         let id = random();
-        let label = random().chars().take(8).collect();
-        map.insert(id.clone(), Held { csrf: random(), until: now + TTL, label, ends: CancellationToken::new() });
+        map.insert(id.clone(), Held { csrf: random(), until: now + TTL, name, role, ends: CancellationToken::new() });
         id
     }
 
@@ -89,7 +90,8 @@ fn random() -> String {
 pub struct Session {
     id: String,
     pub csrf: String,
-    label: String,
+    name: String,
+    role: Role,
     until: Instant,
     ends: CancellationToken,
 }
@@ -104,9 +106,18 @@ impl Session {
         }
     }
 
-    /// A short, non-secret name for the record (who answered).
-    pub fn short(&self) -> String {
-        self.label.clone()
+    /// Who acts, for the audit trail: `dashboard:NAME`.
+    pub fn by(&self) -> String {
+        format!("dashboard:{}", self.name)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the session's role may do what needs `role` (the pages show only such forms).
+    pub fn may(&self, role: Role) -> bool {
+        self.role >= role
     }
 
     /// A token cancelled when the session ends: logged out, or expired.
@@ -142,11 +153,16 @@ fn cookie(headers: &axum::http::HeaderMap) -> Option<String> {
 /// session's own: never stored by a cache (the Back button after logout shows nothing).
 pub async fn require(State(app): State<Shared>, mut req: Request, next: Next) -> Response {
     let session = cookie(req.headers()).and_then(|id| {
-        app.ui.get(&id).map(|h| Session { id, csrf: h.csrf, label: h.label, until: h.until, ends: h.ends })
+        app.ui.get(&id).map(|h| Session { id, csrf: h.csrf, name: h.name, role: h.role, until: h.until, ends: h.ends })
     });
     let Some(s) = session else {
         return Redirect::to("/ui/login").into_response();
     };
+    let needed = access::needs(req.method(), req.uri().path());
+    if !s.may(needed) {
+        let message = format!("{} is a {}: this needs the {} role.", s.name, s.role.as_str(), needed.as_str());
+        return super::refusal(StatusCode::FORBIDDEN, &message);
+    }
     req.extensions_mut().insert(s);
     let mut resp = next.run(req).await;
     resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
@@ -156,6 +172,9 @@ pub async fn require(State(app): State<Shared>, mut req: Request, next: Next) ->
 #[derive(Deserialize)]
 pub struct LoginForm {
     token: String,
+    /// Who logs in, for the audit trail (a users file's token names its person instead).
+    #[serde(default)]
+    name: String,
 }
 
 pub async fn login(
@@ -165,19 +184,38 @@ pub async fn login(
 ) -> Response {
     if let Err(wait) = app.throttle.check(client) {
         let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-        let page = super::pages::login(Some(&format!("Too many wrong tokens from here; try again in {secs} s.")));
+        let page = super::pages::login(
+            Some(&format!("Too many wrong tokens from here; try again in {secs} s.")),
+            app.users.is_some(),
+        );
         let mut resp = (StatusCode::TOO_MANY_REQUESTS, axum::response::Html(page.into_string())).into_response();
         if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
             resp.headers_mut().insert(header::RETRY_AFTER, v);
         }
         return resp;
     }
-    if !crate::same(f.token.trim().as_bytes(), app.token.as_bytes()) {
+    let refuse = |status: StatusCode, why: &str| {
+        let page = super::pages::login(Some(why), app.users.is_some());
+        (status, axum::response::Html(page.into_string())).into_response()
+    };
+    let Some(caller) = app.caller(f.token.trim()) else {
         app.throttle.failed(client);
-        let page = super::pages::login(Some("That is not the token of this server."));
-        return (StatusCode::UNAUTHORIZED, axum::response::Html(page.into_string())).into_response();
-    }
-    let id = app.ui.open();
+        return refuse(StatusCode::UNAUTHORIZED, "That is not the token of this server.");
+    };
+    let name = match caller.name {
+        Some(name) => name,
+        None => {
+            let name = f.name.trim();
+            if name.is_empty() || name.chars().count() > 64 || name.chars().any(char::is_control) {
+                return refuse(
+                    StatusCode::BAD_REQUEST,
+                    "Give your name (1 to 64 characters): answers are recorded with it.",
+                );
+            }
+            name.to_owned()
+        }
+    };
+    let id = app.ui.open(name, caller.role);
     let mut resp = Redirect::to("/ui/").into_response();
     let value = format!("{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}", TTL.as_secs());
     if let Ok(v) = HeaderValue::from_str(&value) {
@@ -211,13 +249,13 @@ mod tests {
     #[test]
     fn a_full_table_gives_up_its_oldest_session_for_a_new_login() {
         let sessions = Sessions::default();
-        let first = sessions.open();
+        let first = sessions.open("first".into(), Role::Admin);
         let ends = sessions.get(&first).map(|h| h.ends);
         for _ in 1..MAX {
-            sessions.open();
+            sessions.open("other".into(), Role::Viewer);
         }
         assert!(sessions.get(&first).is_some(), "full, nothing given up yet");
-        let newest = sessions.open();
+        let newest = sessions.open("newest".into(), Role::Viewer);
         assert!(sessions.get(&newest).is_some(), "a login always gets in");
         assert!(sessions.get(&first).is_none(), "the oldest made room");
         assert!(ends.is_some_and(|e| e.is_cancelled()), "and its event streams end");

@@ -8,6 +8,7 @@
 //! a session is a random id in an `HttpOnly`, `SameSite=Strict` cookie, held in memory
 //! with an expiry (a restart revokes every session).
 
+mod actions;
 mod auth;
 mod graph;
 mod pages;
@@ -41,10 +42,11 @@ pub fn router(app: Shared) -> Router {
         .route("/ui/schedules", get(schedules::list))
         .route("/ui/schedules/{id}/{action}", post(schedules::act))
         .route("/ui/runs/{run}", get(run_page))
-        .route("/ui/runs/{run}/cancel", post(cancel_run))
+        .route("/ui/runs/{run}/cancel", get(actions::confirm_run).post(cancel_run))
         .route("/ui/runs/{run}/tasks/{task}", get(task_page))
         .route("/ui/runs/{run}/tasks/{task}/answer", post(answer))
         .route("/ui/runs/{run}/tasks/{task}/input", post(input))
+        .route("/ui/runs/{run}/tasks/{task}/{action}", get(actions::confirm_task).post(actions::act_on_task))
         .route("/ui/events", get(ui_events))
         .route("/ui/logout", post(auth::logout))
         .layer(axum::middleware::from_fn_with_state(app.clone(), auth::require));
@@ -225,7 +227,8 @@ async fn cancel_run(
     if let Err(refused) = s.check(&f.csrf) {
         return refused;
     }
-    let notice = match app.tasks.cancel_run(&run, "run cancelled from the dashboard", pier_host::CANCEL_WAIT).await {
+    let why = format!("run cancelled from the dashboard by {}", s.name());
+    let notice = match app.tasks.cancel_run(&run, &why, pier_host::CANCEL_WAIT).await {
         Ok(c) if c.stopping > 0 => {
             format!("{} unfinished task(s) cancelled; {} still stopping", c.cancelled, c.stopping)
         }
@@ -261,7 +264,7 @@ async fn answer(
         "reject" => false,
         _ => return refusal(StatusCode::BAD_REQUEST, "The form's decision is neither allow nor reject."),
     };
-    let by = format!("dashboard:{}", s.short());
+    let by = s.by();
     let notice = match app.tasks.answer(&run, &task, Some(f.n), allow, f.option.as_deref(), &by).await {
         Ok(Answered::Option(o)) => format!("answered `{o}` for task {task}"),
         Ok(Answered::Rerun(row)) => format!("task {task} is now {}", row.state.as_str()),
@@ -299,7 +302,7 @@ async fn input(
                 .collect(),
         )
     };
-    let by = format!("dashboard:{}", s.short());
+    let by = s.by();
     let notice = match app.tasks.answer_input(&run, &task, n, given, &by).await {
         Ok(_) => format!("answered the question of task {task}"),
         Err(e) => format!("refused: {e}"),

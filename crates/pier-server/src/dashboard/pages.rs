@@ -11,9 +11,11 @@ use pier_host::{
 };
 use serde_json::Value;
 
+use super::actions::task_links;
 use super::auth::Session;
 use super::graph::{glyph, svg};
 use super::transcript::{Item, build, diff_lines};
+use crate::access::Role;
 
 /// A schema enum's wire name (`in_progress`, `execute`): what it serializes to.
 fn wire_name<T: serde::Serialize>(v: &T) -> String {
@@ -119,6 +121,8 @@ pub(super) fn layout(
                         }
                         form method="post" action="/ui/logout" class="logout" {
                             input type="hidden" name="csrf" value=(s.csrf);
+                            span class="who" { (s.name()) }
+                            " "
                             button type="submit" { "Log out" }
                         }
                     }
@@ -134,7 +138,9 @@ pub(super) fn layout(
     }
 }
 
-pub fn login(error: Option<&str>) -> Markup {
+/// The login form. Without a users file the server's one token is shared, so the person
+/// names themself (their answers are recorded with it); a personal token names its person.
+pub fn login(error: Option<&str>, personal_tokens: bool) -> Markup {
     layout(
         "Log in",
         None,
@@ -143,16 +149,24 @@ pub fn login(error: Option<&str>) -> Markup {
         html! {
             h1 { "Log in" }
             form method="post" action="/ui/login" class="login" {
-                label for="token" { "The server's token (" code { "$PIER_HOME/serve.token" } " or " code { "--token" } ")" }
-                input id="token" name="token" type="password" autocomplete="current-password" required autofocus;
+                @if personal_tokens {
+                    label for="token" { "Your token" }
+                } @else {
+                    label for="name" { "Your name (answers and actions are recorded with it)" }
+                    input id="name" name="name" type="text" autocomplete="username" maxlength="64" required autofocus;
+                    label for="token" { "The server's token (" code { "$PIER_HOME/serve.token" } " or " code { "--token" } ")" }
+                }
+                input id="token" name="token" type="password" autocomplete="current-password" required autofocus[personal_tokens];
                 button type="submit" { "Log in" }
             }
         },
     )
 }
 
-pub async fn login_page() -> axum::response::Html<String> {
-    axum::response::Html(login(None).into_string())
+pub async fn login_page(
+    axum::extract::State(app): axum::extract::State<crate::Shared>,
+) -> axum::response::Html<String> {
+    axum::response::Html(login(None, app.users.is_some()).into_string())
 }
 
 pub fn error_page(message: &str) -> Markup {
@@ -172,27 +186,27 @@ pub fn runs(s: &Session, runs: &[RunSummary], filter: Option<&str>, seq: i64) ->
         @if shown.is_empty() {
             p { "No runs" @if filter.is_some() { " in this state" } ". Submit one with " code { "pier submit PLAN" } "." }
         } @else {
-            table class="runs" {
+            table class="runs cards" {
                 thead { tr { th { "run" } th { "state" } th { "tasks" } th { "attempts" } th { "waiting" } th { "spend" } th { "started" } th { "finished" } th { "took" } } }
                 tbody {
                     @for r in &shown {
                         @let st = r.state();
                         tr data-run=(r.run) {
-                            td { a href={ "/ui/runs/" (seg(&r.run)) } { (r.run) } }
-                            td { (state(st)) }
-                            td class="counts" {
+                            td data-label="run" { a href={ "/ui/runs/" (seg(&r.run)) } { (r.run) } }
+                            td data-label="state" { (state(st)) }
+                            td class="counts" data-label="tasks" {
                                 (r.tasks) ": "
                                 @for (i, (k, v)) in r.counts.iter().enumerate() {
                                     @if i > 0 { " · " }
                                     (v) " " (k)
                                 }
                             }
-                            td { (r.attempts) }
-                            td { @if r.waiting() > 0 { a href="/ui/approvals" { (r.waiting()) } } @else { "0" } }
-                            td class="spend" { (spend_short(Some(&r.spend))) }
-                            td { (time(r.created_at_ms)) }
-                            td { @if st != "running" { (time(r.updated_at_ms)) } @else { "—" } }
-                            td { (duration(r.updated_at_ms - r.created_at_ms)) }
+                            td data-label="attempts" { (r.attempts) }
+                            td data-label="waiting" { @if r.waiting() > 0 { a href="/ui/approvals" { (r.waiting()) } } @else { "0" } }
+                            td class="spend" data-label="spend" { (spend_short(Some(&r.spend))) }
+                            td data-label="started" { (time(r.created_at_ms)) }
+                            td data-label="finished" { @if st != "running" { (time(r.updated_at_ms)) } @else { "—" } }
+                            td data-label="took" { (duration(r.updated_at_ms - r.created_at_ms)) }
                         }
                     }
                 }
@@ -213,29 +227,40 @@ pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str
         p class="counts" {
             @for (i, (k, v)) in counts.iter().enumerate() { @if i > 0 { " · " } (v) " " (k) }
         }
-        @if unfinished {
-            form method="post" action={ "/ui/runs/" (seg(run)) "/cancel" } class="inline" {
-                input type="hidden" name="csrf" value=(s.csrf);
-                button type="submit" class="danger" { "Cancel run" }
+        @if unfinished && s.may(Role::Operator) {
+            a class="action danger" href={ "/ui/runs/" (seg(run)) "/cancel" } { "Cancel run…" }
+        }
+        @let here = format!("/ui/runs/{}", seg(run));
+        @let waiting: Vec<_> = tasks.iter().filter(|(t, _)| t.state == pier_host::TaskState::AwaitingInput).collect();
+        @if !waiting.is_empty() && s.may(Role::Operator) {
+            section class="waiting" aria-label="waiting for you" {
+                h2 { "Waiting for you" }
+                @for (t, q) in waiting {
+                    div class="approval" data-task=(t.id) {
+                        h3 { a href={ (here) "/tasks/" (seg(&t.id)) } { (t.id) } }
+                        (decide(s, run, &t.id, q.as_ref(), &here))
+                    }
+                }
             }
         }
         section aria-label="graph" class="scroll" { (svg(run, &rows)) }
         h2 { "Tasks" }
-        table class="tasks" {
-            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } th { "spend" } } }
+        table class="tasks cards" {
+            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } th { "spend" } th { "actions" } } }
             tbody {
                 @for (t, q) in tasks {
                     tr data-task=(t.id) data-state=(t.state.as_str()) {
-                        td { a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(&t.id)) } { (t.id) } }
-                        td { (state(t.state.as_str())) }
-                        td { (t.attempt) }
-                        td { code { (t.spec.agent) } }
-                        td class="clip" {
+                        td data-label="task" { a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(&t.id)) } { (t.id) } }
+                        td data-label="state" { (state(t.state.as_str())) }
+                        td data-label="attempts" { (t.attempt) }
+                        td data-label="agent" { code { (t.spec.agent) } }
+                        td class="clip" data-label="says" {
                             @if let Some(q) = q { "asks: " (asks(&q.request)) }
                             @else if t.state == pier_host::TaskState::AwaitingInput { "waits for a re-run decision" }
                             @else { (first_line(t.result.as_deref().or(t.error.as_deref()).unwrap_or(""))) }
                         }
-                        td class="spend" { (spend_short(view.task_spend.get(&t.id))) }
+                        td class="spend" data-label="spend" { (spend_short(view.task_spend.get(&t.id))) }
+                        td data-label="actions" { (task_links(s, run, &t.id, t.state)) }
                     }
                 }
             }
@@ -412,13 +437,16 @@ pub fn task(
         p { a href={ "/ui/runs/" (seg(run)) } { "← run " (run) } }
         h1 { "Task " (t.id) }
         dl class="facts" {
-            dt { "state" } dd { (state(t.state.as_str())) @if let Some(why) = &t.cancel_requested { " — stopping: cancelled (" (why) ")" } }
+            dt { "state" } dd {
+                (state(t.state.as_str())) @if let Some(why) = &t.cancel_requested { " — stopping: cancelled (" (why) ")" }
+                " " (task_links(s, run, &t.id, t.state))
+            }
             dt { "agent" } dd { code { (t.spec.agent) } @if let Some(info) = v.agent.as_ref().and_then(|a| a.info()) { " (" (info.name) " " (info.version) ")" } }
             dt { "attempts" } dd { (t.attempt) " (" (t.failures) " failed)" }
             @if let Some(owner) = &t.lease_owner { dt { "lease" } dd { (owner) } }
             @if !t.spec.depends_on.is_empty() { dt { "depends on" } dd { (t.spec.depends_on.join(", ")) } }
         }
-        @if t.state == pier_host::TaskState::AwaitingInput {
+        @if t.state == pier_host::TaskState::AwaitingInput && s.may(Role::Operator) {
             section class="waiting" aria-label="waiting for you" {
                 h2 { "Waiting for you" }
                 (decide(s, run, &t.id, v.question.as_ref(), &here))
@@ -558,7 +586,8 @@ pub fn approvals(s: &Session, waiting: &[(TaskRow, Option<Question>)], seq: i64,
         @for (t, q) in waiting {
             section class="approval" data-task=(t.id) aria-label={ "task " (t.id) } {
                 h2 { a href={ "/ui/runs/" (seg(&t.run_id)) "/tasks/" (seg(&t.id)) } { (t.id) } " of run " a href={ "/ui/runs/" (seg(&t.run_id)) } { (t.run_id) } }
-                (decide(s, &t.run_id, &t.id, q.as_ref(), "/ui/approvals"))
+                @if s.may(Role::Operator) { (decide(s, &t.run_id, &t.id, q.as_ref(), "/ui/approvals")) }
+                @else if let Some(q) = q { p { "asks: " (asks(&q.request)) } }
             }
         }
     };

@@ -31,7 +31,7 @@ pub(super) async fn act(
     if let Err(refused) = s.check(&f.csrf) {
         return refused;
     }
-    let by = format!("dashboard:{}", s.short());
+    let by = s.by();
     let notice = match a.action.as_str() {
         "pause" | "resume" => match app.tasks.pause_schedule(&a.id, a.action == "pause", &by).await {
             Ok(v) if v.row.paused_by.is_some() => format!("schedule {} paused", a.id),
@@ -65,7 +65,7 @@ fn view(s: &Session, schedules: &[ScheduleView], notice: Option<&str>) -> Markup
         @if schedules.is_empty() {
             p { "No schedules. Declare one in pier.toml's " code { "[[schedules]]" } " or with " code { "pier schedules add FILE" } "." }
         } @else {
-            table class="schedules" {
+            table class="schedules cards" {
                 thead { tr { th { "schedule" } th { "when" } th { "runs" } th { "next" } th { "last run" } th { "state" } } }
                 tbody {
                     @for v in schedules {
@@ -84,9 +84,11 @@ fn view(s: &Session, schedules: &[ScheduleView], notice: Option<&str>) -> Markup
                             td data-label="state" {
                                 @let (label, action) = match &v.row.paused_by { Some(_) => ("Resume", "resume"), None => ("Pause", "pause") };
                                 @if let Some(by) = &v.row.paused_by { "paused by " (by) " " } @else { "on " }
-                                form method="post" action={ "/ui/schedules/" (seg(&v.id)) "/" (action) } class="inline" {
-                                    input type="hidden" name="csrf" value=(s.csrf);
-                                    button type="submit" { (label) }
+                                @if s.may(crate::access::Role::Admin) {
+                                    form method="post" action={ "/ui/schedules/" (seg(&v.id)) "/" (action) } class="inline" {
+                                        input type="hidden" name="csrf" value=(s.csrf);
+                                        button type="submit" { (label) }
+                                    }
                                 }
                             }
                         }

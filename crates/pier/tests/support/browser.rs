@@ -223,6 +223,28 @@ impl Browser {
         capture(&self.http, &self.session, CALL_LIMIT).await.unwrap_or_else(|e| panic!("{}: {e}", self.name))
     }
 
+    /// A DevTools command through chromedriver's passthrough; its result.
+    pub async fn cdp(&self, cmd: &str, params: Value) -> Value {
+        self.post("/goog/cdp/execute", json!({"cmd": cmd, "params": params})).await
+    }
+
+    /// The page as a person whose system asks for dark mode sees it (`prefers-color-scheme`).
+    pub async fn prefer_dark(&self) {
+        let dark = json!({"features": [{"name": "prefers-color-scheme", "value": "dark"}]});
+        self.cdp("Emulation.setEmulatedMedia", dark).await;
+    }
+
+    /// Keeps a screenshot as a test artefact: `target/browser-screenshots/NAME-LABEL.png`.
+    pub async fn keep_screenshot(&self, label: &str) -> PathBuf {
+        let path = screenshot_path(&format!("{}-{label}", self.name));
+        let png = self.screenshot().await;
+        let written = path.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|()| std::fs::write(&path, png));
+        if let Err(e) = written {
+            panic!("{}: keep {}: {e}", self.name, path.display());
+        }
+        path
+    }
+
     /// The outer window size: the viewport is as wide, but ~143 px shorter (browser UI).
     pub async fn set_window_size(&self, width: u32, height: u32) {
         self.post("/window/rect", json!({"width": width, "height": height})).await;
