@@ -68,13 +68,19 @@ pub(crate) async fn submit(
 pub(crate) struct RunsQuery {
     state: Option<String>,
     limit: Option<usize>,
+    /// Runs whose id contains this, in any case.
+    q: Option<String>,
+    /// Skips this many of the newest that match (a page further down).
+    #[serde(default)]
+    offset: usize,
 }
 
 pub(crate) async fn list_runs(
     State(app): State<Shared>,
     axum::extract::Query(q): axum::extract::Query<RunsQuery>,
 ) -> Result<Json<Value>, ApiError> {
-    let list = app.tasks.list_runs(&pier_host::tasks::RunFilter { state: q.state, limit: q.limit }).await?;
+    let filter = pier_host::tasks::RunFilter { state: q.state, limit: q.limit, search: q.q, offset: q.offset };
+    let list = app.tasks.list_runs(&filter).await?;
     let runs: Vec<Value> = list
         .runs
         .iter()
@@ -106,6 +112,7 @@ pub(crate) async fn show_run(State(app): State<Shared>, Path(run): Path<String>)
                 row["question"] = json!(q);
             }
             row["spend"] = view.task_spend.get(&t.id).map_or(Value::Null, pier_host::Spend::to_json);
+            row["times"] = json!(view.times.get(&t.id).map_or(&[][..], Vec::as_slice));
             row
         })
         .collect();

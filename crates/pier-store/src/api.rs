@@ -175,6 +175,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// How many tasks of the whole store are in each state (for `/metrics`): one aggregate
     /// query, whatever the number of runs.
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError>;
+    /// Each run's tasks by state, `(run, state, tasks, attempts started)`: one aggregate query
+    /// for a list of runs, whatever their number.
+    fn run_task_states(&self) -> Result<Vec<(String, String, i64, i64)>, StoreError>;
     /// Renews node `node`'s presence and its run leases until `until_ms`, hands back runs
     /// beyond its fair share and takes free or expired ones up to it; the runs it drives.
     /// Exactly one live node holds a run's lease at a time.

@@ -520,6 +520,11 @@ impl<B: Backend> TaskStore for Store<B> {
         rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?))).collect()
     }
 
+    fn run_task_states(&self) -> Result<Vec<(String, String, i64, i64)>, StoreError> {
+        let rows = self.rows("SELECT run_id, state, COUNT(*), SUM(attempt) FROM tasks GROUP BY run_id, state", &[])?;
+        rows.into_iter().map(|mut r| Ok((r.text(0)?, r.text(1)?, r.int(2)?, r.int(3)?))).collect()
+    }
+
     fn lease_runs(&self, node: &str, until_ms: i64) -> Result<Vec<String>, StoreError> {
         let node = node.to_owned();
         self.op(move |tx| ops::lease_runs(tx, &node, until_ms))

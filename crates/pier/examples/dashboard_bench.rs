@@ -2,9 +2,11 @@
 //! serve` holding a run of 1,000 pull-worker tasks (100 layers of 10, each task below the
 //! one ten before it), its run page loaded in headless Chromium (the navigation's load
 //! event, median of 5), then 10 tabs open on it, live, while workers complete 50 tasks: how
-//! long after the last completion every tab shows it. Prints one JSON line.
+//! long after the last completion every tab shows it. With `--tasks N` the run has N tasks;
+//! with `--runs M`, M more runs of one task each are submitted first and the runs page
+//! (`/ui/`) is timed too. Prints one JSON line.
 //!
-//!   cargo run --release -p pier --example dashboard_bench
+//!   cargo run --release -p pier --example dashboard_bench [-- --tasks 10000 --runs 10000]
 
 #![allow(clippy::print_stdout)]
 
@@ -34,8 +36,32 @@ async fn call(http: &reqwest::Client, method: reqwest::Method, url: String, body
     (status, serde_json::from_str(&resp.text().await.unwrap_or_default()).unwrap_or(Value::Null))
 }
 
+/// The value of flag `name` on the command line, or `default`.
+fn flag(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
+}
+
+/// The median of the navigation's load time over 5 loads of `url` after a warm-up, and the
+/// page's size.
+async fn page_load(b: &browser::Browser, url: &str) -> (f64, u64) {
+    let mut loads = Vec::new();
+    let mut bytes = 0;
+    for _ in 0..6 {
+        b.goto(url).await;
+        b.wait_for("loaded", "performance.getEntriesByType('navigation')[0].loadEventEnd > 0", LIMIT).await;
+        let nav = b.script("const n = performance.getEntriesByType('navigation')[0]; return [n.loadEventEnd - n.startTime, n.decodedBodySize]", vec![]).await;
+        loads.push(nav[0].as_f64().unwrap_or(f64::NAN));
+        bytes = nav[1].as_u64().unwrap_or(0);
+    }
+    loads.remove(0); // the first load warms the server's and the browser's caches
+    loads.sort_by(f64::total_cmp);
+    (loads[loads.len() / 2], bytes)
+}
+
 #[tokio::main]
 async fn main() {
+    let (tasks, runs) = (flag("--tasks", 1000), flag("--runs", 0));
     let exe = must(std::env::current_exe(), "exe");
     let pier = exe.parent().and_then(|d| d.parent()).map(|d| d.join("pier")).unwrap_or_default();
     let dir = must(tempfile::tempdir(), "dir");
@@ -62,7 +88,7 @@ async fn main() {
     };
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     let mut plan = String::new();
-    for i in 0..1000 {
+    for i in 0..tasks {
         plan.push_str(&format!("[[tasks]]\nid = \"t{i:04}\"\nagent = \"worker:bench\"\nprompt = \"task {i}\"\n"));
         if i >= 10 {
             plan.push_str(&format!("depends_on = [\"t{:04}\"]\n", i - 10));
@@ -73,27 +99,30 @@ async fn main() {
     let (code, _) =
         call(&http, reqwest::Method::POST, format!("{base}/runs"), Some(json!({"plan": plan, "run_id": "big"}))).await;
     assert_eq!(code, 201);
+    // The other runs, eight submissions at a time.
+    let one = "[[tasks]]\nid = \"only\"\nagent = \"worker:elsewhere\"\nprompt = \"one task\"\n";
+    for chunk in (0..runs).collect::<Vec<_>>().chunks(8) {
+        let submits = chunk.iter().map(|i| {
+            let body = json!({"plan": one, "run_id": format!("r{i:05}")});
+            call(&http, reqwest::Method::POST, format!("{base}/runs"), Some(body))
+        });
+        for (code, v) in futures::future::join_all(submits).await {
+            assert_eq!(code, 201, "{v}");
+        }
+    }
 
     let b = browser::Browser::start("dashboard-bench").await;
     b.goto(&format!("{base}/ui/login")).await;
+    let name = b.find("#name").await.unwrap_or_else(|| panic!("login"));
+    b.type_into(&name, "bench").await;
     let field = b.find("#token").await.unwrap_or_else(|| panic!("login"));
     b.type_into(&field, TOKEN).await;
     let go = b.find("form.login button").await.unwrap_or_else(|| panic!("login"));
     b.click(&go).await;
     b.wait_for("logged in", "location.pathname === '/ui/'", LIMIT).await;
+    let (runs_median, runs_bytes) = page_load(&b, &format!("{base}/ui/")).await;
     let page = format!("{base}/ui/runs/big");
-    let mut loads = Vec::new();
-    let mut bytes = 0;
-    for _ in 0..6 {
-        b.goto(&page).await;
-        b.wait_for("loaded", "performance.getEntriesByType('navigation')[0].loadEventEnd > 0", LIMIT).await;
-        let nav = b.script("const n = performance.getEntriesByType('navigation')[0]; return [n.loadEventEnd - n.startTime, n.decodedBodySize]", vec![]).await;
-        loads.push(nav[0].as_f64().unwrap_or(f64::NAN));
-        bytes = nav[1].as_u64().unwrap_or(0);
-    }
-    loads.remove(0); // the first load warms the server's and the browser's caches
-    loads.sort_by(f64::total_cmp);
-    let median = loads[loads.len() / 2];
+    let (median, bytes) = page_load(&b, &page).await;
 
     // Ten tabs, live on the same run.
     let mut tabs = vec![b.handle().await];
@@ -120,7 +149,7 @@ async fn main() {
     }
     let updates_done = started.elapsed();
     let check = format!(
-        "(document.querySelector('svg [data-task=\"{last}\"]') || {{dataset: {{}}}}).dataset.state === 'completed'"
+        "(document.querySelector('[data-region] [data-task=\"{last}\"]') || {{dataset: {{}}}}).dataset.state === 'completed'"
     );
     // The tab in front (the last opened) first, then every other one.
     b.wait_for("the front tab is current", &check, LIMIT).await;
@@ -147,7 +176,8 @@ async fn main() {
     println!(
         "{}",
         json!({
-            "tasks": 1000, "run_page_load_ms": median, "run_page_bytes": bytes, "tabs": tabs.len(),
+            "tasks": tasks, "run_page_load_ms": median, "run_page_bytes": bytes, "tabs": tabs.len(),
+            "runs": runs + 1, "runs_page_load_ms": runs_median, "runs_page_bytes": runs_bytes,
             "updates": 50, "updates_ms": updates_done.as_millis(), "front_tab_current_after_ms": front.as_millis(), "all_tabs_current_after_ms": live.as_millis(), "visiting_the_tabs_ms": visiting.as_millis(),
             "sse_clients": sse.and_then(|l| l.split_whitespace().nth(1).and_then(|n| n.parse::<f64>().ok())),
         })

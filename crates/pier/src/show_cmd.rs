@@ -77,7 +77,7 @@ pub async fn runs(args: RunsArgs) -> anyhow::Result<()> {
             (v["runs"].as_array().cloned().unwrap_or_default(), v["more"].as_u64().unwrap_or(0))
         }
         None => {
-            let filter = pier_host::tasks::RunFilter { state: args.state.clone(), limit };
+            let filter = pier_host::tasks::RunFilter { state: args.state.clone(), limit, ..Default::default() };
             let list = open_tasks(&args.source.store)?.list_runs(&filter).await?;
             let runs = list.runs.iter().map(|r| {
                 json!({"run": r.run, "counts": r.counts, "state": r.state(), "created_at_ms": r.created_at_ms,

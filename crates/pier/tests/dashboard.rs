@@ -252,7 +252,7 @@ async fn the_pages_read_at_a_phone_s_width() {
             // Every cell of every table is shown, whole, inside the screen: a card per row.
             let hidden = b
                 .script(
-                    "return [...document.querySelectorAll('table.cards td')].filter(td =>                      td.getClientRects().length === 0 || td.getBoundingClientRect().right > innerWidth + 1                      || td.scrollWidth > td.clientWidth + 1).map(td => td.dataset.label)",
+                    "return [...document.querySelectorAll('table.cards td')].filter(td => td.textContent.trim() !== '' && (td.getClientRects().length === 0 || td.getBoundingClientRect().right > innerWidth + 1 || td.scrollWidth > td.clientWidth + 1)).map(td => td.parentElement.closest('table').className + ' column ' + td.cellIndex)",
                     vec![],
                 )
                 .await;
@@ -489,4 +489,81 @@ async fn the_schedules_page_shows_a_schedule_and_pauses_and_resumes_it() {
     b.wait_for("running", "(document.querySelector('.notice') || {}).textContent?.includes('runs')", LIMIT).await;
     let (_, v) = s.call(reqwest::Method::GET, "/schedules/nightly", None).await;
     assert_eq!(v["schedule"]["paused_by"], serde_json::Value::Null, "{v}");
+}
+
+/// Issue #34: the runs page of a busy server: a page of 100 at a time with the way to older
+/// ones, a search by run id (typed, then Enter), and the runs waiting on a person.
+#[tokio::test]
+async fn the_runs_page_finds_a_run_by_id_filters_the_waiting_ones_and_pages() {
+    let f = must(FakeModel::start().await, "fake");
+    f.push(Reply::tool_call("w1", "write_file", r#"{"path": "notes.txt", "content": "new\n"}"#));
+    f.set_fallback(echo);
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"edit\"\nprompt = \"edit the notes\"\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "needs-you"}))).await.0, 201);
+    s.events_until(None, |e| e["type"] == "transition" && e["to"] == "awaiting_input").await;
+    let parked = "[[tasks]]\nid = \"t\"\nagent = \"worker:nobody\"\nprompt = \"p\"\n";
+    for i in 0..104 {
+        let body = json!({"plan": parked, "run_id": format!("batch-{i:03}")});
+        assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(body)).await.0, 201);
+    }
+    let b = Browser::start("runs-page").await;
+    login(&b, &s.base).await;
+    let rows = "return [...document.querySelectorAll('tr[data-run]')].map(r => r.dataset.run)";
+    let shown = b.script(rows, vec![]).await;
+    assert_eq!(shown.as_array().map(Vec::len), Some(100), "a page of 100");
+    assert_eq!(shown[0], json!("batch-103"), "newest first");
+    let older = b.find("nav.pages a[rel=next]").await.unwrap_or_else(|| panic!("no older link"));
+    assert!(b.text(&b.find("nav.pages").await.unwrap_or_default()).await.contains("(5 more)"));
+    b.click(&older).await;
+    b.wait_for("page 2", "location.search === '?page=2'", LIMIT).await;
+    assert_eq!(b.script(rows, vec![]).await, json!(["batch-003", "batch-002", "batch-001", "batch-000", "needs-you"]));
+    // A search typed in the box, sent with Enter.
+    let field = b.find("#q").await.unwrap_or_else(|| panic!("no search box"));
+    b.type_into(&field, "BATCH-01\u{E007}").await;
+    b.wait_for("the search", "location.search === '?q=BATCH-01'", LIMIT).await;
+    let found: Vec<String> = serde_json::from_value(b.script(rows, vec![]).await).unwrap_or_default();
+    assert_eq!(found, (10..20).rev().map(|i| format!("batch-0{i}")).collect::<Vec<_>>(), "any case");
+    assert!(b.find("nav.pages").await.is_none(), "one page");
+    // The runs waiting on a person.
+    b.goto(&format!("{}/ui/?state=waiting", s.base)).await;
+    assert_eq!(b.script(rows, vec![]).await, json!(["needs-you"]));
+    let (_, v) = s.call(reqwest::Method::GET, "/runs?q=batch-10&state=running", None).await;
+    let ids: Vec<&str> =
+        v["runs"].as_array().map(|r| r.iter().filter_map(|r| r["run"].as_str()).collect()).unwrap_or_default();
+    assert_eq!(ids, ["batch-103", "batch-102", "batch-101", "batch-100"], "the API filters the same: {v}");
+}
+
+/// Issue #34: a run of thousands of tasks reads as pages of its table (500 at a time, by state)
+/// and draws no graph nobody could read.
+#[tokio::test]
+async fn a_big_run_page_lists_its_tasks_page_by_page_without_a_graph() {
+    let s = server(None).await;
+    let mut plan = String::new();
+    for i in 0..1001 {
+        plan.push_str(&format!("[[tasks]]\nid = \"t{i:04}\"\nagent = \"worker:nobody\"\nprompt = \"p\"\n\n"));
+    }
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "big"}))).await.0, 201);
+    let b = Browser::start("big-run").await;
+    login(&b, &s.base).await;
+    b.goto(&format!("{}/ui/runs/big", s.base)).await;
+    let rows = "return [...document.querySelectorAll('table.tasks tr[data-task]')].map(r => r.dataset.task)";
+    let first: Vec<String> = serde_json::from_value(b.script(rows, vec![]).await).unwrap_or_default();
+    assert_eq!((first.len(), first.first().map(String::as_str)), (500, Some("t0000")));
+    assert!(b.find("svg.graph").await.is_none() && b.find("p.no-graph").await.is_some(), "no graph of 1,001 tasks");
+    assert_eq!(
+        b.script("return document.querySelector('p.counts').textContent", vec![]).await,
+        json!("1001 pending"),
+        "the counts are the whole run's"
+    );
+    for (page, want) in [(2, "t0500"), (3, "t1000")] {
+        let next = b.find("nav.pages a[rel=next]").await.unwrap_or_else(|| panic!("no next link"));
+        b.click(&next).await;
+        b.wait_for(&format!("page {page}"), &format!("location.search === '?page={page}'"), LIMIT).await;
+        let got: Vec<String> = serde_json::from_value(b.script(rows, vec![]).await).unwrap_or_default();
+        assert_eq!(got.first().map(String::as_str), Some(want), "page {page}");
+    }
+    assert!(b.find("nav.pages a[rel=next]").await.is_none(), "the last page");
+    b.goto(&format!("{}/ui/runs/big?state=failed", s.base)).await;
+    assert_eq!(b.script(rows, vec![]).await, json!([]), "none failed");
 }

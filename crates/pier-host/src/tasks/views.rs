@@ -26,7 +26,7 @@ pub fn counts<'a>(tasks: impl IntoIterator<Item = &'a TaskRow>) -> BTreeMap<&'st
 }
 
 /// One run in a list of runs.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct RunSummary {
     pub run: String,
     pub created_at_ms: i64,
@@ -69,12 +69,15 @@ impl RunSummary {
 /// The states a list of runs filters on.
 pub const RUN_STATES: [&str; 4] = ["running", "waiting", "completed", "failed"];
 
-/// Which runs a list shows (`pier runs`, `GET /runs`): newest first, of one state if given,
+/// Which runs a list shows (`pier runs`, `GET /runs`, the dashboard): newest first, of one
+/// state if given, whose id contains `search` (any case) if given, past the first `offset`,
 /// at most `limit` if given.
 #[derive(Debug, Clone, Default)]
 pub struct RunFilter {
     pub state: Option<String>,
     pub limit: Option<usize>,
+    pub search: Option<String>,
+    pub offset: usize,
 }
 
 /// A list of runs, and how many more matched beyond its limit.
@@ -92,6 +95,8 @@ pub struct RunView {
     /// Its model requests through the gateway, in all and per task.
     pub spend: Spend,
     pub task_spend: BTreeMap<String, Spend>,
+    /// When each task's attempts started and ended (tasks that never started have none).
+    pub times: BTreeMap<String, Vec<AttemptTime>>,
 }
 
 impl RunView {
@@ -204,33 +209,21 @@ fn run_view(s: &dyn TaskStore, run: &str) -> Result<RunView, ActionError> {
             task_spend.entry(task.clone()).or_default().add_event(e);
         }
     }
-    Ok(RunView { run: run.to_owned(), tasks, spend: Spend::from_events(&requests), task_spend })
+    // One read of the run's transitions (their own index), split by task in log order.
+    let mut transitions: BTreeMap<String, Vec<Event>> = BTreeMap::new();
+    for e in s.events_of_kind(run, None, TRANSITION)? {
+        if let Some(task) = e.task.clone() {
+            transitions.entry(task).or_default().push(e);
+        }
+    }
+    let times = transitions.into_iter().map(|(task, events)| (task, AttemptTime::from_transitions(&events))).collect();
+    Ok(RunView { run: run.to_owned(), tasks, spend: Spend::from_events(&requests), task_spend, times })
 }
 
 impl Tasks {
-    /// Every run, oldest first.
-    pub async fn runs(&self) -> Result<Vec<RunSummary>, ActionError> {
-        self.blocking(|s| {
-            let mut out = Vec::new();
-            for (run, created_at_ms, updated_at_ms) in s.run_times()? {
-                let tasks = s.tasks(&run)?;
-                let spend = Spend::from_events(&s.events_of_kind(&run, None, MODEL_REQUEST)?);
-                out.push(RunSummary {
-                    spend,
-                    counts: counts(&tasks),
-                    tasks: tasks.len(),
-                    attempts: tasks.iter().map(|t| t.attempt).sum(),
-                    run,
-                    created_at_ms,
-                    updated_at_ms,
-                });
-            }
-            Ok(out)
-        })
-        .await
-    }
-
-    /// The runs `filter` names, newest first: the one order of `pier runs` and `GET /runs`.
+    /// The runs `filter` names, newest first: the one order of `pier runs`, `GET /runs` and the
+    /// dashboard. Two aggregate reads whatever the number of runs; spend is read for the runs
+    /// returned only.
     pub async fn list_runs(&self, filter: &RunFilter) -> Result<RunList, ActionError> {
         if let Some(state) = filter.state.as_deref().filter(|s| !RUN_STATES.contains(s)) {
             return Err(ActionError::bad_request(format!(
@@ -238,14 +231,51 @@ impl Tasks {
                 RUN_STATES.join(", ")
             )));
         }
-        let mut runs = self.runs().await?;
-        runs.reverse();
-        if let Some(state) = &filter.state {
-            runs.retain(|r| r.is(state));
-        }
-        let more = filter.limit.map_or(0, |l| runs.len().saturating_sub(l));
-        runs.truncate(runs.len() - more);
-        Ok(RunList { runs, more })
+        let filter = filter.clone();
+        self.blocking(move |s| {
+            let mut by_run: std::collections::HashMap<String, RunSummary> = std::collections::HashMap::new();
+            let mut runs: Vec<RunSummary> = s
+                .run_times()?
+                .into_iter()
+                .rev()
+                .map(|(run, created_at_ms, updated_at_ms)| RunSummary {
+                    run,
+                    created_at_ms,
+                    updated_at_ms,
+                    counts: BTreeMap::new(),
+                    tasks: 0,
+                    attempts: 0,
+                    spend: Spend::default(),
+                })
+                .collect();
+            for (run, state, n, attempts) in s.run_task_states()? {
+                let Some(state) = TaskState::parse(&state) else { continue };
+                let r =
+                    by_run.entry(run).or_insert_with(|| RunSummary { counts: BTreeMap::new(), ..Default::default() });
+                *r.counts.entry(state.as_str()).or_default() += usize::try_from(n).unwrap_or(0);
+                r.tasks += usize::try_from(n).unwrap_or(0);
+                r.attempts += attempts;
+            }
+            for r in &mut runs {
+                if let Some(c) = by_run.remove(&r.run) {
+                    (r.counts, r.tasks, r.attempts) = (c.counts, c.tasks, c.attempts);
+                }
+            }
+            let needle = filter.search.as_deref().map(str::to_lowercase).filter(|n| !n.trim().is_empty());
+            runs.retain(|r| {
+                filter.state.as_deref().is_none_or(|st| r.is(st))
+                    && needle.as_deref().is_none_or(|n| r.run.to_lowercase().contains(n))
+            });
+            let runs: Vec<RunSummary> = runs.into_iter().skip(filter.offset).collect();
+            let more = filter.limit.map_or(0, |l| runs.len().saturating_sub(l));
+            let mut runs = runs;
+            runs.truncate(runs.len() - more);
+            for r in &mut runs {
+                r.spend = Spend::from_events(&s.events_of_kind(&r.run, None, MODEL_REQUEST)?);
+            }
+            Ok(RunList { runs, more })
+        })
+        .await
     }
 
     pub async fn run(&self, run: &str) -> Result<RunView, ActionError> {

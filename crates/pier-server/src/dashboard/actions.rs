@@ -27,14 +27,18 @@ fn task_path(run: &str, task: &str) -> String {
     format!("/ui/runs/{}/tasks/{}", seg(run), seg(task))
 }
 
-/// The links to a task's actions its state allows (none for a viewer).
-pub(super) fn task_links(s: &Session, run: &str, task: &str, state: TaskState) -> Markup {
+/// The links to a task's actions its state allows (none for a viewer). `pending_too`: also
+/// Cancel on a task that has not started (a run's table leaves it to the task's page, so a
+/// run of thousands of waiting tasks is not a page of thousands of links).
+pub(super) fn task_links(s: &Session, run: &str, task: &str, state: TaskState, pending_too: bool) -> Markup {
     let here = task_path(run, task);
+    let retryable = matches!(state, TaskState::Failed | TaskState::Cancelled);
+    let cancellable = !state.is_terminal() && (pending_too || state != TaskState::Pending);
     html! {
-        @if s.may(crate::access::Role::Operator) {
+        @if s.may(crate::access::Role::Operator) && (retryable || cancellable) {
             span class="actions" {
-                @if !state.is_terminal() { a class="action danger" href={ (here) "/cancel" } { "Cancel…" } }
-                @if matches!(state, TaskState::Failed | TaskState::Cancelled) { a class="action" href={ (here) "/retry" } { "Retry…" } }
+                @if cancellable { a class="action danger" href={ (here) "/cancel" } { "Cancel…" } }
+                @if retryable { a class="action" href={ (here) "/retry" } { "Retry…" } }
             }
         }
     }

@@ -1,13 +1,14 @@
 //! The task graph as SVG, laid out in layers by dependency: a task sits one layer below the
-//! deepest task it depends on, so every edge points down. Linear in tasks and edges.
+//! deepest task it depends on, so every edge points down, into its task's arrowhead. Each node
+//! says its state (glyph and word), its attempts and how long they ran. Linear in tasks and edges.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use maud::{Markup, html};
-use pier_host::TaskRow;
+use pier_host::{AttemptTime, TaskRow};
 
 const W: usize = 168;
-const H: usize = 34;
+const H: usize = 44;
 const GAP_X: usize = 16;
 const GAP_Y: usize = 44;
 
@@ -52,7 +53,15 @@ fn layers(tasks: &[TaskRow]) -> Vec<usize> {
     layer
 }
 
-pub fn svg(run: &str, tasks: &[TaskRow]) -> Markup {
+/// What a node says under its name: its attempts and the time they ran (to `now_ms` while on).
+fn ran(t: &TaskRow, times: Option<&Vec<AttemptTime>>, now_ms: i64) -> String {
+    let Some(times) = times.filter(|v| !v.is_empty()) else { return String::new() };
+    let ms: i64 = times.iter().map(|a| a.ended_at_ms.unwrap_or(now_ms) - a.started_at_ms).sum();
+    let n = t.attempt.max(times.len() as i64);
+    format!("{n} attempt{} · {:.1} s", if n == 1 { "" } else { "s" }, ms.max(0) as f64 / 1000.0)
+}
+
+pub fn svg(run: &str, tasks: &[TaskRow], times: &BTreeMap<String, Vec<AttemptTime>>, now_ms: i64) -> Markup {
     let layer = layers(tasks);
     let mut column = vec![0usize; tasks.len()];
     let mut width_of: Vec<usize> = Vec::new();
@@ -69,13 +78,18 @@ pub fn svg(run: &str, tasks: &[TaskRow]) -> Markup {
     let index: HashMap<&str, usize> = tasks.iter().enumerate().map(|(i, t)| (t.id.as_str(), i)).collect();
     html! {
         svg class="graph" role="img" aria-label={ "task graph of run " (run) } viewBox={ "0 0 " (width) " " (height) }
-            width=(width) height=(height) xmlns="http://www.w3.org/2000/svg" {
+            width=(width) height=(height) xmlns="http://www.w3.org/2000/svg" data-width=(width) {
+            defs {
+                marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse" {
+                    path d="M 0 0 L 10 5 L 0 10 z" {}
+                }
+            }
             g class="edges" {
                 @for (i, t) in tasks.iter().enumerate() {
                     @for d in &t.spec.depends_on {
                         @if let Some(&j) = index.get(d.as_str()) {
                             @let ((x1, y1), (x2, y2)) = (at(j), at(i));
-                            line x1=(x1 + W / 2) y1=(y1 + H) x2=(x2 + W / 2) y2=(y2) {}
+                            line x1=(x1 + W / 2) y1=(y1 + H) x2=(x2 + W / 2) y2=(y2) marker-end="url(#arrow)" {}
                         }
                     }
                 }
@@ -87,7 +101,9 @@ pub fn svg(run: &str, tasks: &[TaskRow]) -> Markup {
                     g class={ "node state-" (state) } data-task=(t.id) data-state=(state) transform={ "translate(" (x) "," (y) ")" } {
                         title { (t.id) ": " (state) }
                         rect width=(W) height=(H) rx="6" {}
-                        text x="10" y="22" { (glyph(state)) " " (short(&t.id)) }
+                        text x="10" y="19" { (glyph(state)) " " (short(&t.id)) }
+                        @let ran = ran(t, times.get(&t.id), now_ms);
+                        @if !ran.is_empty() { text class="meta" x="10" y="35" { (ran) } }
                     }
                 }
             }

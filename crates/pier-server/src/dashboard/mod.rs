@@ -13,6 +13,7 @@ mod auth;
 mod graph;
 mod pages;
 mod schedules;
+mod timeline;
 mod transcript;
 
 use axum::Router;
@@ -144,19 +145,31 @@ fn page(result: Result<maud::Markup, pier_host::ActionError>) -> Response {
     }
 }
 
-#[derive(Deserialize, Default)]
-struct RunsQuery {
-    state: Option<String>,
+/// The runs page's query: a state, a search in run ids, and the page (from 1).
+#[derive(Deserialize, Default, Clone)]
+pub(crate) struct RunsQuery {
+    pub state: Option<String>,
+    pub q: Option<String>,
+    pub page: Option<usize>,
 }
+
+/// Runs shown on one page of `/ui/`.
+pub(crate) const RUNS_PER_PAGE: usize = 100;
 
 async fn runs_page(State(app): State<Shared>, s: auth::Session, Query(q): Query<RunsQuery>) -> Response {
     // The sequence before the reads: an event in between is shown twice, never missed.
     page(
         async {
             let seq = app.tasks.position().await?;
-            let mut runs = app.tasks.runs().await?;
-            runs.reverse();
-            Ok(pages::runs(&s, &runs, q.state.as_deref(), seq))
+            let state = q.state.clone().filter(|st| !st.is_empty());
+            let filter = pier_host::tasks::RunFilter {
+                state,
+                limit: Some(RUNS_PER_PAGE),
+                search: q.q.clone(),
+                offset: q.page.unwrap_or(1).saturating_sub(1).saturating_mul(RUNS_PER_PAGE),
+            };
+            let list = app.tasks.list_runs(&filter).await?;
+            Ok(pages::runs(&s, &list, &q, seq))
         }
         .await,
     )
@@ -167,16 +180,24 @@ struct Notice {
     notice: Option<String>,
 }
 
+/// A run page's query: a notice to show, the tasks' state to list, the page of them (from 1).
+#[derive(Deserialize, Default)]
+pub(crate) struct RunPageQuery {
+    pub notice: Option<String>,
+    pub state: Option<String>,
+    pub page: Option<usize>,
+}
+
 async fn run_page(
     State(app): State<Shared>,
     s: auth::Session,
     Path(run): Path<String>,
-    Query(n): Query<Notice>,
+    Query(q): Query<RunPageQuery>,
 ) -> Response {
     page(
         async {
             let seq = app.tasks.position().await?;
-            Ok(pages::run(&s, &run, &app.tasks.run(&run).await?, seq, n.notice.as_deref()))
+            Ok(pages::run(&s, &run, &app.tasks.run(&run).await?, seq, q.notice.as_deref(), &q))
         }
         .await,
     )

@@ -6,14 +6,13 @@ use agent_client_protocol_schema::v1::{
 };
 use maud::{DOCTYPE, Markup, html};
 use pier_client::elicit::{Input, fields, form_schema};
-use pier_host::{
-    LogEvent, NodeRow, Question, QuestionRequest, RunSummary, RunView, Spend, TaskRow, TaskView, option_kind,
-};
+use pier_host::{LogEvent, NodeRow, Question, QuestionRequest, RunView, Spend, TaskRow, TaskView, option_kind};
 use serde_json::Value;
 
 use super::actions::task_links;
 use super::auth::Session;
 use super::graph::{glyph, svg};
+use super::timeline::gantt;
 use super::transcript::{Item, build, diff_lines};
 use crate::access::Role;
 
@@ -173,54 +172,114 @@ pub fn error_page(message: &str) -> Markup {
     layout("Error", None, None, None, html! { h1 { "Not here" } p { (message) } p { a href="/ui/" { "All runs" } } })
 }
 
-pub fn runs(s: &Session, runs: &[RunSummary], filter: Option<&str>, seq: i64) -> Markup {
-    let shown: Vec<&RunSummary> = runs.iter().filter(|r| filter.is_none_or(|f| r.state() == f)).collect();
+pub fn runs(s: &Session, list: &pier_host::tasks::RunList, q: &super::RunsQuery, seq: i64) -> Markup {
+    let shown = &list.runs;
+    let filter = q.state.as_deref().filter(|st| !st.is_empty());
+    let search = q.q.as_deref().unwrap_or("");
+    let page = q.page.unwrap_or(1).max(1);
+    // A link to another state or page of this list, keeping the rest of the query.
+    let href = |state: Option<&str>, page: usize| {
+        let mut parts = Vec::new();
+        if let Some(st) = state {
+            parts.push(format!("state={}", seg(st)));
+        }
+        if !search.is_empty() {
+            parts.push(format!("q={}", seg(search)));
+        }
+        if page > 1 {
+            parts.push(format!("page={page}"));
+        }
+        if parts.is_empty() { "/ui/".to_owned() } else { format!("/ui/?{}", parts.join("&")) }
+    };
     let body = html! {
         h1 { "Runs" }
+        form method="get" action="/ui/" class="search" role="search" {
+            label for="q" { "Find a run" }
+            input id="q" name="q" type="search" value=(search) placeholder="run id contains…";
+            @if let Some(st) = filter { input type="hidden" name="state" value=(st); }
+            button type="submit" { "Find" }
+        }
         nav class="filters" aria-label="filter by state" {
-            @for (label, f) in [("all", None), ("running", Some("running")), ("completed", Some("completed")), ("failed", Some("failed"))] {
-                @let href = match f { Some(f) => format!("/ui/?state={f}"), None => "/ui/".to_owned() };
-                a href=(href) aria-current=[(filter == f).then_some("page")] { (label) }
+            @for (label, f) in [("all", None), ("running", Some("running")), ("waiting", Some("waiting")), ("completed", Some("completed")), ("failed", Some("failed"))] {
+                a href=(href(f, 1)) aria-current=[(filter == f).then_some("page")] { (label) }
             }
         }
         @if shown.is_empty() {
-            p { "No runs" @if filter.is_some() { " in this state" } ". Submit one with " code { "pier submit PLAN" } "." }
+            p { "No runs" @if filter.is_some() || !search.is_empty() { " match" } ". Submit one with " code { "pier submit PLAN" } "." }
         } @else {
             table class="runs cards" {
                 thead { tr { th { "run" } th { "state" } th { "tasks" } th { "attempts" } th { "waiting" } th { "spend" } th { "started" } th { "finished" } th { "took" } } }
                 tbody {
-                    @for r in &shown {
+                    @for r in shown {
                         @let st = r.state();
                         tr data-run=(r.run) {
-                            td data-label="run" { a href={ "/ui/runs/" (seg(&r.run)) } { (r.run) } }
-                            td data-label="state" { (state(st)) }
-                            td class="counts" data-label="tasks" {
+                            td { a href={ "/ui/runs/" (seg(&r.run)) } { (r.run) } }
+                            td { (state(st)) }
+                            td class="counts" {
                                 (r.tasks) ": "
                                 @for (i, (k, v)) in r.counts.iter().enumerate() {
                                     @if i > 0 { " · " }
                                     (v) " " (k)
                                 }
                             }
-                            td data-label="attempts" { (r.attempts) }
-                            td data-label="waiting" { @if r.waiting() > 0 { a href="/ui/approvals" { (r.waiting()) } } @else { "0" } }
-                            td class="spend" data-label="spend" { (spend_short(Some(&r.spend))) }
-                            td data-label="started" { (time(r.created_at_ms)) }
-                            td data-label="finished" { @if st != "running" { (time(r.updated_at_ms)) } @else { "—" } }
-                            td data-label="took" { (duration(r.updated_at_ms - r.created_at_ms)) }
+                            td { (r.attempts) }
+                            td { @if r.waiting() > 0 { a href="/ui/approvals" { (r.waiting()) } } @else { "0" } }
+                            td class="spend" { (spend_short(Some(&r.spend))) }
+                            td { (time(r.created_at_ms)) }
+                            td { @if st != "running" { (time(r.updated_at_ms)) } @else { "—" } }
+                            td { (duration(r.updated_at_ms - r.created_at_ms)) }
                         }
                     }
                 }
+            }
+        }
+        @if page > 1 || list.more > 0 {
+            nav class="pages" aria-label="pages" {
+                @if page > 1 { a href=(href(filter, page - 1)) rel="prev" { "← newer" } }
+                " page " (page) " "
+                @if list.more > 0 { a href=(href(filter, page + 1)) rel="next" { "older →" } " (" (list.more) " more)" }
             }
         }
     };
     layout("Runs", Some(s), Some(("follow=true".into(), seq)), None, body)
 }
 
-pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str>) -> Markup {
+/// Tasks in a run page's table at once; a graph is drawn for runs of at most [`GRAPH_MAX`]
+/// tasks (a graph of thousands of nodes is read by nobody, and costs seconds to load).
+pub(crate) const TASKS_PER_PAGE: usize = 500;
+pub(crate) const GRAPH_MAX: usize = 1000;
+/// Questions answered in place on a run page; the rest on the Approvals page.
+const WAITING_MAX: usize = 50;
+
+pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str>, q: &super::RunPageQuery) -> Markup {
     let tasks = &view.tasks;
     let rows: Vec<TaskRow> = tasks.iter().map(|(t, _)| t.clone()).collect();
     let counts = view.counts();
     let unfinished = rows.iter().any(|t| !t.state.is_terminal());
+    let filter = q.state.as_deref().filter(|st| !st.is_empty());
+    let page = q.page.unwrap_or(1).max(1);
+    let listed: Vec<&(TaskRow, Option<Question>)> = tasks
+        .iter()
+        .filter(|(t, _)| {
+            filter.is_none_or(|f| {
+                t.state.as_str() == f || (f == "waiting" && t.state == pier_host::TaskState::AwaitingInput)
+            })
+        })
+        .collect();
+    let pages = listed.len().div_ceil(TASKS_PER_PAGE).max(1);
+    let page = page.min(pages);
+    let shown = &listed[(page - 1) * TASKS_PER_PAGE..listed.len().min(page * TASKS_PER_PAGE)];
+    let href = |state: Option<&str>, page: usize| {
+        let mut parts = Vec::new();
+        if let Some(st) = state {
+            parts.push(format!("state={}", seg(st)));
+        }
+        if page > 1 {
+            parts.push(format!("page={page}"));
+        }
+        let base = format!("/ui/runs/{}", seg(run));
+        if parts.is_empty() { base } else { format!("{base}?{}", parts.join("&")) }
+    };
     let body = html! {
         h1 { "Run " (run) }
         div data-region="run" {
@@ -235,7 +294,8 @@ pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str
         @if !waiting.is_empty() && s.may(Role::Operator) {
             section class="waiting" aria-label="waiting for you" {
                 h2 { "Waiting for you" }
-                @for (t, q) in waiting {
+                @if waiting.len() > WAITING_MAX { p { "The first " (WAITING_MAX) " of " (waiting.len()) "; all of them on " a href="/ui/approvals" { "Approvals" } "." } }
+                @for (t, q) in waiting.into_iter().take(WAITING_MAX) {
                     div class="approval" data-task=(t.id) {
                         h3 { a href={ (here) "/tasks/" (seg(&t.id)) } { (t.id) } }
                         (decide(s, run, &t.id, q.as_ref(), &here))
@@ -243,26 +303,49 @@ pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str
                 }
             }
         }
-        section aria-label="graph" class="scroll" { (svg(run, &rows)) }
+        @let now = pier_host::store::now_ms();
+        @if rows.len() <= GRAPH_MAX {
+            div class="zoom" role="group" aria-label="zoom the graph" {
+                button type="button" data-zoom="out" aria-label="zoom out" { "−" }
+                button type="button" data-zoom="fit" { "fit" }
+                button type="button" data-zoom="in" aria-label="zoom in" { "+" }
+            }
+            section aria-label="graph" class="scroll graph-box" { (svg(run, &rows, &view.times, now)) }
+        } @else {
+            p class="no-graph" { "A graph of " (rows.len()) " tasks is not drawn (over " (GRAPH_MAX) "): find tasks by state below, page by page." }
+        }
+        (gantt(&rows, &view.times, now))
         h2 { "Tasks" }
-        table class="tasks cards" {
+        nav class="filters" aria-label="tasks by state" {
+            @for (label, f) in [("all", None), ("running", Some("running")), ("waiting", Some("waiting")), ("pending", Some("pending")), ("failed", Some("failed")), ("cancelled", Some("cancelled")), ("completed", Some("completed"))] {
+                a href=(href(f, 1)) aria-current=[(filter == f).then_some("page")] { (label) }
+            }
+        }
+        table class="tasks cards" data-complete=[(listed.len() == tasks.len() && pages == 1).then_some("true")] {
             thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } th { "spend" } th { "actions" } } }
             tbody {
-                @for (t, q) in tasks {
+                @for (t, q) in shown {
                     tr data-task=(t.id) data-state=(t.state.as_str()) {
-                        td data-label="task" { a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(&t.id)) } { (t.id) } }
-                        td data-label="state" { (state(t.state.as_str())) }
-                        td data-label="attempts" { (t.attempt) }
-                        td data-label="agent" { code { (t.spec.agent) } }
-                        td class="clip" data-label="says" {
+                        td { a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(&t.id)) } { (t.id) } }
+                        td { (state(t.state.as_str())) }
+                        td { (t.attempt) }
+                        td { code { (t.spec.agent) } }
+                        td class="clip" {
                             @if let Some(q) = q { "asks: " (asks(&q.request)) }
                             @else if t.state == pier_host::TaskState::AwaitingInput { "waits for a re-run decision" }
                             @else { (first_line(t.result.as_deref().or(t.error.as_deref()).unwrap_or(""))) }
                         }
-                        td class="spend" data-label="spend" { (spend_short(view.task_spend.get(&t.id))) }
-                        td data-label="actions" { (task_links(s, run, &t.id, t.state)) }
+                        td class="spend" { (spend_short(view.task_spend.get(&t.id))) }
+                        td { (task_links(s, run, &t.id, t.state, false)) }
                     }
                 }
+            }
+        }
+        @if pages > 1 {
+            nav class="pages" aria-label="pages of tasks" {
+                @if page > 1 { a href=(href(filter, page - 1)) rel="prev" { "← previous" } }
+                " tasks " ((page - 1) * TASKS_PER_PAGE + 1) "–" ((page - 1) * TASKS_PER_PAGE + shown.len()) " of " (listed.len()) " "
+                @if page < pages { a href=(href(filter, page + 1)) rel="next" { "next →" } }
             }
         }
         (spend_section(&view.spend))
@@ -439,7 +522,7 @@ pub fn task(
         dl class="facts" {
             dt { "state" } dd {
                 (state(t.state.as_str())) @if let Some(why) = &t.cancel_requested { " — stopping: cancelled (" (why) ")" }
-                " " (task_links(s, run, &t.id, t.state))
+                " " (task_links(s, run, &t.id, t.state, true))
             }
             dt { "agent" } dd { code { (t.spec.agent) } @if let Some(info) = v.agent.as_ref().and_then(|a| a.info()) { " (" (info.name) " " (info.version) ")" } }
             dt { "attempts" } dd { (t.attempt) " (" (t.failures) " failed)" }

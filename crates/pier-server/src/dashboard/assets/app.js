@@ -37,6 +37,7 @@ async function refresh() {
     } else {
       main.replaceChildren(...Array.from(fresh.childNodes, (n) => document.importNode(n, true)));
     }
+    zoomGraph();
     pageSeq = Math.max(pageSeq, Number(fresh.dataset.after || 0));
     main.dataset.after = String(pageSeq);
   } finally {
@@ -88,8 +89,9 @@ function patch(e) {
       if (cell) { cell.className = `state state-${e.to}`; cell.textContent = `${GLYPH[e.to]} ${e.to}`; }
     }
   }
+  // The counts follow the table only when it lists every task (a page of a big run does not).
   const counts = main.querySelector("[data-region] p.counts");
-  if (counts && nodes.length) {
+  if (counts && nodes.length && main.querySelector("table.tasks[data-complete]")) {
     const n = {};
     for (const row of main.querySelectorAll("[data-region] tr[data-state]")) n[row.dataset.state] = (n[row.dataset.state] || 0) + 1;
     counts.textContent = Object.keys(n).sort().map((k) => `${n[k]} ${k}`).join(" · ");
@@ -194,3 +196,25 @@ if (live) {
     history(Math.max(0, Math.floor(Number(new FormData(ev.target).get('from')) || 0)));
   });
 }
+
+// The graph's zoom, kept across re-renders: a factor of its drawn size, or "fit" (the box's width).
+let zoom = 1;
+function zoomGraph() {
+  const svg = main && main.querySelector("svg.graph");
+  if (!svg) return;
+  const [, , w, h] = (svg.getAttribute("viewBox") || "").split(" ").map(Number);
+  if (!(w > 0 && h > 0)) return;
+  const box = svg.closest(".graph-box");
+  const f = zoom === "fit" ? Math.min(1, ((box && box.clientWidth) || w) / w) : zoom;
+  svg.setAttribute("width", String(Math.round(w * f)));
+  svg.setAttribute("height", String(Math.round(h * f)));
+  svg.dataset.zoom = String(f);
+}
+document.addEventListener("click", (ev) => {
+  const b = ev.target.closest && ev.target.closest("[data-zoom]");
+  if (!b) return;
+  const now = Number((main.querySelector("svg.graph") || { dataset: {} }).dataset.zoom || 1);
+  const step = { in: now * 1.25, out: now / 1.25 }[b.dataset.zoom];
+  zoom = b.dataset.zoom === "fit" ? "fit" : Math.min(4, Math.max(0.1, step));
+  zoomGraph();
+});

@@ -1,0 +1,144 @@
+//! Issue #34: time on the run page — a Gantt strip of the run's attempts that matches the
+//! times the API gives, graph nodes that say their attempts and how long they ran, edges with
+//! arrowheads, and a graph that zooms. In headless Chromium against a real `pier serve`.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use pier_fake_model::{FakeModel, Reply, Step};
+use reqwest::Method;
+use serde_json::{Value, json};
+use support::browser::Browser;
+use support::serve::{TOKEN, server};
+use support::{LIMIT, echo, must};
+
+fn node_state(task: &str) -> String {
+    format!("(document.querySelector('svg.graph [data-task=\"{task}\"]') || {{dataset: {{}}}}).dataset.state")
+}
+
+#[tokio::test]
+async fn the_timeline_matches_the_attempts_times_and_the_graph_says_them() {
+    let f = must(FakeModel::start().await, "fake");
+    let lints = Arc::new(AtomicUsize::new(0));
+    let l = lints.clone();
+    f.set_fallback(move |body| {
+        let last = body["messages"].as_array().and_then(|m| m.iter().rev().find(|m| m["role"] == "user")).cloned();
+        if last.is_some_and(|m| m["content"].to_string().contains("Lint")) && l.fetch_add(1, Ordering::SeqCst) == 0 {
+            Reply::Stream(vec![Step::Finish("content_filter".into()), Step::Done])
+        } else {
+            echo(body)
+        }
+    });
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"fetch\"\nprompt = \"Fetch it\"\n\n\
+                [[tasks]]\nid = \"lint\"\nprompt = \"Lint it\"\ndepends_on = [\"fetch\"]\n\n\
+                [[tasks]]\nid = \"report\"\nprompt = \"Report\"\ndepends_on = [\"lint\"]\n";
+    assert_eq!(s.call(Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "timed"}))).await.0, 201);
+    s.events_until(None, |e| e["task"] == "report" && e["to"] == "cancelled").await;
+    let (code, v) = s.call(Method::POST, "/runs/timed/tasks/lint/retry", Some(json!({"with_dependents": true}))).await;
+    assert_eq!(code, 200, "{v}");
+    s.events_until(None, |e| e["task"] == "report" && e["to"] == "completed").await;
+    let (_, run) = s.call(Method::GET, "/runs/timed", None).await;
+    let api: Vec<(String, i64, i64, i64)> = run["tasks"]
+        .as_array()
+        .map(|tasks| {
+            tasks
+                .iter()
+                .flat_map(|t| {
+                    let id = t["id"].as_str().unwrap_or_default().to_owned();
+                    t["times"].as_array().cloned().unwrap_or_default().into_iter().map(move |a| {
+                        let n = |k: &str| a[k].as_i64().unwrap_or(-1);
+                        (id.clone(), n("attempt"), n("started_at_ms"), n("ended_at_ms"))
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(api.iter().filter(|a| a.0 == "lint").count(), 2, "lint ran twice: {run}");
+    assert_eq!(api.len(), 4, "{run}");
+
+    let b = Browser::start("timeline").await;
+    b.goto(&format!("{}/ui/login", s.base)).await;
+    let name = b.find("#name").await.unwrap_or_else(|| panic!("no name field"));
+    b.type_into(&name, "pat").await;
+    let token = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
+    b.type_into(&token, TOKEN).await;
+    b.click(&b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"))).await;
+    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    b.goto(&format!("{}/ui/runs/timed", s.base)).await;
+    b.wait_for("report completed", &format!("{} === 'completed'", node_state("report")), LIMIT).await;
+
+    // Each bar is one attempt, at the times the API gives, placed on the strip's axis.
+    let bars = b
+        .script(
+            "const svg = document.querySelector('svg.gantt'); \
+             return {start: Number(svg.dataset.startMs), span: Number(svg.dataset.spanMs), \
+             bars: [...svg.querySelectorAll('rect.bar')].map(r => [r.dataset.for, Number(r.dataset.attempt), \
+             Number(r.dataset.startMs), Number(r.dataset.endMs), Number(r.getAttribute('x')), Number(r.getAttribute('width')), \
+             r.getAttribute('class')])}",
+            vec![],
+        )
+        .await;
+    let (start, span) = (bars["start"].as_i64().unwrap_or(-1), bars["span"].as_i64().unwrap_or(-1));
+    let first = api.iter().map(|a| a.2).min().unwrap_or_default();
+    let last = api.iter().map(|a| a.3).max().unwrap_or_default();
+    assert_eq!((start, span), (first, last - first), "the axis spans the first start to the last end");
+    let drawn: Vec<(String, i64, i64, i64)> = bars["bars"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .map(|b| {
+                    let n = |i: usize| b[i].as_f64().unwrap_or(-1.0) as i64;
+                    (b[0].as_str().unwrap_or_default().to_owned(), n(1), n(2), n(3))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut want = api.clone();
+    want.sort();
+    let mut got = drawn.clone();
+    got.sort();
+    assert_eq!(got, want, "a bar per attempt, with its times");
+    for bar in bars["bars"].as_array().cloned().unwrap_or_default() {
+        let (from, to) = (bar[2].as_f64().unwrap_or(0.0), bar[3].as_f64().unwrap_or(0.0));
+        let x = 160.0 + (from - start as f64) * 800.0 / span as f64;
+        let w = ((to - from) * 800.0 / span as f64).max(1.0);
+        let (gx, gw) = (bar[4].as_f64().unwrap_or(-1.0), bar[5].as_f64().unwrap_or(-1.0));
+        assert!((gx - x).abs() < 0.01 && (gw - w).abs() < 0.01, "{bar}: x {x:.2}, width {w:.2}");
+    }
+    let classes: Vec<Value> =
+        bars["bars"].as_array().map(|v| v.iter().map(|b| b[6].clone()).collect()).unwrap_or_default();
+    assert!(classes.contains(&json!("bar state-failed")) && classes.contains(&json!("bar state-completed")));
+
+    // The graph's nodes say their attempts and time; every edge ends in an arrowhead.
+    let meta =
+        b.script("return document.querySelector('svg.graph [data-task=\"lint\"] text.meta').textContent", vec![]).await;
+    assert!(meta.as_str().is_some_and(|m| m.starts_with("2 attempts · ") && m.ends_with(" s")), "{meta}");
+    let edges = b
+        .script(
+            "return [...document.querySelectorAll('svg.graph line')].map(l => l.getAttribute('marker-end'))",
+            vec![],
+        )
+        .await;
+    assert_eq!(edges, json!(["url(#arrow)", "url(#arrow)"]));
+
+    // The graph zooms in, and fits its box.
+    let width = "return Number(document.querySelector('svg.graph').getAttribute('width'))";
+    let natural = b.script(width, vec![]).await.as_f64().unwrap_or_default();
+    b.click(&b.find("[data-zoom=\"in\"]").await.unwrap_or_else(|| panic!("no zoom"))).await;
+    let zoomed = b.script(width, vec![]).await.as_f64().unwrap_or_default();
+    assert_eq!(zoomed, (natural * 1.25).round(), "zoomed in by a quarter");
+    b.set_window_size(390, 900).await;
+    b.click(&b.find("[data-zoom=\"fit\"]").await.unwrap_or_else(|| panic!("no fit"))).await;
+    let fits = b
+        .script(
+            "const s = document.querySelector('svg.graph'); \
+             return s.getBoundingClientRect().width <= s.closest('.graph-box').clientWidth + 1",
+            vec![],
+        )
+        .await;
+    assert_eq!(fits, json!(true), "fit: the graph within its box at a phone's width");
+    b.keep_screenshot("run-390-fit").await;
+}
