@@ -313,6 +313,14 @@ async fn a_busy_run_page_renders_every_state_for_the_readme_screenshot() {
     ] {
         b.wait_for(&format!("{task} {state}"), &format!("{} === '{state}'", node_state(task)), LIMIT).await;
     }
+    // Each task sits under what it depends on, so no edge crosses another: report under
+    // review, fix-lint under lint (in plan order they would swap and cross).
+    let x = |task: &str| {
+        format!("document.querySelector('svg.graph [data-task=\"{task}\"]').transform.baseVal[0].matrix.e")
+    };
+    let columns =
+        b.script(&format!("return [{}, {}, {}, {}]", x("review"), x("report"), x("lint"), x("fix-lint")), vec![]).await;
+    assert!(columns[0] == columns[1] && columns[2] == columns[3] && columns[0] != columns[2], "{columns}");
     b.set_window_size(1280, 860).await;
     let png = b.screenshot().await;
     let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target"));

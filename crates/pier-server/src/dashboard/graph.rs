@@ -53,6 +53,35 @@ fn layers(tasks: &[TaskRow]) -> Vec<usize> {
     layer
 }
 
+/// Each task's column in its layer: layer by layer from the top, tasks ordered by the mean
+/// column of the tasks they depend on (ties in plan order), which keeps a task under its
+/// dependencies and uncrosses most edges (the barycenter heuristic, one pass).
+fn columns(tasks: &[TaskRow], layer: &[usize]) -> Vec<usize> {
+    let index: HashMap<&str, usize> = tasks.iter().enumerate().map(|(i, t)| (t.id.as_str(), i)).collect();
+    let depth = layer.iter().copied().max().map_or(0, |d| d + 1);
+    let mut by_layer: Vec<Vec<usize>> = vec![Vec::new(); depth];
+    for (i, &l) in layer.iter().enumerate() {
+        by_layer[l].push(i);
+    }
+    let mut column = vec![0usize; tasks.len()];
+    for members in &mut by_layer {
+        let weight = |i: usize| {
+            let parents: Vec<usize> =
+                tasks[i].spec.depends_on.iter().filter_map(|d| index.get(d.as_str()).copied()).collect();
+            if parents.is_empty() {
+                return i as f64;
+            }
+            parents.iter().map(|&j| column[j] as f64).sum::<f64>() / parents.len() as f64
+        };
+        let mut keyed: Vec<(f64, usize)> = members.iter().map(|&i| (weight(i), i)).collect();
+        keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        for (c, (_, i)) in keyed.into_iter().enumerate() {
+            column[i] = c;
+        }
+    }
+    column
+}
+
 /// What a node says under its name: its attempts and the time they ran (to `now_ms` while on).
 fn ran(t: &TaskRow, times: Option<&Vec<AttemptTime>>, now_ms: i64) -> String {
     let Some(times) = times.filter(|v| !v.is_empty()) else { return String::new() };
@@ -63,13 +92,12 @@ fn ran(t: &TaskRow, times: Option<&Vec<AttemptTime>>, now_ms: i64) -> String {
 
 pub fn svg(run: &str, tasks: &[TaskRow], times: &BTreeMap<String, Vec<AttemptTime>>, now_ms: i64) -> Markup {
     let layer = layers(tasks);
-    let mut column = vec![0usize; tasks.len()];
+    let column = columns(tasks, &layer);
     let mut width_of: Vec<usize> = Vec::new();
-    for (i, &l) in layer.iter().enumerate() {
+    for &l in &layer {
         if width_of.len() <= l {
             width_of.resize(l + 1, 0);
         }
-        column[i] = width_of[l];
         width_of[l] += 1;
     }
     let cols = width_of.iter().copied().max().unwrap_or(1).max(1);
