@@ -29,8 +29,8 @@ pub use pier_store::{
     option_kind, plan, requires, schedule, state,
 };
 pub use tasks::{
-    AttemptTime, CANCEL_WAIT, CancelledRun, Delivered, Follow, Follower, Leased, RunSummary, RunView, ScheduleView,
-    Submission, Submitted, TaskView, Tasks,
+    AttemptTime, CANCEL_WAIT, CancelledRun, Delivered, EventFilter, Follow, Follower, Leased, RunSummary, RunView,
+    ScheduleView, Submission, Submitted, TaskView, Tasks,
 };
 
 /// The store below the host (`pier-store`), for the wiring that opens one.

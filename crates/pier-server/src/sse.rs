@@ -8,7 +8,7 @@ use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures::StreamExt;
-use pier_host::{Delivered, ErrorCode, Follow};
+use pier_host::{Delivered, ErrorCode, EventFilter, Follow};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
@@ -23,6 +23,15 @@ pub(crate) struct EventsQuery {
     run: Option<String>,
     /// `false` ends the stream once it has caught up.
     follow: Option<String>,
+    /// Only this task's events.
+    task: Option<String>,
+    /// Only events of these types, comma-separated.
+    #[serde(rename = "type")]
+    types: Option<String>,
+    /// Only events from this long ago (`10m`) or since this time (RFC 3339).
+    since: Option<String>,
+    /// `deltas`: an agent's text deltas merged per message.
+    merge: Option<String>,
 }
 
 /// A sequence number given by a client: a whole number, 0 or more.
@@ -64,7 +73,22 @@ pub(crate) fn event_stream(
         }
     };
     let after = from_header.or(from_query).unwrap_or(0);
-    let follower = app.tasks.follow(Follow { run: q.run, after, live });
+    let since_ms = match q.since.as_deref() {
+        Some(text) => Some(
+            EventFilter::since(text, pier_host::store::now_ms())
+                .map_err(|e| ApiError::new(ErrorCode::BadRequest, e))?,
+        ),
+        None => None,
+    };
+    let types =
+        q.types.as_deref().map(|t| t.split(',').map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()).collect());
+    let only = EventFilter { task: q.task, types: types.unwrap_or_default(), since_ms };
+    let merge = match q.merge.as_deref() {
+        None => false,
+        Some("deltas") => true,
+        Some(other) => return Err(ApiError::new(ErrorCode::BadRequest, format!("merge takes deltas, not {other:?}"))),
+    };
+    let follower = app.tasks.follow(Follow { run: q.run, after, live, only, merge });
     let encode = |e: pier_host::Event| {
         let (seq, kind) = (e.seq, e.kind.clone());
         SseEvent::default().id(seq.to_string()).event(kind).data(e.into_wire().to_string())

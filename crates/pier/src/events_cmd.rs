@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use pier_host::{AgentEvent, Entry, Event, Follow, LogEvent, TaskState};
+use pier_host::{AgentEvent, Entry, Event, EventFilter, Follow, LogEvent, TaskState};
 
 use crate::run_cmd::{EventFormat, open_tasks};
 use crate::waiting::waiting_for;
@@ -38,39 +38,18 @@ pub struct EventsArgs {
     /// Only events from this long ago (30s, 5m, 2h, 1d) or since this time (2026-12-07T10:00:00Z)
     #[arg(long, value_name = "DURATION|TIME")]
     since: Option<String>,
+    /// An agent's text deltas merged per message (one event with the whole text)
+    #[arg(long)]
+    merge_deltas: bool,
 }
 
-/// Which events `pier events` prints.
-struct Filter {
-    task: Option<String>,
-    types: Vec<String>,
-    since_ms: Option<i64>,
-}
-
-impl Filter {
-    fn of(args: &EventsArgs) -> anyhow::Result<Filter> {
-        let since_ms = match args.since.as_deref() {
-            None => None,
-            Some(text) => Some(since(text)?),
-        };
-        Ok(Filter { task: args.task.clone(), types: args.types.clone(), since_ms })
-    }
-
-    fn keeps(&self, e: &Event) -> bool {
-        self.task.as_ref().is_none_or(|t| e.task.as_ref() == Some(t))
-            && (self.types.is_empty() || self.types.contains(&e.kind))
-            && self.since_ms.is_none_or(|at| e.at_ms >= at)
-    }
-}
-
-/// The moment `--since` names, in ms since the epoch: a duration back from now or a time.
-fn since(text: &str) -> anyhow::Result<i64> {
-    if let Ok(ago) = pier_host::schedule::parse_duration(text) {
-        return Ok(pier_host::store::now_ms() - ago);
-    }
-    pier_host::schedule::parse_rfc3339(text).map_err(|_| {
-        anyhow::anyhow!("--since {text:?} is neither a duration (30s, 5m, 2h, 1d) nor a time (2026-12-07T10:00:00Z)")
-    })
+/// Which events `pier events` prints: the host's one filter, from the flags.
+fn filter_of(args: &EventsArgs) -> anyhow::Result<EventFilter> {
+    let since_ms = match args.since.as_deref() {
+        None => None,
+        Some(text) => Some(EventFilter::since(text, pier_host::store::now_ms()).map_err(|e| anyhow::anyhow!("--{e}"))?),
+    };
+    Ok(EventFilter { task: args.task.clone(), types: args.types.clone(), since_ms })
 }
 
 /// A transition's line: from, to, why, its error's first line.
@@ -247,12 +226,25 @@ pub fn print_event(e: &Event, format: EventFormat) {
 
 /// `pier events`.
 pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
-    let filter = Filter::of(&args)?;
+    let only = filter_of(&args)?;
     if args.server.is_some() || std::env::var("PIER_SERVER").is_ok_and(|s| !s.is_empty()) {
-        return crate::serve_cmd::events(args.server.clone(), args.run.clone(), args.after, args.follow, |e| {
-            if filter.keeps(e) {
-                print_event(e, args.format)
-            }
+        // The server filters and merges: only what is asked for crosses the network.
+        let mut query = Vec::new();
+        if let Some(t) = &args.task {
+            query.push(format!("task={}", crate::serve_cmd::segment(t)));
+        }
+        if !args.types.is_empty() {
+            query.push(format!("type={}", crate::serve_cmd::segment(&args.types.join(","))));
+        }
+        if let Some(s) = &args.since {
+            query.push(format!("since={}", crate::serve_cmd::segment(s)));
+        }
+        if args.merge_deltas {
+            query.push("merge=deltas".into());
+        }
+        let (server, run) = (args.server.clone(), args.run.clone());
+        return crate::serve_cmd::events(server, run, args.after, args.follow, &query.join("&"), |e| {
+            print_event(e, args.format)
         })
         .await;
     }
@@ -261,9 +253,10 @@ pub async fn events(args: EventsArgs) -> anyhow::Result<()> {
         anyhow::ensure!(tasks.run_exists(run).await?, "there is no run `{run}` in the store; `pier runs` lists them");
     }
     // The store's watch carries the commits of the process that runs the tasks.
-    let mut follower = tasks.follow(Follow { run: args.run.clone(), after: args.after, live: args.follow });
+    let follow = Follow { run: args.run.clone(), after: args.after, live: args.follow, only, merge: args.merge_deltas };
+    let mut follower = tasks.follow(follow);
     while let Some(batch) = follower.next_batch().await {
-        for e in batch?.iter().filter(|e| filter.keeps(e)) {
+        for e in &batch? {
             print_event(e, args.format);
         }
     }

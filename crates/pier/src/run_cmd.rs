@@ -231,7 +231,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     } else {
         None
     };
-    let follower = tasks.follow(Follow { run: Some(run_id.clone()), after: start_seq, live: true });
+    let follower =
+        tasks.follow(Follow { run: Some(run_id.clone()), after: start_seq, live: true, ..Default::default() });
     let done = CancellationToken::new();
     let printer = tokio::spawn(print_run(follower, live, args.format, done.clone()));
     if args.format == EventFormat::Text {

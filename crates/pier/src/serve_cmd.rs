@@ -403,6 +403,7 @@ pub async fn events(
     run: Option<String>,
     mut after: i64,
     follow: bool,
+    query: &str,
     mut print: impl FnMut(&pier_host::Event),
 ) -> anyhow::Result<()> {
     use futures::StreamExt;
@@ -410,10 +411,20 @@ pub async fn events(
     loop {
         let mut url = format!("{base}/events?after={after}&follow={follow}");
         if let Some(r) = &run {
-            url.push_str(&format!("&run={r}"));
+            url.push_str(&format!("&run={}", segment(r)));
+        }
+        if !query.is_empty() {
+            url.push('&');
+            url.push_str(query);
         }
         let resp = http.get(&url).bearer_auth(&token).send().await.with_context(|| format!("cannot reach {base}"))?;
-        anyhow::ensure!(resp.status().is_success(), "the server answered {}", resp.status());
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let body: serde_json::Value =
+                serde_json::from_str(&resp.text().await.unwrap_or_default()).unwrap_or_default();
+            let why = body["error"]["message"].as_str().map(|m| format!(": {m}")).unwrap_or_default();
+            anyhow::bail!("the server answered {status}{why}");
+        }
         let mut stream = resp.bytes_stream();
         let mut sse = pier_model::sse::SseDecoder::new(16 << 20);
         while let Some(chunk) = stream.next().await {

@@ -183,7 +183,7 @@ pub async fn show(args: ShowArgs) -> anyhow::Result<()> {
     let mut changes = match (&tasks, args.watch) {
         (Some(t), true) => {
             let after = t.position().await?;
-            Some(t.follow(pier_host::Follow { run: Some(args.run.clone()), after, live: true }))
+            Some(t.follow(pier_host::Follow { run: Some(args.run.clone()), after, live: true, ..Default::default() }))
         }
         _ => None,
     };

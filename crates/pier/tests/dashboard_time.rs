@@ -124,6 +124,22 @@ async fn the_timeline_matches_the_attempts_times_and_the_graph_says_them() {
         .await;
     assert_eq!(edges, json!(["url(#arrow)", "url(#arrow)"]));
 
+    // The event rail shows an answer's deltas as one line per message, not a line per delta.
+    b.wait_for(
+        "the merged rail",
+        "[...document.querySelectorAll('#events li')].some(li => /^\\d+–\\d+ · fetch · agent_message_chunk ×\\d+$/.test(li.textContent))",
+        LIMIT,
+    )
+    .await;
+    let singles = b
+        .script(
+            "return [...document.querySelectorAll('#events li')].filter(li => li.textContent.includes('agent_message_chunk') \
+             && !li.textContent.includes('×')).length",
+            vec![],
+        )
+        .await;
+    assert_eq!(singles, json!(0), "every message of several deltas is one line");
+
     // The graph zooms in, and fits its box.
     let width = "return Number(document.querySelector('svg.graph').getAttribute('width'))";
     let natural = b.script(width, vec![]).await.as_f64().unwrap_or_default();

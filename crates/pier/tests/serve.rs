@@ -866,3 +866,75 @@ async fn a_worker_s_report_carries_its_usage_once() {
     let (_, run) = s.call(reqwest::Method::GET, "/runs/wu", None).await;
     assert_eq!(run["spend"]["cost"].as_f64(), Some(2.5), "{run}");
 }
+
+/// A finite read of `/events?QUERY` (`follow=false`): the events, or the error's status and body.
+async fn events_of(s: &Server, query: &str) -> Result<Vec<Value>, (u16, Value)> {
+    let url = format!("{}/events?follow=false&{query}", s.base);
+    let resp =
+        must(must(tokio::time::timeout(LIMIT, s.http.get(url).bearer_auth(TOKEN).send()).await, "in time"), "send");
+    let status = resp.status().as_u16();
+    let text = must(must(tokio::time::timeout(LIMIT, resp.text()).await, "in time"), "body");
+    if status != 200 {
+        return Err((status, serde_json::from_str(&text).unwrap_or(Value::Null)));
+    }
+    let mut sse = SseDecoder::new(1 << 20);
+    Ok(sse.push(text.as_bytes()).unwrap_or_default().iter().map(|d| must(serde_json::from_str(d), "event")).collect())
+}
+
+/// Issue #34: `/events` filters by task, type and time on the server, and merges an agent's
+/// text deltas per message on request (the log keeps every delta); `pier events --server`
+/// asks the server for what it prints.
+#[tokio::test]
+async fn events_are_filtered_and_deltas_merged_by_the_server() {
+    let f = must(FakeModel::start().await, "fake");
+    let said = "The answer comes in several small deltas, one message.";
+    f.set_fallback(move |_| pier_fake_model::Reply::text(said));
+    let s = server(Some(f.base_url())).await;
+    let plan = "[[tasks]]\nid = \"a\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"b\"\nprompt = \"y\"\ndepends_on = [\"a\"]\n";
+    assert_eq!(s.call(reqwest::Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "ev"}))).await.0, 201);
+    s.events_until(None, |e| e["task"] == "b" && e["to"] == "completed").await;
+
+    let chunks = |events: &[Value]| -> Vec<Value> {
+        events.iter().filter(|e| e["update"]["sessionUpdate"] == "agent_message_chunk").cloned().collect()
+    };
+    let raw = must(events_of(&s, "run=ev&task=a").await.map_err(|e| format!("{e:?}")), "raw");
+    assert!(raw.iter().all(|e| e["task"] == "a"), "only task a");
+    let deltas = chunks(&raw);
+    assert!(deltas.len() > 3, "the log keeps every delta: {}", deltas.len());
+    let text: String = deltas.iter().filter_map(|e| e["update"]["content"]["text"].as_str()).collect();
+    assert_eq!(text, said);
+
+    let merged = must(events_of(&s, "run=ev&task=a&merge=deltas").await.map_err(|e| format!("{e:?}")), "merged");
+    let one = chunks(&merged);
+    assert_eq!(one.len(), 1, "one event for the message: {one:#?}");
+    assert_eq!(one[0]["update"]["content"]["text"], said);
+    assert_eq!(one[0]["merged"].as_u64(), Some(deltas.len() as u64));
+    assert_eq!(
+        (one[0]["first_seq"].clone(), one[0]["seq"].clone()),
+        (deltas[0]["seq"].clone(), deltas[deltas.len() - 1]["seq"].clone())
+    );
+    assert_eq!(merged.len(), raw.len() - deltas.len() + 1, "nothing else is merged");
+
+    let typed = must(events_of(&s, "run=ev&type=transition,run_created").await.map_err(|e| format!("{e:?}")), "typed");
+    assert!(
+        typed.iter().all(|e| e["type"] == "transition" || e["type"] == "run_created") && typed.len() >= 5,
+        "{typed:#?}"
+    );
+    let later = must(events_of(&s, "run=ev&since=2999-01-01T00:00:00Z").await.map_err(|e| format!("{e:?}")), "later");
+    assert!(later.is_empty(), "nothing is from the future");
+    let recent = must(events_of(&s, "run=ev&since=1h").await.map_err(|e| format!("{e:?}")), "recent");
+    assert_eq!(recent.len(), must(events_of(&s, "run=ev").await.map_err(|e| format!("{e:?}")), "all").len());
+    let Err((code, v)) = events_of(&s, "since=yesterday").await else { panic!("a bad since is refused") };
+    assert_eq!((code, v["error"]["code"].as_str()), (400, Some("bad_request")), "{v}");
+    let Err((code, _)) = events_of(&s, "merge=all").await else { panic!("a bad merge is refused") };
+    assert_eq!(code, 400);
+
+    let o = cli(&s, &["events", "--run", "ev", "--task", "b", "--type", "transition", "--format", "json"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<Value> =
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| must(serde_json::from_str(l), "json")).collect();
+    assert!(!lines.is_empty() && lines.iter().all(|e| e["task"] == "b" && e["type"] == "transition"), "{lines:#?}");
+    let o = cli(&s, &["events", "--run", "ev", "--merge-deltas", "--task", "a", "--format", "json"]).await;
+    let merged_cli = String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.contains("agent_message_chunk")).count();
+    assert_eq!(merged_cli, 1, "{}", String::from_utf8_lossy(&o.stdout));
+}

@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::handle::Tasks;
+use super::select::{EventFilter, merge_deltas};
 
 /// Events read from the store at a time. With the batch read ahead, what one follower holds
 /// of the log is at most twice this (the memory of 200 `/events` readers of a long log was
@@ -29,6 +30,10 @@ pub struct Follow {
     pub after: i64,
     /// Keep following once caught up (else end there).
     pub live: bool,
+    /// Only the events this keeps (the cursor passes the others all the same).
+    pub only: EventFilter,
+    /// An agent's text deltas merged per message, within each batch ([`merge_deltas`]).
+    pub merge: bool,
 }
 
 /// A follower of the log (see the module doc).
@@ -36,6 +41,8 @@ pub struct Follower {
     store: Arc<dyn TaskStore>,
     run: Option<String>,
     live: bool,
+    only: EventFilter,
+    merge: bool,
     cursor: LogCursor,
     /// The commit watch, subscribed before the first read: no commit in between is missed.
     watch: watch::Receiver<i64>,
@@ -65,6 +72,8 @@ impl Tasks {
             store: self.store.clone(),
             run: f.run,
             live: f.live,
+            only: f.only,
+            merge: f.merge,
             cursor: LogCursor::new(f.after),
             watch,
             next: None,
@@ -83,9 +92,32 @@ impl Follower {
         self.live = false;
     }
 
-    /// The next events in order; `None` once a follower that is not live is caught up, or the
-    /// store is gone. Cancel-safe: dropped while waiting, nothing is lost.
+    /// The next events in order, as the follow asked for them (filtered, deltas merged); never
+    /// an empty batch. `None` once a follower that is not live is caught up, or the store is
+    /// gone. Cancel-safe: dropped while waiting, nothing is lost (the cursor moves only with a
+    /// batch read, and a batch read is returned in the same poll).
     pub async fn next_batch(&mut self) -> Option<Result<Vec<Event>, StoreError>> {
+        loop {
+            let events = match self.raw_batch().await? {
+                Ok(events) => events,
+                Err(e) => return Some(Err(e)),
+            };
+            let mut events: Vec<Event> = if self.only == EventFilter::default() {
+                events
+            } else {
+                events.into_iter().filter(|e| self.only.keeps(e)).collect()
+            };
+            if self.merge {
+                events = merge_deltas(events);
+            }
+            if !events.is_empty() {
+                return Some(Ok(events));
+            }
+        }
+    }
+
+    /// The next events of the log (of the run followed) in order.
+    async fn raw_batch(&mut self) -> Option<Result<Vec<Event>, StoreError>> {
         loop {
             if let Some(next) = self.next.take() {
                 let events = match next.await {

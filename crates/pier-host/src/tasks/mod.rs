@@ -14,6 +14,7 @@ mod handle;
 mod people;
 mod remote;
 mod schedules;
+mod select;
 mod submit;
 mod views;
 mod workers;
@@ -23,6 +24,7 @@ pub use follow::{Delivered, Follow, Follower};
 pub use handle::Tasks;
 pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};
 pub use schedules::ScheduleView;
+pub use select::{EventFilter, merge_deltas};
 pub use submit::{Submission, Submitted, TYPES_FILE, one_task_plan, parse_plan, plan_types};
 pub use views::{
     AttemptTime, KeyLoad, RUN_STATES, RunFilter, RunList, RunSummary, RunView, StoreCounts, TaskView, counts,

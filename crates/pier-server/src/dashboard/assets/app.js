@@ -99,16 +99,30 @@ function patch(e) {
   return nodes.length > 0;
 }
 
-// The rail: each event once, in sequence order.
+// The rail: each event once, in sequence order; an agent's text deltas shown as one line per
+// message (the history comes merged by the server, live deltas join the line before them).
 let railLast = -1;
 function rail(e) {
   const list = document.getElementById("events");
   if (!list || e.seq <= railLast) return;
   railLast = e.seq;
+  const kind = e.type === "session_update" ? (e.update && e.update.sessionUpdate) || "update" : null;
+  const delta = kind && kind.endsWith("_chunk") ? `${e.task}|${e.attempt}|${kind}` : null;
+  const n = Number(e.merged || 1);
+  const last = list.lastElementChild;
+  if (delta && last && last.dataset.delta === delta) {
+    last.dataset.n = String(Number(last.dataset.n) + n);
+    last.textContent = `${last.dataset.first}–${e.seq} · ${e.task} · ${kind} ×${last.dataset.n}`;
+    return;
+  }
   const li = document.createElement("li");
-  const what = e.type === "transition" ? `${e.from} → ${e.to}` :
-    e.type === "session_update" ? (e.update && e.update.sessionUpdate) || "update" : e.type;
-  li.textContent = `${e.seq} · ${e.task || "run"} · ${what}${e.reason ? " · " + e.reason : ""}`;
+  const what = e.type === "transition" ? `${e.from} → ${e.to}` : kind || e.type;
+  if (delta) {
+    Object.assign(li.dataset, { delta, n: String(n), first: String(e.first_seq || e.seq) });
+    li.textContent = n > 1 ? `${li.dataset.first}–${e.seq} · ${e.task} · ${kind} ×${n}` : `${e.seq} · ${e.task} · ${kind}`;
+  } else {
+    li.textContent = `${e.seq} · ${e.task || "run"} · ${what}${e.reason ? " · " + e.reason : ""}`;
+  }
   list.append(li);
   while (list.children.length > 500) list.firstElementChild.remove();
 }
@@ -134,7 +148,7 @@ async function history(after) {
   if (list) list.replaceChildren();
   railLast = -1;
   if (list && run) {
-    const resp = await fetch(`/ui/events?run=${encodeURIComponent(run)}&after=${after}&follow=false`, { credentials: "same-origin" });
+    const resp = await fetch(`/ui/events?run=${encodeURIComponent(run)}&after=${after}&follow=false&merge=deltas`, { credentials: "same-origin" });
     const text = resp.ok ? await resp.text() : "";
     if (mine !== generation) return;
     if (!resp.ok) {
