@@ -34,6 +34,9 @@ pub enum ClientEvent {
         response: Value,
         reason: String,
     },
+    /// Lines the agent wrote to its stderr, in batches (at most a second, 64 lines or 8 KiB
+    /// each); `dropped` lines were not kept because nobody took the events in time.
+    Stderr { lines: Vec<String>, dropped: u64 },
 }
 
 /// The wire shape of [`ClientEvent`]: `type` first, then the event's own fields.
@@ -65,6 +68,10 @@ enum Wire<'a> {
         response: &'a Value,
         reason: &'a str,
     },
+    AgentStderr {
+        lines: &'a [String],
+        dropped: u64,
+    },
 }
 
 impl Serialize for ClientEvent {
@@ -84,6 +91,7 @@ impl Serialize for ClientEvent {
             }
             ClientEvent::ProtocolError(message) => Wire::ProtocolError { message },
             ClientEvent::Elicitation { request, response, reason } => Wire::Elicitation { request, response, reason },
+            ClientEvent::Stderr { lines, dropped } => Wire::AgentStderr { lines, dropped: *dropped },
         };
         wire.serialize(serializer)
     }
@@ -98,6 +106,7 @@ impl ClientEvent {
             ClientEvent::ClientCall { .. } => "client_call",
             ClientEvent::ProtocolError(_) => "protocol_error",
             ClientEvent::Elicitation { .. } => "elicitation",
+            ClientEvent::Stderr { .. } => "agent_stderr",
         }
     }
 }

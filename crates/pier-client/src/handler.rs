@@ -153,6 +153,16 @@ impl EventSender {
         }
     }
 
+    /// Sends `event` unless more than `HIGH` events wait (the agent's stderr, which has no
+    /// pipe to block: a flood of it is dropped, counted, rather than queued without bound).
+    pub(crate) fn send_unless_backlogged(&self, event: ClientEvent) -> bool {
+        if self.backlog.queued.load(Ordering::SeqCst) > HIGH {
+            return false;
+        }
+        self.send(event);
+        true
+    }
+
     /// `Some` while more than `HIGH` events wait: resolves once no more than `LOW` do.
     fn backpressure(&self) -> Option<BoxFuture<'static, ()>> {
         if self.backlog.queued.load(Ordering::SeqCst) <= HIGH {

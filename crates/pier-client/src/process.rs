@@ -15,8 +15,8 @@ use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
-use crate::ClientError;
 use crate::registry::AgentCommand;
+use crate::{ClientError, ClientEvent};
 
 /// The jail an agent process runs in: who starts it and what it allows.
 #[derive(Clone)]
@@ -36,6 +36,12 @@ const JAIL_START: Duration = Duration::from_secs(10);
 
 /// How many stderr lines are kept for error messages.
 const STDERR_LINES: usize = 40;
+/// An agent's stderr is sent on as it is read, the lines read together in one batch of at
+/// most this many lines and bytes.
+const STDERR_BATCH_LINES: usize = 64;
+const STDERR_BATCH_BYTES: usize = 8 << 10;
+/// How long a flush waits for the rest of a line already begun in the pipe.
+const STDERR_FLUSH_WAIT: Duration = Duration::from_millis(200);
 
 /// A running agent.
 pub struct AgentProcess {
@@ -47,6 +53,9 @@ pub struct AgentProcess {
     stderr: Arc<Mutex<VecDeque<String>>>,
     /// The task reading stderr; it ends at the agent's EOF.
     stderr_reader: Option<tokio::task::JoinHandle<()>>,
+    /// Asks the stderr reader to send on what the agent has written so far (see
+    /// [`AgentProcess::flush_stderr`]).
+    flush: tokio::sync::mpsc::Sender<tokio::sync::oneshot::Sender<()>>,
     /// The agent's jail (its cgroup, proxy, private directories), undone on drop after the group is killed.
     jail: Option<pier_jail::Running>,
 }
@@ -59,13 +68,15 @@ pub struct AgentPipes {
 
 impl AgentProcess {
     /// Spawns `command` in `cwd`, inside `jail` when given. With `echo_stderr`, the agent's
-    /// stderr is also copied to ours. Call it from a long-lived thread (see [`AgentCommand::guarded`]):
+    /// stderr is also copied to ours; with `stderr_events`, it is also sent there in batches
+    /// ([`ClientEvent::Stderr`]), for the host to record. Call it from a long-lived thread (see [`AgentCommand::guarded`]):
     /// a jailed or guarded agent is told when that thread dies.
     pub async fn spawn(
         command: &AgentCommand,
         cwd: &std::path::Path,
         echo_stderr: bool,
         jail: Option<&JailSetup>,
+        stderr_events: Option<crate::handler::EventSender>,
     ) -> Result<(AgentProcess, AgentPipes), ClientError> {
         let spawn_error = |message: String| ClientError::Spawn { agent: command.name.clone(), message };
         let mut prepared = match jail {
@@ -121,19 +132,8 @@ impl AgentProcess {
         };
         let stderr = Arc::new(Mutex::new(VecDeque::new()));
         let sink = stderr.clone();
-        let stderr_reader = tokio::spawn(async move {
-            let mut lines = BufReader::new(err).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if echo_stderr {
-                    eprintln!("{line}");
-                }
-                let mut kept = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                if kept.len() == STDERR_LINES {
-                    kept.pop_front();
-                }
-                kept.push_back(line);
-            }
-        });
+        let (flush, flushes) = tokio::sync::mpsc::channel(1);
+        let stderr_reader = tokio::spawn(read_stderr(err, sink, echo_stderr, stderr_events, flushes));
         // Live agent processes, for `pier serve`'s /metrics (a no-op without a recorder).
         metrics::gauge!("pier_agent_processes").increment(1.0);
         Ok((
@@ -144,6 +144,7 @@ impl AgentProcess {
                 guarded,
                 stderr,
                 stderr_reader: Some(stderr_reader),
+                flush,
                 jail,
             },
             AgentPipes { stdin, stdout },
@@ -158,6 +159,16 @@ impl AgentProcess {
     /// The limit of its jail the agent broke, if it broke one.
     pub fn breach(&self) -> Option<pier_jail::Breach> {
         self.jail.as_ref().and_then(pier_jail::Running::breach)
+    }
+
+    /// Sends on, as events, every whole line the agent wrote to stderr before now (what is in
+    /// the pipe: written before the answer the caller just read, it belongs to that turn).
+    /// Bounded: a reader that does not answer in time is not waited for.
+    pub async fn flush_stderr(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.flush.try_send(tx).is_ok() {
+            let _ = tokio::time::timeout(STDERR_FLUSH_WAIT * 2, rx).await;
+        }
     }
 
     /// The last lines the agent wrote to stderr.
@@ -227,4 +238,81 @@ impl Drop for AgentProcess {
         // After the group: the jail's drop kills what is left in its cgroup and removes its directories.
         self.jail.take();
     }
+}
+
+/// Whether the pipe behind `fd` holds bytes to read now (or its writer is gone).
+fn readable_now(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+}
+
+/// Reads an agent's stderr to its end: each line kept in the tail (`sink`), echoed with
+/// `echo`, and sent to `events` in batches of the lines read together; a flush request sends
+/// what the pipe already holds before it is answered. A batch the event queue has no room
+/// for is counted as dropped and said with the next.
+async fn read_stderr(
+    err: tokio::process::ChildStderr,
+    sink: Arc<Mutex<VecDeque<String>>>,
+    echo: bool,
+    events: Option<crate::handler::EventSender>,
+    mut flushes: tokio::sync::mpsc::Receiver<tokio::sync::oneshot::Sender<()>>,
+) {
+    use std::os::fd::AsFd;
+    let mut lines = BufReader::new(err).lines();
+    let keep = |line: &str| {
+        if echo {
+            eprintln!("{line}");
+        }
+        let mut kept = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if kept.len() == STDERR_LINES {
+            kept.pop_front();
+        }
+        kept.push_back(line.to_owned());
+    };
+    let (mut batch, mut bytes, mut dropped) = (Vec::new(), 0usize, 0u64);
+    let mut send = |batch: &mut Vec<String>, bytes: &mut usize| {
+        *bytes = 0;
+        if batch.is_empty() {
+            return;
+        }
+        let lines = std::mem::take(batch);
+        let Some(events) = &events else { return };
+        let n = lines.len() as u64;
+        if events.send_unless_backlogged(ClientEvent::Stderr { lines, dropped }) {
+            dropped = 0;
+        } else {
+            dropped += n;
+        }
+    };
+    loop {
+        tokio::select! {
+            // `next_line` is cancel-safe: a line half read when a flush comes is read after it.
+            line = lines.next_line() => {
+                let Ok(Some(line)) = line else { break };
+                keep(&line);
+                bytes += line.len();
+                batch.push(line);
+                if batch.len() >= STDERR_BATCH_LINES || bytes >= STDERR_BATCH_BYTES || lines.get_ref().buffer().is_empty() {
+                    send(&mut batch, &mut bytes);
+                }
+            }
+            Some(done) = flushes.recv() => {
+                let until = tokio::time::Instant::now() + STDERR_FLUSH_WAIT;
+                while !lines.get_ref().buffer().is_empty() || readable_now(lines.get_ref().get_ref().as_fd()) {
+                    match tokio::time::timeout_at(until, lines.next_line()).await {
+                        Ok(Ok(Some(line))) => {
+                            keep(&line);
+                            bytes += line.len();
+                            batch.push(line);
+                        }
+                        _ => break,
+                    }
+                }
+                send(&mut batch, &mut bytes);
+                let _ = done.send(());
+            }
+        }
+    }
+    send(&mut batch, &mut bytes);
 }

@@ -387,10 +387,13 @@ impl LiveAgent {
                 None => Ok(s),
             })
             .map_err(|e| Stopped::failed(ClientError::usage(format!("cannot use the directories to serve: {e}"))))?;
-        let (process, pipes) = AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr, opts.jail.as_ref())
-            .await
-            .map_err(Stopped::failed)?;
         let (inner_tx, inner_rx) = event_channel();
+        // Echoed to a terminal, stderr is already shown; otherwise it is an event, recorded.
+        let stderr_events = (!opts.echo_stderr).then(|| inner_tx.clone());
+        let (process, pipes) =
+            AgentProcess::spawn(&opts.agent, &opts.cwd, opts.echo_stderr, opts.jail.as_ref(), stderr_events)
+                .await
+                .map_err(Stopped::failed)?;
         let state = Arc::new(ClientState::new(
             sandbox,
             opts.cwd.clone(),
@@ -584,6 +587,7 @@ impl LiveAgent {
             outcome.breach = Some(breach);
         }
         self.state.terminals.kill_all();
+        self.process.flush_stderr().await;
         while let Ok(event) = self.inner_rx.try_recv() {
             let _ = events.send(event).await;
         }

@@ -147,7 +147,9 @@ impl<'a> Turn<'a> {
             };
             match wake {
                 Wake::Answered(answer) => {
-                    // Updates that raced the answer are still part of the turn.
+                    // Updates that raced the answer are still part of the turn, and so is what
+                    // the agent wrote to stderr before it.
+                    agent.process.flush_stderr().await;
                     while let Ok(event) = agent.inner_rx.try_recv() {
                         self.take(agent, event, events).await?;
                     }

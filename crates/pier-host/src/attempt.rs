@@ -755,6 +755,9 @@ impl Recorder {
     }
 }
 
+/// Most stderr lines one logged event holds.
+const STDERR_ROW_LINES: usize = 256;
+
 /// What the attempt showed so far: its text and tool calls, and its side effects. Local
 /// attempts and a worker's ([`crate::worker`]) see their agent's events through it alike.
 #[derive(Default)]
@@ -772,6 +775,17 @@ impl Seen {
             let effect = serde_json::to_value(&effect).unwrap_or(Value::Null);
             self.effects.push(effect.clone());
             evidence.push(effect);
+        }
+        // Stderr read faster than the log is written joins the batch of lines before it.
+        if let (ClientEvent::Stderr { lines, dropped }, Some((kind, last))) = (&event, rows.last_mut())
+            && kind == "agent_stderr"
+            && last["lines"].as_array().is_some_and(|l| l.len() + lines.len() <= STDERR_ROW_LINES)
+        {
+            if let Some(kept) = last["lines"].as_array_mut() {
+                kept.extend(lines.iter().cloned().map(Value::String));
+            }
+            last["dropped"] = Value::from(last["dropped"].as_u64().unwrap_or(0) + dropped);
+            return;
         }
         // The event as `pier exec --format json` prints it, without its `type` (the log's own).
         let mut data = serde_json::to_value(&event).unwrap_or(Value::Null);

@@ -61,13 +61,20 @@ pub enum AgentEvent {
     },
     /// The agent wrote something to stdout that is not JSON-RPC.
     ProtocolError { message: String },
+    /// Lines the agent wrote to its stderr; `dropped` more were not kept.
+    AgentStderr {
+        lines: Vec<String>,
+        #[serde(default)]
+        dropped: u64,
+    },
 }
 
 /// The kinds the host writes ([`LogEvent`]'s names).
 const HOST_KINDS: &[&str] =
     &["run_created", "task_created", "transition", "question", "answer", "message", "message_sent", "budget"];
 /// The kinds an attempt records ([`AgentEvent`]'s names).
-const AGENT_KINDS: &[&str] = &["session_update", "permission", "elicitation", "client_call", "protocol_error"];
+const AGENT_KINDS: &[&str] =
+    &["session_update", "permission", "elicitation", "client_call", "protocol_error", "agent_stderr"];
 
 /// Whether `data` (without its `type`) is an agent's event of kind `kind` the log knows: what a
 /// remote attempt may write.

@@ -9,6 +9,7 @@ mod config_cmd;
 mod demo;
 mod events_cmd;
 mod logging;
+mod logs_cmd;
 mod models_cmd;
 mod person_cmd;
 mod render;
@@ -50,6 +51,8 @@ enum Command {
     Run(run_cmd::RunArgs),
     /// Print the event log
     Events(events_cmd::EventsArgs),
+    /// A task's agent as a terminal shows it: what it said, its tool calls, its stderr
+    Logs(logs_cmd::LogsArgs),
     /// Answer a task waiting for input: allow its permission request, or run it again
     Approve(person_cmd::AnswerArgs),
     /// Answer a task waiting for input: reject its permission request, or cancel it
@@ -170,6 +173,7 @@ fn main() {
             Command::Sessions(cmd) => client_cmd::sessions(cmd).map(|()| 0),
             Command::Run(args) => run_cmd::run(args).await,
             Command::Events(args) => events_cmd::events(args).await.map(|()| 0),
+            Command::Logs(args) => logs_cmd::logs(args).await.map(|()| 0),
             Command::Approve(args) => person_cmd::answer(args, true).await.map(|()| 0),
             Command::Deny(args) => person_cmd::answer(args, false).await.map(|()| 0),
             Command::Say(args) => person_cmd::say(args).await.map(|()| 0),

@@ -238,6 +238,14 @@ impl Renderer {
                 }
             }
             ClientEvent::ProtocolError(message) => eprintln!("pier: protocol error from the agent: {message}"),
+            ClientEvent::Stderr { lines, dropped } => {
+                if *dropped > 0 {
+                    eprintln!("pier: {dropped} lines of the agent's stderr were dropped");
+                }
+                for line in lines {
+                    eprintln!("{line}");
+                }
+            }
             ClientEvent::Elicitation { request, response, reason } => {
                 let action = response["action"].as_str().unwrap_or("?");
                 eprintln!("pier: the agent asked: {} — {action} ({reason})", request.message);

@@ -158,3 +158,52 @@ async fn the_timeline_matches_the_attempts_times_and_the_graph_says_them() {
     assert_eq!(fits, json!(true), "fit: the graph within its box at a phone's width");
     b.keep_screenshot("run-390-fit").await;
 }
+
+/// Issue #34: a running task's page says who holds its attempt, when it last did something and
+/// the last lines its agent wrote to stderr (the host records them); its tool calls say when
+/// they started and, once ended, how long they took.
+#[tokio::test]
+async fn a_running_task_s_page_shows_its_liveness_and_stderr_tail() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let gate = dir.path().join("gate");
+    must(nix::unistd::mkfifo(&gate, nix::sys::stat::Mode::from_bits_truncate(0o600)), "fifo");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/stderr_agent.py");
+    let toml = format!(
+        "[agents.noisy]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ GATE = \"{}\" }}\n",
+        script.display(),
+        gate.display()
+    );
+    let (s, _) = support::serve::server_in(dir, None, &[], Some(&toml)).await;
+    let plan = "[[tasks]]\nid = \"build\"\nagent = \"noisy\"\nsandbox = \"off\"\nprompt = \"build it\"\n";
+    assert_eq!(s.call(Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "noisy"}))).await.0, 201);
+    s.events_until(None, |e| e["type"] == "agent_stderr" && e.to_string().contains("compiling step 3/3")).await;
+
+    let b = Browser::start("liveness").await;
+    b.goto(&format!("{}/ui/login", s.base)).await;
+    b.type_into(&b.find("#name").await.unwrap_or_else(|| panic!("no name field")), "pat").await;
+    b.type_into(&b.find("#token").await.unwrap_or_else(|| panic!("no token field")), TOKEN).await;
+    b.click(&b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"))).await;
+    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    b.goto(&format!("{}/ui/runs/noisy/tasks/build", s.base)).await;
+    let live = b.text(&b.find("section.live").await.unwrap_or_else(|| panic!("no liveness section"))).await;
+    assert!(live.contains("attempt 1, held by") && live.contains("lease renewed") && live.contains("ago"), "{live}");
+    let tail = b.text(&b.find("pre.stderr-tail").await.unwrap_or_else(|| panic!("no stderr tail"))).await;
+    assert_eq!(tail.trim(), "compiling step 1/3\ncompiling step 2/3\ncompiling step 3/3");
+    let when = b.text(&b.find(".tool[data-tool=\"m1\"] .when").await.unwrap_or_else(|| panic!("no time"))).await;
+    assert!(!when.contains("took"), "still on: {when}");
+
+    must(std::fs::write(&gate, "go"), "open the gate");
+    s.events_until(None, |e| e["task"] == "build" && e["to"] == "completed").await;
+    b.goto(&format!("{}/ui/runs/noisy/tasks/build", s.base)).await;
+    assert!(b.find("section.live").await.is_none(), "an ended task is not live");
+    let when = b.text(&b.find(".tool[data-tool=\"m1\"] .when").await.unwrap_or_else(|| panic!("no time"))).await;
+    assert!(when.contains(", took ") && when.ends_with(" s"), "{when}");
+    // Every line, in the attempt's transcript where it came.
+    let lines = b
+        .script(
+            "return [...document.querySelectorAll('details.stderr pre')].map(p => p.textContent.trim()).join('\\n')",
+            vec![],
+        )
+        .await;
+    assert_eq!(lines, json!("compiling step 1/3\ncompiling step 2/3\ncompiling step 3/3\nlinked"));
+}

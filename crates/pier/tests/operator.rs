@@ -5,7 +5,7 @@ mod support;
 
 use pier_fake_model::{FakeModel, Gate, Reply, Step};
 use support::host::{Host, lines, stderr};
-use support::must;
+use support::{LIMIT, must};
 
 #[tokio::test]
 async fn runs_are_listed_and_a_run_id_names_one_plan() {
@@ -296,4 +296,85 @@ async fn completions_are_generated_for_each_shell() {
     }
     let o = must(support::pier_command(dir.path(), &[], &["completions", "tcsh"]).output().await, "bad shell");
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// Issue #34: `pier logs RUN TASK --follow` shows a task's agent as a terminal would — its
+/// text, its tool call and how it ended, what it wrote to stderr (the host records it) — live,
+/// and ends when the task ends; without --follow it prints what is there and ends.
+#[tokio::test]
+async fn pier_logs_follows_a_task_s_agent_with_its_stderr_and_ends_with_the_task() {
+    use tokio::io::AsyncBufReadExt;
+    let h = Host::new(None);
+    let gate = h.path("gate");
+    must(nix::unistd::mkfifo(&gate, nix::sys::stat::Mode::from_bits_truncate(0o600)), "fifo");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/stderr_agent.py");
+    h.write(
+        "pier.toml",
+        &format!(
+            "[agents.noisy]\ncommand = \"python3\"\nargs = [\"{}\"]\nenv = {{ GATE = \"{}\" }}\n",
+            script.display(),
+            gate.display()
+        ),
+    );
+    let plan =
+        h.write("p.toml", "[[tasks]]\nid = \"build\"\nagent = \"noisy\"\nsandbox = \"off\"\nprompt = \"build it\"\n");
+    let mut run = h.command(&["run", plan.to_str().unwrap_or_default(), "--run-id", "r", "--format", "json"]);
+    let mut running = must(run.stdout(std::process::Stdio::piped()).spawn(), "pier run");
+    // The run's own events say when the agent's stderr is in the log (it waits at the gate).
+    let mut events = tokio::io::BufReader::new(running.stdout.take().unwrap_or_else(|| panic!("stdout"))).lines();
+    loop {
+        let line = must(tokio::time::timeout(LIMIT, events.next_line()).await, "an event in time");
+        let line = must(line, "read").unwrap_or_else(|| panic!("pier run ended early"));
+        if line.contains("\"agent_stderr\"") {
+            break;
+        }
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = events.next_line().await {} });
+    // Followed while the agent waits at the gate: what it did so far shows, then the rest.
+    let mut logs = h.command(&["logs", "r", "build", "--follow"]);
+    let mut logs = must(logs.stdout(std::process::Stdio::piped()).spawn(), "pier logs");
+    let stdout = logs.stdout.take().unwrap_or_else(|| panic!("stdout"));
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut seen = Vec::new();
+    let wait_for = |seen: &Vec<String>, what: &str| seen.iter().any(|l| l.contains(what));
+    // The whole lines the agent wrote before the gate, in whichever order its two pipes were
+    // read (its text, "building", stays on an open line until something follows it).
+    while !["stderr| compiling step 3/3", "▸ [execute] make"].iter().all(|w| wait_for(&seen, w)) {
+        let line = must(tokio::time::timeout(LIMIT, lines.next_line()).await, "a line in time");
+        seen.push(must(line, "read").unwrap_or_else(|| panic!("pier logs ended early: {seen:#?}")));
+    }
+    assert!(wait_for(&seen, "attempt 1: pending → running"), "{seen:#?}");
+    // The go-ahead: the agent finishes, and `pier logs` ends with the task.
+    must(std::fs::write(&gate, "go"), "open the gate");
+    let rest = must(
+        tokio::time::timeout(LIMIT, async {
+            let mut rest = Vec::new();
+            while let Ok(Some(line)) = lines.next_line().await {
+                rest.push(line);
+            }
+            rest
+        })
+        .await,
+        "pier logs ended with the task",
+    );
+    let status = must(must(tokio::time::timeout(LIMIT, logs.wait()).await, "exit"), "wait");
+    assert!(status.success());
+    seen.extend(rest);
+    let text = seen.join("\n");
+    for want in [
+        "stderr| compiling step 1/3",
+        "stderr| linked",
+        "✓ completed: make",
+        "building",
+        " done",
+        "running → completed",
+    ] {
+        assert!(text.contains(want), "{want} in:\n{text}");
+    }
+    let o = must(must(tokio::time::timeout(LIMIT, running.wait_with_output()).await, "run ended"), "run");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Afterwards, without --follow: the same, and it ends at once.
+    let o = h.run(&["logs", "r", "build"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("stderr| linked"), "{}", String::from_utf8_lossy(&o.stdout));
 }

@@ -13,7 +13,7 @@ use super::actions::task_links;
 use super::auth::Session;
 use super::graph::{glyph, svg};
 use super::timeline::gantt;
-use super::transcript::{Item, build, diff_lines};
+use super::transcript::{Item, Span, build, diff_lines};
 use crate::access::Role;
 
 /// A schema enum's wire name (`in_progress`, `execute`): what it serializes to.
@@ -475,6 +475,11 @@ fn requested_tool(call: &ToolCallUpdate) -> Markup {
 
 /// One tool call: kind, status, title, and its content (text, diffs as unified diffs).
 fn tool(call: &ToolCall) -> Markup {
+    tool_at(call, None)
+}
+
+/// [`tool`], with when it started and how long it took, when known.
+fn tool_at(call: &ToolCall, span: Option<Span>) -> Markup {
     let status = wire_name(&call.status);
     html! {
         div class={ "tool status-" (status) } data-tool=(call.tool_call_id.0) {
@@ -482,6 +487,12 @@ fn tool(call: &ToolCall) -> Markup {
                 span class="kind" { (wire_name(&call.kind)) }
                 " " strong { (call.title) }
                 " " span class="status" { "[" (status) "]" }
+                @if let Some(span) = span {
+                    " " span class="when" data-started-ms=(span.started_ms) data-ended-ms=[span.ended_ms] {
+                        (time(span.started_ms))
+                        @if let Some(end) = span.ended_ms { ", took " (format!("{:.1} s", (end - span.started_ms).max(0) as f64 / 1000.0)) }
+                    }
+                }
             }
             @for c in &call.content {
                 @match c {
@@ -529,6 +540,9 @@ pub fn task(
             @if let Some(owner) = &t.lease_owner { dt { "lease" } dd { (owner) } }
             @if !t.spec.depends_on.is_empty() { dt { "depends on" } dd { (t.spec.depends_on.join(", ")) } }
         }
+        @if matches!(t.state, pier_host::TaskState::Running | pier_host::TaskState::AwaitingInput) {
+            (liveness(t, events))
+        }
         @if t.state == pier_host::TaskState::AwaitingInput && s.may(Role::Operator) {
             section class="waiting" aria-label="waiting for you" {
                 h2 { "Waiting for you" }
@@ -560,6 +574,45 @@ pub fn task(
     layout(&format!("Task {}", t.id), Some(s), Some((format!("run={}", seg(run)), seq)), notice, body)
 }
 
+/// Lines of a running agent's stderr shown on its task page.
+const STDERR_TAIL: usize = 20;
+
+/// How a running task's attempt is doing: who holds it and until when, when it last did
+/// something, and the last lines its agent wrote to stderr.
+fn liveness(t: &TaskRow, events: &[pier_host::Event]) -> Markup {
+    let now = pier_host::store::now_ms();
+    let last = events.iter().rev().find(|e| e.task.as_deref() == Some(t.id.as_str())).map(|e| e.at_ms);
+    let mut tail: Vec<String> = Vec::new();
+    for e in events.iter().rev().filter(|e| e.kind == "agent_stderr") {
+        if tail.len() >= STDERR_TAIL {
+            break;
+        }
+        if let pier_host::Entry::Agent { attempt, event } = e.entry()
+            && attempt == t.attempt
+            && let pier_host::AgentEvent::AgentStderr { lines, .. } = *event
+        {
+            tail.extend(lines.into_iter().rev().take(STDERR_TAIL - tail.len()));
+        }
+    }
+    tail.reverse();
+    html! {
+        section class="live" aria-label="now" {
+            h2 { "Now" }
+            p {
+                "attempt " (t.attempt)
+                @if let (Some(owner), Some(until)) = (&t.lease_owner, t.lease_expires_at_ms) {
+                    ", held by " code { (owner) } @if until >= now { " (lease renewed, good for " (duration(until - now)) ")" } @else { " (lease lapsed " (duration(now - until)) " ago: its host may be gone)" }
+                }
+                @if let Some(at) = last { "; last event " span class="ago" data-at-ms=(at) { (duration(now - at)) " ago" } }
+            }
+            @if !tail.is_empty() {
+                h3 { "stderr, last lines" }
+                pre class="stderr-tail" { @for l in &tail { (l) "\n" } }
+            }
+        }
+    }
+}
+
 /// When an attempt started, how long it took and how it ended (its `<time>`s in UTC, for a
 /// script or the browser to read).
 fn attempt_time(t: &pier_host::AttemptTime) -> Markup {
@@ -582,7 +635,13 @@ fn item_markup(item: &Item) -> Markup {
         Item::Said(text) => html! { div class="said" { pre { (text) } } },
         Item::User(text) => html! { div class="user" { p class="who" { "prompt" } pre { (text) } } },
         Item::Thought(text) => html! { details class="thought" { summary { "thoughts" } pre { (text) } } },
-        Item::Tool(call) => tool(call),
+        Item::Tool(call, span) => tool_at(call, Some(*span)),
+        Item::Stderr { lines, dropped } => html! {
+            details class="stderr" {
+                summary { "stderr · " (lines.len()) @if lines.len() == 1 { " line" } @else { " lines" } @if *dropped > 0 { " (" (dropped) " more dropped)" } }
+                pre { @for l in lines { (l) "\n" } }
+            }
+        },
         Item::Plan(plan) => html! {
             ol class="plan" {
                 @for e in &plan.entries {

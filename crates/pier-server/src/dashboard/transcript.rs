@@ -17,7 +17,13 @@ pub enum Item {
     Said(String),
     Thought(String),
     User(String),
-    Tool(Box<ToolCall>),
+    /// A tool call as its updates left it, and when it was first and last seen.
+    Tool(Box<ToolCall>, Span),
+    /// Lines the agent wrote to its stderr (consecutive batches joined); `dropped` more lost.
+    Stderr {
+        lines: Vec<String>,
+        dropped: u64,
+    },
     Plan(Plan),
     Permission {
         tool_call: Box<ToolCallUpdate>,
@@ -36,6 +42,13 @@ pub enum Item {
     Model(Box<pier_host::ModelRequest>),
 }
 
+/// When a tool call was announced, and when it reached a final state (if it did).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub started_ms: i64,
+    pub ended_ms: Option<i64>,
+}
+
 /// The items of each attempt, in order; attempt 0 holds what belongs to none.
 pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
     let mut out: BTreeMap<i64, Vec<Item>> = BTreeMap::new();
@@ -44,7 +57,14 @@ pub fn build(events: &[Event]) -> BTreeMap<i64, Vec<Item>> {
             Entry::Agent { attempt, event } => {
                 let items = out.entry(attempt).or_default();
                 match *event {
-                    AgentEvent::SessionUpdate { update: u } => update(items, u),
+                    AgentEvent::SessionUpdate { update: u } => update(items, u, e.at_ms),
+                    AgentEvent::AgentStderr { lines, dropped } => match items.last_mut() {
+                        Some(Item::Stderr { lines: kept, dropped: lost }) => {
+                            kept.extend(lines);
+                            *lost += dropped;
+                        }
+                        _ => items.push(Item::Stderr { lines, dropped }),
+                    },
                     AgentEvent::Permission { tool_call, options, outcome, rule, reason } => {
                         items.push(Item::Permission { tool_call: Box::new(tool_call), options, outcome, rule, reason })
                     }
@@ -79,7 +99,7 @@ fn chunk(items: &mut Vec<Item>, piece: &str, same: fn(&mut Item) -> Option<&mut 
     }
 }
 
-fn update(items: &mut Vec<Item>, u: SessionUpdate) {
+fn update(items: &mut Vec<Item>, u: SessionUpdate, at_ms: i64) {
     match u {
         SessionUpdate::AgentMessageChunk(c) => {
             chunk(items, text(&c.content), |i| if let Item::Said(s) = i { Some(s) } else { None }, Item::Said)
@@ -90,18 +110,27 @@ fn update(items: &mut Vec<Item>, u: SessionUpdate) {
         SessionUpdate::UserMessageChunk(c) => {
             chunk(items, text(&c.content), |i| if let Item::User(s) = i { Some(s) } else { None }, Item::User)
         }
-        SessionUpdate::ToolCall(call) => items.push(Item::Tool(Box::new(call))),
+        SessionUpdate::ToolCall(call) => {
+            let span = Span { started_ms: at_ms, ended_ms: finished(&call).then_some(at_ms) };
+            items.push(Item::Tool(Box::new(call), span));
+        }
         SessionUpdate::ToolCallUpdate(u) => {
             let seen = items.iter_mut().rev().find_map(|i| match i {
-                Item::Tool(t) if t.tool_call_id == u.tool_call_id => Some(t),
+                Item::Tool(t, span) if t.tool_call_id == u.tool_call_id => Some((t, span)),
                 _ => None,
             });
             match seen {
-                Some(t) => t.update(u.fields),
+                Some((t, span)) => {
+                    t.update(u.fields);
+                    if span.ended_ms.is_none() && finished(t) {
+                        span.ended_ms = Some(at_ms);
+                    }
+                }
                 // An update of a call never announced: shown as far as it goes.
                 None => {
                     if let Ok(call) = ToolCall::try_from(u) {
-                        items.push(Item::Tool(Box::new(call)));
+                        let span = Span { started_ms: at_ms, ended_ms: finished(&call).then_some(at_ms) };
+                        items.push(Item::Tool(Box::new(call), span));
                     }
                 }
             }
@@ -109,6 +138,12 @@ fn update(items: &mut Vec<Item>, u: SessionUpdate) {
         SessionUpdate::Plan(plan) => items.push(Item::Plan(plan)),
         _ => {}
     }
+}
+
+/// Whether a tool call reached a final state.
+fn finished(call: &ToolCall) -> bool {
+    use agent_client_protocol_schema::v1::ToolCallStatus;
+    matches!(call.status, ToolCallStatus::Completed | ToolCallStatus::Failed)
 }
 
 /// Texts past this are not diffed on a page (a diff is quadratic at worst).
