@@ -235,7 +235,9 @@ fn ended(shown: &Value, one_task: bool) -> bool {
 /// whole (as `GET …/tasks/{task}` has it), from the local store.
 async fn local(tasks: &pier_host::Tasks, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
     if let Some(id) = task {
-        return Ok(pier_server::task_json(&tasks.task(run, id).await?));
+        let mut v = pier_server::task_json(&tasks.task(run, id).await?);
+        v["turns"] = json!(pier_host::tasks::turns(&tasks.transcript(run, id).await?));
+        return Ok(v);
     }
     let view = tasks.run(run).await?;
     let rows = view.tasks.iter().map(|(t, q)| {
@@ -261,7 +263,13 @@ fn request_of(question: &Value) -> Option<pier_host::QuestionRequest> {
 async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
     use crate::serve_cmd::{get, segment};
     if let Some(id) = task {
-        return get(Some(server), &format!("/runs/{}/tasks/{}", segment(run), segment(id))).await;
+        let mut v = get(Some(server.clone()), &format!("/runs/{}/tasks/{}", segment(run), segment(id))).await?;
+        let mut events = Vec::new();
+        let query = format!("task={}", segment(id));
+        crate::serve_cmd::events(Some(server), Some(run.to_owned()), 0, false, &query, |e| events.push(e.clone()))
+            .await?;
+        v["turns"] = json!(pier_host::tasks::turns(&events));
+        return Ok(v);
     }
     let v = get(Some(server), &format!("/runs/{}", segment(run))).await?;
     let rows: Vec<Value> = v["tasks"]
@@ -407,6 +415,12 @@ fn task_text(run: &str, v: &Value) -> String {
         let times = v["times"].as_array().into_iter().flatten().find(|t| t["attempt"] == a["attempt"]);
         let when = times.map(attempt_when).unwrap_or_default();
         out.push_str(&format!("attempt {}: {when}{effects} side effect(s)\n", a["attempt"]));
+        let turns: Vec<&Value> =
+            v["turns"].as_array().into_iter().flatten().filter(|t| t["attempt"] == a["attempt"]).collect();
+        if !turns.is_empty() {
+            out.push_str(&turn_blocks(&turns, t["result"].as_str()));
+            continue;
+        }
         for call in a["output"]["toolCalls"].as_array().into_iter().flatten() {
             let mark = match call["status"].as_str() {
                 Some("completed") => "✓",
@@ -419,6 +433,39 @@ fn task_text(run: &str, v: &Value) -> String {
             // The answer that became the result is shown once, as the result.
             Some(text) if t["result"].as_str() == Some(text) => out.push_str("  said: the result above\n"),
             Some(text) => out.push_str(&format!("  said:\n{}\n", indent(&indent(text)))),
+            None => {}
+        }
+    }
+    out
+}
+
+/// An attempt's turns, a block each: what opened it, its tool calls, what the agent said (the
+/// answer that became the result said once, above).
+fn turn_blocks(turns: &[&Value], result: Option<&str>) -> String {
+    let mut out = String::new();
+    for t in turns {
+        let opened = &t["opened"];
+        let head = match opened["kind"].as_str() {
+            Some("message") => format!(
+                "message {} from {}: {}",
+                opened["n"],
+                opened["by"].as_str().unwrap_or("?"),
+                opened["text"].as_str().unwrap_or("").lines().next().unwrap_or("")
+            ),
+            _ => "the task's prompt".to_owned(),
+        };
+        out.push_str(&format!("  turn {}, {head}\n", t["turn"]));
+        for call in t["tool_calls"].as_array().into_iter().flatten() {
+            let mark = match call["status"].as_str() {
+                Some("completed") => "✓",
+                Some("failed") => "✗",
+                _ => "…",
+            };
+            out.push_str(&format!("    {mark} {}\n", call["title"].as_str().unwrap_or("?")));
+        }
+        match t["said"].as_str().filter(|s| !s.is_empty()) {
+            Some(said) if result == Some(said) => out.push_str("    said: the result above\n"),
+            Some(said) => out.push_str(&format!("    said:\n{}\n", indent(&indent(&indent(said))))),
             None => {}
         }
     }

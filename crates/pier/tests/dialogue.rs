@@ -210,6 +210,14 @@ async fn pier_say_reaches_a_task_that_another_process_runs() {
     use pier_host::TaskStore;
     let t = must(h.store().task("say", "notes"), "task").unwrap_or_else(|| panic!("no task"));
     assert_eq!(t.result.as_deref(), Some("revised: add a summary"));
+    // `pier show` gives a block per turn: the task's prompt, then the message that opened the next.
+    let shown = h.run(&["show", "say", "notes"]).await;
+    let text = String::from_utf8_lossy(&shown.stdout).into_owned();
+    let first = text.find("  turn 1, the task's prompt\n    said:\n      draft\n");
+    let second = text.find("  turn 2, message 1 from cli:");
+    assert!(first.is_some() && second.is_some() && first < second, "{text}");
+    assert!(text.contains(": add a summary\n    said: the result above\n"), "{text}");
+    assert_eq!(text.matches("revised: add a summary").count(), 1, "the result once: {text}");
     // A task that has ended takes no message, and says why.
     let late = h.run(&["say", "notes", "one more thing"]).await;
     assert_ne!(late.status.code(), Some(0));

@@ -16,6 +16,7 @@ mod remote;
 mod schedules;
 mod select;
 mod submit;
+mod turns;
 mod views;
 mod workers;
 
@@ -26,6 +27,7 @@ pub use remote::{MAX_BATCH_EVENTS, MAX_WAIT, Notice, Progress};
 pub use schedules::ScheduleView;
 pub use select::{EventFilter, merge_deltas};
 pub use submit::{Submission, Submitted, TYPES_FILE, one_task_plan, parse_plan, plan_types};
+pub use turns::{Opened, Turn, TurnCall, turns};
 pub use views::{
     AttemptTime, KeyLoad, RUN_STATES, RunFilter, RunList, RunSummary, RunView, StoreCounts, TaskView, counts,
 };
