@@ -207,3 +207,45 @@ async fn a_running_task_s_page_shows_its_liveness_and_stderr_tail() {
         .await;
     assert_eq!(lines, json!("compiling step 1/3\ncompiling step 2/3\ncompiling step 3/3\nlinked"));
 }
+
+/// Issue #34: the graph's edges end in arrowheads and pass through no node, also an edge that
+/// skips a layer (it goes down the gutter between columns).
+#[tokio::test]
+async fn no_edge_of_the_graph_crosses_a_node() {
+    let s = server(None).await;
+    // d depends on a (two layers up) and on b and c (one up); e on a and d.
+    let plan = "[[tasks]]\nid = \"a\"\nagent = \"worker:x\"\nprompt = \"p\"\n\n\
+                [[tasks]]\nid = \"b\"\nagent = \"worker:x\"\nprompt = \"p\"\ndepends_on = [\"a\"]\n\n\
+                [[tasks]]\nid = \"c\"\nagent = \"worker:x\"\nprompt = \"p\"\ndepends_on = [\"a\"]\n\n\
+                [[tasks]]\nid = \"d\"\nagent = \"worker:x\"\nprompt = \"p\"\ndepends_on = [\"a\", \"b\", \"c\"]\n\n\
+                [[tasks]]\nid = \"e\"\nagent = \"worker:x\"\nprompt = \"p\"\ndepends_on = [\"a\", \"d\"]\n";
+    assert_eq!(s.call(Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "edges"}))).await.0, 201);
+    let b = Browser::start("edges").await;
+    b.goto(&format!("{}/ui/login", s.base)).await;
+    b.type_into(&b.find("#name").await.unwrap_or_else(|| panic!("no name field")), "pat").await;
+    b.type_into(&b.find("#token").await.unwrap_or_else(|| panic!("no token field")), TOKEN).await;
+    b.click(&b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"))).await;
+    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    b.goto(&format!("{}/ui/runs/edges", s.base)).await;
+    // Every edge sampled along its segments: no point inside a node it does not join.
+    let crossings = b
+        .script(
+            "const nodes = [...document.querySelectorAll('svg.graph g.node')].map(g => { \
+               const m = g.transform.baseVal[0].matrix, r = g.querySelector('rect'); \
+               return {id: g.dataset.task, x: m.e, y: m.f, w: r.width.baseVal.value, h: r.height.baseVal.value}; }); \
+             const bad = []; \
+             for (const e of document.querySelectorAll('svg.graph .edges > *')) { \
+               const pts = e.tagName === 'line' \
+                 ? [[e.x1.baseVal.value, e.y1.baseVal.value], [e.x2.baseVal.value, e.y2.baseVal.value]] \
+                 : [...e.points].map(p => [p.x, p.y]); \
+               if (e.getAttribute('marker-end') !== 'url(#arrow)') bad.push('no arrow ' + e.dataset.from + '->' + e.dataset.to); \
+               for (let i = 1; i < pts.length; i++) for (let k = 0; k <= 50; k++) { \
+                 const x = pts[i-1][0] + (pts[i][0] - pts[i-1][0]) * k / 50, y = pts[i-1][1] + (pts[i][1] - pts[i-1][1]) * k / 50; \
+                 for (const n of nodes) if (n.id !== e.dataset.from && n.id !== e.dataset.to \
+                   && x > n.x + 1 && x < n.x + n.w - 1 && y > n.y + 1 && y < n.y + n.h - 1) bad.push(e.dataset.from + '->' + e.dataset.to + ' through ' + n.id); } } \
+             return {edges: document.querySelectorAll('svg.graph .edges > *').length, skips: document.querySelectorAll('svg.graph polyline').length, bad: [...new Set(bad)]}",
+            vec![],
+        )
+        .await;
+    assert_eq!(crossings, json!({"edges": 7, "skips": 2, "bad": []}), "a→d and a→e skip layers");
+}

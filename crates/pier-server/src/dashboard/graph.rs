@@ -117,7 +117,18 @@ pub fn svg(run: &str, tasks: &[TaskRow], times: &BTreeMap<String, Vec<AttemptTim
                     @for d in &t.spec.depends_on {
                         @if let Some(&j) = index.get(d.as_str()) {
                             @let ((x1, y1), (x2, y2)) = (at(j), at(i));
-                            line x1=(x1 + W / 2) y1=(y1 + H) x2=(x2 + W / 2) y2=(y2) marker-end="url(#arrow)" {}
+                            @if layer[i] == layer[j] + 1 {
+                                // Between adjacent layers an edge stays in the gap between them.
+                                line x1=(x1 + W / 2) y1=(y1 + H) x2=(x2 + W / 2) y2=(y2) marker-end="url(#arrow)"
+                                    data-from=(tasks[j].id) data-to=(t.id) {}
+                            } @else {
+                                // Across layers it runs down the gutter left of its task's column,
+                                // in the gaps between layers and columns: through no node.
+                                @let (top, bottom, gutter) = (y1 + H + GAP_Y / 2, y2 - GAP_Y / 2, x2 - GAP_X / 2);
+                                polyline fill="none" marker-end="url(#arrow)" data-from=(tasks[j].id) data-to=(t.id)
+                                    points={ (x1 + W / 2) "," (y1 + H) " " (x1 + W / 2) "," (top) " " (gutter) "," (top) " "
+                                        (gutter) "," (bottom) " " (x2 + W / 2) "," (bottom) " " (x2 + W / 2) "," (y2) } {}
+                            }
                         }
                     }
                 }
