@@ -521,3 +521,32 @@ async fn an_old_worker_and_a_v1_worker_share_a_run() {
     let (_, run) = s.call(Method::GET, "/runs/mixed", None).await;
     assert_eq!(run["counts"], json!({"completed": 2}), "{run}");
 }
+
+/// Issue #34: a person's denial on a pull worker's attempt ends it as it does a local one
+/// (`on_deny = "fail"` by default): the task fails saying what was denied, is not retried,
+/// and the task depending on it is cancelled.
+#[tokio::test]
+async fn a_denial_on_a_worker_fails_the_task_and_cancels_its_dependents() {
+    use pier_fake_model::{FakeModel, Reply};
+    let f = must(FakeModel::start().await, "fake");
+    let s = server(None).await;
+    let base = f.base_url();
+    let args = ["--server", &s.base, "--capability", "build", "--name", "wk-deny", "--lease-ttl-ms", "3000"];
+    let (_dir, _worker) = worker(&base, &args);
+    f.push(Reply::tool_call("c1", "run_command", r#"{"command": "rm -rf build"}"#));
+    f.set_fallback(|_| Reply::text("went on anyway"));
+    let plan = "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"clean\"\npermissions = { execute = \"ask\" }\n\n\
+                [[tasks]]\nid = \"b\"\nagent = \"worker:build\"\nprompt = \"then build\"\ndepends_on = [\"a\"]\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "pd"})).await.0, 201);
+    s.events_until(Some(0), |e| e["task"] == "a" && e["type"] == "question").await;
+    person(&s, &["deny", "a", "--run", "pd"]).await;
+    s.events_until(Some(0), |e| e["task"] == "b" && e["to"] == "cancelled").await;
+    let (_, run) = s.call(Method::GET, "/runs/pd", None).await;
+    let state =
+        |id: &str| run["tasks"].as_array().and_then(|t| t.iter().find(|t| t["id"] == id)).map(|t| t["state"].clone());
+    assert_eq!((state("a"), state("b")), (Some(json!("failed")), Some(json!("cancelled"))), "{run}");
+    let (_, t) = s.call(Method::GET, "/runs/pd/tasks/a", None).await;
+    let error = t["task"]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("denied") && error.contains("rm -rf build"), "says what was denied: {t}");
+    assert_eq!(t["task"]["attempt"], 1, "a denial is not retried: {t}");
+}
