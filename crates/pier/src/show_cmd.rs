@@ -461,7 +461,11 @@ fn turn_blocks(turns: &[&Value], result: Option<&str>) -> String {
                 Some("failed") => "✗",
                 _ => "…",
             };
-            out.push_str(&format!("    {mark} {}\n", call["title"].as_str().unwrap_or("?")));
+            let took = match (call["started_at_ms"].as_i64(), call["ended_at_ms"].as_i64()) {
+                (Some(from), Some(to)) => format!(" ({:.1} s)", (to - from).max(0) as f64 / 1000.0),
+                _ => String::new(),
+            };
+            out.push_str(&format!("    {mark} {}{took}\n", call["title"].as_str().unwrap_or("?")));
         }
         match t["said"].as_str().filter(|s| !s.is_empty()) {
             Some(said) if result == Some(said) => out.push_str("    said: the result above\n"),

@@ -377,4 +377,9 @@ async fn pier_logs_follows_a_task_s_agent_with_its_stderr_and_ends_with_the_task
     let o = h.run(&["logs", "r", "build"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("stderr| linked"), "{}", String::from_utf8_lossy(&o.stdout));
+    // `pier show` has the tool call in its turn, with how long it took.
+    let o = h.run(&["show", "r", "build"]).await;
+    let shown = String::from_utf8_lossy(&o.stdout).into_owned();
+    let call = shown.lines().find(|l| l.trim_start().starts_with("✓ make (")).unwrap_or_default();
+    assert!(call.ends_with(" s)"), "{shown}");
 }

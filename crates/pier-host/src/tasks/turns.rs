@@ -26,6 +26,14 @@ pub struct TurnCall {
     pub title: String,
     /// `pending`, `in_progress`, `completed` or `failed`.
     pub status: String,
+    /// When it was announced, and when it reached `completed` or `failed` (ms since the epoch).
+    pub started_at_ms: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<i64>,
+}
+
+fn is_final(s: ToolCallStatus) -> bool {
+    matches!(s, ToolCallStatus::Completed | ToolCallStatus::Failed)
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -79,12 +87,17 @@ pub fn turns(events: &[Event]) -> Vec<Turn> {
                         id: call.tool_call_id.0.to_string(),
                         title: call.title,
                         status: status_name(call.status),
+                        started_at_ms: e.at_ms,
+                        ended_at_ms: is_final(call.status).then_some(e.at_ms),
                     }),
                     SessionUpdate::ToolCallUpdate(u) => {
                         let id = u.tool_call_id.0.to_string();
                         if let Some(call) = turn.tool_calls.iter_mut().rev().find(|c| c.id == id) {
                             if let Some(s) = u.fields.status {
                                 call.status = status_name(s);
+                                if is_final(s) && call.ended_at_ms.is_none() {
+                                    call.ended_at_ms = Some(e.at_ms);
+                                }
                             }
                             if let Some(title) = u.fields.title {
                                 call.title = title;
