@@ -136,7 +136,10 @@ pub(crate) async fn show_task(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    Ok(Json(task_json(&app.tasks.task(&run, &task).await?)))
+    let mut v = task_json(&app.tasks.task(&run, &task).await?);
+    // Turn by turn, each tool call with its times: what `pier show RUN TASK` prints.
+    v["turns"] = json!(pier_host::tasks::turns(&app.tasks.transcript(&run, &task).await?));
+    Ok(Json(v))
 }
 
 /// A run's new budget: on every task of it; those a budget stopped run again.

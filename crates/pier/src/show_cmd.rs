@@ -263,13 +263,8 @@ fn request_of(question: &Value) -> Option<pier_host::QuestionRequest> {
 async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result<Value> {
     use crate::serve_cmd::{get, segment};
     if let Some(id) = task {
-        let mut v = get(Some(server.clone()), &format!("/runs/{}/tasks/{}", segment(run), segment(id))).await?;
-        let mut events = Vec::new();
-        let query = format!("task={}", segment(id));
-        crate::serve_cmd::events(Some(server), Some(run.to_owned()), 0, false, &query, |e| events.push(e.clone()))
-            .await?;
-        v["turns"] = json!(pier_host::tasks::turns(&events));
-        return Ok(v);
+        // The task whole, its turns among it.
+        return get(Some(server), &format!("/runs/{}/tasks/{}", segment(run), segment(id))).await;
     }
     let v = get(Some(server), &format!("/runs/{}", segment(run))).await?;
     let rows: Vec<Value> = v["tasks"]

@@ -353,6 +353,25 @@ async fn an_agent_s_question_is_answered_with_its_form_and_a_bad_answer_is_refus
     b.goto(&format!("{}/ui/runs/form/tasks/q", s.base)).await;
     b.wait_for("the question's form", "!!document.querySelector('form.question-form input[name=\"f.name\"]')", LIMIT)
         .await;
+    // On a phone the question and its form are whole, on the task page and on Approvals.
+    b.set_window_size(390, 900).await;
+    for path in ["/ui/runs/form/tasks/q", "/ui/approvals"] {
+        b.goto(&format!("{}{path}", s.base)).await;
+        b.wait_for("the form", "!!document.querySelector('form.question-form')", LIMIT).await;
+        let cut = b
+            .script(
+                "return [document.documentElement.scrollWidth - document.documentElement.clientWidth, \
+                 [...document.querySelectorAll('.decide p, .decide input, .decide select, .decide button')] \
+                 .filter(e => e.getBoundingClientRect().right > innerWidth + 1).length]",
+                vec![],
+            )
+            .await;
+        assert_eq!(cut, json!([0, 0]), "{path} at 390 px: sideways scroll, elements cut");
+        b.keep_screenshot(&format!("question-390{}", path.replace('/', "-"))).await;
+    }
+    b.set_window_size(1280, 900).await;
+    b.goto(&format!("{}/ui/runs/form/tasks/q", s.base)).await;
+    b.wait_for("the form", "!!document.querySelector('form.question-form')", LIMIT).await;
     // A count out of bounds: refused with the reason, nothing answered.
     let name = b.find("form.question-form input[name=\"f.name\"]").await.unwrap_or_else(|| panic!("name"));
     b.type_into(&name, "Ada").await;
@@ -373,6 +392,8 @@ async fn an_agent_s_question_is_answered_with_its_form_and_a_bad_answer_is_refus
     let answers = must(std::fs::read_to_string(&record), "record");
     let got: serde_json::Value = must(serde_json::from_str(answers.trim()), "one answer");
     assert_eq!(got, json!({"action": "accept", "content": {"name": "Ada", "count": 3}}));
+    // The audit trail names who answered: the name given at login.
+    s.events_until(Some(0), |e| e["type"] == "answer" && e["by"] == "dashboard:pat").await;
 }
 
 /// What a run spent, from the gateway's records: per task and per run with a row per model on

@@ -74,6 +74,8 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
             ])
         } else if said.contains("Edit") && !answered {
             Reply::tool_call("w1", "write_file", r#"{"path": "notes.txt", "content": "new\n"}"#)
+        } else if said.contains("Wipe") && !answered {
+            Reply::tool_call("w2", "write_file", r#"{"path": "wiped.txt", "content": ""}"#)
         } else {
             echo(body)
         }
@@ -85,7 +87,8 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
     let plan = "[[tasks]]\nid = \"lint\"\nprompt = \"Lint the code\"\n\n\
                 [[tasks]]\nid = \"fix\"\nprompt = \"Fix what lint found\"\ndepends_on = [\"lint\"]\n\n\
                 [[tasks]]\nid = \"soak\"\nprompt = \"Soak test\"\n\n\
-                [[tasks]]\nid = \"edit\"\nprompt = \"Edit the notes\"\n";
+                [[tasks]]\nid = \"edit\"\nprompt = \"Edit the notes\"\n\n\
+                [[tasks]]\nid = \"wipe\"\nprompt = \"Wipe the notes\"\n";
     assert_eq!(
         call(&s.base, "alice-token", Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "acts"}))).await.0,
         201
@@ -96,7 +99,13 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
     assert_eq!(b.text(&b.find("header .who").await.unwrap_or_default()).await, "alice");
     let run_page = format!("{}/ui/runs/acts", s.base);
     b.goto(&run_page).await;
-    for (task, state) in [("lint", "failed"), ("fix", "cancelled"), ("soak", "running"), ("edit", "awaiting_input")] {
+    for (task, state) in [
+        ("lint", "failed"),
+        ("fix", "cancelled"),
+        ("soak", "running"),
+        ("edit", "awaiting_input"),
+        ("wipe", "awaiting_input"),
+    ] {
         b.wait_for(&format!("{task} {state}"), &format!("{} === '{state}'", node_state(task)), LIMIT).await;
     }
 
@@ -109,6 +118,14 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
     b.wait_for("answered, back on the run page", &notice_has("answered `allow-once`"), LIMIT).await;
     assert!(b.url().await.contains("/ui/runs/acts"), "the answer goes back to the page it was given on");
     b.wait_for("edit completed", &format!("{} === 'completed'", node_state("edit")), LIMIT).await;
+
+    // Deny on the run page: the task fails with what was denied (on_deny = "fail").
+    let reject = "section.waiting .approval[data-task=\"wipe\"] button[data-kind=\"reject_once\"]";
+    b.wait_for("the inline denial", &format!("!!document.querySelector('{reject}')"), LIMIT).await;
+    b.click(&b.find(reject).await.unwrap_or_else(|| panic!("no reject button"))).await;
+    b.wait_for("denied", &notice_has("answered `reject-once`"), LIMIT).await;
+    b.wait_for("wipe failed", &format!("{} === 'failed'", node_state("wipe")), LIMIT).await;
+    assert!(!s.dir.path().join("wiped.txt").exists(), "nothing written after the denial");
 
     // Retry the failed task with the task it cancelled: a page says what happens first.
     let retry = b.find("tr[data-task=\"lint\"] a.action").await.unwrap_or_else(|| panic!("no retry link"));
@@ -150,6 +167,7 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
         wanted.is_empty()
     })
     .await;
+    s.events_until(Some(0), |e| e["type"] == "answer" && e["task"] == "wipe" && e["by"] == "dashboard:alice").await;
 
     // A viewer sees the run, and nothing to act with; a forged form and the API refuse her.
     let out = b.find("form.logout button").await.unwrap_or_else(|| panic!("no logout"));

@@ -196,6 +196,15 @@ async fn a_running_task_s_page_shows_its_liveness_and_stderr_tail() {
     s.events_until(None, |e| e["task"] == "build" && e["to"] == "completed").await;
     b.goto(&format!("{}/ui/runs/noisy/tasks/build", s.base)).await;
     assert!(b.find("section.live").await.is_none(), "an ended task is not live");
+    // The API has the same turn and tool call times, and `pier show --server` prints them.
+    let (_, t) = s.call(Method::GET, "/runs/noisy/tasks/build", None).await;
+    let call = &t["turns"][0]["tool_calls"][0];
+    assert_eq!((call["title"].as_str(), call["status"].as_str()), (Some("make"), Some("completed")), "{t}");
+    assert!(call["ended_at_ms"].as_i64() >= call["started_at_ms"].as_i64() && call["started_at_ms"].as_i64() > Some(0));
+    assert_eq!(t["turns"][0]["said"], "building done", "{t}");
+    let o = support::serve::cli(&s, &["show", "noisy", "build"]).await;
+    let shown = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(shown.contains("  turn 1, the task's prompt\n    ✓ make ("), "{shown}");
     let when = b.text(&b.find(".tool[data-tool=\"m1\"] .when").await.unwrap_or_else(|| panic!("no time"))).await;
     assert!(when.contains(", took ") && when.ends_with(" s"), "{when}");
     // Every line, in the attempt's transcript where it came.
