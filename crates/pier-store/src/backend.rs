@@ -147,7 +147,8 @@ macro_rules! tasks_in {
 /// [`Backend::PENDING_RUN_AFTER`] and [`Backend::PENDING_OF_RUN`] with SQLite's indexes
 /// `$hint` (the pending tasks') and `$runs` (the runs' ages), or none. Each seeks in the
 /// pending tasks' index and walks it in its order: no read, let alone a sort, of every
-/// pending task, and no read of a run's plan.
+/// pending task, and no read of a run's plan. A run's pages are keyed by the last `ord` read
+/// (the column after the task's), not by an OFFSET that walks every page before it again.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! pending_pages {
@@ -163,9 +164,9 @@ macro_rules! pending_pages {
             concat!(
                 "SELECT ",
                 $crate::task_columns!(),
-                " FROM tasks ",
+                ", ord FROM tasks ",
                 $hint,
-                " WHERE run_id = ?1 AND state = 'pending' ORDER BY ord LIMIT ?2 OFFSET ?3"
+                " WHERE run_id = ?1 AND state = 'pending' AND ord > ?3 ORDER BY ord LIMIT ?2"
             ),
         )
     };
@@ -197,4 +198,16 @@ macro_rules! task_columns {
         "t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner, t.lease_expires_at_ms, \
          t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested"
     };
+}
+
+/// How many columns [`task_columns!`] names: a query's own columns come after them.
+pub(crate) const TASK_COLUMN_COUNT: usize = 14;
+
+#[cfg(test)]
+mod column_count {
+    #[test]
+    fn the_count_is_the_macro_s() {
+        assert_eq!(task_columns!().split(',').count(), super::TASK_COLUMN_COUNT);
+        assert_eq!(task_columns!(t).split(',').count(), super::TASK_COLUMN_COUNT);
+    }
 }

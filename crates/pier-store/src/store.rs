@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokio::sync::{broadcast, watch};
 
-use crate::backend::{Backend, Query, Row};
+use crate::backend::{Backend, Query, Row, TASK_COLUMN_COUNT};
 use crate::log::{Event, OwnCommit, RawEvent};
 use crate::ops::{self, Arg, Tx, decode};
 use crate::plan::Plan;
@@ -24,12 +24,19 @@ pub struct Store<B> {
 const TASKS_OF_RUN: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 ORDER BY ord");
 /// A page (`?1` rows after the first `?2`) of the pending tasks with a priority: highest first,
 /// then oldest run first, in plan order.
+/// A page of the pending tasks with a priority, in claim order, after the key `?2..?5` (the
+/// last row's priority, its run's age and id, its place in the plan): a seek, not an OFFSET that
+/// walks again every page before it.
 const URGENT: &str = concat!(
     "SELECT ",
     task_columns!(t),
-    " FROM tasks t JOIN runs r ON r.id = t.run_id WHERE t.state = 'pending' AND t.priority > 0 \
-     ORDER BY t.priority DESC, r.created_at_ms, r.id, t.ord LIMIT ?1 OFFSET ?2"
+    ", r.created_at_ms, t.ord, t.priority FROM tasks t JOIN runs r ON r.id = t.run_id \
+     WHERE t.state = 'pending' AND t.priority > 0 \
+       AND (t.priority < ?2 OR (t.priority = ?2 AND (r.created_at_ms, r.id, t.ord) > (?3, ?4, ?5))) \
+     ORDER BY t.priority DESC, r.created_at_ms, r.id, t.ord LIMIT ?1"
 );
+/// Above every priority (0 to 9): the key before the first page.
+const NO_PRIORITY_YET: i64 = 10;
 const URGENT_PAGE: i64 = 256;
 const TASK: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 AND id = ?2");
 
@@ -140,21 +147,27 @@ impl<B: Backend> TaskStore for Store<B> {
     fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError> {
         // Those with a priority first, from their own index, a page at a time; they are
         // passed over below (a task stored before the column has it 0, and comes with the rest).
-        let (mut offset, mut seen) = (0, std::collections::HashSet::new());
+        let mut seen = std::collections::HashSet::new();
+        let (mut priority, mut age, mut run, mut ord) = (NO_PRIORITY_YET, 0, String::new(), 0);
         loop {
-            let rows = self.rows(URGENT, &[Arg::Int(URGENT_PAGE), Arg::Int(offset)])?;
+            let key = [Arg::Int(URGENT_PAGE), Arg::Int(priority), Arg::Int(age), Arg::Text(&run), Arg::Int(ord)];
+            let rows = self.rows(URGENT, &key)?;
             let full = rows.len() as i64 == URGENT_PAGE;
-            for r in rows {
+            let mut last = None;
+            for mut r in rows {
+                let n = TASK_COLUMN_COUNT;
+                let here = (r.int(n + 2)?, r.int(n)?, r.int(n + 1)?);
                 let t = decode(r.raw_task()?)?;
+                last = Some((here, t.run_id.clone()));
                 seen.insert((t.run_id.clone(), t.id.clone()));
                 if visit(t)? {
                     return Ok(());
                 }
             }
-            if !full {
-                break;
+            match last {
+                Some(((p, a, o), r)) if full => (priority, age, run, ord) = (p, a, r, o),
+                _ => break,
             }
-            offset += URGENT_PAGE;
         }
         // Then the rest: run by run, oldest first, a page at a time (the first small): a lease usually takes
         // one of the first tasks, and reading (let alone sorting) every pending task for it
@@ -167,11 +180,12 @@ impl<B: Backend> TaskStore for Store<B> {
         }
         runs.sort();
         for (_, run) in runs {
-            let (mut offset, mut page) = (0, 4);
+            let (mut after, mut page) = (-1, 4);
             loop {
-                let rows = self.rows(B::PENDING_OF_RUN, &[Arg::Text(&run), Arg::Int(page), Arg::Int(offset)])?;
+                let rows = self.rows(B::PENDING_OF_RUN, &[Arg::Text(&run), Arg::Int(page), Arg::Int(after)])?;
                 let full = rows.len() as i64 == page;
-                for r in rows {
+                for mut r in rows {
+                    after = r.int(TASK_COLUMN_COUNT)?;
                     let t = decode(r.raw_task()?)?;
                     if (seen.is_empty() || !seen.contains(&(t.run_id.clone(), t.id.clone()))) && visit(t)? {
                         return Ok(());
@@ -180,7 +194,6 @@ impl<B: Backend> TaskStore for Store<B> {
                 if !full {
                     break;
                 }
-                offset += page;
                 page = (page * 4).min(256);
             }
         }

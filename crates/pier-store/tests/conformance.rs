@@ -1372,3 +1372,43 @@ fn two_nodes_taking_new_runs_at_once_take_every_one_once() {
         assert_eq!(taken, runs, "{name}: each new run taken once");
     }
 }
+
+/// Pending tasks are visited once each in claim order across every page: priority first
+/// (then the run's age, then plan order) over more than a page of urgent tasks, each run's
+/// others after them in plan order over pages that grow (4, 16, 64, 256).
+#[test]
+fn every_pending_task_is_visited_once_in_claim_order_across_pages() {
+    each(|name, s| {
+        let plan_of = |urgent: usize, plain: usize| {
+            let mut source = String::new();
+            for i in 0..urgent {
+                source.push_str(&format!("[[tasks]]\nid = \"u{i:03}\"\nprompt = \"x\"\npriority = {}\n\n", 5 + i % 2));
+            }
+            for i in 0..plain {
+                source.push_str(&format!("[[tasks]]\nid = \"p{i:03}\"\nprompt = \"x\"\n\n"));
+            }
+            parse(&source, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"))
+        };
+        // After `r` in time (or by id within one millisecond): y, then z.
+        s.create_run("y", &plan_of(300, 10), "test").unwrap_or_else(|e| panic!("{e}"));
+        s.create_run("z", &plan_of(300, 400), "test").unwrap_or_else(|e| panic!("{e}"));
+        let mut visited = Vec::new();
+        s.visit_pending(&mut |t| {
+            visited.push((t.run_id, t.id));
+            Ok(false)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut expected = Vec::new();
+        for priority in [6, 5] {
+            for run in ["y", "z"] {
+                expected
+                    .extend((0..300).filter(|i| 5 + i % 2 == priority).map(|i| (run.to_owned(), format!("u{i:03}"))));
+            }
+        }
+        expected.extend(["a", "b"].map(|t| ("r".to_owned(), t.to_owned())));
+        expected.extend((0..10).map(|i| ("y".to_owned(), format!("p{i:03}"))));
+        expected.extend((0..400).map(|i| ("z".to_owned(), format!("p{i:03}"))));
+        assert_eq!(visited.len(), expected.len(), "{name}: each once");
+        assert!(visited == expected, "{name}: in claim order");
+    });
+}
