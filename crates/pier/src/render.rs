@@ -238,6 +238,8 @@ impl Renderer {
                 }
             }
             ClientEvent::ProtocolError(message) => eprintln!("pier: protocol error from the agent: {message}"),
+            // Shown with --verbose (where it is echoed as it comes, never as events), kept for errors.
+            ClientEvent::Stderr { .. } if !self.verbose => {}
             ClientEvent::Stderr { lines, dropped } => {
                 if *dropped > 0 {
                     eprintln!("pier: {dropped} lines of the agent's stderr were dropped");

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use pier_fake_model::{FakeModel, Gate, Reply, Step};
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::browser::{Browser, element_arg};
+use support::browser::Browser;
 use support::serve::server_with;
 use support::{LIMIT, echo, must};
 
@@ -109,12 +109,25 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
         b.wait_for(&format!("{task} {state}"), &format!("{} === '{state}'", node_state(task)), LIMIT).await;
     }
 
-    // Approve on the run page, by keyboard alone: focus the agent's allow-once option, Enter.
+    // Approve on the run page, by keyboard alone: Tab from the top of the page to the agent's
+    // allow-once option, then Enter.
     let allow = "section.waiting .approval[data-task=\"edit\"] button[data-kind=\"allow_once\"]";
     b.wait_for("the inline approval", &format!("!!document.querySelector('{allow}')"), LIMIT).await;
-    let button = b.find(allow).await.unwrap_or_else(|| panic!("no allow button"));
-    b.script("arguments[0].focus(); return true", vec![element_arg(&button)]).await;
-    b.type_into(&button, "\u{E007}").await;
+    let mut at = b.find("a.brand").await.unwrap_or_else(|| panic!("no first link"));
+    let mut tabs = 0;
+    loop {
+        let on =
+            b.script(&format!("return document.activeElement === document.querySelector('{allow}')"), vec![]).await;
+        if on == json!(true) {
+            break;
+        }
+        assert!(tabs < 60, "the allow option is not reached by Tab");
+        b.type_into(&at, "\u{E004}").await;
+        tabs += 1;
+        let active = b.script("return document.activeElement", vec![]).await;
+        at = active[support::browser::ELEMENT].as_str().unwrap_or_default().to_owned();
+    }
+    b.type_into(&at, "\u{E007}").await;
     b.wait_for("answered, back on the run page", &notice_has("answered `allow-once`"), LIMIT).await;
     assert!(b.url().await.contains("/ui/runs/acts"), "the answer goes back to the page it was given on");
     b.wait_for("edit completed", &format!("{} === 'completed'", node_state("edit")), LIMIT).await;
