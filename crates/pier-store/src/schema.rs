@@ -6,9 +6,35 @@
 /// A migration: its statements, in order.
 pub(crate) type Migration = &'static [&'static str];
 
-/// The statements of `migration` as one batch in the dialect whose integer type is `int`.
-pub(crate) fn batch(migration: Migration, int: &str) -> String {
-    migration.iter().map(|s| s.replace("{INT}", int)).collect::<Vec<_>>().join(";\n")
+/// What the two databases spell differently in a migration.
+pub(crate) struct Dialect {
+    /// `{INT}`: the 64-bit integer type.
+    pub(crate) int: &'static str,
+    /// `{SPEC_PRIORITY}`: a task row's `spec` (JSON text) `priority`, as an integer (null when absent).
+    pub(crate) spec_priority: &'static str,
+}
+
+pub(crate) const SQLITE: Dialect =
+    Dialect { int: "INTEGER", spec_priority: "CAST(json_extract(spec, '$.priority') AS INTEGER)" };
+pub(crate) const POSTGRES: Dialect =
+    Dialect { int: "BIGINT", spec_priority: "CAST(CAST(spec AS jsonb) ->> 'priority' AS BIGINT)" };
+
+/// The statements of `migration` as one batch in `dialect`.
+pub(crate) fn batch(migration: Migration, dialect: &Dialect) -> String {
+    let statement = |s: &&str| s.replace("{INT}", dialect.int).replace("{SPEC_PRIORITY}", dialect.spec_priority);
+    migration.iter().map(statement).collect::<Vec<_>>().join(";\n")
+}
+
+/// A backend's migrations in order: its own `first`, then every one of [`LATER`] — chained
+/// here, so a migration added to `LATER` reaches both databases (a list kept by hand in each
+/// once left one out of both).
+pub(crate) fn migrations(first: &'static [Migration]) -> impl Iterator<Item = Migration> {
+    first.iter().chain(LATER.iter()).copied()
+}
+
+/// How many migrations a backend with its own `first` has: its newest schema version.
+pub(crate) fn version_count(first: &'static [Migration]) -> usize {
+    first.len() + LATER.len()
 }
 
 pub(crate) const RUNS: &str = "CREATE TABLE runs (id TEXT PRIMARY KEY, source TEXT NOT NULL, plan TEXT NOT NULL, \
@@ -132,8 +158,13 @@ pub(crate) const TASKS_URGENT: &str =
 pub(crate) const EVENTS_TRANSITIONS: &str =
     "CREATE INDEX events_transitions ON events(run_id, task_id, seq) WHERE type = 'transition'";
 
+/// Tasks stored before `priority` had a column (migration 12) read 0 there whatever their spec
+/// says: a pending one gets its spec's, so it is claimed in its place.
+pub(crate) const TASKS_PRIORITY_BACKFILL: &str = "UPDATE tasks SET priority = {SPEC_PRIORITY} \
+    WHERE state = 'pending' AND priority = 0 AND {SPEC_PRIORITY} > 0";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 13] = [
+pub(crate) const LATER: [Migration; 14] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -147,4 +178,5 @@ pub(crate) const LATER: [Migration; 13] = [
     &[SCHEDULES],
     &[TASKS_PRIORITY, TASKS_URGENT],
     &[EVENTS_TRANSITIONS],
+    &[TASKS_PRIORITY_BACKFILL],
 ];

@@ -70,23 +70,11 @@ type Job = Box<dyn FnOnce(Result<&Connection, &StoreError>) -> (Result<i64, Stor
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// SQLite's migrations, in the order its stores met them.
-const MIGRATIONS: [Migration; 16] = [
+const FIRST: &[Migration] = &[
     &[RUNS, TASKS, ATTEMPTS, UPDATES, EVENTS, EVENTS_BY_RUN],
     &[QUESTIONS],
     &[TASKS_PENDING],
     &[UPDATES_REQUEST, TASKS_UNFINISHED],
-    LATER[0],
-    LATER[1],
-    LATER[2],
-    LATER[3],
-    LATER[4],
-    LATER[5],
-    LATER[6],
-    LATER[7],
-    LATER[8],
-    LATER[9],
-    LATER[10],
-    LATER[11],
 ];
 
 /// The files of the SQLite stores this process opened, for [`checkpoint_open_stores`].
@@ -211,11 +199,11 @@ fn check_whole(path: &Path) -> Result<(), StoreError> {
 
 /// A store from a newer pier is refused before anything is written to it.
 fn refuse_newer(path: &Path, version: i64) -> Result<(), StoreError> {
-    if version > MIGRATIONS.len() as i64 {
+    if version > schema::version_count(FIRST) as i64 {
         return Err(StoreError::Db(format!(
             "{} was written by a newer pier (store version {version}; this pier knows versions up to {}); upgrade pier",
             path.display(),
-            MIGRATIONS.len()
+            schema::version_count(FIRST)
         )));
     }
     Ok(())
@@ -228,8 +216,8 @@ fn migrate(conn: &Connection) -> Result<(), StoreError> {
     conn.execute_batch("BEGIN IMMEDIATE")?;
     let migrated = (|| -> Result<(), StoreError> {
         let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
-        for (i, migration) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
-            conn.execute_batch(&schema::batch(migration, "INTEGER"))?;
+        for (i, migration) in schema::migrations(FIRST).enumerate().skip(version.max(0) as usize) {
+            conn.execute_batch(&schema::batch(migration, &schema::SQLITE))?;
             conn.pragma_update(None, "user_version", (i + 1) as i64)?;
         }
         Ok(())
@@ -271,7 +259,7 @@ impl Sqlite {
         wal(&conn)?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        if version < MIGRATIONS.len() as i64 {
+        if version < schema::version_count(FIRST) as i64 {
             migrate(&conn)?;
         }
         let last: i64 = conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))?;

@@ -58,34 +58,20 @@ pub use target::redacted;
 /// How often the listener re-reads the counter when no notification came.
 pub const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// PostgreSQL's migrations: its first is SQLite's first four, with the event counter.
-const MIGRATIONS: [Migration; 13] = [
-    &[
-        RUNS,
-        TASKS,
-        TASKS_PENDING,
-        TASKS_UNFINISHED,
-        ATTEMPTS,
-        UPDATES,
-        UPDATES_REQUEST,
-        QUESTIONS,
-        EVENTS,
-        EVENTS_BY_RUN,
-        "CREATE TABLE pier_seq (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL)",
-        "INSERT INTO pier_seq VALUES (1, 0)",
-    ],
-    LATER[0],
-    LATER[1],
-    LATER[2],
-    LATER[3],
-    LATER[4],
-    LATER[5],
-    LATER[6],
-    LATER[7],
-    LATER[8],
-    LATER[9],
-    LATER[10],
-    LATER[11],
-];
+const FIRST: &[Migration] = &[&[
+    RUNS,
+    TASKS,
+    TASKS_PENDING,
+    TASKS_UNFINISHED,
+    ATTEMPTS,
+    UPDATES,
+    UPDATES_REQUEST,
+    QUESTIONS,
+    EVENTS,
+    EVENTS_BY_RUN,
+    "CREATE TABLE pier_seq (id INT PRIMARY KEY CHECK (id = 1), n BIGINT NOT NULL)",
+    "INSERT INTO pier_seq VALUES (1, 0)",
+]];
 
 /// Any lock key of ours: migrations run under it, once, however many nodes start together.
 const MIGRATION_LOCK: i64 = 0x0070_6965_726d_6967; // "piermig"
@@ -261,16 +247,16 @@ fn migrate(client: &mut Client) -> Result<(), StoreError> {
         ))?;
         let have: i64 =
             block_on(client.query_one("SELECT COALESCE(MAX(version), 0) FROM pier_migrations", &[]))?.try_get(0)?;
-        if have > MIGRATIONS.len() as i64 {
+        if have > schema::version_count(FIRST) as i64 {
             return Err(StoreError::Db(format!(
                 "the database was written by a newer pier (schema version {have}; this pier knows versions up to {}); \
                  upgrade pier",
-                MIGRATIONS.len()
+                schema::version_count(FIRST)
             )));
         }
-        for (i, migration) in MIGRATIONS.iter().enumerate().skip(have as usize) {
+        for (i, migration) in schema::migrations(FIRST).enumerate().skip(have as usize) {
             let tx = block_on(client.transaction())?;
-            block_on(tx.batch_execute(&schema::batch(migration, "BIGINT")))?;
+            block_on(tx.batch_execute(&schema::batch(migration, &schema::POSTGRES)))?;
             block_on(
                 tx.execute("INSERT INTO pier_migrations VALUES ($1, $2)", &[&((i + 1) as i64), &crate::now_ms()]),
             )?;
