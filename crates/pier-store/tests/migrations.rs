@@ -1,7 +1,6 @@
 //! A store's schema after its migrations: every migration applied (one once written into
 //! neither backend's list never ran), and a store from before a migration brought up to date.
 
-use pier_store::TaskStore;
 use pier_store::plan::parse;
 
 fn sqlite(path: &std::path::Path) -> rusqlite::Connection {
