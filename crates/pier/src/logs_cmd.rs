@@ -126,17 +126,23 @@ pub async fn logs(args: LogsArgs) -> anyhow::Result<()> {
     let mut printer = Printer::default();
     let mut out = std::io::stdout();
     if args.server.is_some() || std::env::var("PIER_SERVER").is_ok_and(|s| !s.is_empty()) {
-        let query = format!("task={}&merge=deltas", crate::serve_cmd::segment(&args.task));
+        use crate::serve_cmd::segment;
+        // The task exists (an unknown one is refused, not followed forever), and has it ended?
+        let path = format!("/runs/{}/tasks/{}", segment(&args.run), segment(&args.task));
+        let shown = crate::serve_cmd::get(args.server.clone(), &path).await?;
+        let ended =
+            shown["task"]["state"].as_str().and_then(pier_host::TaskState::parse).is_some_and(|s| s.is_terminal());
+        let follow = args.follow && !ended;
+        let query = format!("task={}&merge=deltas", segment(&args.task));
         let stop = tokio_util::sync::CancellationToken::new();
-        let ended = stop.clone();
-        let reading =
-            crate::serve_cmd::events(args.server.clone(), Some(args.run.clone()), 0, args.follow, &query, |e| {
-                printer.see(e, &args, &mut out);
-                let _ = out.flush();
-                if args.follow && printer.ended {
-                    ended.cancel();
-                }
-            });
+        let done = stop.clone();
+        let reading = crate::serve_cmd::events(args.server.clone(), Some(args.run.clone()), 0, follow, &query, |e| {
+            printer.see(e, &args, &mut out);
+            let _ = out.flush();
+            if follow && printer.ended {
+                done.cancel();
+            }
+        });
         tokio::select! {
             r = reading => r?,
             () = stop.cancelled() => {}

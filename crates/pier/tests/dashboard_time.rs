@@ -205,6 +205,13 @@ async fn a_running_task_s_page_shows_its_liveness_and_stderr_tail() {
     let o = support::serve::cli(&s, &["show", "noisy", "build"]).await;
     let shown = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(shown.contains("  turn 1, the task's prompt\n    ✓ make ("), "{shown}");
+    // `pier logs` from the server: an ended task's whole log, even with --follow, at once.
+    let o = support::serve::cli(&s, &["logs", "noisy", "build", "--follow"]).await;
+    let logs = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success() && logs.contains("stderr| linked") && logs.contains("✓ completed: make"), "{logs}");
+    let o = support::serve::cli(&s, &["logs", "noisy", "nope", "--follow"]).await;
+    assert!(!o.status.success(), "an unknown task is refused, not followed");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nope"), "{}", String::from_utf8_lossy(&o.stderr));
     let when = b.text(&b.find(".tool[data-tool=\"m1\"] .when").await.unwrap_or_else(|| panic!("no time"))).await;
     assert!(when.contains(", took ") && when.ends_with(" s"), "{when}");
     // Every line, in the attempt's transcript where it came.
