@@ -112,6 +112,10 @@ async fn the_timeline_matches_the_attempts_times_and_the_graph_says_them() {
         bars["bars"].as_array().map(|v| v.iter().map(|b| b[6].clone()).collect()).unwrap_or_default();
     assert!(classes.contains(&json!("bar state-failed")) && classes.contains(&json!("bar state-completed")));
 
+    // The task table says how long each task's attempts ran, together.
+    let ran = b.script("return document.querySelector('tr[data-task=\"lint\"] td.ran').textContent", vec![]).await;
+    assert!(ran.as_str().is_some_and(|r| r.ends_with(" s") && r != "—"), "{ran}");
+
     // The graph's nodes say their attempts and time; every edge ends in an arrowhead.
     let meta =
         b.script("return document.querySelector('svg.graph [data-task=\"lint\"] text.meta').textContent", vec![]).await;

@@ -322,13 +322,14 @@ pub fn run(s: &Session, run: &str, view: &RunView, seq: i64, notice: Option<&str
             }
         }
         table class="tasks cards" data-complete=[(listed.len() == tasks.len() && pages == 1).then_some("true")] {
-            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "agent" } th { "result, error or question" } th { "spend" } th { "actions" } } }
+            thead { tr { th { "task" } th { "state" } th { "attempts" } th { "ran" } th { "agent" } th { "result, error or question" } th { "spend" } th { "actions" } } }
             tbody {
                 @for (t, q) in shown {
                     tr data-task=(t.id) data-state=(t.state.as_str()) {
                         td { a href={ "/ui/runs/" (seg(run)) "/tasks/" (seg(&t.id)) } { (t.id) } }
                         td { (state(t.state.as_str())) }
                         td { (t.attempt) }
+                        td class="ran" { (ran_for(view.times.get(&t.id), now)) }
                         td { code { (t.spec.agent) } }
                         td class="clip" {
                             @if let Some(q) = q { "asks: " (asks(&q.request)) }
@@ -572,6 +573,17 @@ pub fn task(
         }
     };
     layout(&format!("Task {}", t.id), Some(s), Some((format!("run={}", seg(run)), seq)), notice, body)
+}
+
+/// How long a task's attempts ran, together (to `now_ms` for one still on); "—" before any.
+fn ran_for(times: Option<&Vec<pier_host::AttemptTime>>, now_ms: i64) -> String {
+    match times.filter(|v| !v.is_empty()) {
+        Some(v) => {
+            let ms: i64 = v.iter().map(|a| a.ended_at_ms.unwrap_or(now_ms) - a.started_at_ms).sum();
+            format!("{:.1} s", ms.max(0) as f64 / 1000.0)
+        }
+        None => "—".to_owned(),
+    }
 }
 
 /// Lines of a running agent's stderr shown on its task page.
