@@ -12,7 +12,7 @@
 //! | `GET /metrics` | Prometheus text (also without the token on `--metrics-listen`) |
 //! | `POST /runs` `{plan, run_id?}` or `{type, input, priority?, task_id?, run_id?}` | submit a plan (TOML text), or one task of a pier.toml type |
 //! | `GET /runs`, `GET /runs/{run}` | runs with counts; one run with its tasks |
-//! | `GET /runs/{run}/tasks/{task}` | one task with its attempts, their times and evidence, and its turns (each tool call with its times) |
+//! | `GET /runs/{run}/tasks/{task}` | one task with its attempts, their times and evidence, and with `?turns=true` its turns (each tool call with its times) |
 //! | `POST /runs/{run}/cancel` | cancel every unfinished task of a run |
 //! | `POST /runs/{run}/tasks/{task}/cancel` | cancel a task |
 //! | `POST /runs/{run}/tasks/{task}/retry` `{with_dependents?}` | a failed or cancelled task runs again |

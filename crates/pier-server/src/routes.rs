@@ -132,13 +132,23 @@ pub fn task_json(v: &TaskView) -> Value {
            "times": v.times})
 }
 
+#[derive(Deserialize, Default)]
+pub(crate) struct TaskQuery {
+    /// Also the task's turns (a read of its whole transcript, so only when asked).
+    #[serde(default)]
+    turns: bool,
+}
+
 pub(crate) async fn show_task(
     State(app): State<Shared>,
     Path((run, task)): Path<(String, String)>,
+    axum::extract::Query(q): axum::extract::Query<TaskQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let mut v = task_json(&app.tasks.task(&run, &task).await?);
-    // Turn by turn, each tool call with its times: what `pier show RUN TASK` prints.
-    v["turns"] = json!(pier_host::tasks::turns(&app.tasks.transcript(&run, &task).await?));
+    if q.turns {
+        // Turn by turn, each tool call with its times: what `pier show RUN TASK` prints.
+        v["turns"] = json!(pier_host::tasks::turns(&app.tasks.transcript(&run, &task).await?));
+    }
     Ok(Json(v))
 }
 

@@ -112,14 +112,7 @@ async fn main() {
     }
 
     let b = browser::Browser::start("dashboard-bench").await;
-    b.goto(&format!("{base}/ui/login")).await;
-    let name = b.find("#name").await.unwrap_or_else(|| panic!("login"));
-    b.type_into(&name, "bench").await;
-    let field = b.find("#token").await.unwrap_or_else(|| panic!("login"));
-    b.type_into(&field, TOKEN).await;
-    let go = b.find("form.login button").await.unwrap_or_else(|| panic!("login"));
-    b.click(&go).await;
-    b.wait_for("logged in", "location.pathname === '/ui/'", LIMIT).await;
+    b.login(&base, Some("bench"), TOKEN).await;
     let (runs_median, runs_bytes) = page_load(&b, &format!("{base}/ui/")).await;
     let page = format!("{base}/ui/runs/big");
     let (median, bytes) = page_load(&b, &page).await;

@@ -264,7 +264,7 @@ async fn remote(server: String, run: &str, task: Option<&str>) -> anyhow::Result
     use crate::serve_cmd::{get, segment};
     if let Some(id) = task {
         // The task whole, its turns among it.
-        return get(Some(server), &format!("/runs/{}/tasks/{}", segment(run), segment(id))).await;
+        return get(Some(server), &format!("/runs/{}/tasks/{}?turns=true", segment(run), segment(id))).await;
     }
     let v = get(Some(server), &format!("/runs/{}", segment(run))).await?;
     let rows: Vec<Value> = v["tasks"]

@@ -7,25 +7,13 @@ mod support;
 
 use pier_fake_model::{FakeModel, Gate, Reply, Step};
 use serde_json::json;
-use support::browser::Browser;
+use support::browser::{Browser, node_state};
 use support::serve::{TOKEN, server};
 use support::{LIMIT, echo, must};
 
-/// Logs the browser in as `pat`: the login form, a name, the server's token, the runs page.
+/// Logs the browser in as `pat` with the server's token.
 async fn login(b: &Browser, base: &str) {
-    b.goto(&format!("{base}/ui/")).await;
-    b.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
-    let name = b.find("#name").await.unwrap_or_else(|| panic!("no name field"));
-    b.type_into(&name, "pat").await;
-    let field = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
-    b.type_into(&field, TOKEN).await;
-    let submit = b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"));
-    b.click(&submit).await;
-    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
-}
-
-fn node_state(task: &str) -> String {
-    format!("(document.querySelector('svg [data-task=\"{task}\"]') || {{dataset: {{}}}}).dataset.state")
+    b.login(base, Some("pat"), TOKEN).await;
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use pier_fake_model::{FakeModel, Gate, Reply, Step};
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::browser::Browser;
+use support::browser::{Browser, node_state};
 use support::serve::server_with;
 use support::{LIMIT, echo, must};
 
@@ -21,21 +21,6 @@ const USERS: &str = "[[user]]\nname = \"alice\"\nrole = \"operator\"\n\
     token_sha256 = \"9c220f200955d76c0a38d308225e0ef10c5f971acaf2f8d1d8f732affa5bd1dc\"\n\n\
     [[user]]\nname = \"vera\"\nrole = \"viewer\"\n\
     token_sha256 = \"e8634684693f147f3d593d3ace2dc53e542d4d8b4e2d61e128199b9e320307e0\"\n";
-
-/// Logs in with a personal token: the form asks no name (the token names its person).
-async fn login_as(b: &Browser, base: &str, token: &str) {
-    b.goto(&format!("{base}/ui/login")).await;
-    assert!(b.find("#name").await.is_none(), "a users file's token names its person: no name field");
-    let field = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
-    b.type_into(&field, token).await;
-    let submit = b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"));
-    b.click(&submit).await;
-    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
-}
-
-fn node_state(task: &str) -> String {
-    format!("(document.querySelector('svg [data-task=\"{task}\"]') || {{dataset: {{}}}}).dataset.state")
-}
 
 fn notice_has(text: &str) -> String {
     format!("(document.querySelector('.notice') || {{}}).textContent?.includes({text:?})")
@@ -95,7 +80,7 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
     );
 
     let b = Browser::start("dashboard-actions").await;
-    login_as(&b, &s.base, "alice-token").await;
+    b.login(&s.base, None, "alice-token").await;
     assert_eq!(b.text(&b.find("header .who").await.unwrap_or_default()).await, "alice");
     let run_page = format!("{}/ui/runs/acts", s.base);
     b.goto(&run_page).await;
@@ -155,6 +140,11 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
         b.wait_for(&format!("{task} completed"), &format!("{} === 'completed'", node_state(task)), LIMIT).await;
     }
 
+    // No other action has a page (it once fell through to the cancel page).
+    b.goto(&format!("{}/ui/runs/acts/tasks/lint/explode", s.base)).await;
+    b.wait_for("refused", "document.body.innerText.includes('No action \"explode\" on a task.')", LIMIT).await;
+    assert!(b.find("form.confirm").await.is_none());
+
     // Cancel the running task from its page, through the same kind of confirmation.
     b.goto(&format!("{}/ui/runs/acts/tasks/soak", s.base)).await;
     let cancel = b.find(".facts a.action.danger").await.unwrap_or_else(|| panic!("no cancel link"));
@@ -186,7 +176,7 @@ async fn a_person_acts_from_the_pages_and_the_trail_names_them() {
     let out = b.find("form.logout button").await.unwrap_or_else(|| panic!("no logout"));
     b.click(&out).await;
     b.wait_for("logged out", "location.pathname === '/ui/login'", LIMIT).await;
-    login_as(&b, &s.base, "vera-token").await;
+    b.login(&s.base, None, "vera-token").await;
     b.goto(&run_page).await;
     b.wait_for("the run", &format!("{} === 'completed'", node_state("lint")), LIMIT).await;
     assert_eq!(

@@ -10,13 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use pier_fake_model::{FakeModel, Reply, Step};
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::browser::Browser;
+use support::browser::{Browser, node_state};
 use support::serve::{TOKEN, server};
 use support::{LIMIT, echo, must};
-
-fn node_state(task: &str) -> String {
-    format!("(document.querySelector('svg.graph [data-task=\"{task}\"]') || {{dataset: {{}}}}).dataset.state")
-}
 
 #[tokio::test]
 async fn the_timeline_matches_the_attempts_times_and_the_graph_says_them() {
@@ -60,13 +56,7 @@ async fn the_timeline_matches_the_attempts_times_and_the_graph_says_them() {
     assert_eq!(api.len(), 4, "{run}");
 
     let b = Browser::start("timeline").await;
-    b.goto(&format!("{}/ui/login", s.base)).await;
-    let name = b.find("#name").await.unwrap_or_else(|| panic!("no name field"));
-    b.type_into(&name, "pat").await;
-    let token = b.find("#token").await.unwrap_or_else(|| panic!("no token field"));
-    b.type_into(&token, TOKEN).await;
-    b.click(&b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"))).await;
-    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    b.login(&s.base, Some("pat"), TOKEN).await;
     b.goto(&format!("{}/ui/runs/timed", s.base)).await;
     b.wait_for("report completed", &format!("{} === 'completed'", node_state("report")), LIMIT).await;
 
@@ -183,11 +173,7 @@ async fn a_running_task_s_page_shows_its_liveness_and_stderr_tail() {
     s.events_until(None, |e| e["type"] == "agent_stderr" && e.to_string().contains("compiling step 3/3")).await;
 
     let b = Browser::start("liveness").await;
-    b.goto(&format!("{}/ui/login", s.base)).await;
-    b.type_into(&b.find("#name").await.unwrap_or_else(|| panic!("no name field")), "pat").await;
-    b.type_into(&b.find("#token").await.unwrap_or_else(|| panic!("no token field")), TOKEN).await;
-    b.click(&b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"))).await;
-    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    b.login(&s.base, Some("pat"), TOKEN).await;
     b.goto(&format!("{}/ui/runs/noisy/tasks/build", s.base)).await;
     let live = b.text(&b.find("section.live").await.unwrap_or_else(|| panic!("no liveness section"))).await;
     assert!(live.contains("attempt 1, held by") && live.contains("lease renewed") && live.contains("ago"), "{live}");
@@ -201,7 +187,9 @@ async fn a_running_task_s_page_shows_its_liveness_and_stderr_tail() {
     b.goto(&format!("{}/ui/runs/noisy/tasks/build", s.base)).await;
     assert!(b.find("section.live").await.is_none(), "an ended task is not live");
     // The API has the same turn and tool call times, and `pier show --server` prints them.
-    let (_, t) = s.call(Method::GET, "/runs/noisy/tasks/build", None).await;
+    let (_, plain) = s.call(Method::GET, "/runs/noisy/tasks/build", None).await;
+    assert!(plain.get("turns").is_none(), "turns only when asked: {plain}");
+    let (_, t) = s.call(Method::GET, "/runs/noisy/tasks/build?turns=true", None).await;
     let call = &t["turns"][0]["tool_calls"][0];
     assert_eq!((call["title"].as_str(), call["status"].as_str()), (Some("make"), Some("completed")), "{t}");
     assert!(call["ended_at_ms"].as_i64() >= call["started_at_ms"].as_i64() && call["started_at_ms"].as_i64() > Some(0));
@@ -241,11 +229,7 @@ async fn no_edge_of_the_graph_crosses_a_node() {
                 [[tasks]]\nid = \"e\"\nagent = \"worker:x\"\nprompt = \"p\"\ndepends_on = [\"a\", \"d\"]\n";
     assert_eq!(s.call(Method::POST, "/runs", Some(json!({"plan": plan, "run_id": "edges"}))).await.0, 201);
     let b = Browser::start("edges").await;
-    b.goto(&format!("{}/ui/login", s.base)).await;
-    b.type_into(&b.find("#name").await.unwrap_or_else(|| panic!("no name field")), "pat").await;
-    b.type_into(&b.find("#token").await.unwrap_or_else(|| panic!("no token field")), TOKEN).await;
-    b.click(&b.find("form.login button").await.unwrap_or_else(|| panic!("no login button"))).await;
-    b.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    b.login(&s.base, Some("pat"), TOKEN).await;
     b.goto(&format!("{}/ui/runs/edges", s.base)).await;
     // Every edge sampled along its segments: no point inside a node it does not join.
     let crossings = b

@@ -26,7 +26,7 @@ pub fn counts<'a>(tasks: impl IntoIterator<Item = &'a TaskRow>) -> BTreeMap<&'st
 }
 
 /// One run in a list of runs.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct RunSummary {
     pub run: String,
     pub created_at_ms: i64,
@@ -166,6 +166,11 @@ impl AttemptTime {
     pub fn took_ms(&self) -> Option<i64> {
         self.ended_at_ms.map(|end| end - self.started_at_ms)
     }
+
+    /// How long `attempts` ran together, one still on counted to `now_ms`.
+    pub fn ran_ms(attempts: &[AttemptTime], now_ms: i64) -> i64 {
+        attempts.iter().map(|a| a.ended_at_ms.unwrap_or(now_ms) - a.started_at_ms).sum::<i64>().max(0)
+    }
 }
 
 /// A concurrency key of a task, as it stands.
@@ -233,34 +238,25 @@ impl Tasks {
         }
         let filter = filter.clone();
         self.blocking(move |s| {
-            let mut by_run: std::collections::HashMap<String, RunSummary> = std::collections::HashMap::new();
+            // Each run's tasks by state, then the runs newest first with theirs.
+            let mut tasks_of: std::collections::HashMap<String, (BTreeMap<&'static str, usize>, i64)> =
+                std::collections::HashMap::new();
+            for (run, state, n, attempts) in s.run_task_states()? {
+                let Some(state) = TaskState::parse(&state) else { continue };
+                let (counts, started) = tasks_of.entry(run).or_default();
+                *counts.entry(state.as_str()).or_default() += usize::try_from(n).unwrap_or(0);
+                *started += attempts;
+            }
             let mut runs: Vec<RunSummary> = s
                 .run_times()?
                 .into_iter()
                 .rev()
-                .map(|(run, created_at_ms, updated_at_ms)| RunSummary {
-                    run,
-                    created_at_ms,
-                    updated_at_ms,
-                    counts: BTreeMap::new(),
-                    tasks: 0,
-                    attempts: 0,
-                    spend: Spend::default(),
+                .map(|(run, created_at_ms, updated_at_ms)| {
+                    let (counts, attempts) = tasks_of.remove(&run).unwrap_or_default();
+                    let tasks = counts.values().sum();
+                    RunSummary { run, created_at_ms, updated_at_ms, counts, tasks, attempts, spend: Spend::default() }
                 })
                 .collect();
-            for (run, state, n, attempts) in s.run_task_states()? {
-                let Some(state) = TaskState::parse(&state) else { continue };
-                let r =
-                    by_run.entry(run).or_insert_with(|| RunSummary { counts: BTreeMap::new(), ..Default::default() });
-                *r.counts.entry(state.as_str()).or_default() += usize::try_from(n).unwrap_or(0);
-                r.tasks += usize::try_from(n).unwrap_or(0);
-                r.attempts += attempts;
-            }
-            for r in &mut runs {
-                if let Some(c) = by_run.remove(&r.run) {
-                    (r.counts, r.tasks, r.attempts) = (c.counts, c.tasks, c.attempts);
-                }
-            }
             let needle = filter.search.as_deref().map(str::to_lowercase).filter(|n| !n.trim().is_empty());
             runs.retain(|r| {
                 filter.state.as_deref().is_none_or(|st| r.is(st))

@@ -50,6 +50,9 @@ pub(super) async fn confirm_task(
     s: Session,
     Path((run, task, action)): Path<(String, String, String)>,
 ) -> Response {
+    if !matches!(action.as_str(), "cancel" | "retry") {
+        return refusal(StatusCode::NOT_FOUND, &format!("No action {action:?} on a task."));
+    }
     page(
         async {
             let view = app.tasks.task(&run, &task).await?;

@@ -85,9 +85,9 @@ fn columns(tasks: &[TaskRow], layer: &[usize]) -> Vec<usize> {
 /// What a node says under its name: its attempts and the time they ran (to `now_ms` while on).
 fn ran(t: &TaskRow, times: Option<&Vec<AttemptTime>>, now_ms: i64) -> String {
     let Some(times) = times.filter(|v| !v.is_empty()) else { return String::new() };
-    let ms: i64 = times.iter().map(|a| a.ended_at_ms.unwrap_or(now_ms) - a.started_at_ms).sum();
     let n = t.attempt.max(times.len() as i64);
-    format!("{n} attempt{} · {:.1} s", if n == 1 { "" } else { "s" }, ms.max(0) as f64 / 1000.0)
+    let ran = super::pages::seconds(AttemptTime::ran_ms(times, now_ms));
+    format!("{n} attempt{} · {ran}", if n == 1 { "" } else { "s" })
 }
 
 pub fn svg(run: &str, tasks: &[TaskRow], times: &BTreeMap<String, Vec<AttemptTime>>, now_ms: i64) -> Markup {

@@ -30,6 +30,11 @@ pub(super) fn time(ms: i64) -> String {
     pier_host::schedule::human(ms.max(0))
 }
 
+/// A duration to a tenth of a second: `3.2 s`.
+pub(super) fn seconds(ms: i64) -> String {
+    format!("{:.1} s", ms.max(0) as f64 / 1000.0)
+}
+
 fn duration(ms: i64) -> String {
     let s = ms.max(0) / 1000;
     match s {
@@ -491,7 +496,7 @@ fn tool_at(call: &ToolCall, span: Option<Span>) -> Markup {
                 @if let Some(span) = span {
                     " " span class="when" data-started-ms=(span.started_ms) data-ended-ms=[span.ended_ms] {
                         (time(span.started_ms))
-                        @if let Some(end) = span.ended_ms { ", took " (format!("{:.1} s", (end - span.started_ms).max(0) as f64 / 1000.0)) }
+                        @if let Some(end) = span.ended_ms { ", took " (seconds(end - span.started_ms)) }
                     }
                 }
             }
@@ -578,10 +583,7 @@ pub fn task(
 /// How long a task's attempts ran, together (to `now_ms` for one still on); "—" before any.
 fn ran_for(times: Option<&Vec<pier_host::AttemptTime>>, now_ms: i64) -> String {
     match times.filter(|v| !v.is_empty()) {
-        Some(v) => {
-            let ms: i64 = v.iter().map(|a| a.ended_at_ms.unwrap_or(now_ms) - a.started_at_ms).sum();
-            format!("{:.1} s", ms.max(0) as f64 / 1000.0)
-        }
+        Some(v) => seconds(pier_host::AttemptTime::ran_ms(v, now_ms)),
         None => "—".to_owned(),
     }
 }
@@ -633,7 +635,7 @@ fn attempt_time(t: &pier_host::AttemptTime) -> Markup {
             "started " time datetime=(pier_host::schedule::rfc3339(t.started_at_ms)) { (time(t.started_at_ms)) }
             @match (t.took_ms(), t.ended) {
                 (Some(took), Some(how)) => {
-                    ", took " span class="took" { (format!("{:.1} s", took as f64 / 1000.0)) }
+                    ", took " span class="took" { (seconds(took)) }
                     ", " (how.as_str())
                 }
                 _ => { ", still on" }

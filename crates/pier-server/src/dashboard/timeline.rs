@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use maud::{Markup, html};
 use pier_host::{AttemptTime, TaskRow};
 
+use super::pages::seconds;
+
 /// The width of the task names' column and of the bars' axis, in SVG units.
 const LABEL: f64 = 160.0;
 const AXIS: f64 = 800.0;
@@ -26,10 +28,6 @@ fn span(rows: &[(&TaskRow, &[AttemptTime])], now_ms: i64) -> (i64, i64) {
 /// The x of instant `at_ms` on the axis.
 pub fn x_of(at_ms: i64, start: i64, span: i64) -> f64 {
     LABEL + (at_ms - start) as f64 * AXIS / span as f64
-}
-
-fn seconds(ms: i64) -> String {
-    format!("{:.1} s", ms.max(0) as f64 / 1000.0)
 }
 
 pub fn gantt(tasks: &[TaskRow], times: &BTreeMap<String, Vec<AttemptTime>>, now_ms: i64) -> Markup {

@@ -223,6 +223,26 @@ impl Browser {
         capture(&self.http, &self.session, CALL_LIMIT).await.unwrap_or_else(|e| panic!("{}: {e}", self.name))
     }
 
+    /// Logs in to the dashboard at `base`: a guarded page sends the browser to the login form,
+    /// which takes `name` (the form asks one for the server's shared token; with `None` it must
+    /// not: a users file's token names its person) and `token`; then the runs page.
+    pub async fn login(&self, base: &str, name: Option<&str>, token: &str) {
+        const LIMIT: Duration = Duration::from_secs(20);
+        self.goto(&format!("{base}/ui/")).await;
+        self.wait_for("the login page", "location.pathname === '/ui/login'", LIMIT).await;
+        match (name, self.find("#name").await) {
+            (Some(name), Some(field)) => self.type_into(&field, name).await,
+            (None, None) => {}
+            (Some(_), None) => panic!("{}: the login form asks no name", self.name),
+            (None, Some(_)) => panic!("{}: the login form asks a name of a personal token", self.name),
+        }
+        let field = self.find("#token").await.unwrap_or_else(|| panic!("{}: no token field", self.name));
+        self.type_into(&field, token).await;
+        let submit = self.find("form.login button").await.unwrap_or_else(|| panic!("{}: no login button", self.name));
+        self.click(&submit).await;
+        self.wait_for("the runs page", "location.pathname === '/ui/'", LIMIT).await;
+    }
+
     /// A DevTools command through chromedriver's passthrough; its result.
     pub async fn cdp(&self, cmd: &str, params: Value) -> Value {
         self.post("/goog/cdp/execute", json!({"cmd": cmd, "params": params})).await
@@ -268,6 +288,11 @@ impl Browser {
             }
         }
     }
+}
+
+/// A script expression for the state of `task`'s node in the run page's graph (undefined without one).
+pub fn node_state(task: &str) -> String {
+    format!("(document.querySelector('svg.graph [data-task=\"{task}\"]') || {{dataset: {{}}}}).dataset.state")
 }
 
 /// An element as a [`Browser::script`] argument; it arrives in the page as the DOM node.
