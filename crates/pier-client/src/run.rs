@@ -78,6 +78,10 @@ pub struct RunOptions {
     /// MCP servers for the agent's session (a task's `mcp_servers`); an agent that cannot take
     /// one (an HTTP server without `mcpCapabilities.http`) fails the run, saying so.
     pub mcp_servers: Vec<agent_client_protocol_schema::v1::McpServer>,
+    /// MCP servers the host offers besides (its own endpoint): passed to an agent that takes
+    /// them (an HTTP one needs `mcpCapabilities.http`), left out for one that does not, said
+    /// in the log; never a reason to fail.
+    pub host_mcp_servers: Vec<agent_client_protocol_schema::v1::McpServer>,
 }
 
 impl std::fmt::Debug for dyn crate::handler::Asker {
@@ -645,9 +649,16 @@ impl LiveAgent {
                         format!("it does not take HTTP MCP servers (no mcpCapabilities.http), and `{server}` is one"),
                     )));
                 }
-                let mut request = NewSessionRequest::new(opts.cwd.clone())
-                    .meta(opts.meta.clone())
-                    .mcp_servers(opts.mcp_servers.clone());
+                let mut servers = opts.mcp_servers.clone();
+                for s in &opts.host_mcp_servers {
+                    match s {
+                        agent_client_protocol_schema::v1::McpServer::Http(h) if !http => {
+                            tracing::info!(server = %h.name, "the agent takes no HTTP MCP servers: the host's is left out");
+                        }
+                        other => servers.push(other.clone()),
+                    }
+                }
+                let mut request = NewSessionRequest::new(opts.cwd.clone()).meta(opts.meta.clone()).mcp_servers(servers);
                 // The directories besides cwd this run may use, told to an agent that confines
                 // itself to its session's roots; sent only when it advertises
                 // `sessionCapabilities.additionalDirectories` (ACP v1, session/new). The

@@ -127,7 +127,9 @@ impl Run {
         };
 
         // Numbers no attempt can run with (from a store an older pier wrote) fail the task at once.
-        let prepared = self.options();
+        // The attempt's token at the host's MCP endpoint lives as long as this call.
+        let grant = self.config.mcp.as_ref().map(|m| m.grant(&attempt));
+        let prepared = self.options(grant.as_ref());
         let recorder = Recorder::start(self.store.clone(), attempt.clone());
         let (int_tx, int_rx) = mpsc::unbounded_channel();
         let (outcome, ended) = match prepared {
@@ -162,6 +164,7 @@ impl Run {
         };
         // What came after the ending (an agent's last words as it was shut down) is recorded too.
         recorder.finish().await;
+        drop(grant);
         result
     }
 
@@ -333,8 +336,14 @@ impl Run {
         (outcome, ended)
     }
 
-    fn options(&self) -> Result<RunOptions, String> {
+    fn options(&self, grant: Option<&crate::host_mcp::Grant>) -> Result<RunOptions, String> {
         let mut opts = attempt_options(&self.row.spec, &self.config)?;
+        if let (Some(mcp), Some(grant)) = (&self.config.mcp, grant) {
+            use agent_client_protocol_schema::v1::{HttpHeader, McpServer, McpServerHttp};
+            let auth = HttpHeader::new("Authorization", format!("Bearer {}", grant.token()));
+            let server = McpServerHttp::new(crate::host_mcp::SERVER_NAME, mcp.url.clone()).headers(vec![auth]);
+            opts.host_mcp_servers.push(McpServer::Http(server));
+        }
         let denial = (self.row.spec.on_deny == pier_store::plan::OnDeny::Fail).then(|| self.denial.clone());
         opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone(), denial }));
         opts.meta = Some(task_meta(&self.attempt.run, &self.attempt.task, self.attempt.n, &self.row.spec));
@@ -519,6 +528,7 @@ pub fn attempt_options(spec: &TaskSpec, config: &HostConfig) -> Result<RunOption
         session_ids: None,
         meta: None,
         mcp_servers: mcp_servers(spec)?,
+        host_mcp_servers: Vec::new(),
     })
 }
 
@@ -560,7 +570,10 @@ fn jail_for(
     roots: &[PathBuf],
     writable: Option<&Vec<PathBuf>>,
 ) -> Option<pier_client::process::JailSetup> {
-    let (level, network, limits) = config.sandbox.for_task(spec);
+    let (level, mut network, limits) = config.sandbox.for_task(spec);
+    // The host's MCP endpoint, through the proxy like any host (the same for every task, so
+    // warm agents are shared as before).
+    network.extend(config.mcp.as_ref().map(|m| m.authority.clone()));
     if level == pier_jail::Level::Off {
         tracing::warn!(task = %spec.id, "sandbox = \"off\": the agent runs unconfined");
         return None;
@@ -613,6 +626,14 @@ impl pier_client::handler::Asker for HostAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
+        if crate::host_mcp::is_own_tool(&request.tool_call) {
+            use agent_client_protocol_schema::v1::PermissionOptionKind;
+            let allow = request.options.iter().find(|o| o.kind == PermissionOptionKind::AllowOnce);
+            if let Some(o) = allow {
+                let option = o.option_id.0.to_string();
+                return Box::pin(async move { AskAnswer::Option(option) });
+            }
+        }
         let asker = self.clone();
         let asked = request.clone();
         let request = QuestionRequest::Permission(Box::new(request.clone()));

@@ -34,6 +34,9 @@ pub struct HostConfig {
     pub gateway: Option<crate::gateway::GatewayConfig>,
     /// The task types every plan may use (pier.toml's `[types]`).
     pub types: pier_store::plan::Shared,
+    /// The host's own MCP endpoint, given to every attempt's agent that takes HTTP MCP servers
+    /// (`pier serve`); `None` where nothing serves it (`pier run`, a pull worker).
+    pub mcp: Option<crate::host_mcp::HostMcp>,
 }
 
 /// The confinement of a host's agents (pier.toml's `[sandbox]` and `[limits]`), and the
@@ -120,6 +123,7 @@ impl HostConfig {
             sandbox: SandboxConfig::new(&pier_exe),
             gateway: None,
             types: pier_store::plan::Shared::default(),
+            mcp: None,
             pier_exe,
         }
     }

@@ -12,6 +12,7 @@ mod converse;
 pub mod decide;
 pub mod gateway;
 pub mod host;
+pub mod host_mcp;
 mod person;
 mod pick;
 pub mod pool;

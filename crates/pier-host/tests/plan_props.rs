@@ -78,6 +78,7 @@ fn config() -> HostConfig {
         sandbox: pier_host::SandboxConfig::new(Path::new("/bin/true")),
         gateway: None,
         types: Default::default(),
+        mcp: None,
     }
 }
 

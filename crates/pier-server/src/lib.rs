@@ -22,6 +22,7 @@
 //! | `POST /lease` `{worker, capabilities, ttl_ms}` | a pull worker claims a runnable task |
 //! | `POST /runs/{run}/tasks/{task}/heartbeat` `{worker, attempt, ttl_ms}` | renew the lease |
 //! | `POST /runs/{run}/tasks/{task}/update` `{worker, attempt, status, idempotency_key, result?, error?, class?}` | a worker's report: only the holder of the live lease ends its task; the same key with another body is `idempotency_conflict` |
+//! | `/mcp` | the host's MCP endpoint for its attempts' agents (an attempt's token, not a person's): `task_result`, `ask_person`, `submit_task` |
 //!
 //! The server decides nothing itself: every route is one call of the host's API
 //! ([`pier_host::Tasks`]), the same calls the CLI makes, and its one host drives every run.
@@ -29,6 +30,7 @@
 pub mod access;
 mod dashboard;
 mod error;
+mod mcp;
 mod routes;
 mod schedules;
 mod sse;
@@ -165,6 +167,11 @@ pub fn router(app: Shared) -> Router {
     // Installed before the first request, so every request and attempt is counted.
     let _ = telemetry::handle();
     let ui = dashboard::router(app.clone());
+    // The host's MCP endpoint takes attempts' tokens, not people's: outside the token check.
+    let mcp = match &app.tasks.config().mcp {
+        Some(m) => mcp::service(app.clone(), vec![m.authority.clone()]),
+        None => Router::new(),
+    };
     let probes = Router::new()
         .route("/health", get(|| async { Json(json!({"ok": true})) }))
         .route("/ready", get(ready))
@@ -207,6 +214,7 @@ pub fn router(app: Shared) -> Router {
         .with_state(app)
         .merge(probes)
         .merge(ui)
+        .merge(mcp)
         .fallback(|| async { ApiError::of_status(StatusCode::NOT_FOUND, "") })
         .layer(axum::middleware::from_fn(telemetry::track))
         .layer(axum::middleware::map_response(envelope))

@@ -7,7 +7,7 @@ use tokio::sync::{broadcast, watch};
 
 use crate::StoreError;
 use crate::log::{Event, OwnCommit};
-use crate::plan::Plan;
+use crate::plan::{Plan, TaskSpec};
 use crate::rows::{
     AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow, Waiting,
 };
@@ -119,6 +119,10 @@ pub trait TaskStore: Send + Sync + 'static {
     /// A person's decision on a task that waits for one with no attempt alive: run it
     /// again (`pending`) or not (`cancelled`).
     fn decide_rerun(&self, run: &str, task: &str, again: bool, by: &str) -> Result<TaskRow, StoreError>;
+    /// Adds `spec` (whose `added_by` is `attempt`'s task) to `attempt`'s run while the attempt
+    /// holds its task: a task pending after the run's others, or nothing if one of that id and
+    /// spec is there already. Refused ([`StoreError::NotAdded`], `lease_lost`) without a write.
+    fn add_task(&self, attempt: &Attempt, spec: &TaskSpec) -> Result<crate::Added, StoreError>;
     /// A person's retry of a failed or cancelled task, and with `dependents` of the cancelled
     /// tasks below it: back to `pending`, failures forgotten; the rows as they are now.
     fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError>;

@@ -49,6 +49,10 @@ pub enum StoreError {
     /// written, and the attempt's agent is to be told the message instead.
     #[error("a message waits for task `{task}`; send it to the agent before ending the attempt")]
     MessagesWaiting { task: String },
+    /// A task an attempt asked to add to its run cannot join it (its id is taken by another
+    /// task, a task it depends on is unknown or ended badly, the run is full): nothing was added.
+    #[error("task `{task}` cannot be added to the run: {why}")]
+    NotAdded { task: String, why: String },
     /// A task's inbox holds as many unsent messages as it takes: nothing was queued.
     #[error("{waiting} messages already wait for task `{task}`; send more once its agent has taken them")]
     InboxFull { task: String, waiting: i64 },
@@ -73,6 +77,7 @@ impl StoreError {
             StoreError::Db(_) => ErrorCode::Store,
             StoreError::MessagesWaiting { .. } => ErrorCode::MessagesWaiting,
             StoreError::InboxFull { .. } => ErrorCode::TooManyRequests,
+            StoreError::NotAdded { .. } => ErrorCode::BadPlan,
         }
     }
 

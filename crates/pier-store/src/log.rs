@@ -227,6 +227,9 @@ pub enum LogEvent {
         agent: String,
         metadata: std::collections::BTreeMap<String, Value>,
         to: TaskState,
+        /// The task whose agent added this one to the run as it ran; absent for the plan's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        added_by: Option<String>,
     },
     Transition {
         from: TaskState,

@@ -159,6 +159,7 @@ pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) 
             agent: t.agent.clone(),
             metadata: t.metadata.clone(),
             to: TaskState::Pending,
+            added_by: None,
         };
         last = log(tx, run, Some(&t.id), &created)?;
     }
@@ -166,14 +167,14 @@ pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) 
 }
 
 /// The attempt holds the task: same attempt and owner, the task live, the lease not expired.
-fn holds(row: &TaskRow, attempt: &Attempt, now: i64) -> bool {
+pub(crate) fn holds(row: &TaskRow, attempt: &Attempt, now: i64) -> bool {
     row.attempt == attempt.n
         && row.lease_owner.as_deref() == Some(attempt.owner.as_str())
         && matches!(row.state, TaskState::Running | TaskState::AwaitingInput)
         && row.lease_expires_at_ms.is_some_and(|e| e >= now)
 }
 
-fn lease_lost(attempt: &Attempt) -> StoreError {
+pub(crate) fn lease_lost(attempt: &Attempt) -> StoreError {
     StoreError::LeaseLost { task: attempt.task.clone(), attempt: attempt.n, owner: attempt.owner.clone() }
 }
 
@@ -222,7 +223,7 @@ fn transition_event(
     log(tx, was.run, Some(was.task), &event)
 }
 
-fn log(tx: &mut dyn Tx, run: &str, task: Option<&str>, event: &LogEvent) -> Result<i64, StoreError> {
+pub(crate) fn log(tx: &mut dyn Tx, run: &str, task: Option<&str>, event: &LogEvent) -> Result<i64, StoreError> {
     let (kind, data) = event.split();
     tx.event(run, task, &kind, &data)
 }

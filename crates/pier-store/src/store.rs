@@ -10,7 +10,7 @@ use tokio::sync::{broadcast, watch};
 use crate::backend::{Backend, Query, Row, TASK_COLUMN_COUNT};
 use crate::log::{Event, OwnCommit, RawEvent};
 use crate::ops::{self, Arg, Tx, decode};
-use crate::plan::Plan;
+use crate::plan::{Plan, TaskSpec};
 use crate::rows::{
     AgentRow, Attempt, AttemptRow, Ending, Held, Idem, Last, NodeRow, Question, QuestionRequest, TaskRow, Waiting,
 };
@@ -358,6 +358,24 @@ impl<B: Backend> TaskStore for Store<B> {
     ) -> Result<Vec<TaskRow>, StoreError> {
         let (run, task, by) = (run.to_owned(), task.map(str::to_owned), by.to_owned());
         self.op(move |tx| ops::set_budget(tx, &run, task.as_deref(), budget, run_budget, &by))
+    }
+
+    fn add_task(&self, attempt: &Attempt, spec: &TaskSpec) -> Result<crate::Added, StoreError> {
+        let (a, t) = (attempt.clone(), spec.clone());
+        match self.op(move |tx| crate::follow_up::add_task(tx, &a, &t)) {
+            // Two calls adding the one task at once: the loser meets the winner's row.
+            Err(StoreError::Duplicate(_)) => match self.task(&attempt.run, &spec.id)? {
+                Some(there) if there.spec == *spec => Ok(crate::Added::AlreadyThere),
+                _ => Err(StoreError::NotAdded {
+                    task: spec.id.clone(),
+                    why: format!(
+                        "run `{}` has a task `{}` already; give the new task another id",
+                        attempt.run, spec.id
+                    ),
+                }),
+            },
+            other => other,
+        }
     }
 
     fn retry(&self, run: &str, task: &str, dependents: bool, by: &str) -> Result<Vec<TaskRow>, StoreError> {

@@ -1412,3 +1412,53 @@ fn every_pending_task_is_visited_once_in_claim_order_across_pages() {
         assert!(visited == expected, "{name}: in claim order");
     });
 }
+
+/// A running attempt adds a task to its run (issue #33, the host's MCP `submit_task`): after
+/// the run's others, pending, its adder named in the log; the same call again adds nothing; an
+/// id taken with another spec, an unknown dependency or one that failed, and an attempt that
+/// no longer holds its task are refused with nothing written.
+#[test]
+fn an_attempt_adds_a_task_to_its_run_once_and_only_while_it_holds_its_own() {
+    each(|name, s| {
+        let a = claim(s, "a", "o");
+        let spec = |id: &str, deps: &[&str]| pier_store::TaskSpec {
+            id: id.into(),
+            prompt: format!("follow up {id}"),
+            agent: "pier".into(),
+            depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
+            max_attempts: 3,
+            added_by: Some("a".into()),
+            ..Default::default()
+        };
+        let added = s.add_task(&a, &spec("f", &["a"])).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(added, pier_store::Added::Added, "{name}");
+        assert_eq!(s.add_task(&a, &spec("f", &["a"])).ok(), Some(pier_store::Added::AlreadyThere), "{name}: again");
+        let ids: Vec<String> = s.tasks("r").unwrap_or_default().into_iter().map(|t| t.id).collect();
+        assert_eq!(ids, ["a", "b", "f"], "{name}: after the run's others");
+        assert_eq!(state(s, "f"), TaskState::Pending, "{name}");
+        let created = s.events_of_kind("r", Some("f"), "task_created").unwrap_or_default();
+        assert_eq!(created.len(), 1, "{name}: one creation");
+        assert_eq!(created[0].data["added_by"], "a", "{name}: {:?}", created[0].data);
+
+        let refused = |e: Result<pier_store::Added, StoreError>, what: &str| match e {
+            Err(StoreError::NotAdded { why, .. }) => assert!(why.contains(what), "{name}: {why}"),
+            other => panic!("{name}: {what}: {other:?}"),
+        };
+        refused(s.add_task(&a, &spec("f", &[])), "has a task `f` already");
+        refused(s.add_task(&a, &spec("b", &[])), "has a task `b` already");
+        refused(s.add_task(&a, &spec("g", &["nope"])), "`nope`, which is not a task of run `r`");
+        let mut forged = spec("g", &[]);
+        forged.added_by = Some("b".into());
+        refused(s.add_task(&a, &forged), "must name task `a`");
+        let b = claim(s, "b", "o");
+        let failed =
+            Ending::Failed { error: "x".into(), class: ErrorClass::Business, reason: "x".into(), failure: true };
+        s.finish(&b, &failed, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        refused(s.add_task(&a, &spec("g", &["b"])), "`b`, which ended failed");
+
+        s.finish(&a, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let late = s.add_task(&a, &spec("h", &[]));
+        assert!(matches!(late, Err(StoreError::LeaseLost { .. })), "{name}: {late:?}");
+        assert_eq!(s.tasks("r").unwrap_or_default().len(), 3, "{name}: nothing else was added");
+    });
+}

@@ -279,6 +279,7 @@ async fn delegate(config: &SubagentConfig, args: Args, cx: ToolContext) -> Resul
         session_ids: Some(session_tx),
         meta: None,
         mcp_servers: Vec::new(),
+        host_mcp_servers: Vec::new(),
     };
     let prompt = vec![ContentBlock::Text(TextContent::new(args.prompt))];
     let (events_tx, mut events) = mpsc::channel(EVENT_QUEUE);

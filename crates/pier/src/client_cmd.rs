@@ -223,6 +223,7 @@ fn options(args: &ClientArgs) -> Result<(RunOptions, Vec<ContentBlock>), ClientE
         session_ids: None,
         meta: None,
         mcp_servers: Vec::new(),
+        host_mcp_servers: Vec::new(),
     };
     // Which confinement terminals get, where it can be seen without flooding the output.
     tracing::info!(confinement = %pier_tools::contain::describe(&opts.confinement), "terminals");

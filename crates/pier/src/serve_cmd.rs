@@ -131,6 +131,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let users = args.users.as_deref().map(pier_server::access::Users::load).transpose()?;
     let schedules = config::schedules(&files.schedules, &here)?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
     let config = HostConfig {
         concurrency: args.concurrency.max(1),
         node: match &args.node_id {
@@ -143,6 +147,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         lease_ttl: Duration::from_millis(args.lease_ttl_ms.max(300)),
         gateway: config::gateway(&files, &env)?,
         types: config::types(&files)?,
+        mcp: Some(pier_host::host_mcp::HostMcp::new(&mcp_url(addr)).map_err(anyhow::Error::msg)?),
         ..HostConfig::new(std::env::current_exe()?, files.agents.clone(), here)
     };
     let tasks = crate::run_cmd::open_tasks_with(&args.store, &files, config)?;
@@ -154,10 +159,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let app = App::configured(tasks, token, sse, users);
     // Runs left unfinished by an earlier host go on, with every run submitted later.
     let host = app.start();
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let addr = listener.local_addr()?;
     // Without it an SSE event or an answer written right after another waits for the
     // client's delayed ACK (Nagle's algorithm): up to 40 ms.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
@@ -193,6 +194,17 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         return Err(anyhow::Error::new(e).context("pier serve stopped"));
     }
     Ok(())
+}
+
+/// The URL of the host's MCP endpoint as its agents, on this machine, reach it: a server
+/// listening on every address is reached on loopback.
+fn mcp_url(addr: std::net::SocketAddr) -> String {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    format!("http://{}/mcp", std::net::SocketAddr::new(ip, addr.port()))
 }
 
 /// Where a running `pier serve` is, and its token.

@@ -8,6 +8,7 @@
 //! API Boundary: nothing outside pier-host calls the store; the store's calls block, so every
 //! method runs them on a blocking thread and is `async`.
 
+mod agent_tools;
 mod cancel;
 mod follow;
 mod handle;
@@ -20,6 +21,7 @@ mod turns;
 mod views;
 mod workers;
 
+pub use agent_tools::{FollowUp, FollowedUp, PersonSaid, TaskResult};
 pub use cancel::{CANCEL_WAIT, CancelledRun};
 pub use follow::{Delivered, Follow, Follower};
 pub use handle::Tasks;

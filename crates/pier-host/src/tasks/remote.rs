@@ -90,7 +90,7 @@ pub struct Notice {
     pub cancel: Option<String>,
 }
 
-fn lost(a: &Attempt) -> ActionError {
+pub(super) fn lost(a: &Attempt) -> ActionError {
     ActionError::Refused {
         code: ErrorCode::LeaseLost,
         message: format!(
@@ -120,6 +120,11 @@ impl Tasks {
     pub async fn ask(&self, attempt: &Attempt, request: Value) -> Result<i64, ActionError> {
         let request: QuestionRequest = serde_json::from_value(request)
             .map_err(|e| ActionError::bad_request(format!("the question is not valid: {e}")))?;
+        self.park_on(attempt, request).await
+    }
+
+    /// Parks the task on `request`, a question of `attempt`'s: its number within the attempt.
+    pub(super) async fn park_on(&self, attempt: &Attempt, request: QuestionRequest) -> Result<i64, ActionError> {
         let a = attempt.clone();
         match self.blocking(move |s| Ok(s.park(&a, &request)?)).await {
             Err(ActionError::Store(StoreError::LeaseLost { .. })) => Err(lost(attempt)),

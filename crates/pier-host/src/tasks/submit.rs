@@ -146,7 +146,9 @@ impl Tasks {
             if !s.run_exists(&run)? {
                 return Ok(false);
             }
-            let stored: Vec<TaskSpec> = s.tasks(&run)?.into_iter().map(|t| t.spec).collect();
+            // Tasks its agents added as it ran are not the plan's.
+            let stored: Vec<TaskSpec> =
+                s.tasks(&run)?.into_iter().map(|t| t.spec).filter(|t| t.added_by.is_none()).collect();
             if stored != tasks {
                 let fix = if own { format!("resume it with `pier run --resume {run}`, or ") } else { String::new() };
                 return Err(ActionError::Refused {

@@ -34,12 +34,19 @@ pub(super) fn merged(earlier: &[McpServerSpec], later: Vec<McpServerSpec>) -> Ve
 }
 
 /// What is wrong with a task's servers, each said once.
+/// The name of the host's own MCP endpoint among an agent's servers (`pier_host::host_mcp`).
+pub const HOST_SERVER: &str = "pier";
+
 pub(super) fn problems(servers: &[McpServerSpec]) -> Vec<String> {
     let mut out = Vec::new();
     for (i, s) in servers.iter().enumerate() {
         let name = &s.name;
         if name.trim().is_empty() {
             out.push("an MCP server has an empty name".to_owned());
+        } else if name == HOST_SERVER {
+            out.push(format!(
+                "MCP server `{name}`: that name is the host's own MCP endpoint's (`pier serve` gives it to every agent); give the server another name"
+            ));
         } else if servers[..i].iter().any(|o| &o.name == name) {
             out.push(format!("MCP server `{name}` is named twice"));
         }

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 mod mcp;
 mod types;
-pub use mcp::McpServerSpec;
+pub use mcp::{HOST_SERVER, McpServerSpec};
 pub use types::{ConcurrencyKey, MAX_PRIORITY};
 
 /// A validated plan.
@@ -101,6 +101,10 @@ pub struct TaskSpec {
     /// What a person's denial of one of the agent's tool calls does to the task.
     #[serde(default, skip_serializing_if = "OnDeny::is_fail")]
     pub on_deny: OnDeny,
+    /// The task of the same run whose agent added this one while it ran (through the host's
+    /// MCP tools); `None` for a task of the plan as submitted. Never read from a plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub added_by: Option<String>,
 }
 
 /// `on_deny`: what a person's denial of a tool call does to the task under the host.

@@ -1,0 +1,164 @@
+//! What an agent asks of its host while it runs (the tools of the host's MCP endpoint, `pier
+//! serve`'s `/mcp`): a finished task's result, a person's answer, a follow-up task in its run.
+//! Each is asked as the attempt a token was granted to ([`crate::host_mcp`]), and each is
+//! fenced on that attempt holding its task: an attempt that lost its task asks nothing.
+
+use agent_client_protocol_schema::v1::{
+    CreateElicitationRequest, ElicitationFormMode, ElicitationSchema, ElicitationSessionScope, StringPropertySchema,
+};
+use pier_store::{Added, Attempt, StoreError, TaskState};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::handle::Tasks;
+use super::remote::{MAX_WAIT, lost};
+use super::submit::{check_sandbox, one_task_plan, parse_plan};
+use crate::person::ActionError;
+
+/// A task of the caller's run as its result tool shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct TaskResult {
+    pub task: String,
+    pub state: &'static str,
+    /// Set once it completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What a person said to an agent's question.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PersonSaid {
+    Answer(String),
+    Declined,
+}
+
+/// A task an agent adds to its run: of a declared type, with its input.
+#[derive(Debug, Clone)]
+pub struct FollowUp {
+    pub task_type: String,
+    pub input: Value,
+    /// The new task's id; by default the type's name and a random suffix.
+    pub id: Option<String>,
+    /// Tasks of the run it waits for (the caller's own id among them makes it wait for the caller).
+    pub depends_on: Vec<String>,
+    pub priority: Option<u8>,
+}
+
+/// The follow-up as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FollowedUp {
+    pub run: String,
+    pub task: String,
+    /// False when a task of that id and spec was there already (a call sent again).
+    pub added: bool,
+}
+
+impl Tasks {
+    /// The attempt `token` (from the host's MCP endpoint) was granted to, while it runs here.
+    pub fn mcp_caller(&self, token: &str) -> Option<Attempt> {
+        self.config.mcp.as_ref()?.caller(token)
+    }
+
+    /// Task `task` of `caller`'s run: its state, and its result once it completed.
+    pub async fn result_for(&self, caller: &Attempt, task: &str) -> Result<TaskResult, ActionError> {
+        let (run, id) = (caller.run.clone(), task.to_owned());
+        let row = self.blocking(move |s| Ok(s.task(&run, &id)?)).await?;
+        let row = row.ok_or_else(|| ActionError::Store(StoreError::UnknownTask(task.to_owned())))?;
+        let done = row.state == TaskState::Completed;
+        Ok(TaskResult {
+            task: row.id,
+            state: row.state.as_str(),
+            result: row.result.filter(|_| done),
+            error: row.error.filter(|_| row.state.retryable()),
+        })
+    }
+
+    /// Parks `caller`'s task on `question` for a person (the task waits in `awaiting_input`,
+    /// as for an agent's elicitation) and waits for the answer: one of `options` when any
+    /// are given, else free text. A question the attempt stops waiting for (the call dropped,
+    /// its turn cancelled) is withdrawn.
+    pub async fn ask_for(
+        &self,
+        caller: &Attempt,
+        question: &str,
+        options: Vec<String>,
+    ) -> Result<PersonSaid, ActionError> {
+        if question.trim().is_empty() {
+            return Err(ActionError::bad_request("the question is empty: say what the person is asked"));
+        }
+        let answer = StringPropertySchema::new().enum_values((!options.is_empty()).then_some(options));
+        let schema = ElicitationSchema::new().property("answer", answer, true);
+        let scope = ElicitationSessionScope::new(format!("pier-mcp:{}:{}:{}", caller.run, caller.task, caller.n));
+        let request = CreateElicitationRequest::new(ElicitationFormMode::new(scope, schema), question.to_owned());
+        let request = pier_store::QuestionRequest::Elicitation(Box::new(request));
+        let n = self.park_on(caller, request).await?;
+        let mut pending = Withdraw { tasks: self.clone(), caller: caller.clone(), n: Some(n) };
+        loop {
+            if let Some(answer) = self.wait_answer(caller, n, MAX_WAIT).await? {
+                pending.n = None;
+                let answer: Value = serde_json::from_str(&answer).unwrap_or(Value::Null);
+                return Ok(match answer["action"].as_str() {
+                    Some("accept") => match &answer["content"]["answer"] {
+                        Value::String(s) => PersonSaid::Answer(s.clone()),
+                        Value::Null => PersonSaid::Answer(String::new()),
+                        other => PersonSaid::Answer(other.to_string()),
+                    },
+                    _ => PersonSaid::Declined,
+                });
+            }
+        }
+    }
+
+    /// Adds a task of a declared type (pier.toml's `[types]`) to `caller`'s run, checked as
+    /// a submitted one is (its input against the type's schema, its agent, its sandbox), its
+    /// `added_by` the caller's task; a run's budget covers it as it covers the caller.
+    pub async fn add_follow_up(&self, caller: &Attempt, f: FollowUp) -> Result<FollowedUp, ActionError> {
+        let id =
+            f.id.clone()
+                .unwrap_or_else(|| format!("{}-{}", f.task_type, &uuid::Uuid::new_v4().simple().to_string()[..8]));
+        let text = one_task_plan(&f.task_type, &f.input, f.priority, Some(&id))?;
+        let config = &self.config;
+        let mut plan = parse_plan(&text, &config.agents, &config.pier_exe, &config.types)?;
+        check_sandbox(&plan, config)?;
+        crate::caps::check(&plan, &self.store, config).await?;
+        let Some(mut spec) = plan.tasks.pop() else {
+            return Err(ActionError::bad_request("the follow-up made no task"));
+        };
+        let (run, task) = (caller.run.clone(), caller.task.clone());
+        let of_caller = self.blocking(move |s| Ok(s.task(&run, &task)?)).await?.ok_or_else(|| lost(caller))?;
+        spec.depends_on = f.depends_on;
+        spec.added_by = Some(caller.task.clone());
+        spec.run_budget = of_caller.spec.run_budget;
+        let a = caller.clone();
+        let added = self.blocking(move |s| Ok(s.add_task(&a, &spec)?)).await;
+        match added {
+            Ok(added) => Ok(FollowedUp { run: caller.run.clone(), task: id, added: added == Added::Added }),
+            Err(ActionError::Store(StoreError::LeaseLost { .. })) => Err(lost(caller)),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Withdraws question `n` of `caller` unless it was answered: the call that asked it was
+/// dropped (the agent stopped waiting).
+struct Withdraw {
+    tasks: Tasks,
+    caller: Attempt,
+    n: Option<i64>,
+}
+
+impl Drop for Withdraw {
+    fn drop(&mut self) {
+        let Some(n) = self.n.take() else { return };
+        let (tasks, caller) = (self.tasks.clone(), self.caller.clone());
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = tasks.withdraw(&caller, n).await {
+                    tracing::debug!(error = %e, "could not withdraw an agent's question");
+                }
+            });
+        }
+    }
+}
