@@ -32,6 +32,9 @@ use crate::{ClientEvent, fs};
 pub enum AskAnswer {
     /// This offered option.
     Option(String),
+    /// This offered option, chosen by the asker itself without a person, for the reason given
+    /// (the host allowing a tool of its own MCP endpoint).
+    Decided { option: String, why: String },
     /// Nobody answered (the turn is ending): reject.
     Nobody,
     /// The question was withdrawn because the task was cancelled or its attempt ended:
@@ -94,6 +97,28 @@ pub struct ClientState {
     /// Waiting for a person is not idleness: the turn's idle timer stops while this is
     /// above zero and starts afresh when it drops to zero.
     pub asking: tokio::sync::watch::Sender<usize>,
+}
+
+/// Counts the questions to a person asked for an agent outside its client (the host's MCP
+/// `ask_person`): while one is open the turn's idle timer stops, as for the client's own.
+#[derive(Clone)]
+pub struct AskingCount(pub(crate) Arc<ClientState>);
+
+impl AskingCount {
+    /// One question open until the guard is dropped.
+    pub fn start(&self) -> AskingGuard {
+        self.0.asking.send_modify(|n| *n += 1);
+        AskingGuard(self.0.clone())
+    }
+}
+
+/// One open question of an [`AskingCount`].
+pub struct AskingGuard(Arc<ClientState>);
+
+impl Drop for AskingGuard {
+    fn drop(&mut self) {
+        self.0.asking.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 /// Counts one question to a person for as long as it lives (see [`ClientState::asking`]).
@@ -454,7 +479,15 @@ impl ClientState {
                 _ = cancelling.cancelled() => AskAnswer::Nobody,
                 _ = gone.cancelled() => AskAnswer::Withdrawn,
             };
+            let mut why = "answered by a person through the host".to_owned();
             let choice = match answer {
+                AskAnswer::Decided { option, why: decided } => {
+                    why = decided;
+                    req.options
+                        .iter()
+                        .find(|o| o.option_id.0.as_ref() == option)
+                        .map(|o| Choice::Select { option_id: option.clone(), kind: o.kind })
+                }
                 AskAnswer::Option(id) => req
                     .options
                     .iter()
@@ -468,7 +501,7 @@ impl ClientState {
                 }
             };
             return match choice {
-                Some(c) => (c, json!("ask"), "answered by a person through the host".to_owned()),
+                Some(c) => (c, json!("ask"), why),
                 None => {
                     let (c, why) = choose(Rule::Deny, &req.options);
                     (c, json!("ask"), format!("nobody answered the question; rejected {why}"))

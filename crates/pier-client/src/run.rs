@@ -356,6 +356,12 @@ pub struct LiveAgent {
 }
 
 impl LiveAgent {
+    /// The count of questions asked for this agent outside its client (see
+    /// [`crate::handler::AskingCount`]).
+    pub fn asking(&self) -> crate::handler::AskingCount {
+        crate::handler::AskingCount(self.state.clone())
+    }
+
     /// Spawns the agent and runs the handshake. On failure the agent is already torn down.
     pub async fn start(opts: &RunOptions, events: &mpsc::Sender<ClientEvent>) -> Result<LiveAgent, ClientError> {
         // Nobody interrupts: a receiver whose sender is gone never yields.

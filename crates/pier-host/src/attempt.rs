@@ -138,7 +138,7 @@ impl Run {
                 let blocks = vec![agent_client_protocol_schema::v1::ContentBlock::Text(
                     agent_client_protocol_schema::v1::TextContent::new(prompt),
                 )];
-                let run = self.turn(opts, blocks, &recorder, int_rx, &lease_lost);
+                let run = self.turn(opts, blocks, &recorder, int_rx, &lease_lost, grant.as_ref());
                 tokio::pin!(run);
                 let mut interrupted = false;
                 let (outcome, ended) = loop {
@@ -277,6 +277,7 @@ impl Run {
         recorder: &Recorder,
         mut interrupts: mpsc::UnboundedReceiver<()>,
         lease_lost: &CancellationToken,
+        grant: Option<&crate::host_mcp::Grant>,
     ) -> (RunOutcome, Option<Result<(), StoreError>>) {
         let started = std::time::Instant::now();
         let events = &recorder.events;
@@ -314,6 +315,9 @@ impl Run {
         *self.billing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = lease.as_ref().map(Lease::settler);
         let (mut outcome, ended) = match agent {
             Ok(mut agent) => {
+                if let Some(g) = grant {
+                    g.runs_on(agent.asking());
+                }
                 let mut channel = Local::new(self, recorder, lease_lost);
                 let (outcome, ended) = converse(&mut agent, &opts, prompt, events, &mut interrupts, &mut channel).await;
                 if let Some(l) = &lease {
@@ -631,7 +635,8 @@ impl pier_client::handler::Asker for HostAsker {
             let allow = request.options.iter().find(|o| o.kind == PermissionOptionKind::AllowOnce);
             if let Some(o) = allow {
                 let option = o.option_id.0.to_string();
-                return Box::pin(async move { AskAnswer::Option(option) });
+                let why = "allowed by the host: a tool of its own MCP endpoint".to_owned();
+                return Box::pin(async move { AskAnswer::Decided { option, why } });
             }
         }
         let asker = self.clone();

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use pier_client::handler::AskingCount;
 use pier_store::Attempt;
 
 /// The name the endpoint has among a task's MCP servers: its tools reach the model as
@@ -32,13 +33,22 @@ pub fn is_own_tool(call: &agent_client_protocol_schema::v1::ToolCallUpdate) -> b
 }
 
 /// Where the endpoint is and who may call it; shared by every clone of the host's config.
-#[derive(Debug, Clone)]
+/// Its `Debug` names no token.
+#[derive(Clone)]
 pub struct HostMcp {
     /// The URL the attempts' agents call (`http://127.0.0.1:PORT/mcp`).
     pub url: String,
     /// `host:port` of the URL: what a strict jail's proxy lets the agent reach.
     pub authority: String,
-    grants: Arc<Mutex<HashMap<String, Attempt>>>,
+    grants: Arc<Mutex<HashMap<String, Live>>>,
+}
+
+/// A granted token's attempt, and the count of questions open for its agent (set once the
+/// agent runs), which `ask_person` holds up so the attempt's idle timer stops meanwhile.
+#[derive(Clone)]
+struct Live {
+    attempt: Attempt,
+    asking: Arc<Mutex<Option<AskingCount>>>,
 }
 
 impl HostMcp {
@@ -56,13 +66,20 @@ impl HostMcp {
     pub fn grant(&self, attempt: &Attempt) -> Grant {
         // 244 random bits from two v4 UUIDs (the OS's generator).
         let token = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
-        self.lock().insert(token.clone(), attempt.clone());
-        Grant { token, grants: self.grants.clone() }
+        let asking = Arc::new(Mutex::new(None));
+        self.lock().insert(token.clone(), Live { attempt: attempt.clone(), asking: asking.clone() });
+        Grant { token, grants: self.grants.clone(), asking }
     }
 
     /// The attempt `token` was granted to, while that attempt runs.
     pub fn caller(&self, token: &str) -> Option<Attempt> {
-        self.lock().get(token).cloned()
+        self.lock().get(token).map(|l| l.attempt.clone())
+    }
+
+    /// The count of questions open for `attempt`'s agent, once it runs.
+    pub fn asking_for(&self, attempt: &Attempt) -> Option<AskingCount> {
+        let live = self.lock().values().find(|l| l.attempt == *attempt)?.asking.clone();
+        live.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// How many tokens are live (one per running attempt that was given the endpoint).
@@ -70,20 +87,32 @@ impl HostMcp {
         self.lock().len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Attempt>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
         self.grants.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl std::fmt::Debug for HostMcp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostMcp").field("url", &self.url).field("live", &self.live()).finish()
     }
 }
 
 /// One attempt's token; revoked when dropped.
 pub struct Grant {
     token: String,
-    grants: Arc<Mutex<HashMap<String, Attempt>>>,
+    grants: Arc<Mutex<HashMap<String, Live>>>,
+    asking: Arc<Mutex<Option<AskingCount>>>,
 }
 
 impl Grant {
     pub fn token(&self) -> &str {
         &self.token
+    }
+
+    /// The agent the attempt runs on: questions asked through the endpoint count as its.
+    pub fn runs_on(&self, asking: AskingCount) {
+        *self.asking.lock().unwrap_or_else(PoisonError::into_inner) = Some(asking);
     }
 }
 
@@ -121,6 +150,7 @@ mod tests {
         assert_eq!(mcp.caller(&token), None, "revoked with its attempt");
         assert_eq!((mcp.live(), mcp.caller("")), (1, None));
         assert!(format!("{two:?}").contains("***"), "never printed");
+        assert!(!format!("{mcp:?}").contains(two.token()), "never printed");
         for bad in ["https://x:1/mcp", "http:///mcp", "http://host/mcp"] {
             assert!(HostMcp::new(bad).is_err(), "{bad}");
         }

@@ -60,11 +60,7 @@ async fn a_confined_agent_asks_its_host_and_adds_a_follow_up_task_to_its_run() {
     s.events_until(Some(0), |e| e["type"] == "question" && e["task"] == "triage").await;
     let (code, body) =
         s.call(reqwest::Method::POST, "/runs/m/tasks/triage/answer", Some(json!({"content": {"answer": "b"}}))).await;
-    if code != 200 {
-        let all = s.http.get(format!("{}/events?follow=false", s.base)).bearer_auth(support::serve::TOKEN).send().await;
-        let all = must(must(all, "events").text().await, "text");
-        panic!("{body} {all}");
-    }
+    assert_eq!(code, 200, "{body}");
     s.events_until(Some(0), |e| e["task"] == "fix-1" && e["type"] == "transition" && e["to"] == "completed").await;
 
     let (_, run) = s.call(reqwest::Method::GET, "/runs/m", None).await;
@@ -82,6 +78,13 @@ async fn a_confined_agent_asks_its_host_and_adds_a_follow_up_task_to_its_run() {
     assert!(said.contains(r#""task":"fix-1""#) && said.contains(r#""added":true"#), "{said}");
     assert!(said.contains(r#""state":"pending""#), "{said}");
 
+    // The host let its agent call its tools without asking anyone, and says so.
+    let log = s.events_until(Some(0), |e| e["type"] == "permission" && e["toolCall"]["toolCallId"] == "c4").await;
+    let permissions: Vec<&Value> = log.iter().filter(|e| e["type"] == "permission").collect();
+    assert_eq!(permissions.len(), 4, "{permissions:#?}");
+    for p in permissions {
+        assert_eq!(p["reason"], "allowed by the host: a tool of its own MCP endpoint", "{p}");
+    }
     let offered = tool_names(&f.requests()[0].body);
     for tool in ["pier__task_result", "pier__ask_person", "pier__submit_task"] {
         assert!(offered.contains(&tool.to_owned()), "{tool} in {offered:?}");

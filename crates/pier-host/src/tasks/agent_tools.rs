@@ -94,6 +94,8 @@ impl Tasks {
         let request = CreateElicitationRequest::new(ElicitationFormMode::new(scope, schema), question.to_owned());
         let request = pier_store::QuestionRequest::Elicitation(Box::new(request));
         let n = self.park_on(caller, request).await?;
+        // Waiting for a person is not the agent's idleness: its attempt's idle timer stops.
+        let _asking = self.config.mcp.as_ref().and_then(|m| m.asking_for(caller)).map(|c| c.start());
         let mut pending = Withdraw { tasks: self.clone(), caller: caller.clone(), n: Some(n) };
         loop {
             if let Some(answer) = self.wait_answer(caller, n, MAX_WAIT).await? {
