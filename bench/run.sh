@@ -169,6 +169,14 @@ fi
 # B7: a delegation (the delegate tool, pier's own agent as the child) beside the same child
 # run directly by the harness; overhead_ms is what delegating adds (median of 20 per run).
 run B7-delegate            "$bench" delegate --pier "$pier" --n 20
+# B12: an MCP tool call's round trip through pier's agent (and, with --peers, codex-acp) beside the
+# same stdio server called directly; *_overhead_ms is what the agent adds (median of 50 calls).
+mcp_server="$PWD/crates/pier-mcp/tests/fixtures/mcp_server.py"
+if [ "$with_peers" = 1 ]; then
+  run B12-mcp              "$bench" mcp --pier "$pier" --server "$mcp_server" --n 50 --codex "$interop/node_modules/.bin/codex-acp"
+else
+  run B12-mcp              "$bench" mcp --pier "$pier" --server "$mcp_server" --n 50
+fi
 if [ "$with_peers" = 1 ] && wanted B3-; then
   # B3 for the real agents, their models pointed at a local fake server: a warm-up, then rounds.
   target/release/examples/interop --peers "$interop" --startup "$bench" --n 20 >/dev/null

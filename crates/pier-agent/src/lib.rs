@@ -13,6 +13,7 @@ pub mod profile;
 pub mod prompt;
 mod sessions;
 mod settings;
+pub mod terminal;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -70,6 +71,10 @@ pub struct AgentOptions {
     /// Cancels a subagent's running turn by its session id (`session/cancel` of a child
     /// session an editor was shown); false when no such child runs.
     pub cancel_subagent: Option<CancelSubagent>,
+    /// The `pier` binary that guards a command run in the client's terminal (`pier
+    /// command-guard`): with it, an editor-profile session whose client advertised
+    /// `terminal` runs `run_command` there; without it, commands always run here.
+    pub terminal_guard: Option<std::path::PathBuf>,
     /// Tell the model which task a host runs a session for (its metadata, from
     /// `_meta["pier.dev/task"]` of `session/new`), in the system prompt.
     pub task_context: bool,
@@ -83,6 +88,7 @@ impl AgentOptions {
             models: Vec::new(),
             default_model: None,
             vision: false,
+            terminal_guard: None,
             mcp_timeout: std::time::Duration::from_secs(30),
             mcp_guard: None,
             cancel_subagent: None,
@@ -101,6 +107,8 @@ pub struct AcpAgent {
     client_subagents: AtomicBool,
     /// The client advertised form elicitation: sessions are offered `ask_user`.
     client_elicitation: AtomicBool,
+    /// The client advertised `terminal`: editor sessions run commands in its terminals.
+    client_terminal: AtomicBool,
     sessions: Mutex<HashMap<String, Arc<SessionEntry>>>,
 }
 
@@ -152,6 +160,7 @@ impl AcpAgent {
             initialized: AtomicBool::new(false),
             client_subagents: AtomicBool::new(false),
             client_elicitation: AtomicBool::new(false),
+            client_terminal: AtomicBool::new(false),
             sessions: Mutex::new(HashMap::new()),
         })
     }
@@ -193,6 +202,7 @@ impl AcpAgent {
         self.client_subagents.store(req.client_capabilities.subagents.is_some(), Ordering::SeqCst);
         let form = req.client_capabilities.elicitation.as_ref().is_some_and(|e| e.supports_form());
         self.client_elicitation.store(form, Ordering::SeqCst);
+        self.client_terminal.store(req.client_capabilities.terminal, Ordering::SeqCst);
         let response = InitializeResponse::new(ProtocolVersion::V1)
             .agent_capabilities(self.profile.capabilities(self.options.vision))
             .auth_methods(Vec::new())

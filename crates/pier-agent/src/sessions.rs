@@ -91,7 +91,7 @@ impl AcpAgent {
         if self.options.task_context {
             options.note = task_note(req.meta.as_ref());
         }
-        let ask_cell = self.offer_ask(&mut options, &cx.conn, req.meta.as_ref());
+        let cells = self.offer_client_tools(&mut options, &cx.conn, req.meta.as_ref());
         let session = match self.engine.create(options).await {
             Ok(s) => s,
             Err(e) => {
@@ -99,7 +99,7 @@ impl AcpAgent {
                 return Err(engine_error(&e));
             }
         };
-        if let Some(cell) = ask_cell {
+        for cell in cells {
             let _ = cell.set(session.id.clone());
         }
         let entry = Arc::new(SessionEntry::new(session, mcp));
@@ -164,7 +164,7 @@ impl AcpAgent {
             self.dispose(&live).await;
         }
         let Setup { mut options, mcp } = self.setup(cwd, additional, servers, meta).await?;
-        if let Some(cell) = self.offer_ask(&mut options, conn, meta) {
+        for cell in self.offer_client_tools(&mut options, conn, meta) {
             let _ = cell.set(id.to_owned());
         }
         let reopened = match self.engine.open(id, options).await {
@@ -272,23 +272,34 @@ struct Reopening<'a> {
 impl AcpAgent {
     /// Offers the session `ask_user` when its client answers form questions, and either the
     /// profile is the editor's or the client asked for it (`ASK_META_KEY` in the request's
-    /// `_meta`): the automation profile asks nobody of its own accord (seed 003). The cell
-    /// takes the session's id once it has one.
-    fn offer_ask(
+    /// `_meta`): the automation profile asks nobody of its own accord (seed 003). And, in the
+    /// editor profile with a client that advertised `terminal`, `run_command`
+    /// through the client's terminal ([`crate::terminal`]), confined as the local one is. Each
+    /// cell takes the session's id once it has one.
+    fn offer_client_tools(
         &self,
         options: &mut SessionOptions,
         conn: &pier_acp::Connection,
         meta: Option<&agent_client_protocol_schema::v1::Meta>,
-    ) -> Option<Arc<std::sync::OnceLock<String>>> {
+    ) -> Vec<Arc<std::sync::OnceLock<String>>> {
+        use std::sync::atomic::Ordering;
+        let mut cells = Vec::new();
         let asked = meta.and_then(|m| m.get(pier_acp::ASK_META_KEY)).and_then(Value::as_bool) == Some(true);
-        if !self.client_elicitation.load(std::sync::atomic::Ordering::SeqCst)
-            || !(self.profile == Profile::Editor || asked)
-        {
-            return None;
+        if self.client_elicitation.load(Ordering::SeqCst) && (self.profile == Profile::Editor || asked) {
+            let (tool, cell) = crate::ask::AskUser::new(conn.clone());
+            options.tools.push(Arc::new(tool));
+            cells.push(cell);
         }
-        let (tool, cell) = crate::ask::AskUser::new(conn.clone());
-        options.tools.push(Arc::new(tool));
-        Some(cell)
+        if let Some(exe) = &self.options.terminal_guard
+            && self.profile == Profile::Editor
+            && self.client_terminal.load(Ordering::SeqCst)
+            && self.engine.has_tool(pier_tools::command::NAME)
+        {
+            let (tool, cell) = crate::terminal::TerminalCommand::new(conn.clone(), exe.clone());
+            options.tools.push(Arc::new(tool));
+            cells.push(cell);
+        }
+        cells
     }
 }
 
@@ -350,6 +361,14 @@ pub(crate) fn replay_updates(records: &[(u64, LogRecord)]) -> Vec<SessionUpdate>
                 let mut fin = last.get(call.id.as_str()).copied().unwrap_or(call).clone();
                 // A past turn's subagents are gone with their processes: no reference to them.
                 fin.content.retain(|c| !matches!(c, pier_tools::ToolContent::Session { .. }));
+                // Its terminals were released: what they printed stands in their place.
+                let printed = fin.raw_output.as_ref().and_then(|r| r["output"].as_str()).map(str::to_owned);
+                for c in &mut fin.content {
+                    if let pier_tools::ToolContent::Terminal { .. } = c {
+                        let text = printed.clone().unwrap_or_else(|| "(its terminal was released)".to_owned());
+                        *c = pier_tools::ToolContent::Text { text };
+                    }
+                }
                 out.push(SessionUpdate::ToolCall(profile::full_tool_call(&fin)));
             }
             LogRecord::Plan { entries } => out.push(profile::plan(entries)),

@@ -1,8 +1,8 @@
 //! Engine values in ACP's wire types, shared by the profiles.
 
 use agent_client_protocol_schema::v1::{
-    Content, ContentBlock, Diff, SessionReference, TextContent, ToolCallContent, ToolCallLocation, ToolCallStatus,
-    ToolCallUpdateFields, ToolKind,
+    Content, ContentBlock, Diff, SessionReference, Terminal, TextContent, ToolCallContent, ToolCallLocation,
+    ToolCallStatus, ToolCallUpdateFields, ToolKind,
 };
 use pier_engine::{ToolCallRecord, ToolCallStatus as Status};
 use pier_tools::{ToolContent, ToolKind as Kind};
@@ -45,6 +45,7 @@ pub fn tool_call_fields(call: &ToolCallRecord) -> ToolCallUpdateFields {
             ToolContent::Session { session_id, .. } => {
                 ToolCallContent::Session(SessionReference::new(session_id.clone()))
             }
+            ToolContent::Terminal { terminal_id } => ToolCallContent::Terminal(Terminal::new(terminal_id.clone())),
             // ACP's content blocks are MCP's: one that does not read as ACP's is described.
             ToolContent::Block { block } => ToolCallContent::Content(Content::new(
                 serde_json::from_value::<ContentBlock>(block.clone()).unwrap_or_else(|e| {

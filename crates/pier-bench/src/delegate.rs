@@ -54,7 +54,9 @@ impl Seen {
     }
 }
 
-fn command(pier: &Path, args: &[&str], env: &[(String, String)], cwd: &Path) -> tokio::process::Command {
+/// `program ARGS` with exactly `env` added, in `cwd`, its stdio piped (stderr dropped), in a
+/// process group of its own, killed when dropped.
+pub(crate) fn command(pier: &Path, args: &[&str], env: &[(String, String)], cwd: &Path) -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(pier);
     cmd.args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))

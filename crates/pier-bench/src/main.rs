@@ -30,6 +30,7 @@ mod delegate;
 mod gateway;
 mod jail;
 mod latency;
+mod mcp;
 mod workers;
 
 use std::process::Stdio;
@@ -1064,8 +1065,9 @@ async fn main() {
         Some("delegate") => delegate::run(opts).await,
         Some("workers") => workers::run(opts, cmd).await,
         Some("latency") => latency::run(opts, cmd).await,
+        Some("mcp") => mcp::run(opts).await,
         _ => eprintln!(
-            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | latency [--rate N] [--count N] [--concurrency N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--keys N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
+            "usage: pier-bench agent | client [--updates N] [--rtt N] -- CMD | limit | floor | host [--pg SERVER] -- PIER | serve [--runs N] [--tasks N] [--concurrency N] [--nodes N] [--pg SERVER] -- PIER | mcp --pier PATH --server SCRIPT [--codex PATH] [--n N] | latency [--rate N] [--count N] [--concurrency N] [--pg SERVER] -- PIER | claims [--tasks N] [--claimers N] [--keys N] [--pg SERVER] | log -- DB | replay -- URL | startup -- CMD | sessions -- CMD | stream [--kind pier|codex|claude|direct] [--tokens N] [-- CMD]"
         ),
     }
 }

@@ -66,6 +66,9 @@ pub struct Terminals {
     /// The last output of the most recently released terminals (at most [`KEPT_RELEASED`]), so
     /// that a tool call embedding one still shows what it printed after the agent let it go.
     released: Mutex<std::collections::VecDeque<(String, TerminalOutputResponse)>>,
+    /// Counts chunks of output any terminal received: a command printing in one of the
+    /// agent's terminals is the agent at work, so a turn's idle timer starts afresh.
+    pub activity: Arc<watch::Sender<u64>>,
 }
 
 /// Released terminals whose last output is kept for showing.
@@ -83,8 +86,12 @@ fn exit_status(status: std::process::ExitStatus) -> TerminalExitStatus {
     s
 }
 
-async fn pump(r: impl AsyncRead + Unpin, out: Arc<Mutex<Output>>) {
-    pier_tools::command::read_into(r, |chunk| lock(&out).push(chunk)).await;
+async fn pump(r: impl AsyncRead + Unpin, out: Arc<Mutex<Output>>, activity: Arc<watch::Sender<u64>>) {
+    pier_tools::command::read_into(r, |chunk| {
+        lock(&out).push(chunk);
+        activity.send_modify(|n| *n = n.wrapping_add(1));
+    })
+    .await;
 }
 
 impl Terminals {
@@ -158,8 +165,8 @@ impl Terminals {
         let output = Arc::new(Mutex::new(Output { bytes: Vec::new(), truncated: false, limit }));
         let (tx, exit) = watch::channel(None);
         let readers = [
-            child.stdout.take().map(|r| tokio::spawn(pump(r, output.clone()))),
-            child.stderr.take().map(|r| tokio::spawn(pump(r, output.clone()))),
+            child.stdout.take().map(|r| tokio::spawn(pump(r, output.clone(), self.activity.clone()))),
+            child.stderr.take().map(|r| tokio::spawn(pump(r, output.clone(), self.activity.clone()))),
         ];
         let ending = contained.clone();
         tokio::spawn(async move {

@@ -62,6 +62,7 @@ pub(crate) enum Wake {
     Answered(Result<Value, RequestError>),
     Event(ClientEvent),
     Asking,
+    TerminalOutput,
     TimedOut,
     PermissionRequired,
     Interrupted,
@@ -133,6 +134,7 @@ impl<'a> Turn<'a> {
         let prompt_fut = conn.request::<_, Value>("session/prompt", &request);
         tokio::pin!(prompt_fut);
         let mut asking = agent.state.asking.subscribe();
+        let mut terminal_output = agent.state.terminals.activity.subscribe();
         loop {
             let prompting = self.phase == Phase::Prompting;
             let asked = *asking.borrow_and_update() > 0;
@@ -140,6 +142,7 @@ impl<'a> Turn<'a> {
                 answer = &mut prompt_fut => Wake::Answered(answer),
                 Some(event) = agent.inner_rx.recv() => Wake::Event(event),
                 Ok(()) = asking.changed() => Wake::Asking,
+                Ok(()) = terminal_output.changed() => Wake::TerminalOutput,
                 _ = tokio::time::sleep_until(self.timeout_at(asked).into()), if prompting => Wake::TimedOut,
                 _ = agent.state.permission_failed.cancelled(), if prompting => Wake::PermissionRequired,
                 Some(()) = interrupts.recv() => Wake::Interrupted,
@@ -172,8 +175,9 @@ impl<'a> Turn<'a> {
                     self.last_activity = Instant::now();
                     self.take(agent, event, events).await?;
                 }
-                // A question opened or closed: the idle timer starts afresh either way.
-                Wake::Asking => self.last_activity = Instant::now(),
+                // A question opened or closed: the idle timer starts afresh either way. A
+                // command printing in one of the agent's terminals is the agent at work.
+                Wake::Asking | Wake::TerminalOutput => self.last_activity = Instant::now(),
                 Wake::TimedOut => {
                     let limit = self.limit_reached(asked);
                     self.cancel(agent, Cause::Timeout(limit)).await

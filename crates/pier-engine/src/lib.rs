@@ -129,7 +129,8 @@ pub struct SessionOptions {
     pub cwd: PathBuf,
     /// More directories tools may touch (ACP `additionalDirectories`).
     pub roots: Vec<PathBuf>,
-    /// Tools of this session only (its MCP servers'), offered after the built-in ones.
+    /// Tools of this session only (its MCP servers'), offered after the built-in ones; one of
+    /// a built-in's name stands in for it (`run_command` through the client's terminal).
     pub tools: Vec<Arc<dyn Tool>>,
     /// The permission mode a new session starts in; a reopened one keeps its own.
     pub mode: Mode,
@@ -163,6 +164,11 @@ impl Engine {
     ) -> Engine {
         let store = SessionStore::new(&config.home);
         Engine { services: Arc::new(Services { config, model, toolbox, policy, store }) }
+    }
+
+    /// Whether the engine's toolbox has a tool of this name.
+    pub fn has_tool(&self, name: &str) -> bool {
+        self.services.toolbox.get(name).is_some()
     }
 
     /// Where this engine keeps sessions.

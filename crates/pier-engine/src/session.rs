@@ -243,6 +243,8 @@ fn title_of(prompt: &str) -> Option<String> {
 struct Round {
     message: ChatMessage,
     answers: Vec<Option<String>>,
+    /// Images the calls returned, for a model that takes them: shown to it after the answers.
+    images: Vec<(String, Vec<pier_model::Image>)>,
 }
 
 impl Round {
@@ -250,22 +252,29 @@ impl Round {
         let mut message = ChatMessage::new(Role::Assistant, text);
         let answers = vec![None; calls.len()];
         message.tool_calls = calls;
-        Round { message, answers }
+        Round { message, answers, images: Vec::new() }
     }
 
     fn calls(&self) -> Vec<ToolCall> {
         self.message.tool_calls.clone()
     }
 
-    fn answer(&mut self, i: usize, text: String) {
+    fn answer(&mut self, i: usize, end: CallEnd) {
+        if !end.images.is_empty()
+            && let Some(call) = self.message.tool_calls.get(i)
+        {
+            self.images.push((call.id.clone(), end.images));
+        }
         if let Some(slot) = self.answers.get_mut(i) {
-            *slot = Some(text);
+            *slot = Some(end.text);
         }
     }
 
-    /// The assistant message, then one tool message per call, in the calls' order.
+    /// The assistant message, then one tool message per call, in the calls' order; then, if
+    /// the calls returned images, one user message that shows them (a tool message carries
+    /// text only in the Chat Completions API).
     fn close(self) -> Vec<ChatMessage> {
-        let Round { message, answers } = self;
+        let Round { message, answers, images } = self;
         let tools: Vec<ChatMessage> = message
             .tool_calls
             .iter()
@@ -277,7 +286,13 @@ impl Round {
                 m
             })
             .collect();
-        std::iter::once(message).chain(tools).collect()
+        let shown = (!images.is_empty()).then(|| {
+            let calls: Vec<String> = images.iter().map(|(id, i)| format!("{} from call {id}", i.len())).collect();
+            let mut m = ChatMessage::new(Role::User, format!("[The images the tools returned: {}.]", calls.join(", ")));
+            m.images = images.into_iter().flat_map(|(_, i)| i).collect();
+            m
+        });
+        std::iter::once(message).chain(tools).chain(shown).collect()
     }
 }
 
@@ -287,15 +302,17 @@ struct CallEnd {
     text: String,
     stop: Option<StopReason>,
     plan: Option<Vec<PlanEntry>>,
+    /// What the model is shown besides `text` (only when it takes images).
+    images: Vec<pier_model::Image>,
 }
 
 impl CallEnd {
     fn answer(text: String) -> CallEnd {
-        CallEnd { text, stop: None, plan: None }
+        CallEnd { text, stop: None, plan: None, images: Vec::new() }
     }
 
     fn stop(text: String, stop: StopReason) -> CallEnd {
-        CallEnd { text, stop: Some(stop), plan: None }
+        CallEnd { text, stop: Some(stop), plan: None, images: Vec::new() }
     }
 }
 
@@ -376,12 +393,19 @@ impl TurnPermit {
         self.shared.model(&self.services)
     }
 
+    /// A session's own tool of a built-in's name stands in for it (pier-agent's `run_command`
+    /// through the client's terminal).
     fn tool(&self, name: &str) -> Option<Arc<dyn Tool>> {
-        self.services.toolbox.get(name).or_else(|| self.shared.tools.iter().find(|t| t.name() == name).cloned())
+        self.shared.tools.iter().find(|t| t.name() == name).cloned().or_else(|| self.services.toolbox.get(name))
     }
 
     fn tools(&self) -> impl Iterator<Item = &Arc<dyn Tool>> {
-        self.services.toolbox.tools().iter().chain(self.shared.tools.iter())
+        let (own, builtin) = (&self.shared.tools, self.services.toolbox.tools());
+        // In the built-ins' order, each in its stand-in's place; then the session's others.
+        builtin
+            .iter()
+            .map(move |t| own.iter().find(|o| o.name() == t.name()).unwrap_or(t))
+            .chain(own.iter().filter(move |o| !builtin.iter().any(|t| t.name() == o.name())))
     }
 
     fn tool_specs(&self) -> Vec<ToolSpec> {
@@ -510,12 +534,12 @@ impl Turn<'_> {
                 self.say(&text).await;
                 let mut round = Round::new(text, tool_calls);
                 let mut stop = None;
-                for (i, end) in self.run_calls(round.calls()).await {
-                    round.answer(i, end.text);
+                for (i, mut end) in self.run_calls(round.calls()).await {
                     stop = stop.or(end.stop);
-                    if let Some(plan) = end.plan {
+                    if let Some(plan) = end.plan.take() {
                         self.permit.state.plan = plan;
                     }
+                    round.answer(i, end);
                 }
                 self.permit.state.history.extend(round.close());
                 Ok(stop.map_or(Step::Continue, Step::Stop))
@@ -762,6 +786,15 @@ impl Turn<'_> {
             Some(Ok(output)) => {
                 let text = output.text.clone();
                 let plan = output.plan.clone();
+                let images = if self.permit.model().takes_images() {
+                    output
+                        .images
+                        .iter()
+                        .map(|i| pier_model::Image { mime_type: i.mime_type.clone(), data: i.data.clone() })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 if let Some(plan) = &plan {
                     self.log(LogRecord::Plan { entries: plan.clone() });
                     self.emit(EventMsg::Plan(plan.clone())).await;
@@ -770,7 +803,7 @@ impl Turn<'_> {
                     tracing::error!(error = %e, call = %record.id, "tool call state machine");
                 }
                 self.publish(&record, false).await;
-                CallEnd { text, stop: None, plan }
+                CallEnd { text, stop: None, plan, images }
             }
             Some(Err(e)) => CallEnd::answer(self.fail(&mut record, e.0).await),
             None => CallEnd::answer(self.fail(&mut record, "the tool did not finish".into()).await),

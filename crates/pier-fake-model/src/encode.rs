@@ -276,10 +276,15 @@ impl Encoder {
                         "content": [{"type": "output_text", "text": self.text, "annotations": []}]}));
                 }
                 for c in &self.calls {
-                    items.push(
-                        json!({"type": "function_call", "id": format!("fc_{}", c.id), "call_id": c.id, "name": c.name,
-                        "arguments": c.args, "status": "completed"}),
-                    );
+                    let mut item = json!({"type": "function_call", "id": format!("fc_{}", c.id), "call_id": c.id,
+                        "name": c.name, "arguments": c.args, "status": "completed"});
+                    // `NAMESPACE/TOOL`: a tool of a Responses `namespace` (codex offers each MCP
+                    // server's tools as one), called by its own name within it.
+                    if let Some((namespace, name)) = c.name.split_once('/') {
+                        item["namespace"] = json!(namespace);
+                        item["name"] = json!(name);
+                    }
+                    items.push(item);
                 }
                 for (i, item) in items.iter().enumerate() {
                     out.push_str(&sse(
@@ -485,6 +490,11 @@ mod tests {
         assert_eq!(done[1]["item"]["arguments"], "{\"command\":\"ls\"}");
         assert_eq!(done[1]["item"]["call_id"], "call_1");
         assert_eq!(all.last().map(|e| e["type"].clone()), Some(json!("response.completed")));
+        let mut namespaced = tool_script();
+        namespaced[1] = Step::ToolCallStart { index: 0, id: "call_1".into(), name: "mcp__notes/echo".into() };
+        let all = events(Api::Responses, &namespaced);
+        let done = all.iter().rfind(|e| e["type"] == "response.output_item.done").cloned().unwrap_or_default();
+        assert_eq!((&done["item"]["namespace"], &done["item"]["name"]), (&json!("mcp__notes"), &json!("echo")));
     }
 
     #[test]

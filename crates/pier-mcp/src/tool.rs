@@ -122,8 +122,37 @@ async fn call(server: &Server, tool: String, args: Value, cx: ToolContext) -> Re
         .flatten()
         .map(|block| pier_tools::ToolContent::Block { block: block.clone() })
         .collect();
+    output.images = images(&raw);
     output.success = result.is_error != Some(true);
     Ok(output)
+}
+
+/// The most image data (base64) one call shows the model; past it, images are only described.
+const MAX_IMAGE_BYTES: usize = 8 << 20;
+
+/// The image blocks of a result (and embedded image resources), for a model that takes
+/// images, up to [`MAX_IMAGE_BYTES`] in all.
+fn images(raw: &Value) -> Vec<pier_tools::ToolImage> {
+    let blocks = raw.get("content").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    let mut total = 0;
+    let mut out = Vec::new();
+    for block in blocks {
+        let (mime, data) = match block.get("type").and_then(Value::as_str) {
+            Some("image") => (block.get("mimeType"), block.get("data")),
+            Some("resource") => {
+                let r = block.get("resource").unwrap_or(&Value::Null);
+                (r.get("mimeType"), r.get("blob"))
+            }
+            _ => continue,
+        };
+        let (Some(mime), Some(data)) = (mime.and_then(Value::as_str), data.and_then(Value::as_str)) else { continue };
+        if !mime.starts_with("image/") || total + data.len() > MAX_IMAGE_BYTES {
+            continue;
+        }
+        total += data.len();
+        out.push(pier_tools::ToolImage { mime_type: mime.to_owned(), data: data.to_owned() });
+    }
+    out
 }
 
 fn not_running(server: &Server, reason: &str) -> ToolError {

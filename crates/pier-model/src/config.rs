@@ -50,6 +50,8 @@ pub struct ModelConfig {
     pub stream_usage: bool,
     /// The model's context window in tokens, for clients' usage meters.
     pub context_window: Option<u64>,
+    /// The model takes images (pier.toml's `vision`): prompts' and tools' images are sent.
+    pub vision: bool,
 }
 
 impl ModelConfig {
@@ -65,6 +67,7 @@ impl ModelConfig {
             max_tokens: None,
             stream_usage: true,
             context_window: None,
+            vision: false,
         }
     }
 

@@ -153,6 +153,11 @@ pub trait ModelProvider: Send + Sync + 'static {
     fn context_window(&self) -> Option<u64> {
         None
     }
+
+    /// Whether the model takes images (a user message's `images`).
+    fn takes_images(&self) -> bool {
+        false
+    }
 }
 
 /// The provider used when none is configured: every request fails at once with

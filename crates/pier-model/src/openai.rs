@@ -60,6 +60,10 @@ impl ModelProvider for OpenAiProvider {
         self.inner.config.context_window
     }
 
+    fn takes_images(&self) -> bool {
+        self.inner.config.vision
+    }
+
     fn stream(&self, request: ModelRequest) -> ModelStream {
         let inner = self.inner.clone();
         Box::pin(async_stream::stream! {

@@ -23,6 +23,9 @@ use crate::{Location, Preview, Scope, Tool, ToolContext, ToolError, ToolKind, To
 
 pub struct RunCommand;
 
+/// The tool's name.
+pub const NAME: &str = "run_command";
+
 #[derive(Deserialize)]
 struct Args {
     command: String,

@@ -131,8 +131,29 @@ pub fn spawn(
     confinement: &Confinement,
     writable: &[PathBuf],
 ) -> std::io::Result<(tokio::process::Child, Contained)> {
+    spawn_marked(cmd, confinement, writable, new_marker())
+}
+
+/// A fresh `PIER_COMMAND_ID`: 32 hex digits.
+pub fn new_marker() -> String {
+    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
+/// Whether `marker` is one [`new_marker`] could have made.
+pub fn is_marker(marker: &str) -> bool {
+    marker.len() == 32 && marker.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// [`spawn`] with the command's `PIER_COMMAND_ID` chosen by the caller: one who started the
+/// command through someone else (a client's terminal running `pier command-guard`) can end
+/// what is left of it by that marker ([`end_marked`]).
+pub fn spawn_marked(
+    cmd: &mut tokio::process::Command,
+    confinement: &Confinement,
+    writable: &[PathBuf],
+    marker: String,
+) -> std::io::Result<(tokio::process::Child, Contained)> {
     let machine = init();
-    let marker = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
     cmd.env(MARKER_VAR, &marker);
     let cgroup = match (&machine.cgroup_base, confinement.cgroups) {
         (Some(base), true) => new_cgroup(base),
@@ -267,6 +288,52 @@ impl Drop for Contained {
     fn drop(&mut self) {
         self.end();
     }
+}
+
+/// SIGKILLs, until none is left (bounded by two seconds), every process this user may
+/// signal whose environment carries `marker` as its `PIER_COMMAND_ID`, and their
+/// descendants: what is left of a command started through someone else (a client's
+/// terminal), whatever became of the process that started it. The number killed.
+pub fn end_marked(marker: &str) -> usize {
+    if !is_marker(marker) {
+        return 0;
+    }
+    let needle = format!("{MARKER_VAR}={marker}\0").into_bytes();
+    let me = nix::unistd::getpid().as_raw();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut killed = HashSet::new();
+    loop {
+        let procs = scan_proc();
+        let mut members: HashSet<i32> = procs
+            .iter()
+            .filter(|p| p.pid != me && p.pid > 1 && !p.zombie && environ_has(p.pid, &needle))
+            .map(|p| p.pid)
+            .collect();
+        loop {
+            let before = members.len();
+            for p in &procs {
+                if members.contains(&p.ppid) && p.pid != me && !p.zombie {
+                    members.insert(p.pid);
+                }
+            }
+            if members.len() == before {
+                break;
+            }
+        }
+        if members.is_empty() {
+            break;
+        }
+        for pid in &members {
+            let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+            killed.insert(*pid);
+        }
+        if Instant::now() > deadline {
+            tracing::warn!(live = members.len(), "processes of a command were still alive two seconds after SIGKILL");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    killed.len()
 }
 
 /// One line of `/proc/PID/stat`, the fields this needs.

@@ -12,6 +12,7 @@
 
 pub mod command;
 pub mod contain;
+pub mod guard;
 pub mod link;
 pub mod list_dir;
 pub mod output;
@@ -197,6 +198,11 @@ pub enum ToolContent {
     Block {
         block: Value,
     },
+    /// A terminal of the client's that runs (or ran) the call's command: the client shows
+    /// its output as it grows (`run_command` through `terminal/create`).
+    Terminal {
+        terminal_id: String,
+    },
 }
 
 /// The result of a tool that ran.
@@ -212,11 +218,29 @@ pub struct ToolOutput {
     pub raw: Value,
     /// A new plan, from `update_plan`.
     pub plan: Option<Vec<PlanEntry>>,
+    /// Images for the model to see (an MCP tool's image blocks), where it takes images; `text`
+    /// describes them either way.
+    pub images: Vec<ToolImage>,
+}
+
+/// An image a tool returned: base64 data and its MIME type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolImage {
+    pub mime_type: String,
+    pub data: String,
 }
 
 impl ToolOutput {
     pub fn ok(text: impl Into<String>, raw: Value) -> ToolOutput {
-        ToolOutput { success: true, text: text.into(), content: Vec::new(), locations: Vec::new(), raw, plan: None }
+        ToolOutput {
+            success: true,
+            text: text.into(),
+            content: Vec::new(),
+            locations: Vec::new(),
+            raw,
+            plan: None,
+            images: Vec::new(),
+        }
     }
 }
 

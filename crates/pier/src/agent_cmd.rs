@@ -177,15 +177,18 @@ fn agent_options(
 ) -> anyhow::Result<AgentOptions> {
     let mut options = AgentOptions::new(profile);
     options.task_context = !args.no_task_context && files.task_context.unwrap_or(true);
-    // This binary's `subagent-guard` leads each stdio MCP server's tree, as it does a subagent's.
+    // This binary's `subagent-guard` leads each stdio MCP server's tree, as it does a subagent's;
+    // its `command-guard` runs a command in a client's terminal confined as a local one.
     options.mcp_guard = std::env::current_exe().ok();
+    options.terminal_guard = std::env::current_exe().ok();
     if let Some(mode) = &files.mode {
         options.mode = mode.parse().map_err(|e: String| anyhow::anyhow!("{e} (the `mode` setting of pier.toml)"))?;
     }
     if !local {
         options.vision = config::resolve_vision(&args.model, env, files);
         let (chosen, named) = config::named_models(&args.model, env, files)?;
-        for (name, config, vision) in named {
+        for (name, mut config, vision) in named {
+            config.vision = vision;
             options.models.push(NamedModel { name, provider: Arc::new(OpenAiProvider::new(config)?), vision });
         }
         options.default_model = chosen.filter(|c| options.models.iter().any(|m| &m.name == c));
@@ -317,7 +320,9 @@ pub fn choose_model(
     home: &std::path::Path,
 ) -> anyhow::Result<(Arc<dyn ModelProvider>, bool)> {
     let wants_local = config::wants_local(flags, env);
-    if !wants_local && let Some(c) = config::resolve_model(flags, env, files)? {
+    if !wants_local && let Some(mut c) = config::resolve_model(flags, env, files)? {
+        // Tools' images reach the model only where it takes them, as a prompt's do.
+        c.vision = config::resolve_vision(flags, env, files);
         return Ok((Arc::new(OpenAiProvider::new(c)?), false));
     }
     #[cfg(feature = "local")]

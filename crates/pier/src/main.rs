@@ -102,6 +102,24 @@ enum Command {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<std::ffi::OsString>,
     },
+    /// Run a shell command confined as run_command's (a client's terminal runs it for pier's agent)
+    #[command(hide = true, name = "command-guard")]
+    ShellGuard {
+        /// The command's PIER_COMMAND_ID (32 hex digits), by which pier's agent ends what is left of it
+        #[arg(long)]
+        marker: String,
+        /// Where the command may write (Landlock); repeat for several
+        #[arg(long)]
+        writable: Vec<std::path::PathBuf>,
+        /// No Landlock (`--sandbox off`)
+        #[arg(long)]
+        no_landlock: bool,
+        /// No cgroup of its own
+        #[arg(long)]
+        no_cgroups: bool,
+        /// The command, given to `sh -c`
+        command: String,
+    },
     /// Run PROGRAM confined as the spec says (started by pier itself, see pier-jail)
     #[command(hide = true)]
     Jail {
@@ -196,6 +214,10 @@ fn main() {
                 use clap::CommandFactory;
                 clap_complete::generate(shell, &mut Cli::command(), "pier", &mut std::io::stdout());
                 Ok(0)
+            }
+            Command::ShellGuard { marker, writable, no_landlock, no_cgroups, command } => {
+                let confinement = pier_tools::contain::Confinement { landlock: !no_landlock, cgroups: !no_cgroups };
+                Ok(pier_tools::guard::run(pier_tools::guard::Guarded { command, confinement, writable, marker }).await)
             }
             Command::SubagentGuard { .. } | Command::Jail { .. } => Ok(0),
         }

@@ -777,6 +777,48 @@ async fn gone(pid: i32) -> bool {
     }
 }
 
+/// Issue #33: an MCP tool's image reaches a model that takes images as an image part (after
+/// the tool messages, which carry text only), and a model that does not gets the text that
+/// describes it and no image.
+#[tokio::test]
+async fn an_mcp_tools_image_is_shown_to_a_vision_model_and_described_to_others() {
+    for vision in [true, false] {
+        let f = fake().await;
+        let extra = if vision { "context_window = 32000\nvision = true" } else { "context_window = 32000" };
+        let toml = editor_toml(&f.base_url(), "").replace("context_window = 32000", extra);
+        let mut p = PierProcess::spawn(Options { pier_toml: Some(toml), ..Options::default() }).await;
+        p.initialize().await;
+        let pids = must(tempfile::tempdir(), "pid dir");
+        let r = p
+            .call("session/new", json!({"cwd": p.cwd(), "mcpServers": [stdio_server("notes", &pids.path().join("a"))]}))
+            .await;
+        let sid = r["result"]["sessionId"].as_str().unwrap_or_else(|| panic!("session/new failed: {r}")).to_owned();
+        f.push(Reply::tool_call("m3", "notes__mixed", "{}"));
+        f.push(Reply::text("seen"));
+        let (_, resp, _) = turn(&mut p, &sid, "show me everything").await;
+        assert_eq!(stop_reason(&resp), "end_turn");
+        let messages = f.requests()[1].body["messages"].as_array().cloned().unwrap_or_default();
+        let tool = messages.iter().find(|m| m["role"] == "tool").cloned().unwrap_or_default();
+        assert!(
+            tool["content"].as_str().is_some_and(|t| t.contains("first") && t.contains("[image image/png, 3 bytes]")),
+            "{tool}"
+        );
+        let after = messages.iter().skip_while(|m| m["role"] != "tool").find(|m| m["role"] == "user").cloned();
+        let image = after.as_ref().and_then(|m| {
+            m["content"].as_array().and_then(|parts| parts.iter().find(|p| p["type"] == "image_url").cloned())
+        });
+        if vision {
+            assert_eq!(
+                image.map(|i| i["image_url"]["url"].clone()),
+                Some(json!("data:image/png;base64,AAAA")),
+                "{messages:?}"
+            );
+        } else {
+            assert!(after.is_none() && image.is_none(), "no image for a model without vision: {messages:?}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn an_mcp_server_s_tools_are_called_in_a_turn_and_the_server_stops_with_its_session() {
     let f = fake().await;

@@ -270,3 +270,90 @@ async fn acpx_runs_an_editing_turn() {
     }
     dirs.assert_edited();
 }
+
+/// Issue #33: a command's output reaches the editor while the command runs. With `terminal`
+/// advertised (the TypeScript SDK client running the terminals), `run_command` runs in the
+/// client's terminal under `pier command-guard`, confined as a local command (Landlock: no
+/// write outside the roots and temp dirs), the call embeds the terminal, and the terminal is
+/// released; without it, the call's content updates carry the output so far. Either way the
+/// command waits for a file the client creates only once it has seen the command's first line.
+#[tokio::test]
+async fn a_commands_output_reaches_the_sdk_client_before_the_command_ends() {
+    use pier_fake_model::body::tool_results;
+    let sdk = sdk_root();
+    let landlock = pier_tools::contain::init().landlock_abi.is_some();
+    for terminal in [true, false] {
+        let dirs = Dirs::new();
+        let gate = must(tempfile::tempdir(), "gate");
+        let go = gate.path().join("go");
+        let outside = must(tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")), "outside").keep();
+        let escaped = outside.join("escaped");
+        let command = format!(
+            "echo first; i=0; while [ ! -e '{go}' ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; \
+             [ -e '{go}' ] && echo released; (echo x > '{out}') 2>/dev/null && echo wrote-outside || echo refused-outside; \
+             echo second",
+            go = go.display(),
+            out = escaped.display()
+        );
+        let f = must(FakeModel::start().await, "fake model");
+        let args = json!({ "command": command }).to_string();
+        f.set_fallback(move |body| match tool_results(body).pop() {
+            None => Reply::tool_call("run", "run_command", &args),
+            Some(result) => Reply::text(&format!("saw: {result}")),
+        });
+        let path = std::env::var("PATH").unwrap_or_default();
+        let mut cmd = dirs.command(Path::new("node"), &f, &path);
+        cmd.arg(fixture("sdk_client.mjs")).arg("--sdk").arg(&sdk).arg("--cwd").arg(dirs.cwd());
+        cmd.args(["--prompt", "run it", "--release-on", "first", "--release-file"]).arg(&go);
+        if terminal {
+            cmd.arg("--terminal");
+        }
+        cmd.args(["--timeout-ms", "15000", "--", PIER, "agent", "--profile", "editor"]);
+        let o = finished(&mut cmd, "node sdk_client.mjs").await;
+        let what = format!("terminal: {terminal}\n{}\n{}", text(&o.stderr), text(&o.stdout));
+        assert_eq!(o.status.code(), Some(0), "{what}");
+        let last = text(&o.stdout).lines().last().unwrap_or_default().to_owned();
+        let summary: Value = must(serde_json::from_str(&last), "the summary line is JSON");
+        let result = tool_results(&f.requests()[1].body).pop().unwrap_or_default();
+        for line in ["exit code 0", "first", "released", "second"] {
+            assert!(result.contains(line), "`{line}` in the model's result: {result}\n{what}");
+        }
+        if landlock {
+            assert!(result.contains("refused-outside") && !escaped.exists(), "{result}");
+        }
+        let updates = summary["updates"].as_array().cloned().unwrap_or_default();
+        let terminals = summary["terminals"].as_array().cloned().unwrap_or_default();
+        if terminal {
+            assert_eq!(terminals.len(), 1, "{what}");
+            let t = &terminals[0];
+            assert_eq!(t["create"]["args"][0], "command-guard", "{t}");
+            assert!(t["create"]["command"].as_str().is_some_and(|c| c.ends_with("/pier")), "{t}");
+            assert_eq!(t["released"], true, "{t}");
+            let first = t["chunks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|c| c["text"].as_str().is_some_and(|s| s.contains("first")));
+            let first_at = first.and_then(|c| c["at"].as_i64()).unwrap_or(i64::MAX);
+            assert!(first_at <= t["exit"]["at"].as_i64().unwrap_or(0), "the output came before the exit: {t}");
+            let embedded = updates.iter().any(|u| {
+                u["content"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "terminal" && c["terminalId"] == "term-1")
+            });
+            assert!(embedded, "the call embeds the terminal: {updates:?}");
+        } else {
+            assert!(terminals.is_empty(), "{what}");
+            let live = updates.iter().any(|u| {
+                u["sessionUpdate"] == "tool_call_update"
+                    && u["content"].as_array().into_iter().flatten().any(|c| {
+                        c["content"]["text"].as_str().is_some_and(|s| s.contains("first") && !s.contains("second"))
+                    })
+            });
+            assert!(live, "an update showed the output while the command ran: {updates:?}");
+        }
+        let _ = std::fs::remove_dir_all(&outside);
+    }
+}
