@@ -8,9 +8,10 @@
 //! - *pier*: `pier agent --profile editor` given the server in `session/new`;
 //! - *codex*: codex-acp given the same server (Responses API to the fake).
 //!
-//! For an agent, a call's round trip is the time from the fake model receiving one request to
-//! the next: the agent reading the model's tool call, calling the server, and sending the result
-//! back. Less the direct call, it is what the agent adds.
+//! For an agent, two spans: the loop, from the fake model receiving one request to the next (the
+//! agent reading the model's tool call, calling the server, sending the result back), and the
+//! call as the ACP client sees it, from its first `tool_call` update to its `completed`. The
+//! call less the direct round trip is what the agent adds to the MCP call.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -24,8 +25,23 @@ use pier_fake_model::{FakeModel, Reply};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
-/// Answers a permission request with its first allowing option; refuses other requests.
-struct Allow;
+/// Answers a permission request with its first allowing option (refuses other requests), and
+/// keeps when each tool call was first shown and when it completed.
+#[derive(Default)]
+struct Allow {
+    calls: std::sync::Mutex<std::collections::HashMap<String, (Instant, Option<Instant>)>>,
+}
+
+impl Allow {
+    /// Each call's span from first shown to completed, in the order they completed.
+    fn spans(&self) -> Vec<Duration> {
+        let calls = self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut done: Vec<(Instant, Duration)> =
+            calls.values().filter_map(|(start, end)| end.map(|e| (e, e.duration_since(*start)))).collect();
+        done.sort();
+        done.into_iter().map(|(_, d)| d).collect()
+    }
+}
 
 impl Handler for Allow {
     fn request(&self, _cx: RequestCx, method: String, params: Value) -> BoxFuture<'static, Result<Value, Error>> {
@@ -38,13 +54,34 @@ impl Handler for Allow {
             Ok(json!({"outcome": {"outcome": "selected", "optionId": allow.map(|o| o["optionId"].clone())}}))
         })
     }
-    fn notification(&self, _conn: &Connection, _method: &str, _params: Value) {}
+    fn notification(&self, _conn: &Connection, method: &str, params: Value) {
+        let at = Instant::now();
+        let update = &params["update"];
+        let Some(id) = update["toolCallId"].as_str().filter(|_| method == "session/update") else { return };
+        let mut calls = self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let call = calls.entry(id.to_owned()).or_insert((at, None));
+        if update["status"] == "completed" {
+            call.1 = Some(at);
+        }
+    }
 }
 
-/// The tools a request offers and the results it carries, Chat Completions or Responses.
+/// The tools a request offers and the results it carries, Chat Completions or Responses (a
+/// tool of a Responses `namespace`, as codex offers an MCP server's, as `NAMESPACE/TOOL`,
+/// which the fake model calls within its namespace).
 fn offered(body: &Value) -> Vec<String> {
     let tools = body["tools"].as_array().cloned().unwrap_or_default();
-    tools.iter().filter_map(|t| t["function"]["name"].as_str().or(t["name"].as_str()).map(str::to_owned)).collect()
+    let mut names = Vec::new();
+    for t in &tools {
+        if t["type"] == "namespace" {
+            let ns = t["name"].as_str().unwrap_or_default();
+            let inner = t["tools"].as_array().into_iter().flatten();
+            names.extend(inner.filter_map(|i| i["name"].as_str()).map(|n| format!("{ns}/{n}")));
+        } else if let Some(n) = t["function"]["name"].as_str().or(t["name"].as_str()) {
+            names.push(n.to_owned());
+        }
+    }
+    names
 }
 
 fn results(body: &Value) -> usize {
@@ -101,7 +138,7 @@ async fn through(
     cwd: &Path,
     server: &Path,
     n: usize,
-) -> Vec<Duration> {
+) -> (Vec<Duration>, Vec<Duration>) {
     let fake = FakeModel::start().await.unwrap_or_else(|e| panic!("fake model: {e}"));
     fake.set_fallback(move |body| {
         let Some(echo) = offered(body).into_iter().find(|t| t.ends_with("echo")) else {
@@ -118,7 +155,8 @@ async fn through(
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()));
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else { panic!("pipes") };
-    let conn = Connection::spawn(stdout, stdin, Arc::new(Allow), ConnectionConfig::default());
+    let seen = Arc::new(Allow::default());
+    let conn = Connection::spawn(stdout, stdin, seen.clone(), ConnectionConfig::default());
     let call = async |method: &str, params: Value| match tokio::time::timeout(
         Duration::from_secs(120),
         conn.request_value(method, &params),
@@ -139,8 +177,9 @@ async fn through(
     let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
     let _ = child.kill().await;
     let times: Vec<Instant> = fake.requests().iter().map(|r| r.at).collect();
-    // The first gap carries the server's start and the first call's warm-up: left out.
-    times.windows(2).skip(1).map(|w| w[1].duration_since(w[0])).collect()
+    // The first gap (and call) carries the server's start and the first call's warm-up: left out.
+    let gaps = times.windows(2).skip(1).map(|w| w[1].duration_since(w[0])).collect();
+    (gaps, seen.spans().into_iter().skip(1).collect())
 }
 
 fn path_arg(args: &[String], flag: &str) -> Option<PathBuf> {
@@ -168,23 +207,30 @@ pub async fn run(args: &[String]) {
             ("HOME".to_owned(), at.clone()),
         ]
     };
-    let mut pier_gaps = through(&pier, &["agent", "--profile", "editor"], &pier_env, &cwd, &server, n).await;
+    let (mut pier_gaps, mut pier_spans) =
+        through(&pier, &["agent", "--profile", "editor"], &pier_env, &cwd, &server, n).await;
     let direct_ms = median_ms(&mut direct_calls);
     let pier_ms = median_ms(&mut pier_gaps);
+    let pier_call_ms = median_ms(&mut pier_spans);
+    // `*_ms`: model request to model request (the whole loop around one call); `*_call_ms`: the
+    // call as the client sees it, first shown to completed; `*_overhead_ms`: that, less the
+    // server's own round trip.
     let mut out = json!({
         "calls": n,
         "direct_ms": direct_ms,
         "pier_ms": pier_ms,
-        "pier_overhead_ms": pier_ms - direct_ms,
+        "pier_call_ms": pier_call_ms,
+        "pier_overhead_ms": pier_call_ms - direct_ms,
     });
     if let Some(codex) = path_arg(args, "--codex") {
         let scratch = home.path().join("codex");
         let env =
             |base: &str| pier_fake_model::peers::env("codex", &scratch, base).unwrap_or_else(|e| panic!("codex: {e}"));
-        let mut codex_gaps = through(&codex, &[], &env, &cwd, &server, n).await;
-        let codex_ms = median_ms(&mut codex_gaps);
-        out["codex_ms"] = json!(codex_ms);
-        out["codex_overhead_ms"] = json!(codex_ms - direct_ms);
+        let (mut codex_gaps, mut codex_spans) = through(&codex, &[], &env, &cwd, &server, n).await;
+        let codex_call_ms = median_ms(&mut codex_spans);
+        out["codex_ms"] = json!(median_ms(&mut codex_gaps));
+        out["codex_call_ms"] = json!(codex_call_ms);
+        out["codex_overhead_ms"] = json!(codex_call_ms - direct_ms);
     }
     println!("{out}");
 }
