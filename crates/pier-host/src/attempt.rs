@@ -630,14 +630,8 @@ impl pier_client::handler::Asker for HostAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
-        if crate::host_mcp::is_own_tool(&request.tool_call) {
-            use agent_client_protocol_schema::v1::PermissionOptionKind;
-            let allow = request.options.iter().find(|o| o.kind == PermissionOptionKind::AllowOnce);
-            if let Some(o) = allow {
-                let option = o.option_id.0.to_string();
-                let why = "allowed by the host: a tool of its own MCP endpoint".to_owned();
-                return Box::pin(async move { AskAnswer::Decided { option, why } });
-            }
+        if let Some(answer) = crate::host_mcp::own_tool_answer(request) {
+            return Box::pin(async move { answer });
         }
         let asker = self.clone();
         let asked = request.clone();

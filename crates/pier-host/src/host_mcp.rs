@@ -32,6 +32,20 @@ pub fn is_own_tool(call: &agent_client_protocol_schema::v1::ToolCallUpdate) -> b
     call.fields.title.as_deref().is_some_and(own)
 }
 
+/// The host's own answer to a permission request for one of the endpoint's tools (see
+/// [`is_own_tool`]): its allow-once option, said as the host's; `None` for any other request.
+pub fn own_tool_answer(
+    request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
+) -> Option<pier_client::handler::AskAnswer> {
+    use agent_client_protocol_schema::v1::PermissionOptionKind;
+    if !is_own_tool(&request.tool_call) {
+        return None;
+    }
+    let allow = request.options.iter().find(|o| o.kind == PermissionOptionKind::AllowOnce)?;
+    let why = "allowed by the host: a tool of its own MCP endpoint".to_owned();
+    Some(pier_client::handler::AskAnswer::Decided { option: allow.option_id.0.to_string(), why })
+}
+
 /// Where the endpoint is and who may call it; shared by every clone of the host's config.
 /// Its `Debug` names no token.
 #[derive(Clone)]

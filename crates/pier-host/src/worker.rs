@@ -210,6 +210,8 @@ enum Lease {
 struct Granted {
     row: crate::TaskRow,
     prompt: String,
+    /// The attempt's token at the host's MCP endpoint (`{server}/mcp`), if the host serves one.
+    mcp_token: Option<String>,
     /// Cancelled when the lease is lost.
     lost: CancellationToken,
     heartbeat: Renewal,
@@ -268,10 +270,27 @@ async fn granted(link: Link, leased: &Value, ttl: Duration) -> Result<Lease, Wor
         }
     };
     let prompt = leased["prompt"].as_str().unwrap_or_default().to_owned();
+    let mcp_token = leased["mcp_token"].as_str().map(str::to_owned);
     let lost = CancellationToken::new();
     let path = at(&row.run_id, &row.id, row.attempt, "heartbeat");
     let heartbeat = Renewal(tokio::spawn(heartbeat(link, path, ttl, lost.clone())));
-    Ok(Lease::Granted(Box::new(Granted { row, prompt, lost, heartbeat })))
+    Ok(Lease::Granted(Box::new(Granted { row, prompt, mcp_token, lost, heartbeat })))
+}
+
+/// Gives the attempt's agent the host's MCP endpoint (`{server}/mcp` with the attempt's token),
+/// reached through its jail's proxy like any host the task may reach.
+fn host_endpoint(opts: &mut pier_client::run::RunOptions, server: &str, token: &str) {
+    use agent_client_protocol_schema::v1::{HttpHeader, McpServer, McpServerHttp};
+    let url = format!("{}/mcp", server.trim_end_matches('/'));
+    let auth = HttpHeader::new("Authorization", format!("Bearer {token}"));
+    opts.host_mcp_servers
+        .push(McpServer::Http(McpServerHttp::new(crate::host_mcp::SERVER_NAME, url).headers(vec![auth])));
+    let authority = server.split("://").nth(1).and_then(|rest| rest.split('/').next()).unwrap_or_default();
+    if let Some(jail) = &mut opts.jail
+        && !authority.is_empty()
+    {
+        jail.request.network.push(authority.to_owned());
+    }
 }
 
 /// A message from a person, for the agent.
@@ -288,7 +307,7 @@ async fn attempt(
     stop: &CancellationToken,
     next: Next,
 ) -> Result<(), WorkerError> {
-    let Granted { row, prompt, lost, heartbeat } = granted;
+    let Granted { row, prompt, mcp_token, lost, heartbeat } = granted;
     let (run, task, n) = (row.run_id.clone(), row.id.clone(), row.attempt);
     tracing::info!(%run, %task, attempt = n, "leased");
     let (said_tx, mut said) = mpsc::unbounded_channel();
@@ -323,6 +342,9 @@ async fn attempt(
             let denial = (spec.on_deny == pier_store::plan::OnDeny::Fail).then(|| closer.denial.clone());
             opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone(), denial }));
             opts.meta = Some(crate::attempt::task_meta(&run, &task, n, &spec));
+            if let Some(token) = &mcp_token {
+                host_endpoint(&mut opts, &config.server, token);
+            }
             let (int_tx, mut interrupts) = mpsc::unbounded_channel();
             let stopping = {
                 let (lost, stop, cancelled) = (lost.clone(), stop.clone(), cancelled.clone());
@@ -890,6 +912,9 @@ impl pier_client::handler::Asker for RemoteAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
+        if let Some(answer) = crate::host_mcp::own_tool_answer(request) {
+            return Box::pin(async move { answer });
+        }
         let (link, base, pump) = (self.link.clone(), self.base.clone(), self.pump.clone());
         let (denial, asked) = (self.denial.clone(), request.clone());
         let request = serde_json::to_value(request).unwrap_or(Value::Null);

@@ -169,7 +169,7 @@ pub fn router(app: Shared) -> Router {
     let ui = dashboard::router(app.clone());
     // The host's MCP endpoint takes attempts' tokens, not people's: outside the token check.
     let mcp = match &app.tasks.config().mcp {
-        Some(m) => mcp::service(app.clone(), vec![m.authority.clone()]),
+        Some(_) => mcp::service(app.clone()),
         None => Router::new(),
     };
     let probes = Router::new()

@@ -30,15 +30,16 @@ use crate::{ApiError, Shared};
 #[derive(Debug, Clone)]
 struct Caller(Attempt);
 
-/// The service under `/mcp`, its token check in front. `hosts`: the `Host` values it answers
-/// (the endpoint's own authority; rmcp refuses others, against DNS rebinding).
-pub(crate) fn service(app: Shared, hosts: Vec<String>) -> axum::Router {
+/// The service under `/mcp`, its token check in front. Any `Host` is answered (a pull worker
+/// reaches the server by whatever name it was given): rmcp's check of it guards a server a web
+/// page could reach by DNS rebinding, and this one answers nothing without an attempt's token.
+pub(crate) fn service(app: Shared) -> axum::Router {
     let tasks = app.tasks.clone();
     let config = StreamableHttpServerConfig::default()
         .with_legacy_session_mode(false)
         .with_json_response(true)
         .with_sse_keep_alive(None)
-        .with_allowed_hosts(hosts)
+        .disable_allowed_hosts()
         .with_cancellation_token(app.shutdown.child_token());
     let service: StreamableHttpService<HostTools, NeverSessionManager> =
         StreamableHttpService::new(move || Ok(HostTools { tasks: tasks.clone() }), Arc::default(), config);

@@ -550,3 +550,40 @@ async fn a_denial_on_a_worker_fails_the_task_and_cancels_its_dependents() {
     assert!(error.contains("denied") && error.contains("rm -rf build"), "says what was denied: {t}");
     assert_eq!(t["task"]["attempt"], 1, "a denial is not retried: {t}");
 }
+
+/// Issue #33: an agent on a pull worker gets the host's MCP endpoint too (`{server}/mcp` with its
+/// attempt's token, from the lease), reaches it from its strict jail through the proxy, and adds
+/// a follow-up task of a declared type to its run, which the worker then runs.
+#[tokio::test]
+async fn a_workers_agent_adds_a_follow_up_task_through_the_hosts_mcp_endpoint() {
+    use pier_fake_model::body::tool_results;
+    use pier_fake_model::{FakeModel, Reply};
+    let f = must(FakeModel::start().await, "fake");
+    f.set_fallback(|body| {
+        if body.to_string().contains("Fix w-bug.") {
+            return Reply::text("fixed");
+        }
+        match tool_results(body).pop() {
+            None => Reply::tool_call(
+                "c1",
+                "pier__submit_task",
+                r#"{"type": "fix", "input": {"what": "w-bug"}, "id": "fix-w"}"#,
+            ),
+            Some(result) => Reply::text(&format!("added: {result}")),
+        }
+    });
+    let types = "[types.fix]\nagent = \"worker:build\"\nprompt = \"Fix {{input.what}}.\"\n\
+                 input = { type = \"object\", required = [\"what\"], properties = { what = { type = \"string\" } } }\n";
+    let (s, _) = support::serve::server_configured(None, &[], Some(types)).await;
+    let args = ["--server", &s.base, "--capability", "build", "--name", "wk1"];
+    let (_dir, _worker) = worker(&f.base_url(), &args);
+    let plan = "[[tasks]]\nid = \"a\"\nagent = \"worker:build\"\nprompt = \"triage\"\n";
+    assert_eq!(post(&s, "/runs", json!({"plan": plan, "run_id": "wm"})).await.0, 201);
+    s.events_until(Some(0), |e| e["task"] == "fix-w" && e["to"] == "completed").await;
+    let (_, run) = s.call(Method::GET, "/runs/wm", None).await;
+    let tasks = run["tasks"].as_array().cloned().unwrap_or_default();
+    let fix = tasks.iter().find(|t| t["id"] == "fix-w").unwrap_or_else(|| panic!("no follow-up in {run}"));
+    assert_eq!((&fix["spec"]["added_by"], &fix["result"]), (&json!("a"), &json!("fixed")), "{fix}");
+    let a = tasks.iter().find(|t| t["id"] == "a").unwrap_or_else(|| panic!("{run}"));
+    assert!(a["result"].as_str().is_some_and(|r| r.contains(r#""added":true"#)), "{a}");
+}

@@ -55,7 +55,41 @@ pub struct FollowedUp {
     pub added: bool,
 }
 
+/// The most tokens of pull workers' attempts kept at once: one whose attempt was never
+/// reported (its worker died) is forgotten when this many newer ones exist. Each tool's call is
+/// fenced on the attempt holding its task anyway, so a forgotten attempt's token opens nothing.
+const MAX_REMOTE_GRANTS: usize = 4096;
+
 impl Tasks {
+    /// `leased` with a token of its attempt at the host's MCP endpoint, when this host serves
+    /// one (the attempt's token already given, if it has one): the pull worker gives its agent
+    /// `{server}/mcp` with it.
+    pub(super) fn with_mcp_token(&self, mut leased: super::Leased) -> super::Leased {
+        let Some(mcp) = &self.config.mcp else { return leased };
+        let t = &leased.task;
+        let Some(owner) = t.lease_owner.clone() else { return leased };
+        let attempt = Attempt { run: t.run_id.clone(), task: t.id.clone(), n: t.attempt, owner };
+        let mut grants = self.remote_grants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A repeated report answers what the first did: the same lease, the same token.
+        if let Some((_, grant)) = grants.iter().find(|(a, _)| *a == attempt) {
+            leased.mcp_token = Some(grant.token().to_owned());
+            return leased;
+        }
+        let grant = mcp.grant(&attempt);
+        leased.mcp_token = Some(grant.token().to_owned());
+        grants.push_back((attempt, grant));
+        while grants.len() > MAX_REMOTE_GRANTS {
+            grants.pop_front();
+        }
+        leased
+    }
+
+    /// Revokes the tokens of `row`'s attempts on pull workers up to its current one (reported).
+    pub(super) fn revoke_remote(&self, row: &pier_store::TaskRow) {
+        let mut grants = self.remote_grants.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        grants.retain(|(a, _)| !(a.run == row.run_id && a.task == row.id && a.n <= row.attempt));
+    }
+
     /// The attempt `token` (from the host's MCP endpoint) was granted to, while it runs here.
     pub fn mcp_caller(&self, token: &str) -> Option<Attempt> {
         self.config.mcp.as_ref()?.caller(token)

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use pier_store::{StoreError, TaskStore};
+use pier_store::{Attempt, StoreError, TaskStore};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{HostConfig, Summary};
 use crate::host::{Host, Scope};
+use crate::host_mcp::Grant;
 use crate::person::ActionError;
 
 /// The host's API over one store. Cheap to clone: every clone shares the store, the
@@ -21,6 +22,9 @@ pub struct Tasks {
     pub(super) seen: Arc<std::sync::Mutex<SeenWorkers>>,
     /// Wakes this process's schedule clock when it changed a schedule.
     pub(crate) schedules_changed: Arc<tokio::sync::Notify>,
+    /// The MCP endpoint's tokens of attempts leased to pull workers, oldest first (see
+    /// `agent_tools.rs`).
+    pub(super) remote_grants: Arc<std::sync::Mutex<std::collections::VecDeque<(Attempt, Grant)>>>,
 }
 
 /// Each worker's capabilities and when it was last written as seen.
@@ -29,7 +33,14 @@ pub(super) type SeenWorkers = std::collections::HashMap<String, (Vec<String>, st
 impl Tasks {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Tasks {
         let host = Arc::new(Host::new(store.clone(), config.clone()));
-        Tasks { store, config: Arc::new(config), host, seen: Default::default(), schedules_changed: Default::default() }
+        Tasks {
+            store,
+            config: Arc::new(config),
+            host,
+            seen: Default::default(),
+            schedules_changed: Default::default(),
+            remote_grants: Default::default(),
+        }
     }
 
     /// Opens the store `spec` names (a PostgreSQL URL, `sqlite://PATH` or a path).

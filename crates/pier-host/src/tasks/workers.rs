@@ -23,13 +23,17 @@ const TTL_BOUNDS_MS: (i64, i64) = (1_000, 3_600_000);
 pub struct Leased {
     pub task: TaskRow,
     pub prompt: String,
+    /// The attempt's token at the host's MCP endpoint, when the host serves one (`pier serve`):
+    /// the worker gives its agent `{server}/mcp` with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mcp_token: Option<String>,
 }
 
 impl Leased {
     /// `task` as claimed, with its prompt.
     fn of(s: &dyn TaskStore, task: TaskRow) -> Result<Leased, StoreError> {
         let prompt = pier_store::plan::render(&task.spec.prompt, &dependency_results(s, &task)?);
-        Ok(Leased { task, prompt })
+        Ok(Leased { task, prompt, mcp_token: None })
     }
 }
 
@@ -104,7 +108,7 @@ impl Tasks {
         if leased.is_some() {
             crate::telemetry::attempt_started();
         }
-        Ok(leased)
+        Ok(leased.map(|l| self.with_mcp_token(l)))
     }
 
     /// [`Tasks::lease`], waiting up to `wait` (at most [`super::MAX_WAIT`]) for a task that fits
@@ -243,6 +247,9 @@ impl Tasks {
             })
             .await?;
         let (row, claimed, repeat) = reported;
+        // The reported attempt is over (or was): its token at the MCP endpoint goes with it.
+        self.revoke_remote(&row);
+        let claimed = claimed.map(|l| self.with_mcp_token(l));
         if !asked {
             return Ok((row, None));
         }
