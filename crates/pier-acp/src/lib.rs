@@ -31,3 +31,7 @@ pub const TASK_META_KEY: &str = "pier.dev/task";
 /// pier's host sends it: it parks the task until a person answers. The editor profile offers
 /// `ask_user` to any client that answers form questions.
 pub const ASK_META_KEY: &str = "pier.dev/askPerson";
+
+/// The `_meta` key of an MCP server's entry (in `mcpServers`) that sets how long one of its
+/// calls may take, in seconds (pier's agent; at most a day).
+pub const MCP_CALL_TIMEOUT_META_KEY: &str = "pier.dev/callTimeoutSecs";

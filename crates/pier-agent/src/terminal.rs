@@ -21,8 +21,9 @@ use pier_tools::{Preview, Scope, Tool, ToolContent, ToolContext, ToolError, Tool
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-/// How long a killed terminal's command gets to be seen exiting.
-const KILL_WAIT: Duration = Duration::from_secs(5);
+/// How long a killed terminal's command gets to be seen exiting (well inside the engine's wait
+/// for a cancelled tool, so the release still happens in the call).
+const KILL_WAIT: Duration = Duration::from_secs(2);
 
 /// `run_command` of one session whose client runs its commands.
 pub struct TerminalCommand {
@@ -92,7 +93,7 @@ impl Tool for TerminalCommand {
                 .await
                 .map_err(|e| ToolError::new(format!("the client could not start the command in a terminal: {e}")))?;
             let id = created.terminal_id.0.to_string();
-            let run = Running { conn, session_id, id: id.clone(), marker };
+            let mut run = Running { conn, session_id, id: id.clone(), marker, released: false };
             // The editor shows the terminal in the call from now until it is released.
             cx.link.progress(vec![ToolContent::Terminal { terminal_id: id.clone() }]);
             let ending = run.wait(timeout, &cx).await;
@@ -112,12 +113,33 @@ enum Ending {
     Lost(String),
 }
 
-/// A command running in a client's terminal.
+/// A command running in a client's terminal. Dropped before it was released (the call itself
+/// dropped: its turn gone), it kills and releases the terminal on its way out.
 struct Running {
     conn: Connection,
     session_id: String,
     id: String,
     marker: String,
+    released: bool,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let (conn, session_id, id, marker) =
+            (self.conn.clone(), self.session_id.clone(), self.id.clone(), self.marker.clone());
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let kill = KillTerminalRequest::new(session_id.clone(), id.clone());
+                let _ = tokio::time::timeout(KILL_WAIT, conn.request::<_, Value>("terminal/kill", &kill)).await;
+                let release = ReleaseTerminalRequest::new(session_id, id);
+                let _ = tokio::time::timeout(KILL_WAIT, conn.request::<_, Value>("terminal/release", &release)).await;
+                let _ = tokio::task::spawn_blocking(move || pier_tools::contain::end_marked(&marker)).await;
+            });
+        }
+    }
 }
 
 impl Running {
@@ -154,7 +176,8 @@ impl Running {
     }
 
     /// Releases the terminal and ends whatever of the command is still alive.
-    async fn release(&self) {
+    async fn release(&mut self) {
+        self.released = true;
         let req = ReleaseTerminalRequest::new(self.session_id.clone(), self.id.clone());
         if let Err(e) = self.conn.request::<_, Value>("terminal/release", &req).await {
             tracing::warn!(error = %e, "the client could not release a command's terminal");

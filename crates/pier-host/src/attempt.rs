@@ -343,13 +343,12 @@ impl Run {
     fn options(&self, grant: Option<&crate::host_mcp::Grant>) -> Result<RunOptions, String> {
         let mut opts = attempt_options(&self.row.spec, &self.config)?;
         if let (Some(mcp), Some(grant)) = (&self.config.mcp, grant) {
-            use agent_client_protocol_schema::v1::{HttpHeader, McpServer, McpServerHttp};
-            let auth = HttpHeader::new("Authorization", format!("Bearer {}", grant.token()));
-            let server = McpServerHttp::new(crate::host_mcp::SERVER_NAME, mcp.url.clone()).headers(vec![auth]);
-            opts.host_mcp_servers.push(McpServer::Http(server));
+            opts.host_mcp_servers.push(crate::host_mcp::server_entry(mcp.url.clone(), grant.token()));
         }
         let denial = (self.row.spec.on_deny == pier_store::plan::OnDeny::Fail).then(|| self.denial.clone());
-        opts.asker = Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone(), denial }));
+        let own_tools = grant.is_some();
+        opts.asker =
+            Some(Arc::new(HostAsker { store: self.store.clone(), attempt: self.attempt.clone(), denial, own_tools }));
         opts.meta = Some(task_meta(&self.attempt.run, &self.attempt.task, self.attempt.n, &self.row.spec));
         Ok(opts)
     }
@@ -622,6 +621,8 @@ struct HostAsker {
     attempt: Attempt,
     /// Set when the task's `on_deny` is `fail`: a denial stops the attempt.
     denial: Option<Denial>,
+    /// The attempt was given the host's MCP endpoint: its tools are allowed without a person.
+    own_tools: bool,
 }
 
 impl pier_client::handler::Asker for HostAsker {
@@ -630,7 +631,7 @@ impl pier_client::handler::Asker for HostAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
-        if let Some(answer) = crate::host_mcp::own_tool_answer(request) {
+        if let Some(answer) = crate::host_mcp::own_tool_answer(request).filter(|_| self.own_tools) {
             return Box::pin(async move { answer });
         }
         let asker = self.clone();

@@ -13,6 +13,16 @@ use pier_store::Attempt;
 /// `pier__TOOL`. A task's own server of this name is refused at submit.
 pub const SERVER_NAME: &str = pier_store::plan::HOST_SERVER;
 
+/// The endpoint as an entry of `session/new`'s `mcpServers`: `url` with the attempt's `token`,
+/// its calls given a day (`ask_person` waits for a person; the attempt's own limits still hold).
+pub fn server_entry(url: String, token: &str) -> agent_client_protocol_schema::v1::McpServer {
+    use agent_client_protocol_schema::v1::{HttpHeader, McpServer, McpServerHttp, Meta};
+    let auth = HttpHeader::new("Authorization", format!("Bearer {token}"));
+    let mut meta = Meta::new();
+    meta.insert(pier_acp::MCP_CALL_TIMEOUT_META_KEY.to_owned(), serde_json::json!(86_400));
+    McpServer::Http(McpServerHttp::new(SERVER_NAME, url).headers(vec![auth]).meta(meta))
+}
+
 /// The endpoint's tools (`pier-server`'s `mcp.rs` serves them under these names).
 pub const TOOLS: [&str; 3] = ["task_result", "ask_person", "submit_task"];
 

@@ -280,11 +280,8 @@ async fn granted(link: Link, leased: &Value, ttl: Duration) -> Result<Lease, Wor
 /// Gives the attempt's agent the host's MCP endpoint (`{server}/mcp` with the attempt's token),
 /// reached through its jail's proxy like any host the task may reach.
 fn host_endpoint(opts: &mut pier_client::run::RunOptions, server: &str, token: &str) {
-    use agent_client_protocol_schema::v1::{HttpHeader, McpServer, McpServerHttp};
     let url = format!("{}/mcp", server.trim_end_matches('/'));
-    let auth = HttpHeader::new("Authorization", format!("Bearer {token}"));
-    opts.host_mcp_servers
-        .push(McpServer::Http(McpServerHttp::new(crate::host_mcp::SERVER_NAME, url).headers(vec![auth])));
+    opts.host_mcp_servers.push(crate::host_mcp::server_entry(url, token));
     let authority = server.split("://").nth(1).and_then(|rest| rest.split('/').next()).unwrap_or_default();
     if let Some(jail) = &mut opts.jail
         && !authority.is_empty()
@@ -340,7 +337,9 @@ async fn attempt(
         Ok(mut opts) => {
             let base = at(&run, &task, n, "questions");
             let denial = (spec.on_deny == pier_store::plan::OnDeny::Fail).then(|| closer.denial.clone());
-            opts.asker = Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone(), denial }));
+            let own_tools = mcp_token.is_some();
+            opts.asker =
+                Some(Arc::new(RemoteAsker { link: link.clone(), base, pump: to_pump.clone(), denial, own_tools }));
             opts.meta = Some(crate::attempt::task_meta(&run, &task, n, &spec));
             if let Some(token) = &mcp_token {
                 host_endpoint(&mut opts, &config.server, token);
@@ -870,6 +869,8 @@ struct RemoteAsker {
     pump: mpsc::UnboundedSender<ToPump>,
     /// Set when the task's `on_deny` is `fail`: a denial stops the attempt.
     denial: Option<crate::attempt::Denial>,
+    /// The host gave the attempt its MCP endpoint: its tools are allowed without a person.
+    own_tools: bool,
 }
 
 impl RemoteAsker {
@@ -912,7 +913,7 @@ impl pier_client::handler::Asker for RemoteAsker {
         request: &agent_client_protocol_schema::v1::RequestPermissionRequest,
     ) -> futures::future::BoxFuture<'static, pier_client::handler::AskAnswer> {
         use pier_client::handler::AskAnswer;
-        if let Some(answer) = crate::host_mcp::own_tool_answer(request) {
+        if let Some(answer) = crate::host_mcp::own_tool_answer(request).filter(|_| self.own_tools) {
             return Box::pin(async move { answer });
         }
         let (link, base, pump) = (self.link.clone(), self.base.clone(), self.pump.clone());

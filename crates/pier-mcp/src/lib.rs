@@ -237,7 +237,7 @@ where
 
 /// The `_meta` key of a server's entry (in `mcpServers`) that sets how long one of its calls
 /// may take, in seconds.
-pub const CALL_TIMEOUT_META: &str = "pier.dev/callTimeoutSecs";
+pub const CALL_TIMEOUT_META: &str = pier_acp::MCP_CALL_TIMEOUT_META_KEY;
 /// How long a call takes at most unless the server's entry says otherwise.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(600);
 

@@ -173,16 +173,22 @@ impl ServerHandler for HostTools {
             return Err(ErrorData::invalid_request("no attempt's token came with the call", None));
         };
         let args = Value::Object(request.arguments.unwrap_or_default());
-        let answer = match request.name.as_ref() {
-            "task_result" => self.result(&caller, args).await,
-            "ask_person" => self.ask(&caller, args).await,
-            "submit_task" => self.submit(&caller, args).await,
-            other => {
-                return Err(ErrorData::invalid_params(
+        let call = async {
+            match request.name.as_ref() {
+                "task_result" => Ok(self.result(&caller, args).await),
+                "ask_person" => Ok(self.ask(&caller, args).await),
+                "submit_task" => Ok(self.submit(&caller, args).await),
+                other => Err(ErrorData::invalid_params(
                     format!("no tool `{other}`: the tools are task_result, ask_person, submit_task"),
                     None,
-                ));
+                )),
             }
+        };
+        // A caller that hung up (or cancelled the request) drops the call: a question it asked
+        // is withdrawn, and the task runs again.
+        let answer = tokio::select! {
+            answer = call => answer?,
+            () = context.ct.cancelled() => return Err(ErrorData::internal_error("the call was cancelled", None)),
         };
         Ok(match answer {
             Ok(structured) => {

@@ -22,13 +22,20 @@ pub enum Added {
 }
 
 /// Adds `spec` to `a`'s run, the task `a` holds named as its adder. Refused without a write:
-/// `a` not holding its task, an id another task of the run has with another spec, a
+/// `a` not holding its task (or its task being cancelled), an id another task of the run has with another spec, a
 /// dependency that is not in the run or ended failed or cancelled, a run at
 /// [`MAX_RUN_TASKS`].
 pub(crate) fn add_task(tx: &mut dyn Tx, a: &Attempt, spec: &TaskSpec) -> Result<(Added, i64), StoreError> {
+    // The run's row is locked first: two adds to one run (from two nodes) take their places
+    // one after the other, never the same `ord`, and the run's size is read whole.
+    tx.exec("UPDATE runs SET id = id WHERE id = ?1", &[Arg::Text(&a.run)])?;
     let caller = load_task(tx, &a.run, &a.task)?;
     if !holds(&caller, a, now_ms()) {
         return Err(lease_lost(a));
+    }
+    // A task a person is cancelling adds no more work.
+    if let Some(reason) = &caller.cancel_requested {
+        return Err(StoreError::CancelRequested { task: a.task.clone(), reason: reason.clone() });
     }
     let refuse = |why: String| StoreError::NotAdded { task: spec.id.clone(), why };
     if spec.added_by.as_deref() != Some(a.task.as_str()) {

@@ -1456,6 +1456,10 @@ fn an_attempt_adds_a_task_to_its_run_once_and_only_while_it_holds_its_own() {
         s.finish(&b, &failed, None).unwrap_or_else(|e| panic!("{name}: {e}"));
         refused(s.add_task(&a, &spec("g", &["b"])), "`b`, which ended failed");
 
+        // A task a person is cancelling adds nothing.
+        s.cancel("r", "a", "by a person").unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cancelling = s.add_task(&a, &spec("h", &[]));
+        assert!(matches!(cancelling, Err(StoreError::CancelRequested { .. })), "{name}: {cancelling:?}");
         s.finish(&a, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
         let late = s.add_task(&a, &spec("h", &[]));
         assert!(matches!(late, Err(StoreError::LeaseLost { .. })), "{name}: {late:?}");

@@ -244,7 +244,7 @@ impl Contained {
             }
         }
         if let Some(dir) = self.cgroup.take() {
-            while std::fs::remove_dir(&dir).is_err() && Instant::now() < deadline {
+            while !remove_cgroup(&dir, 0) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(2));
             }
         }
@@ -288,6 +288,20 @@ impl Drop for Contained {
     fn drop(&mut self) {
         self.end();
     }
+}
+
+/// Removes cgroup `dir` and the cgroups a command made inside it (a `pier command-guard` run in
+/// a terminal's cgroup makes its own there), deepest first; true once `dir` is gone. Its
+/// processes are dead already (`cgroup.kill` reaches every cgroup below).
+fn remove_cgroup(dir: &Path, depth: usize) -> bool {
+    if depth < 8
+        && let Ok(entries) = std::fs::read_dir(dir)
+    {
+        for child in entries.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())) {
+            remove_cgroup(&child.path(), depth + 1);
+        }
+    }
+    std::fs::remove_dir(dir).is_ok() || !dir.exists()
 }
 
 /// SIGKILLs, until none is left (bounded by two seconds), every process this user may

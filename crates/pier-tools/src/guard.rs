@@ -33,6 +33,12 @@ pub async fn run(g: Guarded) -> i32 {
         eprintln!("pier command-guard: --marker takes 32 hex digits");
         return 2;
     }
+    // Watched before the shell starts: a stop that comes at once still ends the command.
+    let stops = [SignalKind::terminate(), SignalKind::interrupt(), SignalKind::hangup()].map(signal);
+    let [Ok(mut term), Ok(mut int), Ok(mut hup)] = stops else {
+        eprintln!("pier command-guard: could not watch for signals");
+        return 2;
+    };
     let mut cmd = tokio::process::Command::new("sh");
     cmd.arg("-c").arg(&g.command).stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
     let (mut child, mut contained) = match contain::spawn_marked(&mut cmd, &g.confinement, &g.writable, g.marker) {
@@ -41,12 +47,6 @@ pub async fn run(g: Guarded) -> i32 {
             eprintln!("pier command-guard: could not start sh: {e}");
             return 127;
         }
-    };
-    let stops = [SignalKind::terminate(), SignalKind::interrupt(), SignalKind::hangup()].map(signal);
-    let [Ok(mut term), Ok(mut int), Ok(mut hup)] = stops else {
-        eprintln!("pier command-guard: could not watch for signals");
-        let _ = tokio::task::spawn_blocking(move || contained.end()).await;
-        return 2;
     };
     let code = tokio::select! {
         status = child.wait() => match status {

@@ -97,8 +97,29 @@ impl Tasks {
 
     /// Task `task` of `caller`'s run: its state, and its result once it completed.
     pub async fn result_for(&self, caller: &Attempt, task: &str) -> Result<TaskResult, ActionError> {
-        let (run, id) = (caller.run.clone(), task.to_owned());
-        let row = self.blocking(move |s| Ok(s.task(&run, &id)?)).await?;
+        let (a, id) = (caller.clone(), task.to_owned());
+        let row = self
+            .blocking(move |s| {
+                // Asked only by an attempt that holds its task: a token that outlived its attempt reads nothing.
+                let now = pier_store::now_ms();
+                let held = s
+                    .task(&a.run, &a.task)?
+                    .and_then(|t| t.held())
+                    .is_some_and(|h| h.attempt == a && h.expires_at_ms >= now);
+                if !held {
+                    return Err(ActionError::Store(StoreError::LeaseLost {
+                        task: a.task.clone(),
+                        attempt: a.n,
+                        owner: a.owner.clone(),
+                    }));
+                }
+                Ok(s.task(&a.run, &id)?)
+            })
+            .await
+            .map_err(|e| match e {
+                ActionError::Store(StoreError::LeaseLost { .. }) => lost(caller),
+                other => other,
+            })?;
         let row = row.ok_or_else(|| ActionError::Store(StoreError::UnknownTask(task.to_owned())))?;
         let done = row.state == TaskState::Completed;
         Ok(TaskResult {
@@ -167,6 +188,12 @@ impl Tasks {
         spec.depends_on = f.depends_on;
         spec.added_by = Some(caller.task.clone());
         spec.run_budget = of_caller.spec.run_budget;
+        if let Some(why) = looser(&config.sandbox, &spec, &of_caller.spec) {
+            return Err(ActionError::bad_request(format!(
+                "task `{}` would be less confined than task `{}`, which adds it: {why}; a follow-up gets at most its adder's reach",
+                spec.id, caller.task
+            )));
+        }
         let a = caller.clone();
         let added = self.blocking(move |s| Ok(s.add_task(&a, &spec)?)).await;
         match added {
@@ -175,6 +202,30 @@ impl Tasks {
             Err(e) => Err(e),
         }
     }
+}
+
+/// How `follow_up` would reach further than `adder` (a weaker sandbox, a host the adder may not
+/// reach, a resource limit the adder has and it has not or has higher), if it would.
+fn looser(
+    sandbox: &crate::SandboxConfig,
+    follow_up: &pier_store::TaskSpec,
+    adder: &pier_store::TaskSpec,
+) -> Option<String> {
+    let (level, network, limits) = sandbox.for_task(follow_up);
+    let (max_level, max_network, max_limits) = sandbox.for_task(adder);
+    if level > max_level {
+        return Some(format!("sandbox {level:?} where it runs {max_level:?}").to_lowercase());
+    }
+    if let Some(host) = network.iter().find(|h| !max_network.contains(h)) {
+        return Some(format!("network host `{host}` it may not reach"));
+    }
+    let over = |have: Option<f64>, max: Option<f64>| max.is_some_and(|m| have.is_none_or(|h| h > m));
+    let limits_over = [
+        ("memory", over(limits.memory.map(|v| v as f64), max_limits.memory.map(|v| v as f64))),
+        ("pids", over(limits.pids.map(|v| v as f64), max_limits.pids.map(|v| v as f64))),
+        ("cpu", over(limits.cpu, max_limits.cpu)),
+    ];
+    limits_over.iter().find(|(_, o)| *o).map(|(name, _)| format!("a higher `{name}` limit"))
 }
 
 /// Withdraws question `n` of `caller` unless it was answered: the call that asked it was
@@ -196,5 +247,39 @@ impl Drop for Withdraw {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::looser;
+    use pier_store::TaskSpec;
+    use pier_store::plan::{Level, Limits};
+
+    fn spec(sandbox: Option<Level>, network: &[&str], limits: Limits) -> TaskSpec {
+        TaskSpec {
+            id: "t".into(),
+            sandbox,
+            network: network.iter().map(|h| (*h).to_owned()).collect(),
+            limits,
+            ..TaskSpec::default()
+        }
+    }
+
+    #[test]
+    fn a_follow_up_reaches_no_further_than_its_adder() {
+        let sandbox = crate::SandboxConfig::new(std::path::Path::new("/bin/true"));
+        let strict =
+            spec(Some(Level::Strict), &["a.example:443"], Limits { memory: Some(1 << 30), ..Limits::default() });
+        let same = strict.clone();
+        assert_eq!(looser(&sandbox, &same, &strict), None);
+        let tighter = spec(None, &[], Limits { memory: Some(1 << 20), pids: Some(10), cpu: None });
+        assert_eq!(looser(&sandbox, &tighter, &strict), None, "the host's strict default, fewer hosts, lower limits");
+        let open = spec(Some(Level::Off), &[], strict.limits);
+        assert!(looser(&sandbox, &open, &strict).is_some_and(|w| w.contains("off")));
+        let other_host = spec(Some(Level::Strict), &["b.example:443"], strict.limits);
+        assert!(looser(&sandbox, &other_host, &strict).is_some_and(|w| w.contains("b.example:443")));
+        let unlimited = spec(Some(Level::Strict), &[], Limits::default());
+        assert!(looser(&sandbox, &unlimited, &strict).is_some_and(|w| w.contains("memory")));
     }
 }

@@ -19,7 +19,7 @@ const DEFAULT_TTL_MS: i64 = 30_000;
 const TTL_BOUNDS_MS: (i64, i64) = (1_000, 3_600_000);
 
 /// A task leased by a worker, with its prompt (the results of its dependencies filled in).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Clone, Serialize)]
 pub struct Leased {
     pub task: TaskRow,
     pub prompt: String,
@@ -27,6 +27,18 @@ pub struct Leased {
     /// the worker gives its agent `{server}/mcp` with it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mcp_token: Option<String>,
+}
+
+impl std::fmt::Debug for Leased {
+    /// Names no token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let token = self.mcp_token.as_ref().map(|_| "***");
+        f.debug_struct("Leased")
+            .field("task", &self.task)
+            .field("prompt", &self.prompt)
+            .field("mcp_token", &token)
+            .finish()
+    }
 }
 
 impl Leased {
