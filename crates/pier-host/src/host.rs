@@ -471,6 +471,9 @@ struct RunView {
     live: std::collections::BTreeSet<usize>,
     /// A task has a priority or concurrency keys: passes rank every ready task (`pick`).
     scheduled: bool,
+    /// When each task last moved (from the log when the run was read, else when this view
+    /// took its change): where a ranked task's wait starts ([`ready_since`]).
+    moved_at: HashMap<String, i64>,
 }
 
 impl RunView {
@@ -702,6 +705,15 @@ impl View {
             for t in blocking(store, move |s| s.tasks(&r)).await? {
                 self.put(t);
             }
+            // A run whose tasks are ranked ages them from when they became ready, as the log
+            // says, not from when this host first saw them (a restart or takeover keeps it).
+            if self.runs.get(&run).is_some_and(|v| v.scheduled) {
+                let r = run.clone();
+                let moved_at = blocking(store, move |s| s.tasks_moved_at(&r)).await?;
+                if let Some(view) = self.runs.get_mut(&run) {
+                    view.moved_at.extend(moved_at);
+                }
+            }
             self.forget_if_ended(&run);
             moved = true;
         }
@@ -736,7 +748,11 @@ impl View {
             self.unleased_run_seen = true;
         }
         let run = row.run_id.clone();
+        let (id, at) = (row.id.clone(), now_ms());
         self.put(row);
+        if let Some(view) = self.runs.get_mut(&run).filter(|v| v.scheduled) {
+            view.moved_at.insert(id, at);
+        }
         self.forget_if_ended(&run);
         true
     }
@@ -774,7 +790,14 @@ impl View {
             let mine = self.held.contains(run);
             for t in r.startable() {
                 if t.not_before_ms <= now && !r.busy.contains(&t.id) && r.ready(t) {
-                    ready.push(crate::pick::Ready { key: (run.clone(), t.id.clone()), row: t, mine });
+                    let key = (run.clone(), t.id.clone());
+                    // A task this host has not seen waiting yet waited since it became ready.
+                    if !self.waiting_since.contains_key(&key)
+                        && let Some(since) = ready_since(&r.moved_at, t)
+                    {
+                        self.waiting_since.insert(key.clone(), since.min(now));
+                    }
+                    ready.push(crate::pick::Ready { key, row: t, mine });
                 }
             }
         }
@@ -857,7 +880,52 @@ impl View {
 }
 
 #[cfg(test)]
+fn tests_row() -> TaskRow {
+    TaskRow {
+        run_id: String::new(),
+        id: String::new(),
+        state: TaskState::Pending,
+        version: 1,
+        attempt: 0,
+        failures: 0,
+        lease_owner: None,
+        lease_expires_at_ms: None,
+        not_before_ms: 0,
+        result: None,
+        usage: None,
+        error: None,
+        spec: pier_store::TaskSpec::default(),
+        cancel_requested: None,
+    }
+}
+
+/// When `task` (ready now) became ready: the later of its own last move (created, retried,
+/// back from an attempt) and its dependencies' (their completion), if the view knows them all.
+fn ready_since(moved_at: &HashMap<String, i64>, task: &TaskRow) -> Option<i64> {
+    let mut since = *moved_at.get(&task.id)?;
+    for dep in &task.spec.depends_on {
+        since = since.max(*moved_at.get(dep)?);
+    }
+    Some(since.max(task.not_before_ms))
+}
+
+#[cfg(test)]
 mod tests {
+    /// Issue #32: ageing is counted from when a task became ready (its own last move and its
+    /// dependencies' completion, from the log), not from when a host first saw it.
+    #[test]
+    fn a_ready_task_waited_since_the_later_of_its_move_and_its_dependencies() {
+        use std::collections::HashMap;
+        let mut t = TaskRow { run_id: "r".into(), id: "c".into(), ..super::tests_row() };
+        t.spec.depends_on = vec!["a".into(), "b".into()];
+        let moved: HashMap<String, i64> = [("a", 500), ("b", 900), ("c", 100)].map(|(k, v)| (k.to_owned(), v)).into();
+        assert_eq!(super::ready_since(&moved, &t), Some(900), "ready when its last dependency completed");
+        t.not_before_ms = 1_200;
+        assert_eq!(super::ready_since(&moved, &t), Some(1_200), "a retry waits from its backoff's end");
+        t.spec.depends_on.push("unknown".into());
+        assert_eq!(super::ready_since(&moved, &t), None, "unknown: counted from when the host sees it");
+    }
+
     use super::*;
     use pier_store::TaskSpec;
 

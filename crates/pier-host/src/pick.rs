@@ -4,8 +4,9 @@
 //! A task that waits ages: every [`AGE_MS`] of waiting counts as one level more, up to 9, so
 //! a task of priority `p` waits behind tasks that became ready after it for at most
 //! `(9 - p) × AGE_MS` (9 minutes for priority 0) — after that, only tasks that were already
-//! waiting when it was ready go first. Waiting is counted from when this host first saw the
-//! task ready (a host that starts later counts from its start).
+//! waiting when it was ready go first. Waiting is counted from when the task became ready as
+//! the run's log says (`host.rs`' `ready_since`, seeding `since`), so a host that restarts or
+//! takes a run over keeps it; from when this host first saw it only where that is unknown.
 //!
 //! The keys' counts here keep a host from trying claims the store would refuse; the store's
 //! claim is what holds the limit (`pier_store`'s `keys`), across every node and worker.

@@ -176,6 +176,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Every run with when it was created and when its last event was written, oldest
     /// first: `(id, created_at_ms, last_event_at_ms)`.
     fn run_times(&self) -> Result<Vec<(String, i64, i64)>, StoreError>;
+    /// When each task of run `run` last moved (its last transition, else its creation), in
+    /// milliseconds: how long a ready task has waited, whichever host reads it.
+    fn tasks_moved_at(&self, run: &str) -> Result<Vec<(String, i64)>, StoreError>;
     /// How many tasks of the whole store are in each state (for `/metrics`): one aggregate
     /// query, whatever the number of runs.
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError>;

@@ -546,6 +546,16 @@ impl<B: Backend> TaskStore for Store<B> {
         rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?, r.int(2)?))).collect()
     }
 
+    fn tasks_moved_at(&self, run: &str) -> Result<Vec<(String, i64)>, StoreError> {
+        let rows = self.rows(
+            "SELECT task_id, MAX(at_ms) FROM events
+             WHERE run_id = ?1 AND task_id IS NOT NULL AND type IN ('task_created', 'transition')
+             GROUP BY task_id",
+            &[Arg::Text(run)],
+        )?;
+        rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?))).collect()
+    }
+
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {
         let rows = self.rows("SELECT state, COUNT(*) FROM tasks GROUP BY state ORDER BY state", &[])?;
         rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?))).collect()

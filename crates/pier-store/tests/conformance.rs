@@ -1466,3 +1466,21 @@ fn an_attempt_adds_a_task_to_its_run_once_and_only_while_it_holds_its_own() {
         assert_eq!(s.tasks("r").unwrap_or_default().len(), 3, "{name}: nothing else was added");
     });
 }
+
+/// Issue #32: when each task last moved, from the log: a created task at its creation, a
+/// claimed one at its claim (ageing survives a host's restart).
+#[test]
+fn each_task_last_moved_when_its_last_transition_was_written() {
+    each(|name, s| {
+        let before: std::collections::HashMap<String, i64> =
+            s.tasks_moved_at("r").unwrap_or_else(|e| panic!("{name}: {e}")).into_iter().collect();
+        assert_eq!(before.len(), 2, "{name}: {before:?}");
+        let _a = claim(s, "a", "o");
+        let after: std::collections::HashMap<String, i64> =
+            s.tasks_moved_at("r").unwrap_or_else(|e| panic!("{name}: {e}")).into_iter().collect();
+        let at = |m: &std::collections::HashMap<String, i64>, t: &str| m.get(t).copied().unwrap_or(-1);
+        assert!(at(&after, "a") >= at(&before, "a") && at(&before, "a") > 0, "{name}: {before:?} {after:?}");
+        assert_eq!(at(&after, "b"), at(&before, "b"), "{name}: b did not move");
+        assert!(s.tasks_moved_at("nope").unwrap_or_default().is_empty(), "{name}");
+    });
+}
