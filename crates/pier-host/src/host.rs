@@ -879,26 +879,6 @@ impl View {
     }
 }
 
-#[cfg(test)]
-fn tests_row() -> TaskRow {
-    TaskRow {
-        run_id: String::new(),
-        id: String::new(),
-        state: TaskState::Pending,
-        version: 1,
-        attempt: 0,
-        failures: 0,
-        lease_owner: None,
-        lease_expires_at_ms: None,
-        not_before_ms: 0,
-        result: None,
-        usage: None,
-        error: None,
-        spec: pier_store::TaskSpec::default(),
-        cancel_requested: None,
-    }
-}
-
 /// When `task` (ready now) became ready: the later of its own last move (created, retried,
 /// back from an attempt) and its dependencies' (their completion), if the view knows them all.
 fn ready_since(moved_at: &HashMap<String, i64>, task: &TaskRow) -> Option<i64> {
@@ -916,8 +896,7 @@ mod tests {
     #[test]
     fn a_ready_task_waited_since_the_later_of_its_move_and_its_dependencies() {
         use std::collections::HashMap;
-        let mut t = TaskRow { run_id: "r".into(), id: "c".into(), ..super::tests_row() };
-        t.spec.depends_on = vec!["a".into(), "b".into()];
+        let mut t = row("r", "c", TaskState::Pending, 1, &["a", "b"]);
         let moved: HashMap<String, i64> = [("a", 500), ("b", 900), ("c", 100)].map(|(k, v)| (k.to_owned(), v)).into();
         assert_eq!(super::ready_since(&moved, &t), Some(900), "ready when its last dependency completed");
         t.not_before_ms = 1_200;
