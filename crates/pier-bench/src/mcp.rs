@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use agent_client_protocol_schema::v1::Error;
 use futures::future::BoxFuture;
 use pier_acp::{Connection, ConnectionConfig, Handler, RequestCx};
+use pier_fake_model::body::{tool_names, tool_results};
 use pier_fake_model::{FakeModel, Reply};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
@@ -64,31 +65,6 @@ impl Handler for Allow {
             call.1 = Some(at);
         }
     }
-}
-
-/// The tools a request offers and the results it carries, Chat Completions or Responses (a
-/// tool of a Responses `namespace`, as codex offers an MCP server's, as `NAMESPACE/TOOL`,
-/// which the fake model calls within its namespace).
-fn offered(body: &Value) -> Vec<String> {
-    let tools = body["tools"].as_array().cloned().unwrap_or_default();
-    let mut names = Vec::new();
-    for t in &tools {
-        if t["type"] == "namespace" {
-            let ns = t["name"].as_str().unwrap_or_default();
-            let inner = t["tools"].as_array().into_iter().flatten();
-            names.extend(inner.filter_map(|i| i["name"].as_str()).map(|n| format!("{ns}/{n}")));
-        } else if let Some(n) = t["function"]["name"].as_str().or(t["name"].as_str()) {
-            names.push(n.to_owned());
-        }
-    }
-    names
-}
-
-fn results(body: &Value) -> usize {
-    let chat = body["messages"].as_array().map_or(0, |m| m.iter().filter(|m| m["role"] == "tool").count());
-    let responses =
-        body["input"].as_array().map_or(0, |i| i.iter().filter(|i| i["type"] == "function_call_output").count());
-    chat + responses
 }
 
 fn median_ms(v: &mut [Duration]) -> f64 {
@@ -141,11 +117,12 @@ async fn through(
 ) -> (Vec<Duration>, Vec<Duration>) {
     let fake = FakeModel::start().await.unwrap_or_else(|e| panic!("fake model: {e}"));
     fake.set_fallback(move |body| {
-        let Some(echo) = offered(body).into_iter().find(|t| t.ends_with("echo")) else {
+        let Some(echo) = tool_names(body).into_iter().find(|t| t.ends_with("echo")) else {
             return Reply::text("no echo tool");
         };
-        if results(body) < n {
-            Reply::tool_call(&format!("c{}", results(body)), &echo, r#"{"text": "from the plan's server"}"#)
+        let done = tool_results(body).len();
+        if done < n {
+            Reply::tool_call(&format!("c{done}"), &echo, r#"{"text": "from the plan's server"}"#)
         } else {
             Reply::text("done")
         }

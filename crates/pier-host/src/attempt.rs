@@ -707,11 +707,12 @@ impl HostAsker {
     }
 }
 
-/// A question the host put to a person and still waits on; withdrawn if dropped so.
-struct OpenQuestion {
-    store: Arc<dyn TaskStore>,
-    attempt: Attempt,
-    n: Option<i64>,
+/// A question the host put to a person and still waits on; withdrawn if dropped so (the
+/// asker stopped waiting: its turn cancelled, its MCP call dropped). `n` is taken once answered.
+pub(crate) struct OpenQuestion {
+    pub(crate) store: Arc<dyn TaskStore>,
+    pub(crate) attempt: Attempt,
+    pub(crate) n: Option<i64>,
 }
 
 impl Drop for OpenQuestion {

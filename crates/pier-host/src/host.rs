@@ -748,10 +748,11 @@ impl View {
             self.unleased_run_seen = true;
         }
         let run = row.run_id.clone();
-        let (id, at) = (row.id.clone(), now_ms());
+        // Only a ranked run keeps when its tasks moved (a plain one costs nothing more here).
+        let ranked = self.runs.get(&run).is_some_and(|v| v.scheduled).then(|| row.id.clone());
         self.put(row);
-        if let Some(view) = self.runs.get_mut(&run).filter(|v| v.scheduled) {
-            view.moved_at.insert(id, at);
+        if let (Some(id), Some(view)) = (ranked, self.runs.get_mut(&run)) {
+            view.moved_at.insert(id, now_ms());
         }
         self.forget_if_ended(&run);
         true

@@ -3,12 +3,10 @@
 //! nothing, and idempotent by the new task's id, so a call sent again adds it once.
 
 use crate::error::StoreError;
-use crate::log::LogEvent;
 use crate::now_ms;
-use crate::ops::{Arg, Tx, holds, lease_lost, load_task, log};
+use crate::ops::{Arg, Tx, holds, insert_task, lease_lost, load_task};
 use crate::plan::TaskSpec;
 use crate::rows::Attempt;
-use crate::state::TaskState;
 
 /// The most tasks a run may hold once tasks are added to it: a loop of agents adding tasks
 /// stops here, however the run was started.
@@ -63,26 +61,6 @@ pub(crate) fn add_task(tx: &mut dyn Tx, a: &Attempt, spec: &TaskSpec) -> Result<
         return Err(refuse(format!("run `{}` holds {count} tasks, the most a run may", a.run)));
     }
     let ord = tx.int("SELECT COALESCE(MAX(ord), -1) + 1 FROM tasks WHERE run_id = ?1", &run)?.unwrap_or(0);
-    let text = serde_json::to_string(spec)?;
-    tx.exec(
-        "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority)
-         VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6)",
-        &[
-            Arg::Text(&a.run),
-            Arg::Text(&spec.id),
-            Arg::Int(ord),
-            Arg::Text(&text),
-            Arg::OptInt((!spec.concurrency.is_empty()).then_some(1)),
-            Arg::Int(spec.priority.into()),
-        ],
-    )?;
-    let created = LogEvent::TaskCreated {
-        depends_on: spec.depends_on.clone(),
-        agent: spec.agent.clone(),
-        metadata: spec.metadata.clone(),
-        to: TaskState::Pending,
-        added_by: Some(a.task.clone()),
-    };
-    let seq = log(tx, &a.run, Some(&spec.id), &created)?;
+    let seq = insert_task(tx, &a.run, ord, spec, Some(&a.task))?;
     Ok((Added::Added, seq))
 }

@@ -140,30 +140,41 @@ pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) 
     let created = LogEvent::RunCreated { tasks: plan.tasks.len(), source: source.to_owned() };
     let mut last = log(tx, run, None, &created)?;
     for (i, t) in plan.tasks.iter().enumerate() {
-        let spec = serde_json::to_string(t)?;
-        let keyed = Arg::OptInt((!t.concurrency.is_empty()).then_some(1));
-        tx.exec(
-            "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority)
-             VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6)",
-            &[
-                Arg::Text(run),
-                Arg::Text(&t.id),
-                Arg::Int(i as i64),
-                Arg::Text(&spec),
-                keyed,
-                Arg::Int(t.priority.into()),
-            ],
-        )?;
-        let created = LogEvent::TaskCreated {
-            depends_on: t.depends_on.clone(),
-            agent: t.agent.clone(),
-            metadata: t.metadata.clone(),
-            to: TaskState::Pending,
-            added_by: None,
-        };
-        last = log(tx, run, Some(&t.id), &created)?;
+        last = insert_task(tx, run, i as i64, t, None)?;
     }
     Ok(last)
+}
+
+/// Inserts `spec` as a pending task of `run` at place `ord` and logs its creation (with the
+/// task that added it, for one added as the run ran): the one way a task comes to be.
+pub(crate) fn insert_task(
+    tx: &mut dyn Tx,
+    run: &str,
+    ord: i64,
+    spec: &TaskSpec,
+    added_by: Option<&str>,
+) -> Result<i64, StoreError> {
+    let text = serde_json::to_string(spec)?;
+    tx.exec(
+        "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority)
+         VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6)",
+        &[
+            Arg::Text(run),
+            Arg::Text(&spec.id),
+            Arg::Int(ord),
+            Arg::Text(&text),
+            Arg::OptInt((!spec.concurrency.is_empty()).then_some(1)),
+            Arg::Int(spec.priority.into()),
+        ],
+    )?;
+    let created = LogEvent::TaskCreated {
+        depends_on: spec.depends_on.clone(),
+        agent: spec.agent.clone(),
+        metadata: spec.metadata.clone(),
+        to: TaskState::Pending,
+        added_by: added_by.map(str::to_owned),
+    };
+    log(tx, run, Some(&spec.id), &created)
 }
 
 /// The attempt holds the task: same attempt and owner, the task live, the lease not expired.

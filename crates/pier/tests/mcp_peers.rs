@@ -5,43 +5,11 @@
 
 mod support;
 
+use pier_fake_model::body::{tool_names as offered, tool_results as results};
 use pier_fake_model::{FakeModel, Reply};
 use pier_host::TaskStore;
-use serde_json::Value;
 use support::host::{Host, stderr};
 use support::must;
-
-/// The tools a request offers, in Chat Completions or Responses shape (a tool of a Responses
-/// `namespace`, as codex offers an MCP server's, as `NAMESPACE/TOOL`, which the fake model
-/// calls within its namespace).
-fn offered(body: &Value) -> Vec<String> {
-    let tools = body["tools"].as_array().cloned().unwrap_or_default();
-    let mut names = Vec::new();
-    for t in &tools {
-        if t["type"] == "namespace" {
-            let ns = t["name"].as_str().unwrap_or_default();
-            let inner = t["tools"].as_array().into_iter().flatten();
-            names.extend(inner.filter_map(|i| i["name"].as_str()).map(|n| format!("{ns}/{n}")));
-        } else if let Some(n) = t["function"]["name"].as_str().or(t["name"].as_str()) {
-            names.push(n.to_owned());
-        }
-    }
-    names
-}
-
-/// The tool results a request carries, in Chat Completions (`role: tool`) or Responses
-/// (`function_call_output`) shape.
-fn results(body: &Value) -> Vec<String> {
-    let chat = body["messages"].as_array().cloned().unwrap_or_default();
-    let responses = body["input"].as_array().cloned().unwrap_or_default();
-    let from_chat =
-        chat.iter().filter(|m| m["role"] == "tool").filter_map(|m| m["content"].as_str().map(str::to_owned));
-    let from_responses = responses.iter().filter(|i| i["type"] == "function_call_output").map(|i| match &i["output"] {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    });
-    from_chat.chain(from_responses).collect()
-}
 
 #[tokio::test]
 async fn a_plans_mcp_server_is_used_by_pier_and_by_codex_acp() {

@@ -151,7 +151,8 @@ impl Tasks {
         let n = self.park_on(caller, request).await?;
         // Waiting for a person is not the agent's idleness: its attempt's idle timer stops.
         let _asking = self.config.mcp.as_ref().and_then(|m| m.asking_for(caller)).map(|c| c.start());
-        let mut pending = Withdraw { tasks: self.clone(), caller: caller.clone(), n: Some(n) };
+        let mut pending =
+            crate::attempt::OpenQuestion { store: self.store.clone(), attempt: caller.clone(), n: Some(n) };
         loop {
             if let Some(answer) = self.wait_answer(caller, n, MAX_WAIT).await? {
                 pending.n = None;
@@ -226,28 +227,6 @@ fn looser(
         ("cpu", over(limits.cpu, max_limits.cpu)),
     ];
     limits_over.iter().find(|(_, o)| *o).map(|(name, _)| format!("a higher `{name}` limit"))
-}
-
-/// Withdraws question `n` of `caller` unless it was answered: the call that asked it was
-/// dropped (the agent stopped waiting).
-struct Withdraw {
-    tasks: Tasks,
-    caller: Attempt,
-    n: Option<i64>,
-}
-
-impl Drop for Withdraw {
-    fn drop(&mut self) {
-        let Some(n) = self.n.take() else { return };
-        let (tasks, caller) = (self.tasks.clone(), self.caller.clone());
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                if let Err(e) = tasks.withdraw(&caller, n).await {
-                    tracing::debug!(error = %e, "could not withdraw an agent's question");
-                }
-            });
-        }
-    }
 }
 
 #[cfg(test)]
