@@ -1,10 +1,8 @@
-//! Which ready tasks a host starts when it has room: by priority (9 first), first come first
-//! served within a priority, and never past a concurrency key's limit as the host sees it.
-//!
-//! A task that waits ages: every [`AGE_MS`] of waiting counts as one level more, up to 9, so
-//! a task of priority `p` waits behind tasks that became ready after it for at most
-//! `(9 - p) × AGE_MS` (9 minutes for priority 0) — after that, only tasks that were already
-//! waiting when it was ready go first. Waiting is counted from when the task became ready as
+//! Which ready tasks a host starts when it has room: in queue order ([`pier_store::queue`]: by
+//! priority, 9 first, first come first served within one, a waiting task ageing a level every
+//! [`AGE_MS`](pier_store::queue::AGE_MS), so a task of priority `p` waits behind tasks that became ready after it for at
+//! most `(9 - p) × AGE_MS`), and never past a concurrency key's limit as the host sees it.
+//! Pull workers lease in the same order. Waiting is counted from when the task became ready as
 //! the run's log says (`host.rs`' `ready_since`, seeding `since`), so a host that restarts or
 //! takes a run over keeps it; from when this host first saw it only where that is unknown.
 //!
@@ -15,9 +13,7 @@ use std::collections::HashMap;
 
 use pier_store::TaskRow;
 use pier_store::plan::MAX_PRIORITY;
-
-/// How long a wait counts as one priority level.
-pub const AGE_MS: i64 = 60_000;
+use pier_store::queue::rank;
 
 /// A ready task, in first-come order: one this host could start (`mine`), or one another
 /// node drives, which keeps its place in its concurrency keys from this host's tasks of a
@@ -30,8 +26,8 @@ pub(crate) struct Ready<'a, K> {
     pub mine: bool,
 }
 
-/// Up to `room` of `ready` (in first-come order) to start now: by aged priority, then by how
-/// long each has waited, then in order; skipping any whose concurrency key is full, counting
+/// Up to `room` of `ready` (in first-come order) to start now: by rank, then by how long each
+/// has waited, then in order; skipping any whose concurrency key is full, counting
 /// `held` (live attempts by key, anyone's) and those picked before it. `since` keeps when each
 /// task was first seen ready; it is rebuilt from `ready`, so tasks that left are forgotten.
 pub(crate) fn pick<K: Clone + Eq + std::hash::Hash>(
@@ -42,7 +38,7 @@ pub(crate) fn pick<K: Clone + Eq + std::hash::Hash>(
     now: i64,
 ) -> Vec<K> {
     let mut seen = HashMap::with_capacity(ready.len());
-    let mut ranked: Vec<(u8, i64, usize, &Ready<'_, K>)> = Vec::with_capacity(ready.len());
+    let mut ranked: Vec<(i64, i64, usize, &Ready<'_, K>)> = Vec::with_capacity(ready.len());
     // Other nodes' ready tasks by key: how many of each stated priority.
     let mut theirs: HashMap<&str, [u32; MAX_PRIORITY as usize + 1]> = HashMap::new();
     for (i, r) in ready.iter().enumerate() {
@@ -55,10 +51,10 @@ pub(crate) fn pick<K: Clone + Eq + std::hash::Hash>(
         }
         let first = since.get(&r.key).copied().unwrap_or(now);
         seen.insert(r.key.clone(), first);
-        ranked.push((aged(r.row.spec.priority, now - first), first, i, r));
+        ranked.push((rank(r.row.spec.priority, first), first, i, r));
     }
     *since = seen;
-    ranked.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    ranked.sort_by_key(|&(rank, first, i, _)| (rank, first, i));
     let mut out = Vec::new();
     for (_, _, _, r) in ranked {
         if out.len() == room {
@@ -78,12 +74,6 @@ pub(crate) fn pick<K: Clone + Eq + std::hash::Hash>(
     out
 }
 
-/// Priority `p` after waiting `waited` ms.
-fn aged(p: u8, waited: i64) -> u8 {
-    let levels = (waited.max(0) / AGE_MS).min(i64::from(MAX_PRIORITY)) as u8;
-    p.saturating_add(levels).min(MAX_PRIORITY)
-}
-
 /// The live attempts of `live` by concurrency key.
 pub(crate) fn held<'a>(live: impl Iterator<Item = &'a TaskRow>) -> HashMap<String, u32> {
     let mut held = HashMap::new();
@@ -100,6 +90,7 @@ mod tests {
     use super::*;
     use pier_store::TaskSpec;
     use pier_store::plan::ConcurrencyKey;
+    use pier_store::queue::AGE_MS;
 
     fn row(id: &str, priority: u8, keys: &[(&str, u32)]) -> TaskRow {
         let concurrency = keys.iter().map(|(k, l)| ConcurrencyKey { key: (*k).into(), limit: *l }).collect();

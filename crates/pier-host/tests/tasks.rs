@@ -59,3 +59,33 @@ async fn a_person_s_action_on_an_unknown_run_or_task_names_which() {
     assert_eq!(must(tasks.cancel_run("r", "test", pier_host::CANCEL_WAIT).await, "cancel run").cancelled, 1);
     assert_eq!(must(tasks.run("r").await, "run").counts().get("cancelled"), Some(&1));
 }
+
+/// Issue #32: a pull worker leases in queue order, and a task is ranked from when it became
+/// ready: one whose dependency completed after another task was already waiting goes behind
+/// it, though it was created first.
+#[tokio::test]
+async fn a_worker_leases_a_task_whose_dependency_completed_late_behind_those_already_waiting() {
+    let dir = must(tempfile::tempdir(), "tempdir");
+    let (s, tasks) = tasks(&dir);
+    must(s.claim("r", "a", "host", i64::MAX / 2), "claim a");
+    let chain =
+        "[[tasks]]\nid = \"dep\"\nprompt = \"x\"\n\n[[tasks]]\nid = \"late\"\nprompt = \"y\"\ndepends_on = [\"dep\"]\n";
+    must(s.create_run("d-run", &must(pier_host::plan::parse(chain, &|_| Ok(())), "plan"), "test"), "create d-run");
+    let one = must(pier_host::plan::parse("[[tasks]]\nid = \"other\"\nprompt = \"z\"\n", &|_| Ok(())), "plan");
+    must(s.create_run("o-run", &one, "test"), "create o-run");
+    // `dep` completes a millisecond after `other` was created at the latest, so `late` became
+    // ready after `other` did (the store alone ranks it from its creation, before `other`).
+    let created = pier_host::store::now_ms();
+    while pier_host::store::now_ms() <= created {
+        std::hint::spin_loop();
+    }
+    let (dep, _) = must(s.claim("d-run", "dep", "host", i64::MAX / 2), "claim dep").unwrap_or_else(|| panic!("dep"));
+    let done = pier_host::store::Ending::Completed { result: "ok".into(), usage: None };
+    must(s.finish(&dep, &done, None), "complete dep");
+    let agents = ["pier".to_owned()];
+    let mut order = Vec::new();
+    while let Some(l) = must(tasks.lease("w", &[], &agents, None).await, "lease") {
+        order.push(l.task.id);
+    }
+    assert_eq!(order, ["other", "late"]);
+}

@@ -20,15 +20,16 @@ pub trait TaskStore: Send + Sync + 'static {
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
     /// One task, or `None` if the run has no such task.
     fn task(&self, run: &str, task: &str) -> Result<Option<TaskRow>, StoreError>;
-    /// Every pending task of every run: those with a priority first (highest first), then the
-    /// rest; within each, oldest run first, in plan order.
+    /// Every pending task of every run, in queue order ([`crate::queue`]): by rank, then by run
+    /// and place in the plan.
     fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
     /// A consistent copy of the whole store, taken while it is in use, written to the new file
     /// `to` (SQLite); a PostgreSQL store says to use `pg_dump`.
     fn backup(&self, to: &std::path::Path) -> Result<(), StoreError>;
-    /// [`TaskStore::pending_tasks`] one at a time to `visit`, until it returns true; each row
-    /// is decoded only when reached (a worker's lease usually takes one of the first).
-    fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError>;
+    /// [`TaskStore::pending_tasks`] one at a time to `visit` with its rank, until it returns
+    /// true; each row is decoded only when reached (a worker's lease usually takes one of the
+    /// first).
+    fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow, i64) -> Result<bool, StoreError>) -> Result<(), StoreError>;
     /// Every task of every run that has not ended, oldest run first, in plan order.
     fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError>;
     /// The tasks (of any run) touched by an event after sequence `after`, and the
@@ -179,6 +180,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// When each task of run `run` last moved (its last transition, else its creation), in
     /// milliseconds: how long a ready task has waited, whichever host reads it.
     fn tasks_moved_at(&self, run: &str) -> Result<Vec<(String, i64)>, StoreError>;
+    /// When task `task` of run `run` last changed state (its last transition), in milliseconds;
+    /// `None` if it never has: when a dependency completed, for a pull worker's queue.
+    fn task_moved_at(&self, run: &str, task: &str) -> Result<Option<i64>, StoreError>;
     /// How many tasks of the whole store are in each state (for `/metrics`): one aggregate
     /// query, whatever the number of runs.
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError>;

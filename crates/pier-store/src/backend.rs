@@ -18,10 +18,9 @@ pub(crate) type Work<T> = Box<dyn FnMut(&mut dyn Tx) -> Result<(T, i64), StoreEr
 
 /// A database the store can live in.
 pub(crate) trait Backend: Send + Sync + 'static {
-    /// The first run after `?1` (by id) with a pending task, and when it was created.
-    const PENDING_RUN_AFTER: &'static str;
-    /// A page of run `?1`'s pending tasks in plan order: `?2` of them after the first `?3`.
-    const PENDING_OF_RUN: &'static str;
+    /// A page of the queue ([`crate::queue`]): `?1` pending tasks after the key `?2..?4` (rank,
+    /// run, place in the plan), each with its key.
+    const QUEUE_PAGE: &'static str;
     /// Every task not ended, oldest run first, in plan order.
     const UNFINISHED_TASKS: &'static str;
     /// The runs with a task `?1`, newest first.
@@ -144,30 +143,19 @@ macro_rules! tasks_in {
     };
 }
 
-/// [`Backend::PENDING_RUN_AFTER`] and [`Backend::PENDING_OF_RUN`] with SQLite's indexes
-/// `$hint` (the pending tasks') and `$runs` (the runs' ages), or none. Each seeks in the
-/// pending tasks' index and walks it in its order: no read, let alone a sort, of every
-/// pending task, and no read of a run's plan. A run's pages are keyed by the last `ord` read
-/// (the column after the task's), not by an OFFSET that walks every page before it again.
+/// [`Backend::QUEUE_PAGE`] with SQLite's index hint `$hint` or none: a seek in `tasks_queue`
+/// walked in its order, no read (let alone a sort) of every pending task. Pages are keyed by the
+/// last row's key, not by an OFFSET that walks every page before it again.
 #[macro_export]
 #[doc(hidden)]
-macro_rules! pending_pages {
-    ($hint:literal, $runs:literal) => {
-        (
-            concat!(
-                "SELECT r.id, r.created_at_ms FROM runs r ",
-                $runs,
-                " WHERE r.id = (SELECT run_id FROM tasks ",
-                $hint,
-                " WHERE state = 'pending' AND run_id > ?1 ORDER BY run_id LIMIT 1)"
-            ),
-            concat!(
-                "SELECT ",
-                $crate::task_columns!(),
-                ", ord FROM tasks ",
-                $hint,
-                " WHERE run_id = ?1 AND state = 'pending' AND ord > ?3 ORDER BY ord LIMIT ?2"
-            ),
+macro_rules! queue_page {
+    ($hint:literal) => {
+        concat!(
+            "SELECT ",
+            $crate::task_columns!(),
+            ", rank_ms, ord FROM tasks ",
+            $hint,
+            " WHERE state = 'pending' AND (rank_ms, run_id, ord) > (?2, ?3, ?4) ORDER BY rank_ms, run_id, ord LIMIT ?1"
         )
     };
 }

@@ -31,6 +31,7 @@ mod store;
 
 pub mod code;
 pub mod plan;
+pub mod queue;
 pub mod requires;
 pub mod schedule;
 pub mod state;

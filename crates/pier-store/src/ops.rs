@@ -156,8 +156,8 @@ pub(crate) fn insert_task(
 ) -> Result<i64, StoreError> {
     let text = serde_json::to_string(spec)?;
     tx.exec(
-        "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority)
-         VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6)",
+        "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority, rank_ms)
+         VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6, ?7)",
         &[
             Arg::Text(run),
             Arg::Text(&spec.id),
@@ -165,6 +165,7 @@ pub(crate) fn insert_task(
             Arg::Text(&text),
             Arg::OptInt((!spec.concurrency.is_empty()).then_some(1)),
             Arg::Int(spec.priority.into()),
+            Arg::Int(crate::queue::rank(spec.priority, crate::now_ms())),
         ],
     )?;
     let created = LogEvent::TaskCreated {
@@ -212,6 +213,8 @@ impl<'a> Was<'a> {
     }
 }
 
+/// Logs a task's move; one back to `pending` also ranks it in the queue from now, so every
+/// way a task can return (a retry, a rerun, a person's retry) does, by construction.
 fn transition_event(
     tx: &mut dyn Tx,
     was: Was<'_>,
@@ -220,6 +223,12 @@ fn transition_event(
     reason: &str,
     extra: Extra,
 ) -> Result<i64, StoreError> {
+    if to == TaskState::Pending {
+        tx.exec(
+            "UPDATE tasks SET rank_ms = ?3 - priority * ?4 WHERE run_id = ?1 AND id = ?2",
+            &[Arg::Text(was.run), Arg::Text(was.task), Arg::Int(crate::now_ms()), Arg::Int(crate::queue::AGE_MS)],
+        )?;
+    }
     let event = LogEvent::Transition {
         from: was.state,
         to,

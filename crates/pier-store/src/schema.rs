@@ -146,10 +146,10 @@ pub(crate) const SCHEDULES: &str = "CREATE TABLE schedules (id TEXT PRIMARY KEY,
     source TEXT NOT NULL, paused_by TEXT, next_at_ms {INT}, last_at_ms {INT}, last_run TEXT, last_note TEXT,
     created_at_ms {INT} NOT NULL, updated_at_ms {INT} NOT NULL)";
 
-/// A task's stated priority (its spec's), beside it so the pending ones with a priority are found
-/// highest first from an index of those alone (a pull worker's lease visits them first).
+/// A task's stated priority (its spec's), beside it: what `rank_ms` is reckoned from.
 pub(crate) const TASKS_PRIORITY: &str = "ALTER TABLE tasks ADD COLUMN priority {INT} NOT NULL DEFAULT 0";
 
+/// Once how pull workers found the tasks with a priority; `tasks_queue` since.
 pub(crate) const TASKS_URGENT: &str =
     "CREATE INDEX tasks_urgent ON tasks(priority, run_id, ord) WHERE state = 'pending' AND priority > 0";
 
@@ -163,8 +163,24 @@ pub(crate) const EVENTS_TRANSITIONS: &str =
 pub(crate) const TASKS_PRIORITY_BACKFILL: &str = "UPDATE tasks SET priority = {SPEC_PRIORITY} \
     WHERE state = 'pending' AND priority = 0 AND {SPEC_PRIORITY} > 0";
 
+/// Where a pending task stands in the queue pull workers lease from (`crate::queue::rank`):
+/// when it last became pending, earlier by a minute per level of priority. Written by the
+/// statement that makes it pending (its insert, `ops::transition_event` for every move back).
+pub(crate) const TASKS_RANK: &str = "ALTER TABLE tasks ADD COLUMN rank_ms {INT} NOT NULL DEFAULT 0";
+
+/// The pending tasks of a store written before `rank_ms`: ranked from their last move as the
+/// log says (60,000 ms a level, `queue::AGE_MS` when this was written).
+pub(crate) const TASKS_RANK_BACKFILL: &str = "UPDATE tasks SET rank_ms = COALESCE((SELECT MAX(e.at_ms) \
+    FROM events e WHERE e.run_id = tasks.run_id AND e.task_id = tasks.id AND e.type IN ('task_created', 'transition')), \
+    0) - priority * 60000 WHERE state = 'pending'";
+
+/// The queue in lease order: lowest rank first, then by run and place in the plan.
+pub(crate) const TASKS_QUEUE: &str = "CREATE INDEX tasks_queue ON tasks(rank_ms, run_id, ord) WHERE state = 'pending'";
+
+pub(crate) const DROP_TASKS_URGENT: &str = "DROP INDEX tasks_urgent";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 14] = [
+pub(crate) const LATER: [Migration; 15] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -179,4 +195,5 @@ pub(crate) const LATER: [Migration; 14] = [
     &[TASKS_PRIORITY, TASKS_URGENT],
     &[EVENTS_TRANSITIONS],
     &[TASKS_PRIORITY_BACKFILL],
+    &[TASKS_RANK, TASKS_RANK_BACKFILL, TASKS_QUEUE, DROP_TASKS_URGENT],
 ];

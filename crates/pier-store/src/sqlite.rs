@@ -461,8 +461,7 @@ fn is_full(message: &str) -> bool {
 }
 
 impl Backend for Sqlite {
-    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("INDEXED BY tasks_pending", "INDEXED BY runs_age").0;
-    const PENDING_OF_RUN: &'static str = crate::pending_pages!("INDEXED BY tasks_pending", "INDEXED BY runs_age").1;
+    const QUEUE_PAGE: &'static str = crate::queue_page!("INDEXED BY tasks_queue");
     const UNFINISHED_TASKS: &'static str = crate::tasks_in!(
         "IN ('pending', 'running', 'awaiting_input')",
         "INDEXED BY tasks_unfinished",
@@ -607,6 +606,25 @@ impl Tx for SqliteTx<'_> {
 mod tests {
     use super::*;
 
+    /// A page of the queue seeks in `tasks_queue` past the last key read: a lease deep in a long
+    /// queue reads its page, not every pending task before it.
+    #[test]
+    fn a_page_of_the_queue_is_a_seek_in_its_index() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let store = Sqlite::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
+        let conn = lock(&store.reader);
+        let sql = <Sqlite as Backend>::QUEUE_PAGE;
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .and_then(|mut s| {
+                let none = vec![rusqlite::types::Null; s.parameter_count()];
+                s.query_map(rusqlite::params_from_iter(none), |r| r.get::<_, String>(3))?.collect()
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(plan.len(), 1, "no sort: {plan:?}");
+        assert!(plan[0].starts_with("SEARCH tasks USING INDEX tasks_queue ((rank_ms,run_id,ord)>(?,?,?))"), "{plan:?}");
+    }
+
     /// A run's age is read from `runs_age`, never from the run's row: there it comes after the
     /// plan, and reading it walked the plan's every overflow page (on each lease of a worker).
     #[test]
@@ -615,7 +633,6 @@ mod tests {
         let store = Sqlite::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
         let conn = lock(&store.reader);
         let runs = [
-            <Sqlite as Backend>::PENDING_RUN_AFTER,
             <Sqlite as Backend>::UNFINISHED_TASKS,
             <Sqlite as Backend>::RUNS_WITH_TASK,
             "SELECT id FROM runs ORDER BY created_at_ms, id",

@@ -22,22 +22,9 @@ pub struct Store<B> {
 }
 
 const TASKS_OF_RUN: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 ORDER BY ord");
-/// A page (`?1` rows after the first `?2`) of the pending tasks with a priority: highest first,
-/// then oldest run first, in plan order.
-/// A page of the pending tasks with a priority, in claim order, after the key `?2..?5` (the
-/// last row's priority, its run's age and id, its place in the plan): a seek, not an OFFSET that
-/// walks again every page before it.
-const URGENT: &str = concat!(
-    "SELECT ",
-    task_columns!(t),
-    ", r.created_at_ms, t.ord, t.priority FROM tasks t JOIN runs r ON r.id = t.run_id \
-     WHERE t.state = 'pending' AND t.priority > 0 \
-       AND (t.priority < ?2 OR (t.priority = ?2 AND (r.created_at_ms, r.id, t.ord) > (?3, ?4, ?5))) \
-     ORDER BY t.priority DESC, r.created_at_ms, r.id, t.ord LIMIT ?1"
-);
-/// Above every priority (0 to 9): the key before the first page.
-const NO_PRIORITY_YET: i64 = 10;
-const URGENT_PAGE: i64 = 256;
+/// The largest page of the queue read at once; the first is small, as a lease usually takes one
+/// of the first tasks.
+const QUEUE_PAGES: (i64, i64) = (4, 256);
 const TASK: &str = concat!("SELECT ", task_columns!(), " FROM tasks WHERE run_id = ?1 AND id = ?2");
 
 /// An event row of `seq, run_id, task_id, type, at_ms, data`, its data still text.
@@ -133,7 +120,7 @@ impl<B: Backend> TaskStore for Store<B> {
 
     fn pending_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
         let mut all = Vec::new();
-        self.visit_pending(&mut |t| {
+        self.visit_pending(&mut |t, _| {
             all.push(t);
             Ok(false)
         })?;
@@ -144,60 +131,26 @@ impl<B: Backend> TaskStore for Store<B> {
         self.db.backup(to)
     }
 
-    fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>) -> Result<(), StoreError> {
-        // Those with a priority first, from their own index, a page at a time; they are
-        // passed over below (a task stored before the column has it 0, and comes with the rest).
-        let mut seen = std::collections::HashSet::new();
-        let (mut priority, mut age, mut run, mut ord) = (NO_PRIORITY_YET, 0, String::new(), 0);
+    fn visit_pending(&self, visit: &mut dyn FnMut(TaskRow, i64) -> Result<bool, StoreError>) -> Result<(), StoreError> {
+        let (mut rank, mut run, mut ord) = (i64::MIN, String::new(), i64::MIN);
+        let mut page = QUEUE_PAGES.0;
         loop {
-            let key = [Arg::Int(URGENT_PAGE), Arg::Int(priority), Arg::Int(age), Arg::Text(&run), Arg::Int(ord)];
-            let rows = self.rows(URGENT, &key)?;
-            let full = rows.len() as i64 == URGENT_PAGE;
-            let mut last = None;
+            let key = [Arg::Int(page), Arg::Int(rank), Arg::Text(&run), Arg::Int(ord)];
+            let rows = self.rows(B::QUEUE_PAGE, &key)?;
+            let full = rows.len() as i64 == page;
             for mut r in rows {
-                let n = TASK_COLUMN_COUNT;
-                let here = (r.int(n + 2)?, r.int(n)?, r.int(n + 1)?);
+                (rank, ord) = (r.int(TASK_COLUMN_COUNT)?, r.int(TASK_COLUMN_COUNT + 1)?);
                 let t = decode(r.raw_task()?)?;
-                last = Some((here, t.run_id.clone()));
-                seen.insert((t.run_id.clone(), t.id.clone()));
-                if visit(t)? {
+                run.clone_from(&t.run_id);
+                if visit(t, rank)? {
                     return Ok(());
                 }
             }
-            match last {
-                Some(((p, a, o), r)) if full => (priority, age, run, ord) = (p, a, r, o),
-                _ => break,
+            if !full {
+                return Ok(());
             }
+            page = (page * 4).min(QUEUE_PAGES.1);
         }
-        // Then the rest: run by run, oldest first, a page at a time (the first small): a lease usually takes
-        // one of the first tasks, and reading (let alone sorting) every pending task for it
-        // made each lease cost as much as the queue was long.
-        let mut runs = Vec::new();
-        let mut after = String::new();
-        while let Some(mut r) = self.rows(B::PENDING_RUN_AFTER, &[Arg::Text(&after)])?.pop() {
-            after = r.text(0)?;
-            runs.push((r.int(1)?, after.clone()));
-        }
-        runs.sort();
-        for (_, run) in runs {
-            let (mut after, mut page) = (-1, 4);
-            loop {
-                let rows = self.rows(B::PENDING_OF_RUN, &[Arg::Text(&run), Arg::Int(page), Arg::Int(after)])?;
-                let full = rows.len() as i64 == page;
-                for mut r in rows {
-                    after = r.int(TASK_COLUMN_COUNT)?;
-                    let t = decode(r.raw_task()?)?;
-                    if (seen.is_empty() || !seen.contains(&(t.run_id.clone(), t.id.clone()))) && visit(t)? {
-                        return Ok(());
-                    }
-                }
-                if !full {
-                    break;
-                }
-                page = (page * 4).min(256);
-            }
-        }
-        Ok(())
     }
 
     fn unfinished_tasks(&self) -> Result<Vec<TaskRow>, StoreError> {
@@ -554,6 +507,16 @@ impl<B: Backend> TaskStore for Store<B> {
             &[Arg::Text(run)],
         )?;
         rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?))).collect()
+    }
+
+    fn task_moved_at(&self, run: &str, task: &str) -> Result<Option<i64>, StoreError> {
+        // The type named as a literal: both planners take `events_transitions`.
+        let rows = self.rows(
+            "SELECT at_ms FROM events WHERE run_id = ?1 AND task_id = ?2 AND type = 'transition'
+             ORDER BY seq DESC LIMIT 1",
+            &[Arg::Text(run), Arg::Text(task)],
+        )?;
+        rows.into_iter().next().map(|mut r| r.int(0)).transpose()
     }
 
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError> {

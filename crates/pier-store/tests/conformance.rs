@@ -340,14 +340,14 @@ fn visiting_pending_tasks_follows_their_order_across_runs_and_pages() {
         expected.extend((0..70).filter(|i| *i != 5).map(|i| ("z".to_owned(), format!("t{i:02}"))));
         assert_eq!(listed, expected, "{name}: oldest run first, in plan order");
         let mut visited = Vec::new();
-        s.visit_pending(&mut |t| {
+        s.visit_pending(&mut |t, _| {
             visited.push((t.run_id, t.id));
             Ok(false)
         })
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(visited, listed, "{name}");
         let mut first = Vec::new();
-        s.visit_pending(&mut |t| {
+        s.visit_pending(&mut |t, _| {
             first.push(t.id);
             Ok(first.len() == 3)
         })
@@ -1283,6 +1283,35 @@ fn pending_tasks_come_highest_priority_first_then_in_run_order() {
     }
 }
 
+/// Issue #32: a task back in the queue (an attempt's retry, a person's) waits from then, behind
+/// those already waiting, and the rank its visit reports is its place: a minute earlier a level.
+#[test]
+fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
+    each(|name, s| {
+        let first = claim(s, "a", "o");
+        // The retry comes a millisecond after `b` was created at the latest.
+        let created = s.task_moved_at("r", "b").ok().flatten().unwrap_or_else(pier_store::now_ms);
+        while pier_store::now_ms() <= created {
+            std::hint::spin_loop();
+        }
+        let retry = Ending::Retry { error: None, reason: "again".into(), not_before_ms: 0, failure: true };
+        s.finish(&first, &retry, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut ranks = Vec::new();
+        s.visit_pending(&mut |t, rank| {
+            ranks.push((t.id, rank));
+            Ok(false)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let order: Vec<&str> = ranks.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(order, ["b", "a"], "{name}: the retried task goes behind the one waiting");
+        let moved = s.task_moved_at("r", "a").ok().flatten().unwrap_or_default();
+        assert!(
+            ranks[1].1 >= moved - 1 && ranks[1].1 <= pier_store::now_ms(),
+            "{name}: ranked from its retry {ranks:?}"
+        );
+    });
+}
+
 fn claim_of(s: &Arc<dyn TaskStore>, run: &str, task: &str) {
     assert!(s.claim(run, task, "w", FAR).unwrap_or_else(|e| panic!("{e}")).is_some(), "claim {run}/{task}");
 }
@@ -1393,7 +1422,7 @@ fn every_pending_task_is_visited_once_in_claim_order_across_pages() {
         s.create_run("y", &plan_of(300, 10), "test").unwrap_or_else(|e| panic!("{e}"));
         s.create_run("z", &plan_of(300, 400), "test").unwrap_or_else(|e| panic!("{e}"));
         let mut visited = Vec::new();
-        s.visit_pending(&mut |t| {
+        s.visit_pending(&mut |t, _| {
             visited.push((t.run_id, t.id));
             Ok(false)
         })

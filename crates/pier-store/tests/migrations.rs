@@ -17,9 +17,10 @@ fn a_new_store_has_every_index_of_the_schema() {
         .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND name NOT LIKE 'sqlite_%' ORDER BY name")
         .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
         .unwrap_or_else(|e| panic!("{e}"));
-    for wanted in ["events_transitions", "tasks_urgent", "tasks_pending", "events_model_requests"] {
+    for wanted in ["events_transitions", "tasks_queue", "tasks_pending", "events_model_requests"] {
         assert!(indexes.iter().any(|i| i == wanted), "{wanted} missing: {indexes:?}");
     }
+    assert!(!indexes.iter().any(|i| i == "tasks_urgent"), "the queue's index replaced it: {indexes:?}");
 }
 
 #[test]
@@ -35,16 +36,21 @@ fn a_pending_task_stored_before_its_priority_had_a_column_gets_its_spec_s() {
         let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
         store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
     }
-    // As a store written before the column: the priority reads 0, the backfill not yet run.
+    // As a store written before the column: the priority reads 0, the backfill not yet run,
+    // and no queue rank yet (the migration after it).
     let c = sqlite(&path);
     let version: i64 = c.pragma_query_value(None, "user_version", |r| r.get(0)).unwrap_or_else(|e| panic!("{e}"));
-    c.execute("UPDATE tasks SET priority = 0", []).unwrap_or_else(|e| panic!("{e}"));
-    c.pragma_update(None, "user_version", version - 1).unwrap_or_else(|e| panic!("{e}"));
+    c.execute_batch(
+        "UPDATE tasks SET priority = 0; DROP INDEX tasks_queue; ALTER TABLE tasks DROP COLUMN rank_ms;
+         CREATE INDEX tasks_urgent ON tasks(priority, run_id, ord) WHERE state = 'pending' AND priority > 0",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    c.pragma_update(None, "user_version", version - 2).unwrap_or_else(|e| panic!("{e}"));
     drop(c);
     let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
     let mut first = None;
     store
-        .visit_pending(&mut |t| {
+        .visit_pending(&mut |t, _| {
             first = Some(t.id);
             Ok(true)
         })
@@ -56,4 +62,12 @@ fn a_pending_task_stored_before_its_priority_had_a_column_gets_its_spec_s() {
         .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect())
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(priorities, [("plain".to_owned(), 0), ("urgent".to_owned(), 7)]);
+    // Ranked from their creation as the log says, seven minutes apart.
+    let ranks: Vec<i64> = sqlite(&path)
+        .prepare("SELECT rank_ms FROM tasks ORDER BY id")
+        .and_then(|mut s| s.query_map([], |r| r.get(0))?.collect())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let apart = ranks[0] - ranks[1];
+    assert!((7 * 60_000..7 * 60_000 + 1_000).contains(&apart), "{ranks:?}");
+    assert!(ranks[0] > 1_700_000_000_000, "from the log's times: {ranks:?}");
 }

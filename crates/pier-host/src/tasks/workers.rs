@@ -1,6 +1,7 @@
 //! Pull workers: lease a task that fits, keep the lease, report the ending.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 use pier_store::{Attempt, Candidate, ErrorCode, NextClaim, StoreError, TaskRow, TaskState, TaskStore, now_ms};
 use serde::{Deserialize, Serialize};
@@ -51,9 +52,12 @@ impl Leased {
 
 /// Offers `visit` each pending task that is due, whose dependencies completed, and that is
 /// either a worker task fitting `capabilities` (its `worker:` capability and what it
-/// `requires`) or a task of one of `agents`, until it takes one (`true`).
+/// `requires`) or a task of one of `agents`, until it takes one (`true`), in queue order
+/// ([`pier_store::queue`]). The store ranks a task from when it became pending; one that became
+/// ready later, when its last dependency completed, is ranked from then here: offered once the
+/// walk passes that rank (or at the end), not ahead of tasks that were ready before it.
 /// `completing` is a task whose completion is being written: its dependents count as ready
-/// (the store's claim checks it in the same commit).
+/// from now (the store's claim checks it in the same commit).
 fn visit_fitting(
     s: &dyn TaskStore,
     capabilities: &[String],
@@ -61,21 +65,67 @@ fn visit_fitting(
     completing: Option<(&str, &str)>,
     visit: &mut dyn FnMut(TaskRow) -> Result<bool, StoreError>,
 ) -> Result<(), StoreError> {
-    s.visit_pending(&mut |t| {
+    let now = now_ms();
+    // Tasks ready later than the store ranked them: (rank, order seen, task), lowest first.
+    let mut later: BinaryHeap<Reverse<(i64, usize, Deferred)>> = BinaryHeap::new();
+    let (mut taken, mut n) = (false, 0);
+    s.visit_pending(&mut |t, rank| {
+        while later.peek().is_some_and(|Reverse((r, _, _))| *r <= rank) {
+            if let Some(Reverse((_, _, Deferred(d)))) = later.pop()
+                && visit(d)?
+            {
+                taken = true;
+                return Ok(true);
+            }
+        }
         let fits = t.spec.fits_worker(capabilities) || (!t.spec.is_worker() && agents.contains(&t.spec.agent));
-        if !fits || t.not_before_ms > now_ms() {
+        if !fits || t.not_before_ms > now {
             return Ok(false);
         }
+        let mut ready_at = i64::MIN;
         for d in &t.spec.depends_on {
             if completing == Some((t.run_id.as_str(), d.as_str())) {
+                ready_at = now;
                 continue;
             }
             if !s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed) {
                 return Ok(false);
             }
+            ready_at = ready_at.max(s.task_moved_at(&t.run_id, d)?.unwrap_or(i64::MIN));
         }
-        visit(t)
-    })
+        let ranked = pier_store::queue::rank(t.spec.priority, ready_at);
+        if ranked > rank {
+            n += 1;
+            later.push(Reverse((ranked, n, Deferred(t))));
+            return Ok(false);
+        }
+        taken = visit(t)?;
+        Ok(taken)
+    })?;
+    while !taken && let Some(Reverse((_, _, Deferred(d)))) = later.pop() {
+        taken = visit(d)?;
+    }
+    Ok(())
+}
+
+/// A task in [`visit_fitting`]'s heap, ordered only by the key beside it.
+struct Deferred(TaskRow);
+
+impl PartialEq for Deferred {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for Deferred {}
+impl PartialOrd for Deferred {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Deferred {
+    fn cmp(&self, _: &Self) -> std::cmp::Ordering {
+        std::cmp::Ordering::Equal
+    }
 }
 
 fn ttl(ttl_ms: Option<i64>) -> i64 {
@@ -94,9 +144,10 @@ pub(super) fn dependency_results(s: &dyn TaskStore, row: &TaskRow) -> Result<Has
 }
 
 impl Tasks {
-    /// Leases the first pending task that is due, whose dependencies completed, and that is
-    /// either a worker task fitting `capabilities` (its `worker:` capability and what it
-    /// `requires`) or a task of one of `agents` (which the worker runs too); `None` if none is.
+    /// Leases the first pending task in queue order ([`pier_store::queue`]) that is due, whose
+    /// dependencies completed, and that is either a worker task fitting `capabilities` (its
+    /// `worker:` capability and what it `requires`) or a task of one of `agents` (which the
+    /// worker runs too); `None` if none is.
     pub async fn lease(
         &self,
         worker: &str,

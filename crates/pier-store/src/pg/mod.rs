@@ -329,8 +329,7 @@ async fn listen(Target { config, tls }: Target, seq_tx: Weak<watch::Sender<i64>>
 }
 
 impl Backend for Pg {
-    const PENDING_RUN_AFTER: &'static str = crate::pending_pages!("", "").0;
-    const PENDING_OF_RUN: &'static str = crate::pending_pages!("", "").1;
+    const QUEUE_PAGE: &'static str = crate::queue_page!("");
     const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "", "");
     const RUNS_WITH_TASK: &'static str = crate::runs_with_task!("");
     const LAST_SEQ: &'static str = "SELECT n FROM pier_seq";
