@@ -606,21 +606,24 @@ impl Tx for SqliteTx<'_> {
 mod tests {
     use super::*;
 
-    /// A page of the queue seeks in `tasks_queue` past the last key read: a lease deep in a long
-    /// queue reads its page, not every pending task before it.
-    #[test]
-    fn a_page_of_the_queue_is_a_seek_in_its_index() {
+    /// The steps SQLite's planner takes for `sql` in a new store.
+    fn query_plan(sql: &str) -> Vec<String> {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let store = Sqlite::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
         let conn = lock(&store.reader);
-        let sql = <Sqlite as Backend>::QUEUE_PAGE;
-        let plan: Vec<String> = conn
-            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+        conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
             .and_then(|mut s| {
                 let none = vec![rusqlite::types::Null; s.parameter_count()];
                 s.query_map(rusqlite::params_from_iter(none), |r| r.get::<_, String>(3))?.collect()
             })
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// A page of the queue seeks in `tasks_queue` past the last key read: a lease deep in a long
+    /// queue reads its page, not every pending task before it.
+    #[test]
+    fn a_page_of_the_queue_is_a_seek_in_its_index() {
+        let plan = query_plan(<Sqlite as Backend>::QUEUE_PAGE);
         assert_eq!(plan.len(), 1, "no sort: {plan:?}");
         assert!(plan[0].starts_with("SEARCH tasks USING INDEX tasks_queue ((rank_ms,run_id,ord)>(?,?,?))"), "{plan:?}");
     }
@@ -629,9 +632,6 @@ mod tests {
     /// plan, and reading it walked the plan's every overflow page (on each lease of a worker).
     #[test]
     fn queries_of_runs_by_age_never_read_a_runs_row() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let store = Sqlite::open(&dir.path().join("pier.db")).unwrap_or_else(|e| panic!("{e}"));
-        let conn = lock(&store.reader);
         let runs = [
             <Sqlite as Backend>::UNFINISHED_TASKS,
             <Sqlite as Backend>::RUNS_WITH_TASK,
@@ -639,13 +639,7 @@ mod tests {
             "SELECT r.id, r.created_at_ms FROM runs r ORDER BY r.created_at_ms, r.id",
         ];
         for sql in runs {
-            let plan: Vec<String> = conn
-                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
-                .and_then(|mut s| {
-                    let none = vec![rusqlite::types::Null; s.parameter_count()];
-                    s.query_map(rusqlite::params_from_iter(none), |r| r.get::<_, String>(3))?.collect()
-                })
-                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            let plan = query_plan(sql);
             let runs: Vec<&String> =
                 plan.iter().filter(|step| step.contains(" runs") || step.contains(" r ")).collect();
             assert!(!runs.is_empty(), "{sql}: {plan:?}");
