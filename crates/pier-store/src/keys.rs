@@ -3,13 +3,16 @@
 //! node and worker on the store. Holders are the attempts claims recorded in `key_holders`; one
 //! counts while its task runs that attempt under a lease ([`holder_is_live!`]: a task waiting for
 //! a person's decision after its attempt ended holds none), and a stale row is deleted by a later
-//! claim of its key rather than by every way an attempt can end.
+//! claim of its key (on PostgreSQL, one that finds the key's rows filling it) rather than by
+//! every way an attempt can end.
 //!
 //! Claims of one key never count at once. SQLite's writers take turns (one connection per
 //! process, `BEGIN IMMEDIATE` across processes), and its claim is [`free`] then [`hold`]. On
 //! PostgreSQL the claim that finds a task keyed takes each key's advisory lock (waited for, first
 //! come first served, in the keys' order), then the next statement claims (`pg::tx::CLAIM_KEYED`)
-//! on the same rule; side by side with other jobs its events go after theirs (`pg::rounds`).
+//! on the same rule — in the same round trip once the connection knows the run holds keyed
+//! tasks (`pg::tx::KeyedRuns`); side by side with other jobs its statements go last in each
+//! round and its events after theirs (`pg::rounds`).
 
 use crate::StoreError;
 use crate::ops::{Arg, Tx};

@@ -84,6 +84,8 @@ pub(super) fn retryable(e: &tokio_postgres::Error) -> bool {
 pub(super) struct Conn {
     pub(super) client: Client,
     pub(super) statements: HashMap<&'static str, Statement>,
+    /// The runs its claims found tasks with concurrency keys in.
+    pub(super) keyed_runs: super::tx::KeyedRuns,
     /// A read on it failed in a way that another try on a fresh connection may not.
     pub(super) broken: bool,
 }
@@ -108,7 +110,12 @@ impl Pool {
                     if let Some(since) = lock(&self.outage).take() {
                         tracing::warn!(after = ?since.elapsed(), "the database is back");
                     }
-                    return Ok(Conn { client, statements: HashMap::new(), broken: false });
+                    return Ok(Conn {
+                        client,
+                        statements: HashMap::new(),
+                        keyed_runs: Default::default(),
+                        broken: false,
+                    });
                 }
                 Err(e) if e.permanent => return Err(StoreError::Db(e.text)),
                 Err(ConnectError { text: e, .. }) => {

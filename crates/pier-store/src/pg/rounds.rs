@@ -23,7 +23,10 @@
 //! others, so its events go after every other job's of the rounds (`PgTx::late`): in the log a
 //! key's claims then never come before an ending they counted on, and a claim that missed an
 //! ending only declined a place it could have had (the host tries again on that ending's
-//! event). Claims of one key in one round are statements PostgreSQL runs one after another in
+//! event). In each round a keyed claim's statements are sent after every other job's, so it
+//! counts the holders as that round's endings left them. A claim of a task of a run known to
+//! hold keyed tasks locks the keys and claims in one round (`tx::KeyedRuns`), others in two.
+//! Claims of one key in one round are statements PostgreSQL runs one after another in
 //! the transaction, each counting the holders of those before it.
 //! A statement that fails aborts the transaction: the group is rolled back and run job by
 //! job in savepoints, which finds the job it belongs to.
@@ -118,6 +121,9 @@ pub(crate) fn run(t: &mut PgTx<'_>, jobs: Jobs) -> Rounds {
         if round.is_empty() {
             break;
         }
+        // A keyed claim's statements go after the rest of its round (a stable sort): it counts
+        // the holders that every ending in the round left.
+        round.sort_by_key(|(i, _)| slots.get(*i).is_some_and(|s| s.late));
         sent += 1;
         match send(t, &round) {
             Ok(answers) => {

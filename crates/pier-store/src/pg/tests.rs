@@ -239,3 +239,36 @@ fn keyed_claims_side_by_side_keep_the_limit_and_come_after_the_endings_they_coun
     assert_eq!(most, 1, "the log shows the key held by more than its limit: {events:#?}");
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
 }
+
+/// Claims of keyed tasks take two round trips until the connection knows their run holds keyed
+/// tasks, then one (the keys locked and the claim in one pipeline), and keep the limit alike.
+#[test]
+fn keyed_claims_take_one_round_trip_once_their_run_is_known() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 3 }}]\n\n");
+    let (store, mut conn, _db) = store_of(&["a", "b", "c", "d"].map(keyed).concat());
+    let claimed = Some("Some((1, Running))".to_owned());
+    let declined = Some("None".to_owned());
+    for (tasks, expected, got) in [(["a", "b"], 2, [&claimed, &claimed]), (["c", "d"], 1, [&claimed, &declined])] {
+        let (jobs, replies): (Vec<_>, Vec<_>) = tasks.into_iter().map(claim).unzip();
+        let mut t = PgTx::begin(&mut conn, false);
+        let Rounds::Ended(ended, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
+        assert_eq!(rounds, expected, "{tasks:?}");
+        let mut done = Vec::new();
+        for (job, ended) in ended {
+            let Ok(events) = ended else { panic!("a claim failed") };
+            t.events.extend(events);
+            done.push(job);
+        }
+        let (numbered, committed) = number_and_commit(&mut t, false, false);
+        assert!(committed.is_ok());
+        let ((_, last), _) = numbered.unwrap_or_else(|e| panic!("{e}"));
+        for job in done {
+            job.finish(Ok(last));
+        }
+        let answered: Vec<Option<String>> = answers(&replies).into_iter().map(Result::ok).collect();
+        assert_eq!(answered.iter().collect::<Vec<_>>(), got, "{tasks:?}");
+    }
+    // `d` found the key's three places taken.
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 3);
+}

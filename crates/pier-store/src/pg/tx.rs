@@ -1,7 +1,7 @@
 //! The open write transaction of the committer: statements pipelined, or noted and answered
 //! from a replay when its group runs in rounds.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 use tokio_postgres::{Client, Statement};
@@ -51,6 +51,33 @@ pub(crate) struct PgTx<'c> {
     /// jobs' endings change (the keys' holders), so its events go after theirs in the log (see
     /// `rounds`).
     pub(super) late: bool,
+    pub(super) keyed_runs: &'c mut KeyedRuns,
+}
+
+/// The runs a connection's claims found tasks with concurrency keys in. A claim of a task of
+/// one locks its keys and claims in one round trip (`LOCK_KEYS`, then `CLAIM_KEYED` in the same
+/// pipeline, which PostgreSQL runs after it, its snapshot taken with the locks held) instead
+/// of `CLAIM` finding the task keyed and `CLAIM_KEYED` following in the next round. A hint
+/// only: both ways claim alike, and a task without keys in such a run is claimed by
+/// `CLAIM_KEYED` too. What a group learns is used from the next group on: a job run again in
+/// rounds must ask for the same statements each time.
+#[derive(Default)]
+pub(crate) struct KeyedRuns {
+    known: HashSet<String>,
+    learned: Vec<String>,
+}
+
+impl KeyedRuns {
+    /// At most this many runs are remembered; past it the hint starts again from nothing.
+    const MAX: usize = 4096;
+
+    /// What the last group learned, known from now on.
+    fn fold(&mut self) {
+        if self.known.len() + self.learned.len() > Self::MAX {
+            self.known.clear();
+        }
+        self.known.extend(self.learned.drain(..));
+    }
 }
 
 /// Opens a group's transaction; `BEGIN_CAREFUL` with the first job's savepoint.
@@ -67,6 +94,7 @@ impl PgTx<'_> {
     /// group that fails before its `COMMIT` is abandoned with its connection (the caller
     /// drops it), which rolls it back.
     pub(super) fn begin(c: &mut Conn, careful: bool) -> PgTx<'_> {
+        c.keyed_runs.fold();
         PgTx {
             tx: &c.client,
             statements: &mut c.statements,
@@ -80,6 +108,7 @@ impl PgTx<'_> {
             aborted: false,
             replay: None,
             late: false,
+            keyed_runs: &mut c.keyed_runs,
         }
     }
 
@@ -240,24 +269,36 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
      SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END, (SELECT COUNT(*) FROM l)
      FROM c LEFT JOIN u ON true";
 
+/// The locks of task `?1`/`?2`'s concurrency keys if it is pending and keyed, as `CLAIM` takes
+/// them, for a `CLAIM_KEYED` in the same pipeline ([`KeyedRuns`]). The row is read by primary
+/// key alone (`MATERIALIZED`: the state is tested on the row found, see `CLAIM`).
+pub(super) const LOCK_KEYS: &str = "WITH s AS MATERIALIZED (SELECT spec, state, keyed FROM tasks
+         WHERE run_id = ?1 AND id = ?2)
+     SELECT COUNT(*) FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
+         FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
+         WHERE s.keyed IS NOT NULL AND s.state = 'pending' ORDER BY x.key) k) l";
+
 /// A claim of a task with concurrency keys (its spec's `concurrency`), once the keys are
-/// locked: in one statement the keys' stale holders dropped, the live ones counted, the
-/// task moved only if every key has room, its attempt's row and its holder rows added. The count
+/// locked (by `CLAIM`, which also locked the row, or by `LOCK_KEYS`; a row another
+/// transaction holds is skipped, as by `CLAIM`, and the keys of a task that cannot be claimed
+/// are not even read): in one statement each key's holders counted, and only if they fill it,
+/// its stale ones (whose attempt no longer runs) dropped and not counted — so a holder's task
+/// is looked at once, when its key is next full, not by every claim — the task moved only if
+/// every key has room, its attempt's row and its holder rows added. The count
 /// sees every commit before the statement began, which is after the locks were taken. As in
 /// `CLAIM`, the task is found (and locked) by primary key and its state tested on the row found.
 pub(super) const CLAIM_KEYED: &str = concat!(
-    "WITH k AS (SELECT x.key, x.\"limit\" AS lim FROM tasks s,
-             jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text, \"limit\" bigint)
-             WHERE s.run_id = ?1 AND s.id = ?2),
-     d AS (DELETE FROM key_holders h WHERE h.key IN (SELECT key FROM k) AND NOT (h.run_id = ?1 AND h.task_id = ?2)
-         AND NOT ",
+    "WITH c AS (SELECT ctid, state, not_before_ms, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
+     k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
+             jsonb_to_recordset(c.spec::jsonb -> 'concurrency') AS x(key text, \"limit\" bigint)
+             WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
+     r AS MATERIALIZED (SELECT k.key, k.lim, (SELECT COUNT(*) FROM key_holders h
+         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2)) AS n FROM k),
+     d AS (DELETE FROM key_holders h USING r WHERE h.key = r.key AND r.n >= r.lim
+         AND NOT (h.run_id = ?1 AND h.task_id = ?2) AND NOT ",
     crate::holder_is_live!(),
-    "),
-     f AS (SELECT 1 FROM k WHERE (SELECT COUNT(*) FROM key_holders h
-         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2) AND ",
-    crate::holder_is_live!(),
-    ") >= k.lim),
-     c AS (SELECT ctid, state, not_before_ms FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE),
+    " RETURNING h.key),
+     f AS (SELECT 1 FROM r WHERE r.n - (SELECT COUNT(*) FROM d WHERE d.key = r.key) >= r.lim),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
              lease_owner = ?3, lease_expires_at_ms = ?4
          FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
@@ -301,10 +342,28 @@ pub(super) const END_KEEPING: &str = end_statement!(
 impl PgTx<'_> {
     /// [`Tx::take`] of a task with concurrency keys, its row and its keys locked by the claim
     /// that declined it: `CLAIM_KEYED`, the next statement.
-    fn take_keyed(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
+    /// With `lock`, its keys are locked first, by `LOCK_KEYS` in the same round trip.
+    fn take_keyed(&mut self, c: &ops::Claim<'_>, lock: bool) -> Result<Option<TaskRow>, StoreError> {
         let ops::Claim { run, task, owner, until, now, .. } = *c;
-        let args = [Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)];
-        let rows = self.rows(CLAIM_KEYED, &args)?;
+        let a = [Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)];
+        self.late = self.replay.is_some();
+        let rows = if !lock {
+            self.rows(CLAIM_KEYED, &a)?
+        } else if let Some(answers) = self.replayed(&[(LOCK_KEYS, &a[..2], true), (CLAIM_KEYED, &a, true)]) {
+            self.wrote = true;
+            answers?.pop().map(Answer::rows).ok_or_else(no_answer)??
+        } else {
+            self.wrote = true;
+            let (locks, claim) = (self.prepared(LOCK_KEYS)?, self.prepared(CLAIM_KEYED)?);
+            let tx = self.tx;
+            let (lock_args, claim_args) = (args(&a[..2]), args(&a));
+            self.pipelined(async {
+                let (locked, claimed) =
+                    futures::future::join(tx.query(&locks, &lock_args), tx.query(&claim, &claim_args)).await;
+                locked?;
+                claimed
+            })?
+        };
         let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
         row.map(|r| ops::decode(r.raw_task()?)).transpose()
     }
@@ -409,6 +468,9 @@ impl Tx for PgTx<'_> {
 
     fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
         let ops::Claim { run, task, owner, until, now } = *c;
+        if self.keyed_runs.known.contains(run) {
+            return self.take_keyed(c, true);
+        }
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
         let Some(mut row) = rows.first().map(cells).transpose().map_err(|e| self.failed(e))? else { return Ok(None) };
@@ -418,8 +480,10 @@ impl Tx for PgTx<'_> {
             // A task with concurrency keys: the claim that counts their holders, on the row and
             // keys `CLAIM` locked.
             (_, Some(_)) => {
-                self.late = self.replay.is_some();
-                self.take_keyed(c)
+                if !self.keyed_runs.learned.iter().any(|r| r == run) {
+                    self.keyed_runs.learned.push(run.to_owned());
+                }
+                self.take_keyed(c, false)
             }
             _ => Ok(None),
         }
