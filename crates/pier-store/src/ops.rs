@@ -129,14 +129,16 @@ pub(crate) fn load_task(tx: &mut dyn Tx, run: &str, task: &str) -> Result<TaskRo
 }
 
 pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
-    if tx.int("SELECT COUNT(*) FROM runs WHERE id = ?1", &[Arg::Text(run)])?.unwrap_or(0) > 0 {
-        return Err(StoreError::RunExists(run.to_owned()));
-    }
     let plan_json = serde_json::to_string(plan)?;
-    tx.exec(
-        "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4)",
+    // The insert is the existence check: no row added, the run was there (in PostgreSQL a
+    // unique violation would abort the whole group, so it is not one).
+    let added = tx.exec(
+        "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4) ON CONFLICT (id) DO NOTHING",
         &[Arg::Text(run), Arg::Text(source), Arg::Text(&plan_json), Arg::Int(now_ms())],
     )?;
+    if added == 0 {
+        return Err(StoreError::RunExists(run.to_owned()));
+    }
     let created = LogEvent::RunCreated { tasks: plan.tasks.len(), source: source.to_owned() };
     let mut last = log(tx, run, None, &created)?;
     for (i, t) in plan.tasks.iter().enumerate() {
