@@ -28,6 +28,14 @@ impl From<&Arg<'_>> for Owned {
 }
 
 impl Owned {
+    /// The text it holds (empty for another kind of argument).
+    pub(crate) fn text(&self) -> String {
+        match self {
+            Owned::Text(t) | Owned::OptText(Some(t)) => t.clone(),
+            _ => String::new(),
+        }
+    }
+
     fn arg(&self) -> Arg<'_> {
         match self {
             Owned::Int(i) => Arg::Int(*i),

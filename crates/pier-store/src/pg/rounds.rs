@@ -37,8 +37,8 @@ use tokio_postgres::types::ToSql;
 
 use super::conn::block_on;
 use super::job::Job;
-use super::replay::{Answer, Replay, Want};
-use super::tx::{Pending, PgTx};
+use super::replay::{Answer, Owned, Replay, Want};
+use super::tx::{LOCK_KEYS, LOCK_KEYS_OF, Pending, PgTx};
 use crate::StoreError;
 
 /// A group's jobs.
@@ -149,8 +149,37 @@ enum Sent {
     Failed,
 }
 
-/// Sends a round in one pipeline, the transaction's pending step (`BEGIN`) ahead of it.
+/// Sends a round in one pipeline, the transaction's pending step (`BEGIN`) ahead of it. The
+/// keyed claims' `LOCK_KEYS` of a round go as one `LOCK_KEYS_OF` where the first was (each
+/// is answered with its answer): a statement less per claim, and every key locked in one order.
 fn send(t: &mut PgTx<'_>, round: &[(usize, Vec<Want>)]) -> Result<Vec<Vec<Answer>>, Sent> {
+    let wants: Vec<&Want> = round.iter().flat_map(|(_, wants)| wants).collect();
+    let locks: Vec<&Want> = wants.iter().copied().filter(|w| w.sql == LOCK_KEYS).collect();
+    let merged = if locks.len() > 1 {
+        let column = |n: usize| -> Vec<String> {
+            locks.iter().map(|w| w.args.get(n).map(Owned::text).unwrap_or_default()).collect()
+        };
+        let statement = t.statement(LOCK_KEYS_OF).map_err(|_| Sent::Failed)?;
+        Some((statement, column(0), column(1)))
+    } else {
+        None
+    };
+    // Each want's statement: its own, or the merged locks' (sent once, where the first was).
+    let mut sent_as = Vec::with_capacity(wants.len());
+    let mut statements = Vec::with_capacity(wants.len());
+    let mut locks_at = None;
+    for w in &wants {
+        match (&merged, locks_at) {
+            (Some(_), Some(at)) if w.sql == LOCK_KEYS => sent_as.push(at),
+            _ => {
+                if merged.is_some() && w.sql == LOCK_KEYS {
+                    locks_at = Some(statements.len());
+                }
+                sent_as.push(statements.len());
+                statements.push(*w);
+            }
+        }
+    }
     let client = t.tx;
     let step = t.step.take();
     let stepped = async {
@@ -159,7 +188,12 @@ fn send(t: &mut PgTx<'_>, round: &[(usize, Vec<Want>)]) -> Result<Vec<Vec<Answer
             None => Ok(()),
         }
     };
-    let statements = round.iter().flat_map(|(_, wants)| wants).map(|w| async move {
+    let merged = &merged;
+    let sending = statements.iter().map(|w| async move {
+        if let (Some((statement, runs, tasks)), LOCK_KEYS) = (merged, w.sql) {
+            let params: [&(dyn ToSql + Sync); 2] = [runs, tasks];
+            return client.query(statement, &params).await.map(Answer::Rows);
+        }
         let params: Vec<&(dyn ToSql + Sync)> = w.args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
         if w.rows {
             client.query(&w.statement, &params).await.map(Answer::Rows)
@@ -167,18 +201,18 @@ fn send(t: &mut PgTx<'_>, round: &[(usize, Vec<Want>)]) -> Result<Vec<Vec<Answer
             client.execute(&w.statement, &params).await.map(Answer::Count)
         }
     });
-    let (stepped, answers) = block_on(futures::future::join(stepped, futures::future::join_all(statements)));
+    let (stepped, answers) = block_on(futures::future::join(stepped, futures::future::join_all(sending)));
     if let Err(e) = stepped {
         return Err(if client.is_closed() { Sent::Lost((&e).into()) } else { Sent::Failed });
     }
-    let mut answers = answers.into_iter();
+    let mut at = sent_as.into_iter();
     let mut out = Vec::with_capacity(round.len());
     for (_, wants) in round {
         let mut these = Vec::with_capacity(wants.len());
         for _ in wants {
-            match answers.next() {
-                Some(Ok(answer)) => these.push(answer),
-                Some(Err(e)) if client.is_closed() => return Err(Sent::Lost((&e).into())),
+            match at.next().and_then(|i| answers.get(i)) {
+                Some(Ok(answer)) => these.push(answer.clone()),
+                Some(Err(e)) if client.is_closed() => return Err(Sent::Lost(e.into())),
                 _ => return Err(Sent::Failed),
             }
         }

@@ -278,6 +278,14 @@ pub(super) const LOCK_KEYS: &str = "WITH s AS MATERIALIZED (SELECT spec, state, 
          FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
          WHERE s.keyed IS NOT NULL AND s.state = 'pending' ORDER BY x.key) k) l";
 
+/// `LOCK_KEYS` of every task of `?1`/`?2` (runs and tasks, side by side) in one statement, in
+/// one order of all their keys: how a round sends its keyed claims' locks (`rounds`).
+pub(super) const LOCK_KEYS_OF: &str = "WITH s AS MATERIALIZED (SELECT t.spec, t.state, t.keyed
+         FROM UNNEST(?1::text[], ?2::text[]) AS w(run_id, id) JOIN tasks t ON t.run_id = w.run_id AND t.id = w.id)
+     SELECT COUNT(*) FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
+         FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
+         WHERE s.keyed IS NOT NULL AND s.state = 'pending' ORDER BY x.key) k) l";
+
 /// A claim of a task with concurrency keys (its spec's `concurrency`), once the keys are
 /// locked (by `CLAIM`, which also locked the row, or by `LOCK_KEYS`; a row another
 /// transaction holds is skipped, as by `CLAIM`, and the keys of a task that cannot be claimed
