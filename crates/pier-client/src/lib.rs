@@ -18,6 +18,7 @@ pub mod handler;
 pub mod partial;
 pub mod policy;
 pub mod process;
+mod redacted;
 pub mod registry;
 pub mod run;
 pub mod sandbox;

@@ -18,8 +18,9 @@ pub struct AgentDef {
     pub env: BTreeMap<String, String>,
 }
 
-/// A resolved command to start an agent.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A resolved command to start an agent. Its `Debug` shows the environment's names only
+/// (`redacted.rs`): the values can be keys.
+#[derive(Clone, PartialEq, Eq)]
 pub struct AgentCommand {
     /// The name shown in messages: the registry name or the program.
     pub name: String,

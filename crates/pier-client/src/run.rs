@@ -42,8 +42,8 @@ use crate::sandbox::Sandbox;
 use crate::turn::*;
 use crate::{ClientError, ClientEvent};
 
-/// How to run.
-#[derive(Debug, Clone)]
+/// How to run. Its `Debug` leaves out what can hold a secret (`redacted.rs`).
+#[derive(Clone)]
 pub struct RunOptions {
     pub agent: AgentCommand,
     pub cwd: PathBuf,

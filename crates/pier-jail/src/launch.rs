@@ -66,12 +66,23 @@ pub struct Request {
     pub through_gateway: bool,
 }
 
-/// The agent's program, arguments and environment as pier would start it unconfined.
-#[derive(Debug, Clone)]
+/// The agent's program, arguments and environment as pier would start it unconfined. Its
+/// `Debug` shows the environment's names only: the values can be keys.
+#[derive(Clone)]
 pub struct Program {
     pub program: PathBuf,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for Program {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Program")
+            .field("program", &self.program)
+            .field("args", &self.args)
+            .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 /// Variables that carry pier's or the user's access to other things; never passed into a jail.
@@ -451,4 +462,18 @@ fn dup_to(from: i32, to: i32) -> std::io::Result<()> {
 fn unsafe_borrow(fd: i32) -> std::os::fd::BorrowedFd<'static> {
     // SAFETY: the descriptor is owned by `Prepared`, which outlives the spawn that forks this child.
     unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_programs_debug_names_its_environment_without_the_values() {
+        let p = super::Program {
+            program: "/bin/agent".into(),
+            args: vec!["--acp".into()],
+            env: vec![("ANTHROPIC_API_KEY".into(), "sk-ant-secret".into())],
+        };
+        let shown = format!("{p:?}");
+        assert!(shown.contains("ANTHROPIC_API_KEY") && !shown.contains("sk-ant-secret"), "{shown}");
+    }
 }
