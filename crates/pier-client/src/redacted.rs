@@ -1,13 +1,13 @@
-//! How a run's options and an agent's command are shown (`Debug`: logs, panics) without what
-//! can hold a secret: the agent's environment by names only, MCP servers by name and transport
-//! (no headers, no environment: the host's own endpoint carries an attempt's token), whether
-//! there is a `_meta`.
+//! How a run's options and an agent's command and definition are shown (`Debug`: logs,
+//! panics) without what can hold a secret: the agent's environment by names only, MCP servers
+//! by name and transport (no headers, no environment: the host's own endpoint carries an
+//! attempt's token), whether there is a `_meta`. Arguments are shown as they are.
 
 use std::fmt;
 
 use agent_client_protocol_schema::v1::McpServer;
 
-use crate::registry::AgentCommand;
+use crate::registry::{AgentCommand, AgentDef};
 use crate::run::RunOptions;
 
 impl fmt::Debug for RunOptions {
@@ -46,6 +46,16 @@ impl fmt::Debug for AgentCommand {
             .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
             .field("env_remove", &self.env_remove)
             .field("guarded", &self.guarded)
+            .finish()
+    }
+}
+
+impl fmt::Debug for AgentDef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentDef")
+            .field("command", &self.command)
+            .field("args", &self.args)
+            .field("env", &self.env.keys().collect::<Vec<_>>())
             .finish()
     }
 }
@@ -112,8 +122,9 @@ mod tests {
             mcp_servers: vec![stdio],
             host_mcp_servers: vec![http],
         };
-        let shown = format!("{opts:?}");
-        for secret in ["sk-agent-secret", "mcp-secret", "env-secret"] {
+        let def = AgentDef { command: "a".into(), args: Vec::new(), env: [("K".into(), "def-secret".into())].into() };
+        let shown = format!("{opts:?} {def:?}");
+        for secret in ["sk-agent-secret", "mcp-secret", "env-secret", "def-secret"] {
             assert!(!shown.contains(secret), "{secret} shown: {shown}");
         }
         for name in ["OPENAI_API_KEY", "pier (http)", "tools (stdio)"] {

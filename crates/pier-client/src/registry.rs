@@ -7,8 +7,9 @@ use serde::Deserialize;
 
 use crate::ClientError;
 
-/// An agent defined in `pier.toml` as `[agents.NAME]`.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// An agent defined in `pier.toml` as `[agents.NAME]`. Its `Debug` shows the environment's
+/// names only (`redacted.rs`).
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentDef {
     pub command: String,

@@ -215,8 +215,9 @@ impl<'a> Was<'a> {
     }
 }
 
-/// Logs a task's move; one back to `pending` also ranks it in the queue from now, so every
-/// way a task can return (a retry, a rerun, a person's retry) does, by construction.
+/// Logs a task's move; one back to `pending` also ranks it in the queue from when it is due
+/// (now, or the end of a retry's backoff, which the move wrote before), so every way a task
+/// can return (a retry, a rerun, a person's retry) does, by construction.
 fn transition_event(
     tx: &mut dyn Tx,
     was: Was<'_>,
@@ -227,7 +228,8 @@ fn transition_event(
 ) -> Result<i64, StoreError> {
     if to == TaskState::Pending {
         tx.exec(
-            "UPDATE tasks SET rank_ms = ?3 - priority * ?4 WHERE run_id = ?1 AND id = ?2",
+            "UPDATE tasks SET rank_ms = CASE WHEN not_before_ms > ?3 THEN not_before_ms ELSE ?3 END - priority * ?4
+             WHERE run_id = ?1 AND id = ?2",
             &[Arg::Text(was.run), Arg::Text(was.task), Arg::Int(crate::now_ms()), Arg::Int(crate::queue::AGE_MS)],
         )?;
     }

@@ -1283,8 +1283,9 @@ fn pending_tasks_come_highest_priority_first_then_in_run_order() {
     }
 }
 
-/// Issue #32: a task back in the queue (an attempt's retry, a person's) waits from then, behind
-/// those already waiting, and the rank its visit reports is its place: a minute earlier a level.
+/// Issue #32: a task back in the queue (an attempt's retry, a person's) waits from then (or from
+/// the end of its backoff), behind those already waiting, and the rank its visit reports is its
+/// place: a minute earlier a level.
 #[test]
 fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
     each(|name, s| {
@@ -1309,6 +1310,19 @@ fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
             ranks[1].1 >= moved - 1 && ranks[1].1 <= pier_store::now_ms(),
             "{name}: ranked from its retry {ranks:?}"
         );
+        // A retry after a backoff waits from when it is due, not from when it failed.
+        let due = pier_store::now_ms() + 3_600_000;
+        let second = claim(s, "b", "o");
+        let later = Ending::Retry { error: None, reason: "later".into(), not_before_ms: due, failure: true };
+        s.finish(&second, &later, None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut ranks = Vec::new();
+        s.visit_pending(&mut |t, rank| {
+            ranks.push((t.id, rank));
+            Ok(false)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ranks.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(), ["a", "b"], "{name}");
+        assert_eq!(ranks[1].1, due, "{name}: ranked from the end of its backoff");
     });
 }
 

@@ -269,22 +269,24 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
      SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END, (SELECT COUNT(*) FROM l)
      FROM c LEFT JOIN u ON true";
 
-/// The locks of task `?1`/`?2`'s concurrency keys if it is pending and keyed, as `CLAIM` takes
-/// them, for a `CLAIM_KEYED` in the same pipeline ([`KeyedRuns`]). The row is read by primary
-/// key alone (`MATERIALIZED`: the state is tested on the row found, see `CLAIM`).
-pub(super) const LOCK_KEYS: &str = "WITH s AS MATERIALIZED (SELECT spec, state, keyed FROM tasks
+/// The locks of task `?1`/`?2`'s concurrency keys if it is keyed, as `CLAIM` takes them, for a
+/// `CLAIM_KEYED` in the same pipeline ([`KeyedRuns`]). Whatever the task's state: the row is not
+/// locked here, and a task this statement's snapshot shows running may be pending again (a
+/// retry, a person's) in the claim's, which would then count its keys' holders unlocked. A
+/// task's keys never change.
+pub(super) const LOCK_KEYS: &str = "WITH s AS MATERIALIZED (SELECT spec, keyed FROM tasks
          WHERE run_id = ?1 AND id = ?2)
      SELECT COUNT(*) FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
          FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
-         WHERE s.keyed IS NOT NULL AND s.state = 'pending' ORDER BY x.key) k) l";
+         WHERE s.keyed IS NOT NULL ORDER BY x.key) k) l";
 
 /// `LOCK_KEYS` of every task of `?1`/`?2` (runs and tasks, side by side) in one statement, in
 /// one order of all their keys: how a round sends its keyed claims' locks (`rounds`).
-pub(super) const LOCK_KEYS_OF: &str = "WITH s AS MATERIALIZED (SELECT t.spec, t.state, t.keyed
+pub(super) const LOCK_KEYS_OF: &str = "WITH s AS MATERIALIZED (SELECT t.spec, t.keyed
          FROM UNNEST(?1::text[], ?2::text[]) AS w(run_id, id) JOIN tasks t ON t.run_id = w.run_id AND t.id = w.id)
      SELECT COUNT(*) FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
          FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
-         WHERE s.keyed IS NOT NULL AND s.state = 'pending' ORDER BY x.key) k) l";
+         WHERE s.keyed IS NOT NULL ORDER BY x.key) k) l";
 
 /// A claim of a task with concurrency keys (its spec's `concurrency`), once the keys are
 /// locked (by `CLAIM`, which also locked the row, or by `LOCK_KEYS`; a row another
