@@ -1297,12 +1297,7 @@ fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
         }
         let retry = Ending::Retry { error: None, reason: "again".into(), not_before_ms: 0, failure: true };
         s.finish(&first, &retry, None).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut ranks = Vec::new();
-        s.visit_pending(&mut |t, rank| {
-            ranks.push((t.id, rank));
-            Ok(false)
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
+        let ranks = queue_of(s);
         let order: Vec<&str> = ranks.iter().map(|(id, _)| id.as_str()).collect();
         assert_eq!(order, ["b", "a"], "{name}: the retried task goes behind the one waiting");
         let moved = s.task_moved_at("r", "a").ok().flatten().unwrap_or_default();
@@ -1315,15 +1310,21 @@ fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
         let second = claim(s, "b", "o");
         let later = Ending::Retry { error: None, reason: "later".into(), not_before_ms: due, failure: true };
         s.finish(&second, &later, None).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut ranks = Vec::new();
-        s.visit_pending(&mut |t, rank| {
-            ranks.push((t.id, rank));
-            Ok(false)
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
+        let ranks = queue_of(s);
         assert_eq!(ranks.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(), ["a", "b"], "{name}");
         assert_eq!(ranks[1].1, due, "{name}: ranked from the end of its backoff");
     });
+}
+
+/// Every pending task's id and rank, in queue order.
+fn queue_of(s: &Arc<dyn TaskStore>) -> Vec<(String, i64)> {
+    let mut ranks = Vec::new();
+    s.visit_pending(&mut |t, rank| {
+        ranks.push((t.id, rank));
+        Ok(false)
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    ranks
 }
 
 fn claim_of(s: &Arc<dyn TaskStore>, run: &str, task: &str) {

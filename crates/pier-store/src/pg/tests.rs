@@ -79,14 +79,11 @@ fn commit_group(conn: &mut Conn, jobs: Vec<Box<dyn Job>>) -> bool {
     redone
 }
 
-#[test]
-fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
-    let (store, mut conn, _db) = store(&["a", "b", "c", "d"]);
-    let (jobs, replies): (Vec<_>, Vec<_>) = ["a", "b", "c", "d"].into_iter().map(claim).unzip();
-    let mut t = PgTx::begin(&mut conn, false);
+/// Runs claim jobs side by side in one group and commits it: the rounds it took and the
+/// sequences of its events; each job is told its last.
+fn claims_in_rounds(conn: &mut Conn, jobs: Vec<Box<dyn Job>>) -> (usize, (i64, i64)) {
+    let mut t = PgTx::begin(conn, false);
     let Rounds::Ended(ended, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
-    // One statement each, all four in one round trip.
-    assert_eq!(rounds, 1);
     let mut done = Vec::new();
     for (job, ended) in ended {
         let Ok(events) = ended else { panic!("a claim failed") };
@@ -95,11 +92,21 @@ fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
     }
     let (numbered, committed) = number_and_commit(&mut t, false, false);
     assert!(committed.is_ok());
-    let ((first, last), _) = numbered.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(last - first + 1, 4, "one transition each");
+    let (seqs, _) = numbered.unwrap_or_else(|e| panic!("{e}"));
     for job in done {
-        job.finish(Ok(last));
+        job.finish(Ok(seqs.1));
     }
+    (rounds, seqs)
+}
+
+#[test]
+fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
+    let (store, mut conn, _db) = store(&["a", "b", "c", "d"]);
+    let (jobs, replies): (Vec<_>, Vec<_>) = ["a", "b", "c", "d"].into_iter().map(claim).unzip();
+    let (rounds, (first, last)) = claims_in_rounds(&mut conn, jobs);
+    // One statement each, all four in one round trip.
+    assert_eq!(rounds, 1);
+    assert_eq!(last - first + 1, 4, "one transition each");
     for (reply, _) in replies.iter().zip(0..) {
         assert_eq!(answers(std::slice::from_ref(reply)), [Ok("Some((1, Running))".to_owned())]);
     }
@@ -251,21 +258,8 @@ fn keyed_claims_take_one_round_trip_once_their_run_is_known() {
     let declined = Some("None".to_owned());
     for (tasks, expected, got) in [(["a", "b"], 2, [&claimed, &claimed]), (["c", "d"], 1, [&claimed, &declined])] {
         let (jobs, replies): (Vec<_>, Vec<_>) = tasks.into_iter().map(claim).unzip();
-        let mut t = PgTx::begin(&mut conn, false);
-        let Rounds::Ended(ended, rounds) = rounds::run(&mut t, jobs) else { panic!("the claims were sent back") };
+        let (rounds, _) = claims_in_rounds(&mut conn, jobs);
         assert_eq!(rounds, expected, "{tasks:?}");
-        let mut done = Vec::new();
-        for (job, ended) in ended {
-            let Ok(events) = ended else { panic!("a claim failed") };
-            t.events.extend(events);
-            done.push(job);
-        }
-        let (numbered, committed) = number_and_commit(&mut t, false, false);
-        assert!(committed.is_ok());
-        let ((_, last), _) = numbered.unwrap_or_else(|e| panic!("{e}"));
-        for job in done {
-            job.finish(Ok(last));
-        }
         let answered: Vec<Option<String>> = answers(&replies).into_iter().map(Result::ok).collect();
         assert_eq!(answered.iter().collect::<Vec<_>>(), got, "{tasks:?}");
     }
