@@ -328,6 +328,22 @@ async fn listen(Target { config, tls }: Target, seq_tx: Weak<watch::Sender<i64>>
     }
 }
 
+/// Every task touched by an event after `?1` ([`TaskStore::tasks_changed`]). The bound is the
+/// committed counter, in the statement's snapshot with the events: every event up to it is
+/// visible (a commit that moved it had all of its own, and every earlier one had committed
+/// before it could take the counter row). One statement: the counter's row, with each changed
+/// task beside it (or none), each read by its key whatever the statistics say (see
+/// `commit::NUMBER`).
+pub(super) const CHANGED: &str = concat!(
+    "SELECT t.*, s.n FROM (SELECT n FROM pier_seq WHERE id = 1) s
+     LEFT JOIN LATERAL (SELECT ",
+    task_columns!(),
+    " FROM (SELECT DISTINCT run_id AS r, task_id AS k FROM events
+            WHERE s.n > ?1 AND seq > ?1 AND seq <= s.n AND task_id IS NOT NULL) e
+         CROSS JOIN LATERAL (SELECT * FROM tasks WHERE run_id = e.r AND id = e.k LIMIT 1) tasks) t
+     ON true"
+);
+
 impl Backend for Pg {
     const QUEUE_PAGE: &'static str = crate::queue_page!("");
     const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "", "");
@@ -362,19 +378,6 @@ impl Backend for Pg {
     }
 
     fn tasks_changed(&self, after: i64) -> Result<(Vec<TaskRow>, i64), StoreError> {
-        // The bound is the committed counter, in the statement's snapshot with the events:
-        // every event up to it is visible (a commit that moved it had all of its own, and
-        // every earlier one had committed before it could take the counter row). One
-        // statement: the counter's row, with each changed task beside it (or none).
-        const CHANGED: &str = concat!(
-            "SELECT t.*, s.n FROM (SELECT n FROM pier_seq WHERE id = 1) s
-             LEFT JOIN LATERAL (SELECT ",
-            task_columns!(),
-            " FROM tasks
-                 WHERE s.n > ?1 AND (run_id, id) IN
-                     (SELECT run_id, task_id FROM events WHERE seq > ?1 AND seq <= s.n AND task_id IS NOT NULL)) t
-             ON true"
-        );
         let rows = self.read(|q| q.rows(CHANGED, &[Arg::Int(after)]))?;
         let mut upto = after;
         let mut changed = Vec::with_capacity(rows.len());

@@ -266,3 +266,30 @@ fn keyed_claims_take_one_round_trip_once_their_run_is_known() {
     // `d` found the key's three places taken.
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 3);
 }
+
+/// The statements that read back the tasks a commit or the log names look each one up by its
+/// key, whatever the table's statistics: the generic plan a connection keeps from when the
+/// table was small (here empty, never analyzed) must not scan every task.
+#[test]
+fn tasks_named_by_events_are_read_by_key_whatever_the_statistics() {
+    let (_store, conn, _db) = store(&["a"]);
+    let cases = [
+        (
+            "number",
+            super::commit::NUMBER,
+            "bigint, text[], text[], text[], bigint[], text[], bool, bool",
+            "1, ARRAY['r'], ARRAY['a'], ARRAY['x'], ARRAY[1::bigint], ARRAY['{}'], false, true",
+        ),
+        ("changed", CHANGED, "bigint", "0"),
+    ];
+    for (name, sql, types, args) in cases {
+        let prepare = format!("SET plan_cache_mode = force_generic_plan; PREPARE {name}({types}) AS {}", dialect(sql));
+        block_on(conn.client.batch_execute(&prepare)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let rows = block_on(conn.client.query(&format!("EXPLAIN EXECUTE {name}({args})"), &[]))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
+        let plan = plan.join("\n");
+        assert!(!plan.contains("Seq Scan on tasks"), "{name} scans the tasks:\n{plan}");
+        assert!(plan.contains("tasks_pkey"), "{name} reads the tasks by key:\n{plan}");
+    }
+}
