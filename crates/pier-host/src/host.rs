@@ -82,6 +82,8 @@ struct Pass {
     /// When the next timer falls due, as of the last pass.
     next_wake: Option<i64>,
     next_lease: tokio::time::Instant,
+    /// The live nodes at the last lease renewal (`pier serve`).
+    live: Option<usize>,
 }
 
 impl Pass {
@@ -139,9 +141,15 @@ pub struct Host {
     store: Arc<dyn TaskStore>,
     config: HostConfig,
     pool: Arc<AgentPool>,
+    /// Whether a run submitted to this process is driven by it from its creation.
+    pub(crate) share: crate::share::Share,
 }
 
 type Key = (String, String);
+
+/// The events that create a run and its tasks.
+const RUN_CREATED: &str = "run_created";
+const TASK_CREATED: &str = "task_created";
 
 /// Creates run `run` for a host that drives it alone (`pier run`, `Scope::Run`): the run's
 /// lease is taken first (a lease needs no run), so no `pier serve` node on the same store,
@@ -165,7 +173,7 @@ pub fn create_own_run(
 impl Host {
     pub fn new(store: Arc<dyn TaskStore>, config: HostConfig) -> Host {
         let pool = Arc::new(AgentPool::new(config.concurrency.max(1)));
-        Host { store, config, pool }
+        Host { store, config, pool, share: Default::default() }
     }
 
     /// Drives the tasks in `scope` until `stop` fires (running attempts are then cancelled
@@ -173,6 +181,7 @@ impl Host {
     /// its tasks can make progress. Returns the counts by state of the run (empty for all).
     pub async fn drive(&self, scope: Scope, stop: CancellationToken) -> Result<Summary, StoreError> {
         let result = self.schedule(&scope, &stop).await;
+        self.share.stopped();
         // Whatever the ending, no agent outlives the host's work, and its run leases go back:
         // a run left waiting on a person is resumed (`pier run --resume`, another node) at
         // once, not when the lease of a host that is gone runs out.
@@ -190,13 +199,14 @@ impl Host {
         // Before the view is loaded: no own commit after the load's sequence is missed.
         let mut own = self.store.own_commits();
         let mut p = Pass {
-            view: View::load(&self.store, scope).await?,
+            view: View::load(&self.store, scope, &self.config.node).await?,
             attempts: JoinSet::new(),
             active: HashMap::new(),
             fatal: None,
             dirty: true,
             next_wake: None,
             next_lease: tokio::time::Instant::now(),
+            live: None,
         };
         loop {
             match self.step(scope, stop, &mut p, &commits, &mut own).await {
@@ -274,6 +284,9 @@ impl Host {
             self.start_runnable(&mut p.view, &mut p.active, &mut p.attempts, stop, now);
             p.next_wake = p.view.next_wake(now);
         }
+        if let (Scope::All, Some(live)) = (scope, p.live) {
+            self.share.saw(p.view.runs.len(), p.view.driven().count(), live);
+        }
         // Nothing left that this host can do — unless another holds the run's lease and
         // works on it, which this one waits out (it takes the run over if that one dies).
         if let Scope::Run(run) = scope
@@ -310,11 +323,18 @@ impl Host {
         };
         p.dirty |= p.view.set_held(held);
         p.next_lease = tokio::time::Instant::now() + lease_every;
-        // The providers' rate limits are shared by the live nodes: this one holds its share.
-        if let Some(g) = &self.config.gateway {
+        // The providers' rate limits are shared by the live nodes, and so are the runs
+        // submitted to a served node (`share`): this one holds its share of each.
+        if *scope == Scope::All || self.config.gateway.is_some() {
             match blocking(&self.store, |s| s.nodes()).await {
-                Ok(nodes) => g.gateway.set_nodes(nodes.len().max(1) as u32),
-                Err(e) => tracing::warn!(error = %e, "could not count the live nodes; rate limit shares kept"),
+                Ok(nodes) => {
+                    let live = nodes.len().max(1);
+                    p.live = (*scope == Scope::All).then_some(live);
+                    if let Some(g) = &self.config.gateway {
+                        g.gateway.set_nodes(live as u32);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "could not count the live nodes; shares kept"),
             }
         }
         Ok(())
@@ -324,6 +344,8 @@ impl Host {
     /// here put their tasks back (it sees them become pending) without waiting for the
     /// leases to expire; then every attempt is cancelled and awaited.
     async fn wind_down(&self, p: &mut Pass) {
+        // Runs submitted from now on are left for the other nodes.
+        self.share.stopped();
         let node = self.config.node.clone();
         if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
             tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
@@ -526,6 +548,8 @@ impl RunView {
 /// A pass looks at the tasks a host could start and the held ones only, without allocating.
 struct View {
     scope: Scope,
+    /// This node: a run it took the lease of as it created it is held from its creation.
+    node: String,
     runs: BTreeMap<String, RunView>,
     /// The runs whose lease this host holds, which it drives; the others are only watched.
     held: HashSet<String>,
@@ -542,7 +566,7 @@ struct View {
 }
 
 impl View {
-    async fn load(store: &Arc<dyn TaskStore>, scope: &Scope) -> Result<View, StoreError> {
+    async fn load(store: &Arc<dyn TaskStore>, scope: &Scope, node: &str) -> Result<View, StoreError> {
         let s2 = scope.clone();
         // The sequence is read before the tasks: whatever lands in between is read twice, never missed.
         let (runs, seq) = blocking(store, move |s| {
@@ -568,6 +592,7 @@ impl View {
         .await?;
         let mut view = View {
             scope: scope.clone(),
+            node: node.to_owned(),
             runs: BTreeMap::new(),
             held: HashSet::new(),
             unleased_run_seen: false,
@@ -687,9 +712,7 @@ impl View {
         let mut moved = false;
         let mut new_runs = HashSet::new();
         for commit in own_following(own, &mut self.seq) {
-            for row in &commit.tasks {
-                moved |= self.take(row.clone(), &mut new_runs);
-            }
+            moved |= self.take_own(&commit, &mut new_runs);
         }
         // Past a commit passed over the watch still shows more than the view has.
         if watched > self.seq {
@@ -718,6 +741,56 @@ impl View {
             moved = true;
         }
         Ok(moved)
+    }
+
+    /// Takes in commit `c` of this process: the rows it changed, and the runs it created
+    /// whole; true if it moved a task or brought a run.
+    fn take_own(&mut self, c: &OwnCommit, new_runs: &mut HashSet<String>) -> bool {
+        let created = self.created(c);
+        let mut moved = !created.is_empty();
+        for row in &c.tasks {
+            moved |= self.take(row.clone(), new_runs);
+        }
+        self.created_at(c, &created);
+        moved
+    }
+
+    /// The runs commit `c` of this process created (`pier serve`), which come whole with it
+    /// (a run's tasks are created in its commit, each with an event, so the commit carries
+    /// every row): they enter the view without a read, held from the start when this node
+    /// took the lease in that commit (`driven_by`).
+    fn created(&mut self, c: &OwnCommit) -> Vec<String> {
+        if self.scope != Scope::All {
+            return Vec::new();
+        }
+        let mut created = Vec::new();
+        for e in c.events.iter().filter(|e| e.kind == RUN_CREATED) {
+            if self.runs.contains_key(&e.run) {
+                continue;
+            }
+            let data: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
+            if data.get("driven_by").and_then(|d| d.as_str()) == Some(self.node.as_str()) {
+                self.held.insert(e.run.clone());
+            }
+            self.runs.entry(e.run.clone()).or_default();
+            created.push(e.run.clone());
+        }
+        created
+    }
+
+    /// A ranked run created by commit `c` ages its tasks from their creation, as a read of
+    /// the log would (`tasks_moved_at`).
+    fn created_at(&mut self, c: &OwnCommit, created: &[String]) {
+        for run in created {
+            if let Some(view) = self.runs.get_mut(run).filter(|v| v.scheduled) {
+                for e in c.events.iter().filter(|e| e.run == *run && e.kind == TASK_CREATED) {
+                    if let Some(task) = &e.task {
+                        view.moved_at.insert(task.clone(), e.at_ms);
+                    }
+                }
+            }
+            self.forget_if_ended(run);
+        }
     }
 
     /// Takes in a changed row; true if it moved a task. A run not in the view yet is noted
@@ -907,7 +980,8 @@ mod tests {
     }
 
     use super::*;
-    use pier_store::TaskSpec;
+    use pier_store::{RawEvent, TaskSpec};
+    use serde_json::json;
 
     #[test]
     fn dead_owners_are_recognised() {
@@ -944,6 +1018,7 @@ mod tests {
     fn view(scope: Scope) -> View {
         View {
             scope,
+            node: "n".into(),
             runs: BTreeMap::new(),
             held: HashSet::new(),
             unleased_run_seen: false,
@@ -952,6 +1027,47 @@ mod tests {
             bad_endings_checked: 0,
             waiting_since: HashMap::new(),
         }
+    }
+
+    fn event(seq: i64, run: &str, task: Option<&str>, kind: &str, at_ms: i64, data: serde_json::Value) -> RawEvent {
+        let (run, task, kind, data) = (run.into(), task.map(str::to_owned), kind.into(), data.to_string());
+        RawEvent { seq, run, task, kind, at_ms, data }
+    }
+
+    /// A run this process created comes whole with its commit (no read of the store), held
+    /// from the start when this node took its lease there; one left free is asked for.
+    #[test]
+    fn a_run_created_here_enters_the_view_whole_and_held_when_this_node_took_it() {
+        let mut v = view(Scope::All);
+        let mut new_runs = HashSet::new();
+        let mut ranked = row("mine", "a", TaskState::Pending, 1, &[]);
+        ranked.spec.priority = 5;
+        let commit = OwnCommit {
+            after: 0,
+            upto: 4,
+            tasks: vec![ranked, row("free", "a", TaskState::Pending, 1, &[])],
+            events: vec![
+                event(1, "mine", None, RUN_CREATED, 10, json!({"tasks": 1, "source": "http", "driven_by": "n"})),
+                event(2, "mine", Some("a"), TASK_CREATED, 10, json!({})),
+                event(3, "free", None, RUN_CREATED, 20, json!({"tasks": 1, "source": "http"})),
+                event(4, "free", Some("a"), TASK_CREATED, 20, json!({})),
+            ],
+        };
+        assert!(v.take_own(&commit, &mut new_runs));
+        assert!(new_runs.is_empty(), "nothing left to read: {new_runs:?}");
+        assert!(v.get("mine", "a").is_some() && v.get("free", "a").is_some());
+        assert!(v.holds("mine") && !v.holds("free"));
+        assert!(v.unleased_run_seen, "the free run is asked for");
+        assert_eq!(v.runs.get("mine").and_then(|r| r.moved_at.get("a")), Some(&10), "ranked from its creation");
+        // Another node's creation (or one this view had) is not this view's to take whole.
+        let other = OwnCommit {
+            after: 4,
+            upto: 5,
+            tasks: vec![],
+            events: vec![event(5, "x", None, RUN_CREATED, 30, json!({"driven_by": "m"}))],
+        };
+        assert!(v.take_own(&other, &mut new_runs));
+        assert!(!v.holds("x"), "driven by another node");
     }
 
     /// A served view holds the runs in progress, not every run since the host started: at

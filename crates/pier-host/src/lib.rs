@@ -16,6 +16,7 @@ pub mod host_mcp;
 mod person;
 mod pick;
 pub mod pool;
+mod share;
 pub mod tasks;
 pub mod telemetry;
 pub mod worker;

@@ -16,6 +16,19 @@ use crate::rows::{
 /// (`tests/conformance.rs`), which is written against this trait only.
 pub trait TaskStore: Send + Sync + 'static {
     fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError>;
+    /// [`TaskStore::create_run`] by node `node`, which takes the new run's lease until
+    /// `until_ms` in the same commit: the node a run was submitted to drives it, without a
+    /// second commit to take it (no node sees it free). Another node's live lease under that
+    /// id (a `pier run` creating the same run) is left alone. Whether it took the lease; the
+    /// run's `run_created` event names the node when it did (`driven_by`).
+    fn create_run_driven(
+        &self,
+        run: &str,
+        plan: &Plan,
+        source: &str,
+        node: &str,
+        until_ms: i64,
+    ) -> Result<bool, StoreError>;
     fn run_exists(&self, run: &str) -> Result<bool, StoreError>;
     fn tasks(&self, run: &str) -> Result<Vec<TaskRow>, StoreError>;
     /// One task, or `None` if the run has no such task.

@@ -221,6 +221,10 @@ pub enum LogEvent {
     RunCreated {
         tasks: usize,
         source: String,
+        /// The node that created the run and took its lease in the same commit (it drives
+        /// the run); absent when the run was left for the nodes to take.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        driven_by: Option<String>,
     },
     TaskCreated {
         depends_on: Vec<String>,

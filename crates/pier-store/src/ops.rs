@@ -128,23 +128,38 @@ pub(crate) fn load_task(tx: &mut dyn Tx, run: &str, task: &str) -> Result<TaskRo
     decode(tx.task(run, task)?.ok_or_else(|| StoreError::UnknownTask(task.to_owned()))?)
 }
 
-pub(crate) fn create_run(tx: &mut dyn Tx, run: &str, plan: &Plan, source: &str) -> Result<i64, StoreError> {
+/// Creates run `run` of `plan`: its row, its tasks and their events. With `driver` (a node
+/// and a lease expiry) that node takes the run's lease in the same commit, unless another
+/// node's live lease is there under that id; whether it did is in the run's event.
+pub(crate) fn create_run(
+    tx: &mut dyn Tx,
+    run: &str,
+    plan: &Plan,
+    source: &str,
+    driver: Option<(&str, i64)>,
+) -> Result<(i64, bool), StoreError> {
     let plan_json = serde_json::to_string(plan)?;
+    let now = now_ms();
     // The insert is the existence check: no row added, the run was there (in PostgreSQL a
     // unique violation would abort the whole group, so it is not one).
     let added = tx.exec(
         "INSERT INTO runs (id, source, plan, created_at_ms) VALUES (?1, ?2, ?3, ?4) ON CONFLICT (id) DO NOTHING",
-        &[Arg::Text(run), Arg::Text(source), Arg::Text(&plan_json), Arg::Int(now_ms())],
+        &[Arg::Text(run), Arg::Text(source), Arg::Text(&plan_json), Arg::Int(now)],
     )?;
     if added == 0 {
         return Err(StoreError::RunExists(run.to_owned()));
     }
-    let created = LogEvent::RunCreated { tasks: plan.tasks.len(), source: source.to_owned() };
+    let driven_by = match driver {
+        Some((node, until)) => take(tx, node, now, until, vec![run.to_owned()], 1)?.pop().map(|_| node.to_owned()),
+        None => None,
+    };
+    let taken = driven_by.is_some();
+    let created = LogEvent::RunCreated { tasks: plan.tasks.len(), source: source.to_owned(), driven_by };
     let mut last = log(tx, run, None, &created)?;
     for (i, t) in plan.tasks.iter().enumerate() {
         last = insert_task(tx, run, i as i64, t, None)?;
     }
-    Ok(last)
+    Ok((last, taken))
 }
 
 /// Inserts `spec` as a pending task of `run` at place `ord` and logs its creation (with the

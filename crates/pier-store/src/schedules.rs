@@ -173,7 +173,7 @@ pub(crate) fn advance(tx: &mut dyn Tx, a: &Advance) -> Result<(bool, i64), Store
         return Ok((false, 0));
     }
     let seq = match fire {
-        Some(f) => crate::ops::create_run(tx, &f.run, &f.plan, &f.source)?,
+        Some(f) => crate::ops::create_run(tx, &f.run, &f.plan, &f.source, None)?.0,
         None => 0,
     };
     Ok((true, seq))

@@ -57,6 +57,9 @@ fn count(rows: Vec<Row>) -> Result<i64, StoreError> {
 }
 
 // `Backend` is sealed (the crate's two databases): these helpers are private all the same.
+/// The most tasks a run's creation may insert side by side with its group's other jobs.
+const SIDE_BY_SIDE_TASKS: usize = 4;
+
 #[allow(private_bounds)]
 impl<B: Backend> Store<B> {
     /// Runs operation `work` in the next group commit; its answer once durable.
@@ -80,6 +83,29 @@ impl<B: Backend> Store<B> {
         self.db.read(|q: &mut dyn Query| q.rows(sql, args))
     }
 
+    /// Creates a run, its lease taken by `driver` if given ([`ops::create_run`]).
+    ///
+    /// A small run's creation touches rows no other job of its group can (the run is new),
+    /// so it runs side by side with the group's other jobs (`pg::rounds`, keyed by the run
+    /// alone): one round for the run and one per task. A bigger plan's would hold every
+    /// other job of its group for a round per task, so it runs on its own after them.
+    fn create(&self, run: &str, plan: &Plan, source: &str, driver: Option<(String, i64)>) -> Result<bool, StoreError> {
+        let key = (plan.tasks.len() <= SIDE_BY_SIDE_TASKS).then_some((run, ""));
+        let (r, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
+        let work = move |tx: &mut dyn Tx| {
+            let driver = driver.as_ref().map(|(node, until)| (node.as_str(), *until));
+            ops::create_run(tx, &r, &plan, &source, driver).map(|(seq, taken)| (taken, seq))
+        };
+        match self.db.write(key, Box::new(work)) {
+            Ok((taken, _)) => Ok(taken),
+            // Two nodes creating one run: the loser's insert meets the winner's row.
+            Err(StoreError::Duplicate(_)) => Err(StoreError::RunExists(run.to_owned())),
+            // The run's one commit did not happen: there is nothing to resume.
+            Err(StoreError::Full { path }) => Err(StoreError::FullBeforeRun { path }),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The agents' answers, all or `spec`'s.
     fn agents_where(&self, spec: Option<&str>) -> Result<Vec<AgentRow>, StoreError> {
         let rows = self.rows(
@@ -96,14 +122,18 @@ impl<B: Backend> Store<B> {
 
 impl<B: Backend> TaskStore for Store<B> {
     fn create_run(&self, run: &str, plan: &Plan, source: &str) -> Result<(), StoreError> {
-        let (r, plan, source) = (run.to_owned(), plan.clone(), source.to_owned());
-        match self.op(move |tx| ops::create_run(tx, &r, &plan, &source).map(|seq| ((), seq))) {
-            // Two nodes creating one run: the loser's insert meets the winner's row.
-            Err(StoreError::Duplicate(_)) => Err(StoreError::RunExists(run.to_owned())),
-            // The run's one commit did not happen: there is nothing to resume.
-            Err(StoreError::Full { path }) => Err(StoreError::FullBeforeRun { path }),
-            other => other,
-        }
+        self.create(run, plan, source, None).map(|_| ())
+    }
+
+    fn create_run_driven(
+        &self,
+        run: &str,
+        plan: &Plan,
+        source: &str,
+        node: &str,
+        until_ms: i64,
+    ) -> Result<bool, StoreError> {
+        self.create(run, plan, source, Some((node.to_owned(), until_ms)))
     }
 
     fn run_exists(&self, run: &str) -> Result<bool, StoreError> {

@@ -1364,6 +1364,54 @@ fn between_renewals_a_node_takes_its_part_of_new_runs_and_renews_nothing() {
     });
 }
 
+/// The node a run is submitted to may take its lease in the commit that creates it: no other
+/// node finds it free, the run's event names the node, and a live lease under that id (a
+/// `pier run` creating the same run) is left alone. Small runs' creations, run side by side
+/// in one group (PostgreSQL), each come out whole.
+#[test]
+fn a_run_created_driven_is_held_by_its_creator_from_its_creation() {
+    each(|name, s| {
+        let now = pier_store::now_ms();
+        assert!(s.lease_runs("one", now + 60_000).is_ok(), "{name}");
+        assert!(s.lease_runs("two", now + 60_000).is_ok(), "{name}");
+        let plan = parse("[[tasks]]\nid = \"a\"\nprompt = \"x\"\n", &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+        let created: Vec<bool> = std::thread::scope(|scope| {
+            let racers: Vec<_> = (0..8)
+                .map(|i| {
+                    let plan = &plan;
+                    scope.spawn(move || s.create_run_driven(&format!("d{i}"), plan, "test", "one", now + 60_000))
+                })
+                .collect();
+            racers.into_iter().map(|r| r.join().ok().and_then(Result::ok).unwrap_or(false)).collect()
+        });
+        assert_eq!(created, [true; 8], "{name}");
+        assert_eq!(s.take_runs("two", now + 90_000, 0).unwrap_or_default(), Vec::<String>::new(), "{name}: none free");
+        let one = s.nodes().unwrap_or_default().into_iter().find(|n| n.id == "one").map(|n| n.runs);
+        let mut one = one.unwrap_or_default();
+        one.sort();
+        let driven: Vec<String> = (0..8).map(|i| format!("d{i}")).chain(["r".to_owned()]).collect();
+        assert_eq!(one, driven, "{name}: its renewal took r; the rest it took as it created them");
+        for i in 0..8 {
+            let run = format!("d{i}");
+            assert_eq!(s.tasks(&run).unwrap_or_default().len(), 1, "{name}: {run} whole");
+            let events = s.events_after(Some(&run), 0, 10).unwrap_or_default();
+            let created = events.iter().find(|e| e.kind == "run_created").map(|e| e.data["driven_by"].clone());
+            assert_eq!(created, Some(json!("one")), "{name}: {run}'s event names its driver");
+        }
+        // A run another node holds live under the id: created, its lease left where it is.
+        assert!(s.lease_run("run", "p", now + 60_000).unwrap_or(false), "{name}");
+        assert!(!s.create_run_driven("p", &plan, "test", "one", now + 60_000).unwrap_or(true), "{name}");
+        assert!(!s.lease_run("one", "p", now + 60_000).unwrap_or(true), "{name}: still the other's");
+        let events = s.events_after(Some("p"), 0, 10).unwrap_or_default();
+        assert!(events.iter().any(|e| e.kind == "run_created" && e.data.get("driven_by").is_none()), "{name}");
+        // Created twice: refused as any run is, nothing taken.
+        assert!(
+            matches!(s.create_run_driven("d0", &plan, "test", "two", now), Err(StoreError::RunExists(_))),
+            "{name}"
+        );
+    });
+}
+
 /// Nodes starting together with one new pier.toml schedule all declare it: one creates it, the
 /// others find it there (no duplicate-key failure stops a node's start).
 #[test]

@@ -464,6 +464,38 @@ async fn runs_of(n: &Node, id: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A run submitted to a serving node is driven by that node from the commit that creates it:
+/// its lease is taken there (`driven_by` in its `run_created` event), so no node has to find
+/// it free and take it in a second commit first.
+#[tokio::test]
+async fn a_node_drives_a_run_submitted_to_it_from_its_creation() {
+    let dir = must(tempfile::tempdir(), "dir");
+    let db = database();
+    let file = dir.path().join("shared.db").display().to_string();
+    for (store, name) in [(file.as_str(), "sqlite"), (db.url(), "postgres")] {
+        let f = must(FakeModel::start().await, "fake");
+        f.set_fallback(echo);
+        let a = node_named(dir.path(), name, store, &f.base_url(), 15_000, "node-a").await;
+        // The first run may come before the node's first pass has counted the live nodes.
+        for run in ["first", "second"] {
+            a.submit(&plan(1), run).await;
+            let mut done = false;
+            a.events(
+                |e| {
+                    done |= e["run"] == run && e["type"] == "transition" && e["to"] == "completed";
+                    done
+                },
+                true,
+            )
+            .await;
+        }
+        let log = a.log().await;
+        let created = log.iter().find(|e| e["run"] == "second" && e["type"] == "run_created").cloned();
+        assert_eq!(created.map(|e| e["driven_by"].clone()), Some(json!("node-a")), "{name}: {log:?}");
+        a.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn one_node_drives_a_run_and_its_sigterm_hands_the_run_over_at_once() {
     let f = must(FakeModel::start().await, "fake");

@@ -16,7 +16,7 @@ use crate::person::ActionError;
 pub struct Tasks {
     pub(super) store: Arc<dyn TaskStore>,
     pub(super) config: Arc<HostConfig>,
-    host: Arc<Host>,
+    pub(super) host: Arc<Host>,
     /// When each pull worker was last written as seen, and with what: a worker that asks
     /// for work many times a second is written once in a while, not every time.
     pub(super) seen: Arc<std::sync::Mutex<SeenWorkers>>,

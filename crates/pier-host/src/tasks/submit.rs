@@ -118,10 +118,16 @@ impl Tasks {
         check_sandbox(&s.plan, &self.config).map_err(ActionError::Plan)?;
         crate::caps::check(&s.plan, &self.store, &self.config).await.map_err(ActionError::Plan)?;
         let (r, config, tasks, own) = (run.clone(), self.config.clone(), s.plan.tasks.clone(), s.own);
+        // A served run is driven by the node it was submitted to when that one has room
+        // (`share`): its lease is taken in the commit that creates it.
+        let driven = !s.own && self.host.share.take_one();
         let created = self
             .blocking(move |store| {
                 let created = if s.own {
                     crate::host::create_own_run(store, &config, &r, &s.plan, &s.source)
+                } else if driven {
+                    let until = pier_store::now_ms() + config.lease_ttl.as_millis() as i64;
+                    store.create_run_driven(&r, &s.plan, &s.source, &config.node, until).map(|_| ())
                 } else {
                     store.create_run(&r, &s.plan, &s.source)
                 };

@@ -14,8 +14,10 @@
 //!
 //! Jobs side by side must not see each other half done, so at most one job per task runs in
 //! the rounds (an operation touches its own task's rows only: the task, its attempts,
-//! questions and messages); jobs without a task (a run's creation, leases, a retry that moves
-//! dependents) and a second job of the same task run one by one after the rounds, as before.
+//! questions and messages). A small run's creation is keyed by its run alone: it touches the
+//! rows of a run that does not exist yet, which no other job can (a second creation of the
+//! same id has the same key). Jobs without a key (a big run's creation, leases, a retry that
+//! moves dependents) and a second job of the same key run one by one after the rounds.
 //!
 //! A claim of a task with concurrency keys (which locks its keys in the statement that finds
 //! it keyed) reads rows other tasks' jobs change: the keys' holders, which only endings change,
