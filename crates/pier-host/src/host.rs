@@ -725,9 +725,11 @@ impl View {
         }
         for run in new_runs {
             let r = run.clone();
-            for t in blocking(store, move |s| s.tasks(&r)).await? {
+            let (tasks, driver) = blocking(store, move |s| Ok((s.tasks(&r)?, s.run_driver(&r)?))).await?;
+            for t in tasks {
                 self.put(t);
             }
+            self.driven_by(&run, driver.as_deref());
             // A run whose tasks are ranked ages them from when they became ready, as the log
             // says, not from when this host first saw them (a restart or takeover keeps it).
             if self.runs.get(&run).is_some_and(|v| v.scheduled) {
@@ -741,6 +743,18 @@ impl View {
             moved = true;
         }
         Ok(moved)
+    }
+
+    /// Run `run`, just read whole, is driven by `driver` (the node of its live lease): this
+    /// node holds it if it is this node (it took the lease as it created the run, and the
+    /// commit's announcement was passed over by a read of the log); leases are asked for if
+    /// nobody drives it and it has work left.
+    fn driven_by(&mut self, run: &str, driver: Option<&str>) {
+        if driver == Some(self.node.as_str()) {
+            self.held.insert(run.to_owned());
+        } else if driver.is_none() && self.runs.get(run).is_some_and(|r| r.unfinished().next().is_some()) {
+            self.unleased_run_seen = true;
+        }
     }
 
     /// Takes in commit `c` of this process: the rows it changed, and the runs it created
@@ -805,10 +819,7 @@ impl View {
             return false;
         }
         if !self.runs.contains_key(&row.run_id) {
-            // (A row that ended is of a run this view forgot, or one ending elsewhere: no lease to ask for.)
-            if !self.held.contains(&row.run_id) && !row.state.is_terminal() {
-                self.unleased_run_seen = true;
-            }
+            // Read whole afterwards, with who drives it (`driven_by`).
             new_runs.insert(row.run_id.clone());
             return false;
         }
@@ -1070,6 +1081,25 @@ mod tests {
         assert!(!v.holds("x"), "driven by another node");
     }
 
+    /// A run read whole from the log (its commit's announcement passed over) is this node's
+    /// when its live lease is (taken as the run was created here), another's when another
+    /// node's is: only a run nobody drives makes the host ask for leases.
+    #[test]
+    fn a_run_read_from_the_log_is_held_as_its_lease_says() {
+        let mut v = view(Scope::All);
+        for run in ["mine", "theirs", "free", "ended"] {
+            let state = if run == "ended" { TaskState::Completed } else { TaskState::Pending };
+            v.put(row(run, "a", state, 1, &[]));
+        }
+        v.driven_by("theirs", Some("m"));
+        v.driven_by("ended", None);
+        assert!(!v.unleased_run_seen && !v.holds("theirs"), "another node's run, or one with nothing left");
+        v.driven_by("mine", Some("n"));
+        assert!(v.holds("mine") && !v.unleased_run_seen);
+        v.driven_by("free", None);
+        assert!(v.unleased_run_seen && !v.holds("free"));
+    }
+
     /// A served view holds the runs in progress, not every run since the host started: at
     /// 1,000 one-task runs a second every pass walked them all (B11's p50 was 254 ms).
     #[test]
@@ -1088,7 +1118,11 @@ mod tests {
         assert!(v.runs.is_empty(), "an ended run is forgotten");
         // A person's retry: the row of a run not in view brings it back, read whole.
         assert!(!v.take(row("r", "b", TaskState::Pending, 4, &["a"]), &mut new_runs));
-        assert!(new_runs.contains("r") && v.unleased_run_seen);
+        assert!(new_runs.contains("r"));
+        v.put(row("r", "a", TaskState::Completed, 3, &[]));
+        v.put(row("r", "b", TaskState::Pending, 4, &["a"]));
+        v.driven_by("r", None);
+        assert!(v.unleased_run_seen && !v.holds("r"), "nobody drives it: leases are asked for");
         // `pier run` keeps its one run to the end.
         let mut own = view(Scope::Run("r".into()));
         own.put(row("r", "a", TaskState::Completed, 3, &[]));

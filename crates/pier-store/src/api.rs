@@ -214,6 +214,9 @@ pub trait TaskStore: Send + Sync + 'static {
     /// Node `node` drives run `run` alone (`pier run`): renews its presence and takes or
     /// renews that run's lease (never another node's live one); whether it holds it.
     fn lease_run(&self, node: &str, run: &str, until_ms: i64) -> Result<bool, StoreError>;
+    /// The node whose live lease drives run `run`, if one does: how a node that came upon a
+    /// run in the log learns whether it is its own (taken as it was created), another's or free.
+    fn run_driver(&self, run: &str) -> Result<Option<String>, StoreError>;
     /// Node `node` stops: its runs are handed back at once.
     fn release_runs(&self, node: &str) -> Result<(), StoreError>;
     /// The live nodes and the runs each drives.

@@ -574,6 +574,14 @@ impl<B: Backend> TaskStore for Store<B> {
         self.op(move |tx| ops::lease_run(tx, &node, &run, until_ms))
     }
 
+    fn run_driver(&self, run: &str) -> Result<Option<String>, StoreError> {
+        let rows = self.rows(
+            "SELECT owner FROM run_leases WHERE run_id = ?1 AND expires_at_ms >= ?2",
+            &[Arg::Text(run), Arg::Int(crate::now_ms())],
+        )?;
+        rows.into_iter().next().map(|mut r| r.text(0)).transpose()
+    }
+
     fn release_runs(&self, node: &str) -> Result<(), StoreError> {
         let node = node.to_owned();
         self.op(move |tx| ops::release_runs(tx, &node))

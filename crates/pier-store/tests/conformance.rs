@@ -1398,12 +1398,17 @@ fn a_run_created_driven_is_held_by_its_creator_from_its_creation() {
             let created = events.iter().find(|e| e.kind == "run_created").map(|e| e.data["driven_by"].clone());
             assert_eq!(created, Some(json!("one")), "{name}: {run}'s event names its driver");
         }
+        assert_eq!(s.run_driver("d3").unwrap_or_default().as_deref(), Some("one"), "{name}");
+        assert_eq!(s.run_driver("nothing").unwrap_or_default(), None, "{name}");
         // A run another node holds live under the id: created, its lease left where it is.
         assert!(s.lease_run("run", "p", now + 60_000).unwrap_or(false), "{name}");
         assert!(!s.create_run_driven("p", &plan, "test", "one", now + 60_000).unwrap_or(true), "{name}");
         assert!(!s.lease_run("one", "p", now + 60_000).unwrap_or(true), "{name}: still the other's");
         let events = s.events_after(Some("p"), 0, 10).unwrap_or_default();
         assert!(events.iter().any(|e| e.kind == "run_created" && e.data.get("driven_by").is_none()), "{name}");
+        assert_eq!(s.run_driver("p").unwrap_or_default().as_deref(), Some("run"), "{name}");
+        assert!(s.lease_run("run", "p", now - 1).unwrap_or(false), "{name}");
+        assert_eq!(s.run_driver("p").unwrap_or_default(), None, "{name}: an expired lease drives nothing");
         // Created twice: refused as any run is, nothing taken.
         assert!(
             matches!(s.create_run_driven("d0", &plan, "test", "two", now), Err(StoreError::RunExists(_))),
