@@ -267,6 +267,38 @@ fn keyed_claims_take_one_round_trip_once_their_run_is_known() {
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 3);
 }
 
+/// A task's keys are locked once per transaction: a second claim of it in the group (two
+/// claimers racing for it) sends its claim alone, and loses, the limit held.
+#[test]
+fn a_second_claim_of_a_keyed_task_in_one_group_does_not_lock_its_keys_again() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
+    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    // A first group learns that the run holds keyed tasks.
+    let (jobs, _replies): (Vec<_>, Vec<_>) = ["a", "b"].into_iter().map(claim).unzip();
+    claims_in_rounds(&mut conn, jobs);
+    // `a` ends: its place is free for `c`.
+    let ended = job(Some("a"), |tx| {
+        let done = Ending::Completed { result: String::new(), usage: None };
+        ops::finish(tx, &attempt("a"), &done, None).map(|(row, seq)| (format!("{:?}", row.state), seq))
+    });
+    let (jobs, _): (Vec<_>, Vec<_>) = [ended].into_iter().unzip();
+    claims_in_rounds(&mut conn, jobs);
+    // Two claims of `c` one after the other in one transaction, as after the rounds.
+    let mut t = PgTx::begin(&mut conn, false);
+    let (mut first, first_reply) = claim("c");
+    let (mut second, second_reply) = claim("c");
+    assert!(first.run(&mut t).is_ok() && second.run(&mut t).is_ok());
+    assert_eq!(t.locks_sent, 1, "the second claim locked the keys again");
+    let (numbered, committed) = number_and_commit(&mut t, false, false);
+    assert!(committed.is_ok() && numbered.is_ok());
+    first.finish(Ok(0));
+    second.finish(Ok(0));
+    let got = answers(&[first_reply, second_reply]);
+    assert_eq!(got, [Ok("Some((1, Running))".to_owned()), Ok("None".to_owned())]);
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
+}
+
 /// The statements that read back the tasks a commit or the log names look each one up by its
 /// key, whatever the table's statistics: the generic plan a connection keeps from when the
 /// table was small (here empty, never analyzed) must not scan every task.

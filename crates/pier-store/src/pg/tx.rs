@@ -52,6 +52,13 @@ pub(crate) struct PgTx<'c> {
     /// `rounds`).
     pub(super) late: bool,
     pub(super) keyed_runs: &'c mut KeyedRuns,
+    /// The tasks whose concurrency keys this transaction has locked (without savepoints: a
+    /// lock taken in one that is rolled back goes with it). Advisory locks are held to the
+    /// end of the transaction, and a task's keys never change, so another claim of one of
+    /// them in the group (two claimers racing for it) needs no second `LOCK_KEYS`.
+    keys_locked: HashSet<(String, String)>,
+    /// The `LOCK_KEYS` statements sent on their own (outside rounds), for the tests.
+    pub(super) locks_sent: usize,
 }
 
 /// The runs a connection's claims found tasks with concurrency keys in. A claim of a task of
@@ -109,6 +116,8 @@ impl PgTx<'_> {
             replay: None,
             late: false,
             keyed_runs: &mut c.keyed_runs,
+            keys_locked: HashSet::new(),
+            locks_sent: 0,
         }
     }
 
@@ -364,6 +373,7 @@ impl PgTx<'_> {
             answers?.pop().map(Answer::rows).ok_or_else(no_answer)??
         } else {
             self.wrote = true;
+            self.locks_sent += 1;
             let (locks, claim) = (self.prepared(LOCK_KEYS)?, self.prepared(CLAIM_KEYED)?);
             let tx = self.tx;
             let (lock_args, claim_args) = (args(&a[..2]), args(&a));
@@ -374,6 +384,9 @@ impl PgTx<'_> {
                 claimed
             })?
         };
+        if !self.careful {
+            self.keys_locked.insert((run.to_owned(), task.to_owned()));
+        }
         let row = rows.first().map(cells).transpose().map_err(|e| self.failed(e))?;
         row.map(|r| ops::decode(r.raw_task()?)).transpose()
     }
@@ -479,7 +492,10 @@ impl Tx for PgTx<'_> {
     fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
         let ops::Claim { run, task, owner, until, now } = *c;
         if self.keyed_runs.known.contains(run) {
-            return self.take_keyed(c, true);
+            // A job of the rounds asks the same each time it runs again, so only one run after
+            // them (the group's second claim of a task) skips the lock its first took.
+            let locked = self.replay.is_none() && self.keys_locked.contains(&(run.to_owned(), task.to_owned()));
+            return self.take_keyed(c, !locked);
         }
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
