@@ -193,9 +193,10 @@ pub trait TaskStore: Send + Sync + 'static {
     /// When each task of run `run` last moved (its last transition, else its creation), in
     /// milliseconds: how long a ready task has waited, whichever host reads it.
     fn tasks_moved_at(&self, run: &str) -> Result<Vec<(String, i64)>, StoreError>;
-    /// When task `task` of run `run` last changed state (its last transition), in milliseconds;
-    /// `None` if it never has: when a dependency completed, for a pull worker's queue.
-    fn task_moved_at(&self, run: &str, task: &str) -> Result<Option<i64>, StoreError>;
+    /// When task `task` of run `run` completed (its last transition), in milliseconds; `None`
+    /// unless it is completed: whether a dependency is done and since when, for a pull
+    /// worker's queue, in one read.
+    fn completed_at(&self, run: &str, task: &str) -> Result<Option<i64>, StoreError>;
     /// How many tasks of the whole store are in each state (for `/metrics`): one aggregate
     /// query, whatever the number of runs.
     fn task_counts(&self) -> Result<Vec<(String, i64)>, StoreError>;

@@ -539,11 +539,12 @@ impl<B: Backend> TaskStore for Store<B> {
         rows.into_iter().map(|mut r| Ok((r.text(0)?, r.int(1)?))).collect()
     }
 
-    fn task_moved_at(&self, run: &str, task: &str) -> Result<Option<i64>, StoreError> {
+    fn completed_at(&self, run: &str, task: &str) -> Result<Option<i64>, StoreError> {
         // The type named as a literal: both planners take `events_transitions`.
         let rows = self.rows(
-            "SELECT at_ms FROM events WHERE run_id = ?1 AND task_id = ?2 AND type = 'transition'
-             ORDER BY seq DESC LIMIT 1",
+            "SELECT COALESCE((SELECT at_ms FROM events WHERE run_id = ?1 AND task_id = ?2 AND type = 'transition'
+                 ORDER BY seq DESC LIMIT 1), 0)
+             FROM tasks WHERE run_id = ?1 AND id = ?2 AND state = 'completed'",
             &[Arg::Text(run), Arg::Text(task)],
         )?;
         rows.into_iter().next().map(|mut r| r.int(0)).transpose()

@@ -1283,6 +1283,22 @@ fn pending_tasks_come_highest_priority_first_then_in_run_order() {
     }
 }
 
+/// When a dependency completed is read in one go, and only of a completed task: a pull
+/// worker's queue ranks a dependent from then.
+#[test]
+fn a_task_s_completion_time_is_read_only_once_it_has_completed() {
+    each(|name, s| {
+        assert_eq!(s.completed_at("r", "a").unwrap_or(Some(0)), None, "{name}: pending");
+        let a = claim(s, "a", "o");
+        assert_eq!(s.completed_at("r", "a").unwrap_or(Some(0)), None, "{name}: running");
+        let before = pier_store::now_ms();
+        s.finish(&a, &done(), None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let at = s.completed_at("r", "a").unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(at.is_some_and(|at| at >= before && at <= pier_store::now_ms()), "{name}: {at:?}");
+        assert_eq!(s.completed_at("r", "nobody").unwrap_or(Some(0)), None, "{name}");
+    });
+}
+
 /// Issue #32: a task back in the queue (an attempt's retry, a person's) waits from then (or from
 /// the end of its backoff), behind those already waiting, and the rank its visit reports is its
 /// place: a minute earlier a level.
@@ -1291,7 +1307,11 @@ fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
     each(|name, s| {
         let first = claim(s, "a", "o");
         // The retry comes a millisecond after `b` was created at the latest.
-        let created = s.task_moved_at("r", "b").ok().flatten().unwrap_or_else(pier_store::now_ms);
+        let moved_at = |task: &str| {
+            let moved = s.tasks_moved_at("r").unwrap_or_default();
+            moved.into_iter().find(|(t, _)| t == task).map(|(_, at)| at)
+        };
+        let created = moved_at("b").unwrap_or_else(pier_store::now_ms);
         while pier_store::now_ms() <= created {
             std::hint::spin_loop();
         }
@@ -1300,7 +1320,7 @@ fn a_task_back_in_the_queue_waits_behind_those_already_waiting() {
         let ranks = queue_of(s);
         let order: Vec<&str> = ranks.iter().map(|(id, _)| id.as_str()).collect();
         assert_eq!(order, ["b", "a"], "{name}: the retried task goes behind the one waiting");
-        let moved = s.task_moved_at("r", "a").ok().flatten().unwrap_or_default();
+        let moved = moved_at("a").unwrap_or_default();
         assert!(
             ranks[1].1 >= moved - 1 && ranks[1].1 <= pier_store::now_ms(),
             "{name}: ranked from its retry {ranks:?}"

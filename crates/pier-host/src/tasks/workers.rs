@@ -3,7 +3,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use pier_store::{Attempt, Candidate, ErrorCode, NextClaim, StoreError, TaskRow, TaskState, TaskStore, now_ms};
+use pier_store::{Attempt, Candidate, ErrorCode, NextClaim, StoreError, TaskRow, TaskStore, now_ms};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -88,10 +88,8 @@ fn visit_fitting(
                 ready_at = now;
                 continue;
             }
-            if !s.task(&t.run_id, d)?.is_some_and(|d| d.state == TaskState::Completed) {
-                return Ok(false);
-            }
-            ready_at = ready_at.max(s.task_moved_at(&t.run_id, d)?.unwrap_or(i64::MIN));
+            let Some(done_at) = s.completed_at(&t.run_id, d)? else { return Ok(false) };
+            ready_at = ready_at.max(done_at);
         }
         let ranked = pier_store::queue::rank(t.spec.priority, ready_at);
         if ranked > rank {
