@@ -181,7 +181,7 @@ impl Host {
     /// its tasks can make progress. Returns the counts by state of the run (empty for all).
     pub async fn drive(&self, scope: Scope, stop: CancellationToken) -> Result<Summary, StoreError> {
         let result = self.schedule(&scope, &stop).await;
-        self.share.stopped();
+        self.share.stop().await;
         // Whatever the ending, no agent outlives the host's work, and its run leases go back:
         // a run left waiting on a person is resumed (`pier run --resume`, another node) at
         // once, not when the lease of a host that is gone runs out.
@@ -259,7 +259,7 @@ impl Host {
         }
         let due = tokio::time::Instant::now() >= p.next_lease;
         if due || p.view.unleased_run_seen {
-            self.renew_leases(scope, p, due).await?;
+            self.renew_leases(scope, p, due, commits).await?;
         }
         // An attempt whose task a person cancelled (or that ended under it) stops now, through
         // the cancel handshake, and ends the task with its output.
@@ -285,8 +285,10 @@ impl Host {
             p.next_wake = p.view.next_wake(now);
         }
         if let (Scope::All, Some(live)) = (scope, p.live) {
+            self.share.arrived(&p.view.arrived);
             self.share.saw(p.view.runs.len(), p.view.driven().count(), live);
         }
+        p.view.arrived.clear();
         // Nothing left that this host can do — unless another holds the run's lease and
         // works on it, which this one waits out (it takes the run over if that one dies).
         if let Scope::Run(run) = scope
@@ -302,7 +304,13 @@ impl Host {
     /// Renews this host's run leases when `due` (else a run appeared: only takes free ones
     /// up to its share): `pier serve` takes its fair share of every run; `pier run` only its
     /// own run, so it never schedules a run a server node drives (or another `pier run`).
-    async fn renew_leases(&self, scope: &Scope, p: &mut Pass, due: bool) -> Result<(), StoreError> {
+    async fn renew_leases(
+        &self,
+        scope: &Scope,
+        p: &mut Pass,
+        due: bool,
+        commits: &watch::Receiver<i64>,
+    ) -> Result<(), StoreError> {
         let lease_every = (self.config.lease_ttl / 3).max(Duration::from_millis(100));
         let (node, until) = (self.config.node.clone(), now_ms() + self.config.lease_ttl.as_millis() as i64);
         let held = match scope {
@@ -314,7 +322,12 @@ impl Host {
                 p.dirty |= p.view.set_held(held);
                 return Ok(());
             }
-            Scope::All => blocking(&self.store, move |s| s.lease_runs(&node, until)).await?,
+            Scope::All => {
+                let held = blocking(&self.store, move |s| s.lease_runs(&node, until)).await?;
+                // Every commit of this process the renewal saw is announced by now.
+                p.view.renewed_upto = *commits.borrow();
+                held
+            }
             Scope::Run(run) => {
                 let r = run.clone();
                 let holds = blocking(&self.store, move |s| s.lease_run(&node, &r, until)).await?;
@@ -344,8 +357,9 @@ impl Host {
     /// here put their tasks back (it sees them become pending) without waiting for the
     /// leases to expire; then every attempt is cancelled and awaited.
     async fn wind_down(&self, p: &mut Pass) {
-        // Runs submitted from now on are left for the other nodes.
-        self.share.stopped();
+        // Runs submitted from now on are left for the other nodes, and those being created
+        // with their lease taken here are among the runs handed back.
+        self.share.stop().await;
         let node = self.config.node.clone();
         if let Err(e) = blocking(&self.store, move |s| s.release_runs(&node)).await {
             tracing::warn!(error = %e, "could not hand the runs back; they return when their leases expire");
@@ -550,6 +564,11 @@ struct View {
     scope: Scope,
     /// This node: a run it took the lease of as it created it is held from its creation.
     node: String,
+    /// The last commit announced when this node's leases were last renewed: a creation
+    /// commit up to it was accounted for by the renewal, which may have handed its run back.
+    renewed_upto: i64,
+    /// The runs that came into the view since the last pass (for `share`).
+    arrived: Vec<String>,
     runs: BTreeMap<String, RunView>,
     /// The runs whose lease this host holds, which it drives; the others are only watched.
     held: HashSet<String>,
@@ -593,6 +612,8 @@ impl View {
         let mut view = View {
             scope: scope.clone(),
             node: node.to_owned(),
+            renewed_upto: 0,
+            arrived: Vec::new(),
             runs: BTreeMap::new(),
             held: HashSet::new(),
             unleased_run_seen: false,
@@ -730,6 +751,7 @@ impl View {
                 self.put(t);
             }
             self.driven_by(&run, driver.as_deref());
+            self.arrived.push(run.clone());
             // A run whose tasks are ranked ages them from when they became ready, as the log
             // says, not from when this host first saw them (a restart or takeover keeps it).
             if self.runs.get(&run).is_some_and(|v| v.scheduled) {
@@ -773,8 +795,11 @@ impl View {
     /// (a run's tasks are created in its commit, each with an event, so the commit carries
     /// every row): they enter the view without a read, held from the start when this node
     /// took the lease in that commit (`driven_by`).
+    /// A commit the last renewal accounted for is not trusted with its lease (the renewal
+    /// may have handed the run back since): its runs are read whole, with their driver, as a
+    /// run found in the log is.
     fn created(&mut self, c: &OwnCommit) -> Vec<String> {
-        if self.scope != Scope::All {
+        if self.scope != Scope::All || c.upto <= self.renewed_upto {
             return Vec::new();
         }
         let mut created = Vec::new();
@@ -787,6 +812,7 @@ impl View {
                 self.held.insert(e.run.clone());
             }
             self.runs.entry(e.run.clone()).or_default();
+            self.arrived.push(e.run.clone());
             created.push(e.run.clone());
         }
         created
@@ -1030,6 +1056,8 @@ mod tests {
         View {
             scope,
             node: "n".into(),
+            renewed_upto: 0,
+            arrived: Vec::new(),
             runs: BTreeMap::new(),
             held: HashSet::new(),
             unleased_run_seen: false,

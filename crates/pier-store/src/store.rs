@@ -87,7 +87,7 @@ impl<B: Backend> Store<B> {
     ///
     /// A small run's creation touches rows no other job of its group can (the run is new),
     /// so it runs side by side with the group's other jobs (`pg::rounds`, keyed by the run
-    /// alone): one round for the run and one per task. A bigger plan's would hold every
+    /// alone): a round for the run, one for its lease if taken, one per task. A bigger plan's would hold every
     /// other job of its group for a round per task, so it runs on its own after them.
     fn create(&self, run: &str, plan: &Plan, source: &str, driver: Option<(String, i64)>) -> Result<bool, StoreError> {
         let key = (plan.tasks.len() <= SIDE_BY_SIDE_TASKS).then_some((run, ""));

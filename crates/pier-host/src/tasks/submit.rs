@@ -120,21 +120,25 @@ impl Tasks {
         let (r, config, tasks, own) = (run.clone(), self.config.clone(), s.plan.tasks.clone(), s.own);
         // A served run is driven by the node it was submitted to when that one has room
         // (`share`): its lease is taken in the commit that creates it.
-        let driven = !s.own && self.host.share.take_one();
+        let taking = if s.own { None } else { self.host.share.take_one(&run) };
+        let driven = taking.is_some();
         let created = self
             .blocking(move |store| {
                 let created = if s.own {
-                    crate::host::create_own_run(store, &config, &r, &s.plan, &s.source)
+                    crate::host::create_own_run(store, &config, &r, &s.plan, &s.source).map(|()| false)
                 } else if driven {
                     let until = pier_store::now_ms() + config.lease_ttl.as_millis() as i64;
-                    store.create_run_driven(&r, &s.plan, &s.source, &config.node, until).map(|_| ())
+                    store.create_run_driven(&r, &s.plan, &s.source, &config.node, until)
                 } else {
-                    store.create_run(&r, &s.plan, &s.source)
+                    store.create_run(&r, &s.plan, &s.source).map(|()| false)
                 };
                 Ok(created?)
             })
             .await;
-        match created {
+        if let Some(taking) = taking {
+            taking.done(matches!(created, Ok(true)));
+        }
+        match created.map(|_| ()) {
             Ok(()) => Ok(Submitted { run, created: true }),
             // The same submission twice at once: the second joins what the first created.
             Err(ActionError::Store(StoreError::RunExists(_))) if self.joins(&run, &tasks, own).await? => {
