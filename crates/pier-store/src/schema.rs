@@ -179,8 +179,14 @@ pub(crate) const TASKS_QUEUE: &str = "CREATE INDEX tasks_queue ON tasks(rank_ms,
 
 pub(crate) const DROP_TASKS_URGENT: &str = "DROP INDEX tasks_urgent";
 
+/// The rest of `TASKS_PRIORITY_BACKFILL`: a task stored before the column that is not pending
+/// now but may be again (a retry, a person's, a lost attempt) gets its spec's priority too, so
+/// its rank on the way back counts it. A completed task never returns and is left as it is.
+pub(crate) const TASKS_PRIORITY_BACKFILL_REST: &str = "UPDATE tasks SET priority = {SPEC_PRIORITY} \
+    WHERE state <> 'completed' AND priority = 0 AND {SPEC_PRIORITY} > 0";
+
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 15] = [
+pub(crate) const LATER: [Migration; 16] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -196,4 +202,5 @@ pub(crate) const LATER: [Migration; 15] = [
     &[EVENTS_TRANSITIONS],
     &[TASKS_PRIORITY_BACKFILL],
     &[TASKS_RANK, TASKS_RANK_BACKFILL, TASKS_QUEUE, DROP_TASKS_URGENT],
+    &[TASKS_PRIORITY_BACKFILL_REST],
 ];
