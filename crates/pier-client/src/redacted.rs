@@ -1,7 +1,8 @@
 //! How a run's options and an agent's command and definition are shown (`Debug`: logs,
 //! panics) without what can hold a secret: the agent's environment by names only, MCP servers
 //! by name and transport (no headers, no environment: the host's own endpoint carries an
-//! attempt's token), whether there is a `_meta`. Arguments are shown as they are.
+//! attempt's token), whether there is a `_meta`. Arguments are shown, but the value of one
+//! whose flag names a secret (`--api-key=…`, `--token …`).
 
 use std::fmt;
 
@@ -42,7 +43,7 @@ impl fmt::Debug for AgentCommand {
         f.debug_struct("AgentCommand")
             .field("name", &self.name)
             .field("program", &self.program)
-            .field("args", &self.args)
+            .field("args", &pier_jail::shown::Args(&self.args))
             .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
             .field("env_remove", &self.env_remove)
             .field("guarded", &self.guarded)
@@ -54,7 +55,7 @@ impl fmt::Debug for AgentDef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AgentDef")
             .field("command", &self.command)
-            .field("args", &self.args)
+            .field("args", &pier_jail::shown::Args(&self.args))
             .field("env", &self.env.keys().collect::<Vec<_>>())
             .finish()
     }
@@ -122,12 +123,15 @@ mod tests {
             mcp_servers: vec![stdio],
             host_mcp_servers: vec![http],
         };
-        let def = AgentDef { command: "a".into(), args: Vec::new(), env: [("K".into(), "def-secret".into())].into() };
+        let args = ["--model", "m", "--api-key=sk-arg-secret", "--Token", "tok-arg-secret", "-v"].map(String::from);
+        let def = AgentDef { command: "a".into(), args: args.into(), env: [("K".into(), "def-secret".into())].into() };
         let shown = format!("{opts:?} {def:?}");
-        for secret in ["sk-agent-secret", "mcp-secret", "env-secret", "def-secret"] {
+        for secret in ["sk-agent-secret", "mcp-secret", "env-secret", "def-secret", "sk-arg-secret", "tok-arg-secret"] {
             assert!(!shown.contains(secret), "{secret} shown: {shown}");
         }
-        for name in ["OPENAI_API_KEY", "pier (http)", "tools (stdio)"] {
+        for name in
+            ["OPENAI_API_KEY", "pier (http)", "tools (stdio)", "\"--model\", \"m\"", "--api-key=<redacted>", "\"-v\""]
+        {
             assert!(shown.contains(name), "{name} not shown: {shown}");
         }
     }

@@ -79,7 +79,7 @@ impl std::fmt::Debug for Program {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Program")
             .field("program", &self.program)
-            .field("args", &self.args)
+            .field("args", &crate::shown::Args(&self.args))
             .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
             .finish()
     }

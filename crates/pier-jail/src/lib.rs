@@ -24,6 +24,7 @@ mod limits;
 mod mounts;
 mod netns;
 mod rules;
+pub mod shown;
 mod spec;
 
 pub use kernel::Kernel;
