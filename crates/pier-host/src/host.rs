@@ -807,8 +807,10 @@ impl View {
             if self.runs.contains_key(&e.run) {
                 continue;
             }
-            let data: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
-            if data.get("driven_by").and_then(|d| d.as_str()) == Some(self.node.as_str()) {
+            if let pier_store::Entry::Host(pier_store::LogEvent::RunCreated { driven_by: Some(node), .. }) =
+                e.clone().into_event().entry()
+                && node == self.node
+            {
                 self.held.insert(e.run.clone());
             }
             self.runs.entry(e.run.clone()).or_default();

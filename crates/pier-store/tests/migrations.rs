@@ -7,6 +7,23 @@ fn sqlite(path: &std::path::Path) -> rusqlite::Connection {
     rusqlite::Connection::open(path).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// A SQLite store with run `r` of `plan`, made older: `sql` run on it and its schema version
+/// set back `back` migrations (they run again at the next open).
+fn older_store(plan: &str, sql: &str, back: i64) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.path().join("pier.db");
+    let plan = parse(plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    {
+        let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
+        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
+    }
+    let c = sqlite(&path);
+    let version: i64 = c.pragma_query_value(None, "user_version", |r| r.get(0)).unwrap_or_else(|e| panic!("{e}"));
+    c.execute_batch(sql).unwrap_or_else(|e| panic!("{e}"));
+    c.pragma_update(None, "user_version", version - back).unwrap_or_else(|e| panic!("{e}"));
+    (dir, path)
+}
+
 #[test]
 fn a_new_store_has_every_index_of_the_schema() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -25,28 +42,14 @@ fn a_new_store_has_every_index_of_the_schema() {
 
 #[test]
 fn a_pending_task_stored_before_its_priority_had_a_column_gets_its_spec_s() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let path = dir.path().join("pier.db");
-    let plan = parse(
-        "[[tasks]]\nid = \"plain\"\nprompt = \"y\"\n\n[[tasks]]\nid = \"urgent\"\nprompt = \"x\"\npriority = 7\n",
-        &|_| Ok(()),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    {
-        let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
-        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-    }
     // As a store written before the column: the priority reads 0, the backfill not yet run,
-    // and no queue rank yet (the migration after it).
-    let c = sqlite(&path);
-    let version: i64 = c.pragma_query_value(None, "user_version", |r| r.get(0)).unwrap_or_else(|e| panic!("{e}"));
-    c.execute_batch(
+    // and no queue rank yet (the migrations after it).
+    let (_dir, path) = older_store(
+        "[[tasks]]\nid = \"plain\"\nprompt = \"y\"\n\n[[tasks]]\nid = \"urgent\"\nprompt = \"x\"\npriority = 7\n",
         "UPDATE tasks SET priority = 0; DROP INDEX tasks_queue; ALTER TABLE tasks DROP COLUMN rank_ms;
          CREATE INDEX tasks_urgent ON tasks(priority, run_id, ord) WHERE state = 'pending' AND priority > 0",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    c.pragma_update(None, "user_version", version - 3).unwrap_or_else(|e| panic!("{e}"));
-    drop(c);
+        3,
+    );
     let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
     let mut first = None;
     store
@@ -78,29 +81,15 @@ fn a_pending_task_stored_before_its_priority_had_a_column_gets_its_spec_s() {
 /// says. A completed one is left as it is.
 #[test]
 fn a_task_stored_before_its_priority_had_a_column_comes_back_with_its_spec_s() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let path = dir.path().join("pier.db");
-    let plan = parse(
-        "[[tasks]]\nid = \"plain\"\nprompt = \"y\"\n\n[[tasks]]\nid = \"urgent\"\nprompt = \"x\"\npriority = 7\n\n\
-         [[tasks]]\nid = \"done\"\nprompt = \"z\"\npriority = 5\n",
-        &|_| Ok(()),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    {
-        let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
-        store.create_run("r", &plan, "test").unwrap_or_else(|e| panic!("{e}"));
-    }
     // As a store written before the column, with `urgent` failed and `done` completed then; the
     // last migration not yet run.
-    let c = sqlite(&path);
-    let version: i64 = c.pragma_query_value(None, "user_version", |r| r.get(0)).unwrap_or_else(|e| panic!("{e}"));
-    c.execute_batch(
+    let (_dir, path) = older_store(
+        "[[tasks]]\nid = \"plain\"\nprompt = \"y\"\n\n[[tasks]]\nid = \"urgent\"\nprompt = \"x\"\npriority = 7\n\n\
+         [[tasks]]\nid = \"done\"\nprompt = \"z\"\npriority = 5\n",
         "UPDATE tasks SET priority = 0; UPDATE tasks SET state = 'failed' WHERE id = 'urgent';
          UPDATE tasks SET state = 'completed' WHERE id = 'done'",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    c.pragma_update(None, "user_version", version - 1).unwrap_or_else(|e| panic!("{e}"));
-    drop(c);
+        1,
+    );
     let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
     store.retry("r", "urgent", false, "me").unwrap_or_else(|e| panic!("{e}"));
     let queue: Vec<String> =
