@@ -27,6 +27,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     const RUNS_WITH_TASK: &'static str;
     /// The last event sequence committed.
     const LAST_SEQ: &'static str;
+    /// The live holders of concurrency key `?1` ([`crate::keys`]).
+    const KEY_HOLDERS: &'static str;
 
     /// Runs `work` atomically in the next group commit and returns its answer and the last
     /// event sequence it wrote (0 for none) once the commit is durable. `work` may run more

@@ -1,80 +1,85 @@
 //! Concurrency keys: a task's claim counts the live holders of each of its keys and is refused
 //! when one is at its limit, in the claim's own transaction, so a key's limit holds across every
-//! node and worker on the store. Holders are the attempts claims recorded in `key_holders`; one
-//! counts while its task runs that attempt under a lease ([`holder_is_live!`]: a task waiting for
-//! a person's decision after its attempt ended holds none), and a stale row is deleted by a later
-//! claim of its key (on PostgreSQL, one that finds the key's rows filling it) rather than by
-//! every way an attempt can end.
+//! node and worker on the store. A key's holders are its tasks' live attempts: a task with the
+//! key in its `concurrency` column that runs (or waits for an answer) under a lease — one
+//! waiting for a person's decision after its attempt ended holds none. They are read from the
+//! tasks themselves through the `tasks_holding` index ([`holders!`]), so nothing beside a task
+//! has to be kept in step with its attempts, and nothing is left behind when one ends.
 //!
 //! Claims of one key never count at once. SQLite's writers take turns (one connection per
-//! process, `BEGIN IMMEDIATE` across processes), and its claim is [`free`] then [`hold`]. On
-//! PostgreSQL the claim that finds a task keyed takes each key's advisory lock (waited for, first
-//! come first served, in the keys' order), then the next statement claims (`pg::tx::CLAIM_KEYED`)
-//! on the same rule — in the same round trip once the connection knows the run holds keyed
-//! tasks (`pg::tx::KeyedRuns`); side by side with other jobs its statements go last in each
-//! round and its events after theirs (`pg::rounds`).
+//! process, `BEGIN IMMEDIATE` across processes), and its claim is [`free`] and the move. On
+//! PostgreSQL each key has a count (`key_counts.held`, never below its live holders) that a
+//! claim raises under the row's lock while it has room and an ending lowers
+//! (`pg::tx::CLAIM_HELD`, `pg::tx::END_KEYED`): one statement, no holder read. A claim that
+//! finds a count at the limit (or none) locks the counts' rows (`pg::tx::LOCK_KEYS`, waited for,
+//! first come first served, in the keys' order), then in the next statement counts the holders
+//! and sets the counts to them (`pg::tx::CLAIM_KEYED`) — in the same round trip; side by side
+//! with other jobs a keyed claim's statements go last in each round and its events after
+//! theirs (`pg::rounds`).
 
 use crate::StoreError;
 use crate::ops::{Arg, Tx};
 use crate::plan::ConcurrencyKey;
 
-/// The condition that holder `h` (a `key_holders` row) is live.
+/// The live holders of key `$key`, in `$dialect` (how it reads a task's keys: [`task_keys!`])
+/// with `$index` (SQLite's `INDEXED BY`). A task being
+/// claimed is pending, so never one of them.
 ///
-/// Its task is looked up by primary key in a scalar subquery, whose `WHERE` names nothing else:
-/// with the state tested there (or in a join), PostgreSQL's generic plan took the partial index
-/// of unfinished tasks, which the state implies, and walked the run's thousands of unfinished
-/// tasks for each holder (2 ms a claim at 5,000 of them), or hashed them all.
+/// The tasks are found by `tasks_holding` (`keyed = 1` is its column's key, and the state list
+/// its predicate), whatever the planner's statistics: with the state tested alone, a generic
+/// plan took the partial index of unfinished tasks and walked every pending one.
 #[macro_export]
 #[doc(hidden)]
-macro_rules! holder_is_live {
-    () => {
-        "COALESCE((SELECT CASE WHEN t.attempt = h.attempt AND t.lease_owner IS NOT NULL
-             AND t.state IN ('running', 'awaiting_input') THEN 1 ELSE 0 END
-             FROM tasks t WHERE t.run_id = h.run_id AND t.id = h.task_id), 0) = 1"
+macro_rules! holders {
+    ($key:literal, $dialect:ident, $index:literal) => {
+        concat!(
+            "(SELECT COUNT(*) FROM tasks t ",
+            $index,
+            ", ",
+            $crate::task_keys!($dialect, rows),
+            " WHERE t.keyed = 1 AND t.state IN ('running', 'awaiting_input') AND t.lease_owner IS NOT NULL
+                 AND ",
+            $crate::task_keys!($dialect, key),
+            " = ",
+            $key,
+            ")"
+        )
     };
 }
 
-/// The live holders of key `?1`.
-pub(crate) const LIVE_HOLDERS: &str =
-    concat!("SELECT COUNT(*) FROM key_holders h WHERE h.key = ?1 AND ", holder_is_live!());
+/// How each backend reads a task's keys in [`holders!`]: `(rows)` of `t`'s JSON, and the
+/// `(key)` of each.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! task_keys {
+    (sqlite, rows) => {
+        "json_each(t.concurrency) j"
+    };
+    (sqlite, key) => {
+        "json_extract(j.value, '$.key')"
+    };
+    (postgres, rows) => {
+        "jsonb_to_recordset(t.concurrency::jsonb) AS y(key text)"
+    };
+    (postgres, key) => {
+        "y.key"
+    };
+}
 
-/// Whether every one of `keys` has room for task `task` of run `run`, in SQLite's claim: each
-/// key's stale holders dropped, its live ones (but the task's own) counted. Writes nothing of
-/// the claim.
-pub(crate) fn free(tx: &mut dyn Tx, keys: &[ConcurrencyKey], run: &str, task: &str) -> Result<bool, StoreError> {
+/// SQLite's live holders of key `?1`.
+pub(crate) const SQLITE_HOLDERS: &str = concat!("SELECT ", holders!("?1", sqlite, "INDEXED BY tasks_holding"));
+
+/// PostgreSQL's.
+pub(crate) const PG_HOLDERS: &str = concat!("SELECT ", holders!("?1", postgres, ""));
+
+/// Whether every one of `keys` has room for one more holder, in SQLite's claim: each
+/// key's live holders counted. Writes nothing.
+pub(crate) fn free(tx: &mut dyn Tx, keys: &[ConcurrencyKey]) -> Result<bool, StoreError> {
     for k in keys {
-        tx.exec(
-            concat!("DELETE FROM key_holders AS h WHERE h.key = ?1 AND NOT ", holder_is_live!()),
-            &[Arg::Text(&k.key)],
-        )?;
-        let held = tx
-            .int(
-                "SELECT COUNT(*) FROM key_holders WHERE key = ?1 AND NOT (run_id = ?2 AND task_id = ?3)",
-                &[Arg::Text(&k.key), Arg::Text(run), Arg::Text(task)],
-            )?
-            .unwrap_or(0);
+        let held = tx.int(SQLITE_HOLDERS, &[Arg::Text(&k.key)])?.unwrap_or(0);
         if held >= i64::from(k.limit) {
             return Ok(false);
         }
     }
     Ok(true)
-}
-
-/// Records attempt `attempt` of the task, which [`free`] found room for and the caller has just
-/// moved to running, as a holder of each of `keys`.
-pub(crate) fn hold(
-    tx: &mut dyn Tx,
-    keys: &[ConcurrencyKey],
-    run: &str,
-    task: &str,
-    attempt: i64,
-) -> Result<(), StoreError> {
-    for k in keys {
-        tx.exec(
-            "INSERT INTO key_holders (key, run_id, task_id, attempt) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = excluded.attempt",
-            &[Arg::Text(&k.key), Arg::Text(run), Arg::Text(task), Arg::Int(attempt)],
-        )?;
-    }
-    Ok(())
 }

@@ -172,17 +172,19 @@ pub(crate) fn insert_task(
     added_by: Option<&str>,
 ) -> Result<i64, StoreError> {
     let text = serde_json::to_string(spec)?;
+    let keys = (!spec.concurrency.is_empty()).then(|| serde_json::to_string(&spec.concurrency)).transpose()?;
     tx.exec(
-        "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority, rank_ms)
-         VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6, ?7)",
+        "INSERT INTO tasks (run_id, id, ord, state, version, spec, keyed, priority, rank_ms, concurrency)
+         VALUES (?1, ?2, ?3, 'pending', 1, ?4, ?5, ?6, ?7, ?8)",
         &[
             Arg::Text(run),
             Arg::Text(&spec.id),
             Arg::Int(ord),
             Arg::Text(&text),
-            Arg::OptInt((!spec.concurrency.is_empty()).then_some(1)),
+            Arg::OptInt(keys.is_some().then_some(1)),
             Arg::Int(spec.priority.into()),
             Arg::Int(crate::queue::rank(spec.priority, crate::now_ms())),
+            Arg::OptText(keys.as_deref()),
         ],
     )?;
     let created = LogEvent::TaskCreated {
@@ -308,7 +310,7 @@ pub(crate) fn take_by_statements(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<Optio
     if row.state != TaskState::Pending || row.not_before_ms > now {
         return Ok(None);
     }
-    if !crate::keys::free(tx, &row.spec.concurrency, run, task)? {
+    if !crate::keys::free(tx, &row.spec.concurrency)? {
         return Ok(None);
     }
     // Fenced on the version read in this transaction (every change of a task moves it, so the
@@ -328,7 +330,6 @@ pub(crate) fn take_by_statements(tx: &mut dyn Tx, c: &Claim<'_>) -> Result<Optio
         "INSERT INTO attempts (run_id, task_id, attempt) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
         &[Arg::Text(run), Arg::Text(task), Arg::Int(row.attempt + 1)],
     )?;
-    crate::keys::hold(tx, &row.spec.concurrency, run, task, row.attempt + 1)?;
     Ok(Some(TaskRow {
         state: TaskState::Running,
         version: row.version + 1,

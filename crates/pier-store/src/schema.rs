@@ -12,16 +12,28 @@ pub(crate) struct Dialect {
     pub(crate) int: &'static str,
     /// `{SPEC_PRIORITY}`: a task row's `spec` (JSON text) `priority`, as an integer (null when absent).
     pub(crate) spec_priority: &'static str,
+    /// `{SPEC_CONCURRENCY}`: a task row's `spec` `concurrency`, as JSON text.
+    pub(crate) spec_concurrency: &'static str,
 }
 
-pub(crate) const SQLITE: Dialect =
-    Dialect { int: "INTEGER", spec_priority: "CAST(json_extract(spec, '$.priority') AS INTEGER)" };
-pub(crate) const POSTGRES: Dialect =
-    Dialect { int: "BIGINT", spec_priority: "CAST(CAST(spec AS jsonb) ->> 'priority' AS BIGINT)" };
+pub(crate) const SQLITE: Dialect = Dialect {
+    int: "INTEGER",
+    spec_priority: "CAST(json_extract(spec, '$.priority') AS INTEGER)",
+    spec_concurrency: "json_extract(spec, '$.concurrency')",
+};
+pub(crate) const POSTGRES: Dialect = Dialect {
+    int: "BIGINT",
+    spec_priority: "CAST(CAST(spec AS jsonb) ->> 'priority' AS BIGINT)",
+    spec_concurrency: "CAST(CAST(spec AS jsonb) -> 'concurrency' AS TEXT)",
+};
 
 /// The statements of `migration` as one batch in `dialect`.
 pub(crate) fn batch(migration: Migration, dialect: &Dialect) -> String {
-    let statement = |s: &&str| s.replace("{INT}", dialect.int).replace("{SPEC_PRIORITY}", dialect.spec_priority);
+    let statement = |s: &&str| {
+        s.replace("{INT}", dialect.int)
+            .replace("{SPEC_PRIORITY}", dialect.spec_priority)
+            .replace("{SPEC_CONCURRENCY}", dialect.spec_concurrency)
+    };
     migration.iter().map(statement).collect::<Vec<_>>().join(";\n")
 }
 
@@ -133,11 +145,34 @@ pub(crate) const RUNS_AGE: &str = "CREATE INDEX runs_age ON runs(id, created_at_
 /// fused claim takes only the others, and leaves these to the claim that counts their holders.
 pub(crate) const TASKS_KEYED: &str = "ALTER TABLE tasks ADD COLUMN keyed {INT}";
 
-/// The attempts that hold each concurrency key, as their claims wrote them. A row whose attempt
-/// no longer runs (it ended, or was taken back) is stale: the next claim of the key deletes it
-/// before counting, so no ending has to, and the count reads only the key's few rows.
+/// Once the attempts that held each concurrency key, as their claims wrote them (dropped when
+/// holders came to be read from the tasks: `TASKS_HOLDING`).
 pub(crate) const KEY_HOLDERS: &str = "CREATE TABLE key_holders (key TEXT NOT NULL, run_id TEXT NOT NULL,
     task_id TEXT NOT NULL, attempt {INT} NOT NULL, PRIMARY KEY (key, run_id, task_id))";
+
+/// Each concurrency key's count of holders as PostgreSQL's claims keep it (`pg::tx::CLAIM_HELD`):
+/// never below the key's live holders, because a claim raises it under the row's lock, an
+/// ending that applies lowers it by the place it gave back, and a claim that has counted the
+/// key's holders under that lock sets it to their number. A key without a row is counted from
+/// its holders. SQLite's claims, one writer at a time, count the holders each time and leave
+/// this table empty.
+pub(crate) const KEY_COUNTS: &str = "CREATE TABLE key_counts (key TEXT PRIMARY KEY, held {INT} NOT NULL)";
+
+/// A task's concurrency keys (its spec's `concurrency`, JSON) beside it when it has any, so
+/// PostgreSQL's claims and endings read them without parsing the whole spec (its prompt too).
+pub(crate) const TASKS_CONCURRENCY: &str = "ALTER TABLE tasks ADD COLUMN concurrency TEXT";
+
+/// The keys of the tasks stored before `concurrency` had a column.
+pub(crate) const TASKS_CONCURRENCY_BACKFILL: &str =
+    "UPDATE tasks SET concurrency = {SPEC_CONCURRENCY} WHERE keyed IS NOT NULL";
+
+/// The tasks that may hold their concurrency keys (a running attempt, or one waiting for an
+/// answer): how a key's live holders are found (`crate::keys`) without reading other tasks.
+pub(crate) const TASKS_HOLDING: &str =
+    "CREATE INDEX tasks_holding ON tasks(keyed) WHERE keyed IS NOT NULL AND state IN ('running', 'awaiting_input')";
+
+/// Holders are read from the tasks since `tasks_holding`.
+pub(crate) const DROP_KEY_HOLDERS: &str = "DROP TABLE key_holders";
 
 /// Schedules: the spec as written (JSON), who paused it (NULL: it runs), the next occurrence not
 /// yet handled (NULL: none comes), and the last one handled, with its run and what was done.
@@ -186,7 +221,7 @@ pub(crate) const TASKS_PRIORITY_BACKFILL_REST: &str = "UPDATE tasks SET priority
     WHERE state <> 'completed' AND priority = 0 AND {SPEC_PRIORITY} > 0";
 
 /// The migrations both databases end with, after each one's first.
-pub(crate) const LATER: [Migration; 16] = [
+pub(crate) const LATER: [Migration; 17] = [
     &[NODES, RUN_LEASES, RUN_LEASES_BY_OWNER],
     &[ATTEMPTS_OUTPUT],
     &[AGENTS],
@@ -203,4 +238,5 @@ pub(crate) const LATER: [Migration; 16] = [
     &[TASKS_PRIORITY_BACKFILL],
     &[TASKS_RANK, TASKS_RANK_BACKFILL, TASKS_QUEUE, DROP_TASKS_URGENT],
     &[TASKS_PRIORITY_BACKFILL_REST],
+    &[KEY_COUNTS, TASKS_CONCURRENCY, TASKS_CONCURRENCY_BACKFILL, TASKS_HOLDING, DROP_KEY_HOLDERS],
 ];

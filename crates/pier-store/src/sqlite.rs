@@ -469,6 +469,7 @@ impl Backend for Sqlite {
     );
     const RUNS_WITH_TASK: &'static str = crate::runs_with_task!("INDEXED BY runs_age");
     const LAST_SEQ: &'static str = "SELECT COALESCE(MAX(seq), 0) FROM events";
+    const KEY_HOLDERS: &'static str = crate::keys::SQLITE_HOLDERS;
 
     fn write<T: Send + 'static>(&self, _task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError> {
         self.group_commit(work)

@@ -256,7 +256,7 @@ impl<B: Backend> TaskStore for Store<B> {
     }
 
     fn key_holders(&self, key: &str) -> Result<i64, StoreError> {
-        let mut rows = self.rows(crate::keys::LIVE_HOLDERS, &[Arg::Text(key)])?;
+        let mut rows = self.rows(B::KEY_HOLDERS, &[Arg::Text(key)])?;
         rows.first_mut().map_or(Ok(0), |r| r.int(0))
     }
 

@@ -7,9 +7,21 @@ fn sqlite(path: &std::path::Path) -> rusqlite::Connection {
     rusqlite::Connection::open(path).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// What undoes the migrations after the newest one a test goes back to (the key counts and the
+/// tasks' keys beside them): run first by [`older_store`], which sets the version one further
+/// back for them.
+const NEWER: &str = "DROP TABLE key_counts; ALTER TABLE tasks DROP COLUMN concurrency; DROP INDEX tasks_holding;
+    CREATE TABLE key_holders (key TEXT NOT NULL, run_id TEXT NOT NULL, task_id TEXT NOT NULL, attempt INTEGER NOT NULL,
+        PRIMARY KEY (key, run_id, task_id));";
+
 /// A SQLite store with run `r` of `plan`, made older: `sql` run on it and its schema version
-/// set back `back` migrations (they run again at the next open).
+/// set back `back` migrations (they run again at the next open), before the newest (`NEWER`).
 fn older_store(plan: &str, sql: &str, back: i64) -> (tempfile::TempDir, std::path::PathBuf) {
+    older_store_than_now(plan, &format!("{NEWER} {sql}"), back + 1)
+}
+
+/// [`older_store`] counting back from the newest migration.
+fn older_store_than_now(plan: &str, sql: &str, back: i64) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let path = dir.path().join("pier.db");
     let plan = parse(plan, &|_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
@@ -101,4 +113,26 @@ fn a_task_stored_before_its_priority_had_a_column_comes_back_with_its_spec_s() {
         .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect())
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(priorities, [("done".to_owned(), 0), ("plain".to_owned(), 0), ("urgent".to_owned(), 7)]);
+}
+
+#[test]
+fn a_keyed_task_stored_before_its_keys_had_a_column_gets_them_beside_it_and_holds_them() {
+    // `keyed` runs, as a store from before the column would have it.
+    let (_dir, path) = older_store_than_now(
+        "[[tasks]]\nid = \"plain\"\nprompt = \"y\"\n\n[[tasks]]\nid = \"keyed\"\nprompt = \"x\"\n\
+         concurrency = [{ key = \"repo:a\", limit = 2 }, { key = \"gpu\", limit = 1 }]\n",
+        &format!("{NEWER} UPDATE tasks SET state = 'running', attempt = 1, lease_owner = 'o', lease_expires_at_ms = 1"),
+        1,
+    );
+    let store = pier_store::open(&path.display().to_string()).unwrap_or_else(|e| panic!("{e}"));
+    for key in ["gpu", "repo:a"] {
+        assert_eq!(store.key_holders(key).unwrap_or_else(|e| panic!("{e}")), 1, "{key}");
+    }
+    drop(store);
+    let keys: Vec<(String, Option<String>)> = sqlite(&path)
+        .prepare("SELECT id, concurrency FROM tasks ORDER BY id")
+        .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let keyed = r#"[{"key":"gpu","limit":1},{"key":"repo:a","limit":2}]"#;
+    assert_eq!(keys, [("keyed".to_owned(), Some(keyed.to_owned())), ("plain".to_owned(), None)]);
 }

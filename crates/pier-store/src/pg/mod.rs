@@ -349,6 +349,7 @@ impl Backend for Pg {
     const UNFINISHED_TASKS: &'static str = crate::tasks_in!("IN ('pending', 'running', 'awaiting_input')", "", "");
     const RUNS_WITH_TASK: &'static str = crate::runs_with_task!("");
     const LAST_SEQ: &'static str = "SELECT n FROM pier_seq";
+    const KEY_HOLDERS: &'static str = crate::keys::PG_HOLDERS;
 
     fn write<T: Send + 'static>(&self, task: Option<(&str, &str)>, work: Work<T>) -> Result<(T, i64), StoreError> {
         self.queue(task, work)

@@ -19,17 +19,18 @@
 //! same id has the same key). Jobs without a key (a big run's creation, leases, a retry that
 //! moves dependents) and a second job of the same key run one by one after the rounds.
 //!
-//! A claim of a task with concurrency keys (which locks its keys in the statement that finds
-//! it keyed) reads rows other tasks' jobs change: the keys' holders, which only endings change,
-//! and only from live to stale. Run side by side, it sees some of the group's endings and not
-//! others, so its events go after every other job's of the rounds (`PgTx::late`): in the log a
-//! key's claims then never come before an ending they counted on, and a claim that missed an
-//! ending only declined a place it could have had (the host tries again on that ending's
-//! event). In each round a keyed claim's statements are sent after every other job's, so it
-//! counts the holders as that round's endings left them. A claim of a task of a run known to
-//! hold keyed tasks locks the keys and claims in one round (`tx::KeyedRuns`), others in two.
-//! Claims of one key in one round are statements PostgreSQL runs one after another in
-//! the transaction, each counting the holders of those before it.
+//! A claim of a task with concurrency keys reads rows other tasks' jobs change: its keys'
+//! counts, which an ending lowers, and (when a count is full) the keys' holders, which only
+//! endings change, and only from live to stale. Run side by side, it sees some of the group's
+//! endings and not others, so its events go after every other job's of the rounds
+//! (`PgTx::late`): in the log a key's claims then never come before an ending they counted on,
+//! and a claim that missed an ending only declined a place it could have had (the host tries
+//! again on that ending's event). In each round a keyed claim's statements are sent after every
+//! other job's, so it reads the counts and holders as that round's endings left them. A claim
+//! of a task of a run known to hold keyed tasks is sent as `CLAIM_HELD` at once
+//! (`tx::KeyedRuns`), others as `CLAIM` first. Claims of one key in one round are statements
+//! PostgreSQL runs one after another in the transaction, each reading the count those before it
+//! left.
 //! A statement that fails aborts the transaction: the group is rolled back and run job by
 //! job in savepoints, which finds the job it belongs to.
 

@@ -247,42 +247,83 @@ fn keyed_claims_side_by_side_keep_the_limit_and_come_after_the_endings_they_coun
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
 }
 
-/// Claims of keyed tasks take two round trips until the connection knows their run holds keyed
-/// tasks, then one (the keys locked and the claim in one pipeline), and keep the limit alike.
+/// Claims of keyed tasks take an extra round trip until the connection knows their run holds
+/// keyed tasks, then one while their key's count has room, and two (the holders counted) when
+/// it has none or the key has no count yet; the limit holds either way.
 #[test]
-fn keyed_claims_take_one_round_trip_once_their_run_is_known() {
+fn keyed_claims_take_one_round_trip_once_their_run_is_known_and_their_key_counted() {
     let keyed =
         |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 3 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c", "d"].map(keyed).concat());
-    let claimed = Some("Some((1, Running))".to_owned());
-    let declined = Some("None".to_owned());
-    for (tasks, expected, got) in [(["a", "b"], 2, [&claimed, &claimed]), (["c", "d"], 1, [&claimed, &declined])] {
-        let (jobs, replies): (Vec<_>, Vec<_>) = tasks.into_iter().map(claim).unzip();
+    let (store, mut conn, _db) = store_of(&["a", "b", "c", "d", "e", "f"].map(keyed).concat());
+    let (claimed, declined) = ("Some((1, Running))", "None");
+    let groups: [(&[&'static str], usize, &[&str]); 3] = [
+        // `CLAIM` finds them keyed, `CLAIM_HELD` finds no count, `CLAIM_KEYED` counts.
+        (&["a", "b"], 3, &[claimed, claimed]),
+        (&["c"], 1, &[claimed]),
+        // The count is at the limit: the holders are counted, and fill it.
+        (&["d"], 2, &[declined]),
+    ];
+    for (tasks, expected, got) in groups {
+        let (jobs, replies): (Vec<_>, Vec<_>) = tasks.iter().copied().map(claim).unzip();
         let (rounds, _) = claims_in_rounds(&mut conn, jobs);
         assert_eq!(rounds, expected, "{tasks:?}");
-        let answered: Vec<Option<String>> = answers(&replies).into_iter().map(Result::ok).collect();
-        assert_eq!(answered.iter().collect::<Vec<_>>(), got, "{tasks:?}");
+        let answered: Vec<Result<String, String>> = got.iter().map(|g| Ok((*g).to_owned())).collect();
+        assert_eq!(answers(&replies), answered, "{tasks:?}");
     }
-    // `d` found the key's three places taken.
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 3);
+    assert_eq!(held(&mut conn, "k"), 3);
+    // `a` ends, on a connection that knows the run holds keyed tasks: its place is given back.
+    finish(&mut conn, "a");
+    assert_eq!(held(&mut conn, "k"), 2);
+    // An ending that does not apply (the attempt has ended) gives nothing back.
+    let (end, ended) = job(Some("a"), |tx| {
+        let done = Ending::Completed { result: String::new(), usage: None };
+        ops::finish(tx, &attempt("a"), &done, None).map(|(row, seq)| (format!("{:?}", row.state), seq))
+    });
+    commit_group(&mut conn, vec![end]);
+    assert!(answers(&[ended])[0].is_err());
+    assert_eq!(held(&mut conn, "k"), 2);
+    let (jobs, replies): (Vec<_>, Vec<_>) = ["e"].into_iter().map(claim).unzip();
+    assert_eq!(claims_in_rounds(&mut conn, jobs).0, 1);
+    assert_eq!(answers(&replies), [Ok("Some((1, Running))".to_owned())]);
+    // `b` ends through the store's own connection, which does not know: the count stays at the
+    // limit, and `f` finds room only by counting the holders.
+    let done = Ending::Completed { result: String::new(), usage: None };
+    store.finish(&attempt("b"), &done, None).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(held(&mut conn, "k"), 3);
+    let (jobs, replies): (Vec<_>, Vec<_>) = ["f"].into_iter().map(claim).unzip();
+    assert_eq!(claims_in_rounds(&mut conn, jobs).0, 2);
+    assert_eq!(answers(&replies), [Ok("Some((1, Running))".to_owned())]);
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 3);
+    assert_eq!(held(&mut conn, "k"), 3, "the count was not set to the holders");
+}
+
+/// Key `key`'s count, as claims keep it.
+fn held(conn: &mut Conn, key: &str) -> i64 {
+    let row = block_on(conn.client.query_one("SELECT held FROM key_counts WHERE key = $1", &[&key]));
+    row.and_then(|r| r.try_get(0)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Ends `task`'s first attempt, completed, in a group of its own.
+fn finish(conn: &mut Conn, task: &'static str) {
+    let (end, ended) = job(Some(task), move |tx| {
+        let done = Ending::Completed { result: String::new(), usage: None };
+        ops::finish(tx, &attempt(task), &done, None).map(|(row, seq)| (format!("{:?}", row.state), seq))
+    });
+    commit_group(conn, vec![end]);
+    assert_eq!(answers(&[ended]), [Ok("Completed".to_owned())]);
 }
 
 /// A task's keys are locked once per transaction: a second claim of it in the group (two
-/// claimers racing for it) sends its claim alone, and loses, the limit held.
+/// claimers racing for it) that finds the key full again counts its holders without locking
+/// the keys again, and loses, the limit held.
 #[test]
 fn a_second_claim_of_a_keyed_task_in_one_group_does_not_lock_its_keys_again() {
     let keyed =
         |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
     let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
-    // A first group learns that the run holds keyed tasks.
+    // A first group learns that the run holds keyed tasks; `a` holds the key.
     let (jobs, _replies): (Vec<_>, Vec<_>) = ["a", "b"].into_iter().map(claim).unzip();
-    claims_in_rounds(&mut conn, jobs);
-    // `a` ends: its place is free for `c`.
-    let ended = job(Some("a"), |tx| {
-        let done = Ending::Completed { result: String::new(), usage: None };
-        ops::finish(tx, &attempt("a"), &done, None).map(|(row, seq)| (format!("{:?}", row.state), seq))
-    });
-    let (jobs, _): (Vec<_>, Vec<_>) = [ended].into_iter().unzip();
     claims_in_rounds(&mut conn, jobs);
     // Two claims of `c` one after the other in one transaction, as after the rounds.
     let mut t = PgTx::begin(&mut conn, false);
@@ -295,8 +336,74 @@ fn a_second_claim_of_a_keyed_task_in_one_group_does_not_lock_its_keys_again() {
     first.finish(Ok(0));
     second.finish(Ok(0));
     let got = answers(&[first_reply, second_reply]);
-    assert_eq!(got, [Ok("Some((1, Running))".to_owned()), Ok("None".to_owned())]);
+    assert_eq!(got, [Ok("None".to_owned()), Ok("None".to_owned())]);
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
+}
+
+/// A store whose keys have holders and no counts (written before `key_counts`, or a count
+/// lost): the first claim of a key counts its holders, so the limit holds from the first claim.
+#[test]
+fn a_key_without_a_count_is_counted_from_its_holders() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n");
+    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    for task in ["a", "b"] {
+        let (j, r) = claim(task);
+        commit_group(&mut conn, vec![j]);
+        assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+    }
+    block_on(conn.client.batch_execute("DELETE FROM key_counts")).unwrap_or_else(|e| panic!("{e}"));
+    let (j, r) = claim("c");
+    commit_group(&mut conn, vec![j]);
+    assert_eq!(answers(&[r]), [Ok("None".to_owned())]);
+    assert_eq!(held(&mut conn, "k"), 2);
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 2);
+}
+
+/// Two transactions claiming one key at once: the second waits for the first's lock on the
+/// key's count, then reads the count the first committed (not the one its statement began
+/// with, which has room), and is refused.
+#[test]
+fn a_claim_waiting_for_a_key_reads_the_count_the_holder_committed() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n");
+    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    // The key gets its count, one place taken.
+    let (j, r) = claim("a");
+    commit_group(&mut conn, vec![j]);
+    assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+    // `b` takes the second place in a transaction held open.
+    let mut t = PgTx::begin(&mut conn, false);
+    let (mut first, first_reply) = claim("b");
+    assert!(first.run(&mut t).is_ok());
+    let mut other = store.db.pool.connect().unwrap_or_else(|e| panic!("{e}"));
+    let waiting = std::thread::spawn(move || {
+        let (j, r) = claim("c");
+        commit_group(&mut other, vec![j]);
+        answers(&[r])
+    });
+    // Until the other claim waits for the lock `b`'s claim holds.
+    let mut watch = store.db.pool.connect().unwrap_or_else(|e| panic!("{e}"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waits = block_on(watch.client.query_one(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            &[],
+        ));
+        if waits.and_then(|r| r.try_get::<_, i64>(0)).unwrap_or_else(|e| panic!("{e}")) > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the other claim never waited for the key");
+        std::thread::yield_now();
+    }
+    let (numbered, committed) = number_and_commit(&mut t, false, false);
+    assert!(committed.is_ok() && numbered.is_ok());
+    first.finish(Ok(0));
+    assert_eq!(answers(&[first_reply]), [Ok("Some((1, Running))".to_owned())]);
+    let got = waiting.join().unwrap_or_else(|_| panic!("the other claim panicked"));
+    assert_eq!(got, [Ok("None".to_owned())]);
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 2);
+    assert_eq!(held(&mut watch, "k"), 2);
 }
 
 /// The statements that read back the tasks a commit or the log names look each one up by its
@@ -323,5 +430,41 @@ fn tasks_named_by_events_are_read_by_key_whatever_the_statistics() {
         let plan = plan.join("\n");
         assert!(!plan.contains("Seq Scan on tasks"), "{name} scans the tasks:\n{plan}");
         assert!(plan.contains("tasks_pkey"), "{name} reads the tasks by key:\n{plan}");
+    }
+}
+
+/// A key's count row and its live holders are read by key whatever the statistics (here an
+/// empty table, never analyzed, under a generic plan): the count through its primary key (a
+/// join chose a sequential scan of every key there), the holders through `tasks_holding`
+/// (neither every task nor every unfinished one walked), by the count `pier show` reads, the
+/// claim, the claim that counts a full key and the ending that gives a place back.
+#[test]
+fn a_key_s_count_and_holders_are_read_by_key_whatever_the_statistics() {
+    let (_store, conn, _db) = store(&["a"]);
+    let claim = ("text, text, text, bigint, bigint", "'r', 'a', 'o', 1, 1");
+    let cases = [
+        ("holders", crate::keys::PG_HOLDERS, ("text", "'k'"), "tasks_holding"),
+        ("claim_keyed", super::tx::CLAIM_KEYED, claim, "tasks_holding"),
+        ("claim_held", super::tx::CLAIM_HELD, claim, "key_counts_pkey"),
+        (
+            "end_keyed",
+            super::tx::END_KEYED,
+            (
+                "text, text, text, bigint, bigint, text, text, text, bigint, text, bigint",
+                "'r', 'a', 'completed', 0, NULL, NULL, NULL, NULL, 1, 'o', 1",
+            ),
+            "key_counts_pkey",
+        ),
+    ];
+    for (name, sql, (types, args), index) in cases {
+        let prepare = format!("SET plan_cache_mode = force_generic_plan; PREPARE {name}({types}) AS {}", dialect(sql));
+        block_on(conn.client.batch_execute(&prepare)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let rows = block_on(conn.client.query(&format!("EXPLAIN EXECUTE {name}({args})"), &[]))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan = rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n");
+        assert!(plan.contains(index), "{name} does not read {index}:\n{plan}");
+        for scan in ["Seq Scan on tasks", "Seq Scan on key_counts", "tasks_unfinished"] {
+            assert!(!plan.contains(scan), "{name}: {scan}:\n{plan}");
+        }
     }
 }

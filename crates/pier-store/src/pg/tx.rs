@@ -52,9 +52,9 @@ pub(crate) struct PgTx<'c> {
     /// `rounds`).
     pub(super) late: bool,
     pub(super) keyed_runs: &'c mut KeyedRuns,
-    /// The tasks whose concurrency keys this transaction has locked (without savepoints: a
-    /// lock taken in one that is rolled back goes with it). Advisory locks are held to the
-    /// end of the transaction, and a task's keys never change, so another claim of one of
+    /// The tasks whose concurrency keys' counts this transaction has locked (without
+    /// savepoints: a lock taken in one that is rolled back goes with it). Row locks are held to
+    /// the end of the transaction, and a task's keys never change, so another claim of one of
     /// them in the group (two claimers racing for it) needs no second `LOCK_KEYS`.
     keys_locked: HashSet<(String, String)>,
     /// The `LOCK_KEYS` statements sent on their own (outside rounds), for the tests.
@@ -62,12 +62,10 @@ pub(crate) struct PgTx<'c> {
 }
 
 /// The runs a connection's claims found tasks with concurrency keys in. A claim of a task of
-/// one locks its keys and claims in one round trip (`LOCK_KEYS`, then `CLAIM_KEYED` in the same
-/// pipeline, which PostgreSQL runs after it, its snapshot taken with the locks held) instead
-/// of `CLAIM` finding the task keyed and `CLAIM_KEYED` following in the next round. A hint
-/// only: both ways claim alike, and a task without keys in such a run is claimed by
-/// `CLAIM_KEYED` too. What a group learns is used from the next group on: a job run again in
-/// rounds must ask for the same statements each time.
+/// one is sent as `CLAIM_HELD` at once, instead of `CLAIM` finding the task keyed and
+/// `CLAIM_HELD` following in the next round. A hint only: both ways claim alike, and a task
+/// without keys in such a run is claimed by `CLAIM_HELD` too. What a group learns is used from
+/// the next group on: a job run again in rounds must ask for the same statements each time.
 #[derive(Default)]
 pub(crate) struct KeyedRuns {
     known: HashSet<String>,
@@ -249,20 +247,11 @@ pub(super) const TASK_FOR_UPDATE: &str =
      not_before_ms, result, usage, error, spec, cancel_requested FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
 /// A claim in one statement: the row locked by primary key, skipped if another claimer holds
 /// it; updated through its `ctid` only if pending and due; the attempt's row added; the row
-/// as the claim left it, and whether a pending, due task was left for its concurrency keys,
-/// whose locks it then takes (`l`) for the claim that counts their holders (`CLAIM_KEYED`, a
-/// later statement, so its snapshot is taken with the locks held). The state is tested on the
-/// locked row, never in the lookup: with `state = 'pending'` there the generic plan of the
-/// prepared statement walked the `tasks_pending` partial index over the run's pending tasks
-/// (0.5 ms per claim at 10,000 of them, against 0.01 ms).
-///
-/// The keys' locks are waited for, in PostgreSQL's queue: a claim that gave up when another
-/// node held the key could lose to that node's next claim again and again (a higher-priority
-/// task starved of its key). Another node's group holds them only until its commit. Taken in
-/// the keys' order: two groups then never wait for each other in a cycle over their keys (a
-/// deadlock that remains, such as one key's hash meeting another's, is broken by PostgreSQL and
-/// the group it aborts runs again). The two-key form: its lock space is apart from the
-/// migrations'.
+/// as the claim left it, and whether a pending, due task was left for its concurrency keys
+/// (`CLAIM_HELD` claims it). The state is tested on the locked row, never in the lookup: with
+/// `state = 'pending'` there the generic plan of the prepared statement walked the
+/// `tasks_pending` partial index over the run's pending tasks (0.5 ms per claim at 10,000 of
+/// them, against 0.01 ms).
 pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, keyed FROM tasks
          WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
@@ -271,63 +260,85 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
              t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
      a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
-         ON CONFLICT DO NOTHING),
-     l AS (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
-             FROM c JOIN tasks s ON s.ctid = c.ctid, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
-             WHERE c.keyed IS NOT NULL AND c.state = 'pending' AND c.not_before_ms <= ?5 ORDER BY x.key) k)
-     SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END, (SELECT COUNT(*) FROM l)
+         ON CONFLICT DO NOTHING)
+     SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END
      FROM c LEFT JOIN u ON true";
 
-/// The locks of task `?1`/`?2`'s concurrency keys if it is keyed, as `CLAIM` takes them, for a
-/// `CLAIM_KEYED` in the same pipeline ([`KeyedRuns`]). Whatever the task's state: the row is not
-/// locked here, and a task this statement's snapshot shows running may be pending again (a
-/// retry, a person's) in the claim's, which would then count its keys' holders unlocked. A
-/// task's keys never change.
-pub(super) const LOCK_KEYS: &str = "WITH s AS MATERIALIZED (SELECT spec, keyed FROM tasks
-         WHERE run_id = ?1 AND id = ?2)
-     SELECT COUNT(*) FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
-         FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
-         WHERE s.keyed IS NOT NULL ORDER BY x.key) k) l";
-
-/// `LOCK_KEYS` of every task of `?1`/`?2` (runs and tasks, side by side) in one statement, in
-/// one order of all their keys: how a round sends its keyed claims' locks (`rounds`).
-pub(super) const LOCK_KEYS_OF: &str = "WITH s AS MATERIALIZED (SELECT t.spec, t.keyed
-         FROM UNNEST(?1::text[], ?2::text[]) AS w(run_id, id) JOIN tasks t ON t.run_id = w.run_id AND t.id = w.id)
-     SELECT COUNT(*) FROM (SELECT pg_advisory_xact_lock(1885955442, hashtext(k.key)) FROM (SELECT DISTINCT x.key
-         FROM s, jsonb_to_recordset(s.spec::jsonb -> 'concurrency') AS x(key text)
-         WHERE s.keyed IS NOT NULL ORDER BY x.key) k) l";
-
-/// A claim of a task with concurrency keys (its spec's `concurrency`), once the keys are
-/// locked (by `CLAIM`, which also locked the row, or by `LOCK_KEYS`; a row another
-/// transaction holds is skipped, as by `CLAIM`, and the keys of a task that cannot be claimed
-/// are not even read): in one statement each key's holders counted, and only if they fill it,
-/// its stale ones (whose attempt no longer runs) dropped and not counted — so a holder's task
-/// is looked at once, when its key is next full, not by every claim — the task moved only if
-/// every key has room, its attempt's row and its holder rows added. The count
-/// sees every commit before the statement began, which is after the locks were taken. As in
-/// `CLAIM`, the task is found (and locked) by primary key and its state tested on the row found.
-pub(super) const CLAIM_KEYED: &str = concat!(
-    "WITH c AS (SELECT ctid, state, not_before_ms, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
+/// The claim of a task with concurrency keys while each key's count (`key_counts.held`, never
+/// below its live holders) has room, in one statement: the task's row locked as by `CLAIM`;
+/// its keys' count rows locked in the keys' order (waited for: the lock hands a key's places
+/// out first come first served, and the order keeps two claims from waiting for each other in
+/// a cycle), each read as the last commit left it (a row lock re-reads the row); only if every
+/// key has a count with room, each count raised, the task moved, its attempt's and holder rows
+/// added. Besides the row, whether a pending, due task was left (a key without a count, or at
+/// its limit): `CLAIM_KEYED` then counts the key's holders. No count is read that an ending
+/// changes, so such a claim never waits for an ending's commit to be right.
+pub(super) const CLAIM_HELD: &str =
+    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
      k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
-             jsonb_to_recordset(c.spec::jsonb -> 'concurrency') AS x(key text, \"limit\" bigint)
+             jsonb_to_recordset(c.concurrency::jsonb) AS x(key text, \"limit\" bigint)
              WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
-     r AS MATERIALIZED (SELECT k.key, k.lim, (SELECT COUNT(*) FROM key_holders h
-         WHERE h.key = k.key AND NOT (h.run_id = ?1 AND h.task_id = ?2)) AS n FROM k),
-     d AS (DELETE FROM key_holders h USING r WHERE h.key = r.key AND r.n >= r.lim
-         AND NOT (h.run_id = ?1 AND h.task_id = ?2) AND NOT ",
-    crate::holder_is_live!(),
-    " RETURNING h.key),
-     f AS (SELECT 1 FROM r WHERE r.n - (SELECT COUNT(*) FROM d WHERE d.key = r.key) >= r.lim),
+     n AS (UPDATE key_counts s SET held = s.held + 1
+         WHERE s.key = ANY (ARRAY(SELECT k.key FROM k)) AND s.held < (SELECT k.lim FROM k WHERE k.key = s.key)
+         RETURNING 1),
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
              lease_owner = ?3, lease_expires_at_ms = ?4
          FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
-             AND NOT EXISTS (SELECT 1 FROM f)
+             AND (SELECT COUNT(*) FROM n) = (SELECT COUNT(*) FROM k)
+         RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
+             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
+     a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
+         ON CONFLICT DO NOTHING)
+     SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN 1 END FROM c LEFT JOIN u ON true";
+
+/// Locks the count rows of task `?1`/`?2`'s concurrency keys, each made if the key has none
+/// (at 0: `CLAIM_KEYED` sets it), in the keys' order, for a `CLAIM_KEYED` after it (in the same
+/// pipeline: [`KeyedRuns`]), whose snapshot is then taken with them held. Whatever the task's
+/// state: the row is not locked here, and a task this statement's snapshot shows running may
+/// be pending again (a retry, a person's) in the claim's. A task's keys never change. The
+/// `WHERE false` locks an existing row without writing a version of it.
+pub(super) const LOCK_KEYS: &str = "INSERT INTO key_counts (key, held) SELECT DISTINCT x.key, 0
+         FROM tasks s, jsonb_to_recordset(s.concurrency::jsonb) AS x(key text)
+         WHERE s.run_id = ?1 AND s.id = ?2 AND s.keyed IS NOT NULL ORDER BY x.key
+     ON CONFLICT (key) DO UPDATE SET held = key_counts.held WHERE false";
+
+/// `LOCK_KEYS` of every task of `?1`/`?2` (runs and tasks, side by side) in one statement, in
+/// one order of all their keys: how a round sends its keyed claims' locks (`rounds`).
+pub(super) const LOCK_KEYS_OF: &str = "INSERT INTO key_counts (key, held) SELECT DISTINCT x.key, 0
+         FROM UNNEST(?1::text[], ?2::text[]) AS w(run_id, id) JOIN tasks s ON s.run_id = w.run_id AND s.id = w.id,
+             jsonb_to_recordset(s.concurrency::jsonb) AS x(key text)
+         WHERE s.keyed IS NOT NULL ORDER BY x.key
+     ON CONFLICT (key) DO UPDATE SET held = key_counts.held WHERE false";
+
+/// A claim of a task with concurrency keys that counts each key's holders, once the keys'
+/// count rows are locked (by `LOCK_KEYS`; a task row another transaction holds is skipped, as
+/// by `CLAIM`, and the keys of a task that cannot be claimed are not even read): in one
+/// statement each key's stale holders (whose attempt no longer runs) dropped, the rest (but the
+/// task's own) counted, the task moved only if every key has room, its attempt's row and its
+/// holder rows added, and each key's count set to its holders. The count sees every commit
+/// before the statement began, which is after the locks were taken, and every claim of the key
+/// takes the same lock: none commits a holder it misses. Sent only when `CLAIM_HELD` found a
+/// key at its count's limit (or without one), so the holders are read about once per limit's
+/// worth of claims of a key, and on every claim of a key that is full. As in `CLAIM`, the task
+/// is found (and locked) by primary key and its state tested on the row found.
+pub(super) const CLAIM_KEYED: &str = concat!(
+    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
+     k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
+             jsonb_to_recordset(c.concurrency::jsonb) AS x(key text, \"limit\" bigint)
+             WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
+     r AS MATERIALIZED (SELECT k.key, k.lim, ",
+    crate::holders!("k.key", postgres, ""),
+    " AS n FROM k),
+     u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
+             lease_owner = ?3, lease_expires_at_ms = ?4
+         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
+             AND NOT EXISTS (SELECT 1 FROM r WHERE r.n >= r.lim)
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
              t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
      a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
          ON CONFLICT DO NOTHING),
-     h AS (INSERT INTO key_holders (key, run_id, task_id, attempt) SELECT k.key, u.run_id, u.id, u.attempt
-         FROM k CROSS JOIN u ON CONFLICT (key, run_id, task_id) DO UPDATE SET attempt = excluded.attempt)
+     w AS (UPDATE key_counts s SET held = (SELECT r.n FROM r WHERE r.key = s.key) + (SELECT COUNT(*) FROM u)
+         WHERE s.key = ANY (ARRAY(SELECT r.key FROM r)))
      SELECT * FROM u"
 );
 
@@ -337,42 +348,81 @@ pub(super) const CLAIM_KEYED: &str = concat!(
 /// new row. As in `CLAIM`, the state is tested on the locked row.
 /// `END_KEEPING` also keeps the attempt's output (`?12`), whether or not the ending applies.
 macro_rules! end_statement {
-    ($keep:literal) => {
+    ($keep:literal, $open:literal, $($close:tt)*) => {
         concat!(
             "WITH ",
             $keep,
-            "o AS (SELECT ctid, state FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE)
+            "o AS (SELECT ctid, state, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE)",
+            $open,
+            "
      UPDATE tasks t SET state = ?3, version = t.version + 1, failures = t.failures + ?4, lease_owner = NULL,
          lease_expires_at_ms = NULL, not_before_ms = COALESCE(?5, t.not_before_ms),
          result = COALESCE(?6, t.result), usage = COALESCE(?7, t.usage), error = ?8
      FROM o WHERE t.ctid = o.ctid AND o.state IN ('running', 'awaiting_input') AND t.attempt = ?9
          AND t.lease_owner = ?10 AND t.lease_expires_at_ms >= ?11 AND t.cancel_requested IS NULL
      RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested, o.state"
+         t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested,
+         o.state AS was",
+            $($close)*
         )
     };
 }
-pub(super) const END: &str = end_statement!("");
+
+/// The ending (`e`) of an attempt that holds concurrency keys gives each key's place back: its
+/// count lowered by one, only when the ending applies (an attempt stops holding once, and only
+/// by the ending that applies to it), so a count stays at or above its live holders. An ending
+/// sent without it (`END`, where the connection does not know the run holds keyed tasks)
+/// leaves the count high, and the claim that finds it at the limit counts the holders.
+macro_rules! released {
+    () => {
+        "), d AS (UPDATE key_counts s SET held = s.held - 1 WHERE EXISTS (SELECT 1 FROM e)
+             AND s.key = ANY (ARRAY(SELECT x.key FROM o, jsonb_to_recordset(o.concurrency::jsonb) AS x(key text)))
+             AND s.held > 0)
+     SELECT * FROM e"
+    };
+}
+
+pub(super) const END: &str = end_statement!("", "",);
 pub(super) const END_KEEPING: &str = end_statement!(
     "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
-     "
+     ",
+    "",
+);
+/// `END` and `END_KEEPING` of a task of a run known to hold keyed tasks ([`KeyedRuns`]).
+pub(super) const END_KEYED: &str = end_statement!("", ", e AS (", released!());
+pub(super) const END_KEEPING_KEYED: &str = end_statement!(
+    "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
+     ",
+    ", e AS (",
+    released!()
 );
 
 impl PgTx<'_> {
-    /// [`Tx::take`] of a task with concurrency keys, its row and its keys locked by the claim
-    /// that declined it: `CLAIM_KEYED`, the next statement.
-    /// With `lock`, its keys are locked first, by `LOCK_KEYS` in the same round trip.
-    fn take_keyed(&mut self, c: &ops::Claim<'_>, lock: bool) -> Result<Option<TaskRow>, StoreError> {
-        let ops::Claim { run, task, owner, until, now, .. } = *c;
+    /// [`Tx::take`] of a task with concurrency keys (or of any task of a run known to hold
+    /// some): `CLAIM_HELD`, and only if it left the task for a key at its count's limit (or
+    /// without one), the keys locked by `LOCK_KEYS` and the claim that counts their holders,
+    /// `CLAIM_KEYED`, in one round trip. A second such claim of the task in the transaction
+    /// sends `CLAIM_KEYED` alone: its keys are still locked.
+    fn take_keyed(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
+        let ops::Claim { run, task, owner, until, now } = *c;
         let a = [Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)];
+        // It may count on a place an ending in the same round gave back (see `rounds`).
         self.late = self.replay.is_some();
-        let rows = if !lock {
+        let rows = self.rows(CLAIM_HELD, &a)?;
+        let Some(mut row) = rows.first().map(cells).transpose().map_err(|e| self.failed(e))? else { return Ok(None) };
+        match (matches!(row.0.first(), Some(Cell::Text(_))), row.opt_int(14)?) {
+            (true, _) => return Ok(Some(ops::decode(row.raw_task()?)?)),
+            (false, None) => return Ok(None),
+            (false, Some(_)) => {}
+        }
+        // A job of the rounds asks the same each time it runs again, so only one run after
+        // them (the group's second claim of a task) skips the lock its first took.
+        let locked = self.replay.is_none() && self.keys_locked.contains(&(run.to_owned(), task.to_owned()));
+        let rows = if locked {
             self.rows(CLAIM_KEYED, &a)?
         } else if let Some(answers) = self.replayed(&[(LOCK_KEYS, &a[..2], true), (CLAIM_KEYED, &a, true)]) {
-            self.wrote = true;
             answers?.pop().map(Answer::rows).ok_or_else(no_answer)??
         } else {
-            self.wrote = true;
             self.locks_sent += 1;
             let (locks, claim) = (self.prepared(LOCK_KEYS)?, self.prepared(CLAIM_KEYED)?);
             let tx = self.tx;
@@ -437,7 +487,13 @@ impl Tx for PgTx<'_> {
         if let Some(output) = b.output {
             params.push(Arg::Text(output));
         }
-        let end_sql = if b.output.is_some() { END_KEEPING } else { END };
+        let keyed = self.keyed_runs.known.contains(&a.run);
+        let end_sql = match (b.output.is_some(), keyed) {
+            (true, false) => END_KEEPING,
+            (false, false) => END,
+            (true, true) => END_KEEPING_KEYED,
+            (false, true) => END_KEYED,
+        };
         self.wrote = true;
         let mut wants = vec![(end_sql, params.as_slice(), true)];
         if b.unless_messages {
@@ -492,10 +548,7 @@ impl Tx for PgTx<'_> {
     fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
         let ops::Claim { run, task, owner, until, now } = *c;
         if self.keyed_runs.known.contains(run) {
-            // A job of the rounds asks the same each time it runs again, so only one run after
-            // them (the group's second claim of a task) skips the lock its first took.
-            let locked = self.replay.is_none() && self.keys_locked.contains(&(run.to_owned(), task.to_owned()));
-            return self.take_keyed(c, !locked);
+            return self.take_keyed(c);
         }
         let rows =
             self.rows(CLAIM, &[Arg::Text(run), Arg::Text(task), Arg::Text(owner), Arg::Int(until), Arg::Int(now)])?;
@@ -503,13 +556,12 @@ impl Tx for PgTx<'_> {
         let taken = matches!(row.0.first(), Some(Cell::Text(_)));
         match (taken, row.opt_int(14)?) {
             (true, _) => Ok(Some(ops::decode(row.raw_task()?)?)),
-            // A task with concurrency keys: the claim that counts their holders, on the row and
-            // keys `CLAIM` locked.
+            // A task with concurrency keys: the claim that counts them.
             (_, Some(_)) => {
                 if !self.keyed_runs.learned.iter().any(|r| r == run) {
                     self.keyed_runs.learned.push(run.to_owned());
                 }
-                self.take_keyed(c, false)
+                self.take_keyed(c)
             }
             _ => Ok(None),
         }
