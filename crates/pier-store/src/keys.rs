@@ -48,18 +48,19 @@ macro_rules! holders {
 }
 
 /// How each backend reads a task's keys in [`holders!`]: `(rows)` of `t`'s JSON, and the
-/// `(key)` of each.
+/// `(key)` of each. A keyed task without its `concurrency` column (written by a pier from
+/// before it, still running beside a newer one) is read from its spec.
 #[macro_export]
 #[doc(hidden)]
 macro_rules! task_keys {
     (sqlite, rows) => {
-        "json_each(t.concurrency) j"
+        "json_each(COALESCE(t.concurrency, json_extract(t.spec, '$.concurrency'))) j"
     };
     (sqlite, key) => {
         "json_extract(j.value, '$.key')"
     };
     (postgres, rows) => {
-        "jsonb_to_recordset(t.concurrency::jsonb) AS y(key text)"
+        "jsonb_to_recordset(COALESCE(t.concurrency::jsonb, t.spec::jsonb -> 'concurrency')) AS y(key text)"
     };
     (postgres, key) => {
         "y.key"

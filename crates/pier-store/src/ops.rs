@@ -68,6 +68,14 @@ pub(crate) trait Tx {
     /// row is locked (so a `say` that held the lock is seen); the caller's transaction then
     /// undoes it.
     fn end_held(&mut self, e: &EndHeld<'_>) -> Result<Option<(TaskState, TaskRow)>, StoreError>;
+    /// A live attempt of a task with concurrency `keys` stops holding them (its row, locked by
+    /// this transaction, is about to lose its lease), written by any operation but
+    /// [`Tx::end_held`], which does this itself. PostgreSQL lowers each key's count by the
+    /// place given back ([`crate::keys`]); SQLite keeps no count.
+    fn gives_back(&mut self, keys: &[crate::plan::ConcurrencyKey]) -> Result<(), StoreError> {
+        let _ = keys;
+        Ok(())
+    }
     /// Appends an event to the log; its sequence number (or, where the backend numbers
     /// events at commit, a number that only says one was written).
     fn event(&mut self, run: &str, task: Option<&str>, kind: &str, data: &Value) -> Result<i64, StoreError>;
@@ -489,9 +497,21 @@ fn columns(ending: &Ending) -> (Columns, Extra) {
     (c, extra)
 }
 
+/// `row` (as read, locked, in this transaction) is about to lose its lease: if it held its
+/// concurrency keys (a live attempt: running or waiting for an answer under a lease), they are
+/// given back ([`Tx::gives_back`]), once, by the operation that ends its hold.
+fn stops_holding(tx: &mut dyn Tx, row: &TaskRow) -> Result<(), StoreError> {
+    let live = row.lease_owner.is_some() && matches!(row.state, TaskState::Running | TaskState::AwaitingInput);
+    if live && !row.spec.concurrency.is_empty() {
+        tx.gives_back(&row.spec.concurrency)?;
+    }
+    Ok(())
+}
+
 /// The ending's columns written to `row` (the caller has checked who may), and the row as
 /// the UPDATE left it, built rather than read back.
 fn apply(tx: &mut dyn Tx, row: &TaskRow, c: &Columns) -> Result<TaskRow, StoreError> {
+    stops_holding(tx, row)?;
     let not_before = c.not_before.unwrap_or(row.not_before_ms);
     let usage = c.usage.as_ref().map(Value::to_string);
     tx.exec(
@@ -834,6 +854,7 @@ pub(crate) fn cancel(
         let seq = log(tx, run, Some(task), &asked)?;
         return Ok((Some(load_task(tx, run, task)?), seq));
     }
+    stops_holding(tx, &row)?;
     tx.exec(
         "UPDATE tasks SET state = 'cancelled', version = version + 1, lease_owner = NULL, lease_expires_at_ms = NULL,
              cancel_requested = NULL
@@ -915,6 +936,7 @@ pub(crate) fn retry(
     let mut seq = 0;
     let mut rows = Vec::with_capacity(chosen.len());
     for (t, reason) in chosen {
+        stops_holding(tx, &t)?;
         tx.exec(
             "UPDATE tasks SET state = 'pending', version = version + 1, failures = 0, not_before_ms = 0,
                  result = NULL, error = NULL, lease_owner = NULL, lease_expires_at_ms = NULL, cancel_requested = NULL

@@ -167,7 +167,8 @@ pub(crate) const TASKS_CONCURRENCY_BACKFILL: &str =
     "UPDATE tasks SET concurrency = {SPEC_CONCURRENCY} WHERE keyed IS NOT NULL";
 
 /// The tasks that may hold their concurrency keys (a running attempt, or one waiting for an
-/// answer): how a key's live holders are found (`crate::keys`) without reading other tasks.
+/// answer): how a key's live holders are found (`crate::keys`) without reading the pending or
+/// ended ones; every live keyed task's keys are read, whatever its keys.
 pub(crate) const TASKS_HOLDING: &str =
     "CREATE INDEX tasks_holding ON tasks(keyed) WHERE keyed IS NOT NULL AND state IN ('running', 'awaiting_input')";
 

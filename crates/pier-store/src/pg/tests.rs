@@ -254,7 +254,7 @@ fn keyed_claims_side_by_side_keep_the_limit_and_come_after_the_endings_they_coun
 fn keyed_claims_take_one_round_trip_once_their_run_is_known_and_their_key_counted() {
     let keyed =
         |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 3 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c", "d", "e", "f"].map(keyed).concat());
+    let (store, mut conn, _db) = store_of(&["a", "b", "c", "d", "e", "f", "g"].map(keyed).concat());
     let (claimed, declined) = ("Some((1, Running))", "None");
     let groups: [(&[&'static str], usize, &[&str]); 3] = [
         // `CLAIM` finds them keyed, `CLAIM_HELD` finds no count, `CLAIM_KEYED` counts.
@@ -286,16 +286,64 @@ fn keyed_claims_take_one_round_trip_once_their_run_is_known_and_their_key_counte
     let (jobs, replies): (Vec<_>, Vec<_>) = ["e"].into_iter().map(claim).unzip();
     assert_eq!(claims_in_rounds(&mut conn, jobs).0, 1);
     assert_eq!(answers(&replies), [Ok("Some((1, Running))".to_owned())]);
-    // `b` ends through the store's own connection, which does not know: the count stays at the
-    // limit, and `f` finds room only by counting the holders.
+    // `b` ends through the store's own connection, which does not know the run holds keyed
+    // tasks: its `END` finds the task keyed, and the place is given back all the same.
     let done = Ending::Completed { result: String::new(), usage: None };
     store.finish(&attempt("b"), &done, None).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(held(&mut conn, "k"), 3);
+    assert_eq!(held(&mut conn, "k"), 2);
     let (jobs, replies): (Vec<_>, Vec<_>) = ["f"].into_iter().map(claim).unzip();
+    assert_eq!(claims_in_rounds(&mut conn, jobs).0, 1);
+    assert_eq!(answers(&replies), [Ok("Some((1, Running))".to_owned())]);
+    // A count above the holders (as a claim of several keys refused on one leaves the others):
+    // `g` finds room only by counting them, and the count is set to them.
+    store.finish(&attempt("c"), &done, None).unwrap_or_else(|e| panic!("{e}"));
+    block_on(conn.client.batch_execute("UPDATE key_counts SET held = 3")).unwrap_or_else(|e| panic!("{e}"));
+    let (jobs, replies): (Vec<_>, Vec<_>) = ["g"].into_iter().map(claim).unzip();
     assert_eq!(claims_in_rounds(&mut conn, jobs).0, 2);
     assert_eq!(answers(&replies), [Ok("Some((1, Running))".to_owned())]);
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 3);
     assert_eq!(held(&mut conn, "k"), 3, "the count was not set to the holders");
+}
+
+/// Keyed tasks written without their keys' column (by a pier from before it, still running
+/// beside a newer one) are held to their limit all the same: their keys are read from the spec.
+#[test]
+fn a_keyed_task_without_its_keys_column_is_held_to_its_limit() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
+    let (store, mut conn, _db) = store_of(&["a", "b"].map(keyed).concat());
+    block_on(conn.client.batch_execute("UPDATE tasks SET concurrency = NULL")).unwrap_or_else(|e| panic!("{e}"));
+    for (task, got) in [("a", "Some((1, Running))"), ("b", "None")] {
+        let (j, r) = claim(task);
+        commit_group(&mut conn, vec![j]);
+        assert_eq!(answers(&[r]), [Ok(got.to_owned())], "{task}");
+    }
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
+}
+
+/// Every operation that ends a live attempt's hold gives its keys' places back, not only the
+/// attempt's own ending: a lost lease taken back, and a pull worker's report.
+#[test]
+fn a_hold_ended_by_any_operation_gives_the_key_s_place_back() {
+    let keyed =
+        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n");
+    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    for task in ["a", "b"] {
+        let (j, r) = claim(task);
+        commit_group(&mut conn, vec![j]);
+        assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+    }
+    assert_eq!(held(&mut conn, "k"), 2);
+    let lost = crate::Held { attempt: attempt("a"), expires_at_ms: FAR };
+    let failed = Ending::Retry { error: Some("lost".into()), reason: "lost".into(), not_before_ms: 0, failure: true };
+    let taken_back = store.release_lost(&lost, &failed).unwrap_or_else(|e| panic!("{e}"));
+    assert!(taken_back.is_some());
+    assert_eq!(held(&mut conn, "k"), 1);
+    let done = Ending::Completed { result: String::new(), usage: None };
+    let idem = crate::Idem::worker_report(&attempt("b"), "report-b", &json!({"done": true}));
+    store.finish(&attempt("b"), &done, Some(&idem)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(held(&mut conn, "k"), 0);
+    assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 0);
 }
 
 /// Key `key`'s count, as claims keep it.
@@ -433,19 +481,21 @@ fn tasks_named_by_events_are_read_by_key_whatever_the_statistics() {
     }
 }
 
-/// A key's count row and its live holders are read by key whatever the statistics (here an
-/// empty table, never analyzed, under a generic plan): the count through its primary key (a
-/// join chose a sequential scan of every key there), the holders through `tasks_holding`
-/// (neither every task nor every unfinished one walked), by the count `pier show` reads, the
-/// claim, the claim that counts a full key and the ending that gives a place back.
+/// A key's count row and its live holders are read through their indexes whatever the
+/// statistics (here an empty table, never analyzed, under a generic plan): the count through
+/// its primary key (a join chose a sequential scan of every key there), the holders through
+/// `tasks_holding` (neither every task nor every unfinished one walked), by the count `pier
+/// show` reads, the claim, the claim that counts a full key and the ending that gives a place
+/// back.
 #[test]
-fn a_key_s_count_and_holders_are_read_by_key_whatever_the_statistics() {
+fn a_key_s_count_and_holders_are_read_through_their_indexes_whatever_the_statistics() {
     let (_store, conn, _db) = store(&["a"]);
     let claim = ("text, text, text, bigint, bigint", "'r', 'a', 'o', 1, 1");
     let cases = [
         ("holders", crate::keys::PG_HOLDERS, ("text", "'k'"), "tasks_holding"),
         ("claim_keyed", super::tx::CLAIM_KEYED, claim, "tasks_holding"),
         ("claim_held", super::tx::CLAIM_HELD, claim, "key_counts_pkey"),
+        ("give_back", super::tx::GIVE_BACK, ("text", "'k'"), "key_counts_pkey"),
         (
             "end_keyed",
             super::tx::END_KEYED,

@@ -48,8 +48,8 @@ pub(crate) struct PgTx<'c> {
     /// In rounds (`rounds`): the current job's answers so far, and where it stops.
     pub(super) replay: Option<Replay>,
     /// In rounds, the current job claimed a task with concurrency keys: it read what other
-    /// jobs' endings change (the keys' holders), so its events go after theirs in the log (see
-    /// `rounds`).
+    /// jobs' endings change (the keys' counts and holders), so its events go after theirs in
+    /// the log (see `rounds`).
     pub(super) late: bool,
     pub(super) keyed_runs: &'c mut KeyedRuns,
     /// The tasks whose concurrency keys' counts this transaction has locked (without
@@ -266,15 +266,19 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
 
 /// The claim of a task with concurrency keys while each key's count (`key_counts.held`, never
 /// below its live holders) has room, in one statement: the task's row locked as by `CLAIM`;
-/// its keys' count rows locked in the keys' order (waited for: the lock hands a key's places
-/// out first come first served, and the order keeps two claims from waiting for each other in
-/// a cycle), each read as the last commit left it (a row lock re-reads the row); only if every
-/// key has a count with room, each count raised, the task moved, its attempt's and holder rows
-/// added. Besides the row, whether a pending, due task was left (a key without a count, or at
-/// its limit): `CLAIM_KEYED` then counts the key's holders. No count is read that an ending
-/// changes, so such a claim never waits for an ending's commit to be right.
+/// each key's count raised only if it has room, under the count row's lock (waited for, so a
+/// key's places go first come first served; a row another transaction changed is re-read as it
+/// committed it, so the test and the raise see the last commit); the task moved, and its
+/// attempt's row added, only if every count was raised (those raised for a task refused on
+/// another key stay high until a claim counts the holders). Besides the row, whether a pending,
+/// due task was left (a key without a count, or at its limit, or a keyed task without its keys'
+/// column, written by a pier from before it): `CLAIM_KEYED` then counts the key's holders. The
+/// count rows are found through their primary key (`= ANY`: a join with the task's keys chose a
+/// sequential scan of every key on an empty table's generic plan). A cycle of lock waits with
+/// another node's group (two claims of several keys, or a claim and an ending, which lowers
+/// counts too) is broken by PostgreSQL, and the group it aborts runs again.
 pub(super) const CLAIM_HELD: &str =
-    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
+    "WITH c AS (SELECT ctid, state, not_before_ms, keyed, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
      k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
              jsonb_to_recordset(c.concurrency::jsonb) AS x(key text, \"limit\" bigint)
              WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
@@ -284,7 +288,7 @@ pub(super) const CLAIM_HELD: &str =
      u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
              lease_owner = ?3, lease_expires_at_ms = ?4
          FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
-             AND (SELECT COUNT(*) FROM n) = (SELECT COUNT(*) FROM k)
+             AND (SELECT COUNT(*) FROM n) = (SELECT COUNT(*) FROM k) AND (c.keyed IS NULL OR c.concurrency IS NOT NULL)
          RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
              t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
      a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
@@ -298,7 +302,7 @@ pub(super) const CLAIM_HELD: &str =
 /// be pending again (a retry, a person's) in the claim's. A task's keys never change. The
 /// `WHERE false` locks an existing row without writing a version of it.
 pub(super) const LOCK_KEYS: &str = "INSERT INTO key_counts (key, held) SELECT DISTINCT x.key, 0
-         FROM tasks s, jsonb_to_recordset(s.concurrency::jsonb) AS x(key text)
+         FROM tasks s, jsonb_to_recordset(COALESCE(s.concurrency::jsonb, s.spec::jsonb -> 'concurrency')) AS x(key text)
          WHERE s.run_id = ?1 AND s.id = ?2 AND s.keyed IS NOT NULL ORDER BY x.key
      ON CONFLICT (key) DO UPDATE SET held = key_counts.held WHERE false";
 
@@ -306,25 +310,24 @@ pub(super) const LOCK_KEYS: &str = "INSERT INTO key_counts (key, held) SELECT DI
 /// one order of all their keys: how a round sends its keyed claims' locks (`rounds`).
 pub(super) const LOCK_KEYS_OF: &str = "INSERT INTO key_counts (key, held) SELECT DISTINCT x.key, 0
          FROM UNNEST(?1::text[], ?2::text[]) AS w(run_id, id) JOIN tasks s ON s.run_id = w.run_id AND s.id = w.id,
-             jsonb_to_recordset(s.concurrency::jsonb) AS x(key text)
+             jsonb_to_recordset(COALESCE(s.concurrency::jsonb, s.spec::jsonb -> 'concurrency')) AS x(key text)
          WHERE s.keyed IS NOT NULL ORDER BY x.key
      ON CONFLICT (key) DO UPDATE SET held = key_counts.held WHERE false";
 
 /// A claim of a task with concurrency keys that counts each key's holders, once the keys'
 /// count rows are locked (by `LOCK_KEYS`; a task row another transaction holds is skipped, as
 /// by `CLAIM`, and the keys of a task that cannot be claimed are not even read): in one
-/// statement each key's stale holders (whose attempt no longer runs) dropped, the rest (but the
-/// task's own) counted, the task moved only if every key has room, its attempt's row and its
-/// holder rows added, and each key's count set to its holders. The count sees every commit
-/// before the statement began, which is after the locks were taken, and every claim of the key
-/// takes the same lock: none commits a holder it misses. Sent only when `CLAIM_HELD` found a
-/// key at its count's limit (or without one), so the holders are read about once per limit's
-/// worth of claims of a key, and on every claim of a key that is full. As in `CLAIM`, the task
+/// statement each key's live holders counted from the tasks ([`crate::keys`]), the task moved
+/// only if every key has room, its attempt's row added, and each key's count set to its
+/// holders. The count sees every commit before the statement began, which is after the locks
+/// were taken, and every claim and every ending of the key takes the same lock: none commits a
+/// change it misses. Sent only when `CLAIM_HELD` found a key at its count's limit (or without
+/// one), so on every claim of a key that is full, and rarely otherwise. As in `CLAIM`, the task
 /// is found (and locked) by primary key and its state tested on the row found.
 pub(super) const CLAIM_KEYED: &str = concat!(
-    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
+    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
      k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
-             jsonb_to_recordset(c.concurrency::jsonb) AS x(key text, \"limit\" bigint)
+             jsonb_to_recordset(COALESCE(c.concurrency::jsonb, c.spec::jsonb -> 'concurrency')) AS x(key text, \"limit\" bigint)
              WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
      r AS MATERIALIZED (SELECT k.key, k.lim, ",
     crate::holders!("k.key", postgres, ""),
@@ -371,8 +374,8 @@ macro_rules! end_statement {
 /// The ending (`e`) of an attempt that holds concurrency keys gives each key's place back: its
 /// count lowered by one, only when the ending applies (an attempt stops holding once, and only
 /// by the ending that applies to it), so a count stays at or above its live holders. An ending
-/// sent without it (`END`, where the connection does not know the run holds keyed tasks)
-/// leaves the count high, and the claim that finds it at the limit counts the holders.
+/// sent without it (`END`, where the connection does not know the run holds keyed tasks) is
+/// followed by `GIVE_BACK` once its row shows the keys.
 macro_rules! released {
     () => {
         "), d AS (UPDATE key_counts s SET held = s.held - 1 WHERE EXISTS (SELECT 1 FROM e)
@@ -388,7 +391,12 @@ pub(super) const END_KEEPING: &str = end_statement!(
      ",
     "",
 );
-/// `END` and `END_KEEPING` of a task of a run known to hold keyed tasks ([`KeyedRuns`]).
+/// A place of key `?1` given back by an operation that ends a live attempt's hold other than
+/// by `END_KEYED` ([`ops::Tx::gives_back`]).
+pub(super) const GIVE_BACK: &str = "UPDATE key_counts SET held = held - 1 WHERE key = ?1 AND held > 0";
+
+/// `END` and `END_KEEPING` of a task of a run known to hold keyed tasks ([`KeyedRuns`]); where
+/// the run is not known, `END` finds the task keyed and [`GIVE_BACK`] follows.
 pub(super) const END_KEYED: &str = end_statement!("", ", e AS (", released!());
 pub(super) const END_KEEPING_KEYED: &str = end_statement!(
     "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
@@ -542,7 +550,22 @@ impl Tx for PgTx<'_> {
             task: a.task.clone(),
             what: format!("unknown state `{from}`"),
         })?;
-        Ok(Some((from, ops::decode(raw)?)))
+        let row = ops::decode(raw)?;
+        // A keyed task of a run this connection did not know: `END` gave nothing back.
+        if !keyed && !row.spec.concurrency.is_empty() {
+            self.gives_back(&row.spec.concurrency)?;
+            if !self.keyed_runs.learned.iter().any(|r| r == &a.run) {
+                self.keyed_runs.learned.push(a.run.clone());
+            }
+        }
+        Ok(Some((from, row)))
+    }
+
+    fn gives_back(&mut self, keys: &[crate::plan::ConcurrencyKey]) -> Result<(), StoreError> {
+        for k in keys {
+            self.exec(GIVE_BACK, &[Arg::Text(&k.key)])?;
+        }
+        Ok(())
     }
 
     fn take(&mut self, c: &ops::Claim<'_>) -> Result<Option<TaskRow>, StoreError> {
