@@ -34,6 +34,21 @@ fn store_of(toml: &str) -> (PgStore, Conn, ScratchDatabase) {
     (store, conn, db)
 }
 
+/// A store with run `r` of `tasks`, each holding key `k` with `limit`, and a connection.
+fn keyed_store(tasks: &[&str], limit: u32) -> (PgStore, Conn, ScratchDatabase) {
+    let keyed = |t: &&str| {
+        format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = {limit} }}]\n\n")
+    };
+    store_of(&tasks.iter().map(keyed).collect::<String>())
+}
+
+/// Claims `task` in a group of its own on `conn`: its answer.
+fn claim_alone(conn: &mut Conn, task: &'static str) -> Result<String, String> {
+    let (j, r) = claim(task);
+    commit_group(conn, vec![j]);
+    answers(&[r]).remove(0)
+}
+
 fn job(
     task: Option<&str>,
     work: impl FnMut(&mut dyn Tx) -> Result<(String, i64), StoreError> + Send + 'static,
@@ -147,9 +162,7 @@ fn jobs_of_different_tasks_take_one_round_trip_per_step_between_them() {
 #[test]
 fn a_job_failing_after_a_write_sends_the_group_back_and_fails_alone() {
     let (store, mut conn, _db) = store(&["a", "b"]);
-    let (j, r) = claim("a");
-    commit_group(&mut conn, vec![j]);
-    answers(&[r]);
+    let _ = claim_alone(&mut conn, "a");
     store.say("r", "a", "one more thing", false, "p").unwrap_or_else(|e| panic!("{e}"));
     // The ending writes, then finds the message: it must be undone, and only a savepoint
     // undoes one job of a group.
@@ -215,9 +228,7 @@ fn keyed_claims_side_by_side_keep_the_limit_and_come_after_the_endings_they_coun
         |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
     let toml = format!("{}{}{}[[tasks]]\nid = \"p\"\nprompt = \"x\"\n", keyed("x"), keyed("y"), keyed("z"));
     let (store, mut conn, _db) = store_of(&toml);
-    let (j, r) = claim("x");
-    commit_group(&mut conn, vec![j]);
-    assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+    assert_eq!(claim_alone(&mut conn, "x"), Ok("Some((1, Running))".to_owned()));
     // In one group: a claim of the key before the ending of its holder (in queue order), a
     // second claim of the key, and a claim without keys.
     let (take_y, took_y) = claim("y");
@@ -252,9 +263,7 @@ fn keyed_claims_side_by_side_keep_the_limit_and_come_after_the_endings_they_coun
 /// it has none or the key has no count yet; the limit holds either way.
 #[test]
 fn keyed_claims_take_one_round_trip_once_their_run_is_known_and_their_key_counted() {
-    let keyed =
-        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 3 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c", "d", "e", "f", "g"].map(keyed).concat());
+    let (store, mut conn, _db) = keyed_store(&["a", "b", "c", "d", "e", "f", "g"], 3);
     let (claimed, declined) = ("Some((1, Running))", "None");
     let groups: [(&[&'static str], usize, &[&str]); 3] = [
         // `CLAIM` finds them keyed, `CLAIM_HELD` finds no count, `CLAIM_KEYED` counts.
@@ -309,14 +318,10 @@ fn keyed_claims_take_one_round_trip_once_their_run_is_known_and_their_key_counte
 /// beside a newer one) are held to their limit all the same: their keys are read from the spec.
 #[test]
 fn a_keyed_task_without_its_keys_column_is_held_to_its_limit() {
-    let keyed =
-        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b"].map(keyed).concat());
+    let (store, mut conn, _db) = keyed_store(&["a", "b"], 1);
     block_on(conn.client.batch_execute("UPDATE tasks SET concurrency = NULL")).unwrap_or_else(|e| panic!("{e}"));
     for (task, got) in [("a", "Some((1, Running))"), ("b", "None")] {
-        let (j, r) = claim(task);
-        commit_group(&mut conn, vec![j]);
-        assert_eq!(answers(&[r]), [Ok(got.to_owned())], "{task}");
+        assert_eq!(claim_alone(&mut conn, task), Ok(got.to_owned()), "{task}");
     }
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 1);
 }
@@ -325,13 +330,9 @@ fn a_keyed_task_without_its_keys_column_is_held_to_its_limit() {
 /// attempt's own ending: a lost lease taken back, and a pull worker's report.
 #[test]
 fn a_hold_ended_by_any_operation_gives_the_key_s_place_back() {
-    let keyed =
-        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    let (store, mut conn, _db) = keyed_store(&["a", "b", "c"], 2);
     for task in ["a", "b"] {
-        let (j, r) = claim(task);
-        commit_group(&mut conn, vec![j]);
-        assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+        assert_eq!(claim_alone(&mut conn, task), Ok("Some((1, Running))".to_owned()));
     }
     assert_eq!(held(&mut conn, "k"), 2);
     let lost = crate::Held { attempt: attempt("a"), expires_at_ms: FAR };
@@ -367,9 +368,7 @@ fn finish(conn: &mut Conn, task: &'static str) {
 /// the keys again, and loses, the limit held.
 #[test]
 fn a_second_claim_of_a_keyed_task_in_one_group_does_not_lock_its_keys_again() {
-    let keyed =
-        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 1 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    let (store, mut conn, _db) = keyed_store(&["a", "b", "c"], 1);
     // A first group learns that the run holds keyed tasks; `a` holds the key.
     let (jobs, _replies): (Vec<_>, Vec<_>) = ["a", "b"].into_iter().map(claim).unzip();
     claims_in_rounds(&mut conn, jobs);
@@ -392,18 +391,12 @@ fn a_second_claim_of_a_keyed_task_in_one_group_does_not_lock_its_keys_again() {
 /// lost): the first claim of a key counts its holders, so the limit holds from the first claim.
 #[test]
 fn a_key_without_a_count_is_counted_from_its_holders() {
-    let keyed =
-        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    let (store, mut conn, _db) = keyed_store(&["a", "b", "c"], 2);
     for task in ["a", "b"] {
-        let (j, r) = claim(task);
-        commit_group(&mut conn, vec![j]);
-        assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+        assert_eq!(claim_alone(&mut conn, task), Ok("Some((1, Running))".to_owned()));
     }
     block_on(conn.client.batch_execute("DELETE FROM key_counts")).unwrap_or_else(|e| panic!("{e}"));
-    let (j, r) = claim("c");
-    commit_group(&mut conn, vec![j]);
-    assert_eq!(answers(&[r]), [Ok("None".to_owned())]);
+    assert_eq!(claim_alone(&mut conn, "c"), Ok("None".to_owned()));
     assert_eq!(held(&mut conn, "k"), 2);
     assert_eq!(store.key_holders("k").unwrap_or_else(|e| panic!("{e}")), 2);
 }
@@ -413,13 +406,9 @@ fn a_key_without_a_count_is_counted_from_its_holders() {
 /// with, which has room), and is refused.
 #[test]
 fn a_claim_waiting_for_a_key_reads_the_count_the_holder_committed() {
-    let keyed =
-        |t: &str| format!("[[tasks]]\nid = \"{t}\"\nprompt = \"x\"\nconcurrency = [{{ key = \"k\", limit = 2 }}]\n\n");
-    let (store, mut conn, _db) = store_of(&["a", "b", "c"].map(keyed).concat());
+    let (store, mut conn, _db) = keyed_store(&["a", "b", "c"], 2);
     // The key gets its count, one place taken.
-    let (j, r) = claim("a");
-    commit_group(&mut conn, vec![j]);
-    assert_eq!(answers(&[r]), [Ok("Some((1, Running))".to_owned())]);
+    assert_eq!(claim_alone(&mut conn, "a"), Ok("Some((1, Running))".to_owned()));
     // `b` takes the second place in a transaction held open.
     let mut t = PgTx::begin(&mut conn, false);
     let (mut first, first_reply) = claim("b");
