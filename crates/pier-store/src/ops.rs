@@ -936,7 +936,6 @@ pub(crate) fn retry(
     let mut seq = 0;
     let mut rows = Vec::with_capacity(chosen.len());
     for (t, reason) in chosen {
-        stops_holding(tx, &t)?;
         tx.exec(
             "UPDATE tasks SET state = 'pending', version = version + 1, failures = 0, not_before_ms = 0,
                  result = NULL, error = NULL, lease_owner = NULL, lease_expires_at_ms = NULL, cancel_requested = NULL

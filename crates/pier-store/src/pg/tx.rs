@@ -76,6 +76,13 @@ impl KeyedRuns {
     /// At most this many runs are remembered; past it the hint starts again from nothing.
     const MAX: usize = 4096;
 
+    /// `run` holds keyed tasks: known from the next group on.
+    fn learn(&mut self, run: &str) {
+        if !self.learned.iter().any(|r| r == run) {
+            self.learned.push(run.to_owned());
+        }
+    }
+
     /// What the last group learned, known from now on.
     fn fold(&mut self) {
         if self.known.len() + self.learned.len() > Self::MAX {
@@ -245,6 +252,39 @@ impl PgTx<'_> {
 pub(super) const TASK_FOR_UPDATE: &str =
     "SELECT run_id, id, state, version, attempt, failures, lease_owner, lease_expires_at_ms,
      not_before_ms, result, usage, error, spec, cancel_requested FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE";
+/// A claim's move of the task its `c` found and locked, if pending, due and `$also`: the task
+/// running under the claimer's lease (`u`, the row as it left it), and its attempt's row (`a`).
+macro_rules! moved {
+    ($also:literal) => {
+        concat!(
+            "
+     u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
+             lease_owner = ?3, lease_expires_at_ms = ?4
+         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5 AND ",
+            $also,
+            "
+         RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
+             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
+     a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
+         ON CONFLICT DO NOTHING)"
+        )
+    };
+}
+
+/// The concurrency keys (`k`: key, limit) of the task `c` found, read from `$json`, if it is
+/// pending and due; none otherwise.
+macro_rules! due_keys {
+    ($json:literal) => {
+        concat!(
+            "
+     k AS (SELECT x.key, x.\"limit\" AS lim FROM c, jsonb_to_recordset(",
+            $json,
+            ") AS x(key text, \"limit\" bigint)
+             WHERE c.state = 'pending' AND c.not_before_ms <= ?5),"
+        )
+    };
+}
+
 /// A claim in one statement: the row locked by primary key, skipped if another claimer holds
 /// it; updated through its `ctid` only if pending and due; the attempt's row added; the row
 /// as the claim left it, and whether a pending, due task was left for its concurrency keys
@@ -252,17 +292,13 @@ pub(super) const TASK_FOR_UPDATE: &str =
 /// `state = 'pending'` there the generic plan of the prepared statement walked the
 /// `tasks_pending` partial index over the run's pending tasks (0.5 ms per claim at 10,000 of
 /// them, against 0.01 ms).
-pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, keyed FROM tasks
-         WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
-     u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
-             lease_owner = ?3, lease_expires_at_ms = ?4
-         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5 AND c.keyed IS NULL
-         RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
-     a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
-         ON CONFLICT DO NOTHING)
-     SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END
-     FROM c LEFT JOIN u ON true";
+pub(super) const CLAIM: &str = concat!(
+    "WITH c AS (SELECT ctid, state, not_before_ms, keyed FROM tasks
+         WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),",
+    moved!("c.keyed IS NULL"),
+    " SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN c.keyed END
+     FROM c LEFT JOIN u ON true"
+);
 
 /// The claim of a task with concurrency keys while each key's count (`key_counts.held`, never
 /// below its live holders) has room, in one statement: the task's row locked as by `CLAIM`;
@@ -277,23 +313,16 @@ pub(super) const CLAIM: &str = "WITH c AS (SELECT ctid, state, not_before_ms, ke
 /// sequential scan of every key on an empty table's generic plan). A cycle of lock waits with
 /// another node's group (two claims of several keys, or a claim and an ending, which lowers
 /// counts too) is broken by PostgreSQL, and the group it aborts runs again.
-pub(super) const CLAIM_HELD: &str =
-    "WITH c AS (SELECT ctid, state, not_before_ms, keyed, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
-     k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
-             jsonb_to_recordset(c.concurrency::jsonb) AS x(key text, \"limit\" bigint)
-             WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
+pub(super) const CLAIM_HELD: &str = concat!(
+    "WITH c AS (SELECT ctid, state, not_before_ms, keyed, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),",
+    due_keys!("c.concurrency::jsonb"),
+    "
      n AS (UPDATE key_counts s SET held = s.held + 1
          WHERE s.key = ANY (ARRAY(SELECT k.key FROM k)) AND s.held < (SELECT k.lim FROM k WHERE k.key = s.key)
-         RETURNING 1),
-     u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
-             lease_owner = ?3, lease_expires_at_ms = ?4
-         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
-             AND (SELECT COUNT(*) FROM n) = (SELECT COUNT(*) FROM k) AND (c.keyed IS NULL OR c.concurrency IS NOT NULL)
-         RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
-     a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
-         ON CONFLICT DO NOTHING)
-     SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN 1 END FROM c LEFT JOIN u ON true";
+         RETURNING 1),",
+    moved!("(SELECT COUNT(*) FROM n) = (SELECT COUNT(*) FROM k) AND (c.keyed IS NULL OR c.concurrency IS NOT NULL)"),
+    " SELECT u.*, CASE WHEN c.state = 'pending' AND c.not_before_ms <= ?5 THEN 1 END FROM c LEFT JOIN u ON true"
+);
 
 /// Locks the count rows of task `?1`/`?2`'s concurrency keys, each made if the key has none
 /// (at 0: `CLAIM_KEYED` sets it), in the keys' order, for a `CLAIM_KEYED` after it (in the same
@@ -325,21 +354,14 @@ pub(super) const LOCK_KEYS_OF: &str = "INSERT INTO key_counts (key, held) SELECT
 /// one), so on every claim of a key that is full, and rarely otherwise. As in `CLAIM`, the task
 /// is found (and locked) by primary key and its state tested on the row found.
 pub(super) const CLAIM_KEYED: &str = concat!(
-    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),
-     k AS (SELECT x.key, x.\"limit\" AS lim FROM c,
-             jsonb_to_recordset(COALESCE(c.concurrency::jsonb, c.spec::jsonb -> 'concurrency')) AS x(key text, \"limit\" bigint)
-             WHERE c.state = 'pending' AND c.not_before_ms <= ?5),
+    "WITH c AS (SELECT ctid, state, not_before_ms, concurrency, spec FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE SKIP LOCKED),",
+    due_keys!("COALESCE(c.concurrency::jsonb, c.spec::jsonb -> 'concurrency')"),
+    "
      r AS MATERIALIZED (SELECT k.key, k.lim, ",
     crate::holders!("k.key", postgres, ""),
-    " AS n FROM k),
-     u AS (UPDATE tasks t SET state = 'running', version = t.version + 1, attempt = t.attempt + 1,
-             lease_owner = ?3, lease_expires_at_ms = ?4
-         FROM c WHERE t.ctid = c.ctid AND c.state = 'pending' AND c.not_before_ms <= ?5
-             AND NOT EXISTS (SELECT 1 FROM r WHERE r.n >= r.lim)
-         RETURNING t.run_id, t.id, t.state, t.version, t.attempt, t.failures, t.lease_owner,
-             t.lease_expires_at_ms, t.not_before_ms, t.result, t.usage, t.error, t.spec, t.cancel_requested),
-     a AS (INSERT INTO attempts (run_id, task_id, attempt) SELECT run_id, id, attempt FROM u
-         ON CONFLICT DO NOTHING),
+    " AS n FROM k),",
+    moved!("NOT EXISTS (SELECT 1 FROM r WHERE r.n >= r.lim)"),
+    ",
      w AS (UPDATE key_counts s SET held = (SELECT r.n FROM r WHERE r.key = s.key) + (SELECT COUNT(*) FROM u)
          WHERE s.key = ANY (ARRAY(SELECT r.key FROM r)))
      SELECT * FROM u"
@@ -351,10 +373,10 @@ pub(super) const CLAIM_KEYED: &str = concat!(
 /// new row. As in `CLAIM`, the state is tested on the locked row.
 /// `END_KEEPING` also keeps the attempt's output (`?12`), whether or not the ending applies.
 macro_rules! end_statement {
-    ($keep:literal, $open:literal, $($close:tt)*) => {
+    ([$($keep:tt)*], $open:literal, $($close:tt)*) => {
         concat!(
             "WITH ",
-            $keep,
+            $($keep)*
             "o AS (SELECT ctid, state, concurrency FROM tasks WHERE run_id = ?1 AND id = ?2 FOR UPDATE)",
             $open,
             "
@@ -385,25 +407,24 @@ macro_rules! released {
     };
 }
 
-pub(super) const END: &str = end_statement!("", "",);
-pub(super) const END_KEEPING: &str = end_statement!(
-    "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
-     ",
-    "",
-);
+/// `END_KEEPING`'s keeping of the attempt's output, whether or not the ending applies.
+macro_rules! keeping {
+    () => {
+        "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
+     "
+    };
+}
+
+pub(super) const END: &str = end_statement!([], "",);
+pub(super) const END_KEEPING: &str = end_statement!([keeping!(),], "",);
 /// A place of key `?1` given back by an operation that ends a live attempt's hold other than
 /// by `END_KEYED` ([`ops::Tx::gives_back`]).
 pub(super) const GIVE_BACK: &str = "UPDATE key_counts SET held = held - 1 WHERE key = ?1 AND held > 0";
 
 /// `END` and `END_KEEPING` of a task of a run known to hold keyed tasks ([`KeyedRuns`]); where
 /// the run is not known, `END` finds the task keyed and [`GIVE_BACK`] follows.
-pub(super) const END_KEYED: &str = end_statement!("", ", e AS (", released!());
-pub(super) const END_KEEPING_KEYED: &str = end_statement!(
-    "k AS (UPDATE attempts SET output = ?12 WHERE run_id = ?1 AND task_id = ?2 AND attempt = ?9),
-     ",
-    ", e AS (",
-    released!()
-);
+pub(super) const END_KEYED: &str = end_statement!([], ", e AS (", released!());
+pub(super) const END_KEEPING_KEYED: &str = end_statement!([keeping!(),], ", e AS (", released!());
 
 impl PgTx<'_> {
     /// [`Tx::take`] of a task with concurrency keys (or of any task of a run known to hold
@@ -554,9 +575,7 @@ impl Tx for PgTx<'_> {
         // A keyed task of a run this connection did not know: `END` gave nothing back.
         if !keyed && !row.spec.concurrency.is_empty() {
             self.gives_back(&row.spec.concurrency)?;
-            if !self.keyed_runs.learned.iter().any(|r| r == &a.run) {
-                self.keyed_runs.learned.push(a.run.clone());
-            }
+            self.keyed_runs.learn(&a.run);
         }
         Ok(Some((from, row)))
     }
@@ -581,9 +600,7 @@ impl Tx for PgTx<'_> {
             (true, _) => Ok(Some(ops::decode(row.raw_task()?)?)),
             // A task with concurrency keys: the claim that counts them.
             (_, Some(_)) => {
-                if !self.keyed_runs.learned.iter().any(|r| r == run) {
-                    self.keyed_runs.learned.push(run.to_owned());
-                }
+                self.keyed_runs.learn(run);
                 self.take_keyed(c)
             }
             _ => Ok(None),
